@@ -1,0 +1,184 @@
+"""``ratelimit-service`` command line: serve, check-config, client.
+
+Every flag can also come from the environment as ``RATELIMIT_<FLAG_NAME>``
+(``--redis-url`` ↔ ``RATELIMIT_REDIS_URL``); a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ratelimit_service.core.config_errors import ConfigLoadError
+from ratelimit_service.core.config_loader import check_config
+from ratelimit_service.core.config_model import Mode
+
+DEFAULT_SYNC_INTERVAL = 0.25
+
+
+def _env(flag: str, default: Any) -> Any:
+    return os.environ.get("RATELIMIT_" + flag.lstrip("-").replace("-", "_").upper(), default)
+
+
+def _env_flag(flag: str) -> bool:
+    return str(_env(flag, "")).lower() in ("1", "true", "yes", "on")
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
+    """Add a flag whose default comes from RATELIMIT_<FLAG>; required flags become optional
+    when the environment supplies them."""
+    env_value = _env(flag, None)
+    if kwargs.get("action") == "store_true":
+        kwargs["default"] = _env_flag(flag)
+    elif env_value is not None:
+        kwargs["default"] = env_value
+        kwargs.pop("required", None)
+    parser.add_argument(flag, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ratelimit-service", description="Envoy external rate-limit service"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the service")
+    _add(serve, "--config", required=True, help="rule file, or directory of *.yaml/*.yml")
+    _add(serve, "--grpc-addr", default="0.0.0.0:8081", help="gRPC listen address")
+    _add(serve, "--admin-addr", default="127.0.0.1:6070", help="admin HTTP listen address")
+    _add(
+        serve,
+        "--mode",
+        default="probabilistic",
+        choices=[m.value for m in Mode],
+        help="mode of rules that declare none",
+    )
+    _add(
+        serve,
+        "--sync-interval",
+        type=_positive(float),
+        default=DEFAULT_SYNC_INTERVAL,
+        help="seconds between probabilistic syncs",
+    )
+    _add(serve, "--redis-url", default=None, help="Redis URL; without it, the embedded store")
+    _add(serve, "--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    _add(
+        serve,
+        "--max-buckets",
+        type=_positive(int),
+        default=100_000,
+        help="bound on per-descriptor-value state (LRU beyond it)",
+    )
+    _add(
+        serve,
+        "--max-stats-keys",
+        type=_positive(int),
+        default=10_000,
+        help="bound on distinct per-rule stats keys",
+    )
+    _add(
+        serve,
+        "--merge-domain-config",
+        action="store_true",
+        help="merge files with the same domain instead of rejecting them",
+    )
+    _add(
+        serve,
+        "--shadow-mode",
+        action="store_true",
+        help="global shadow mode: report OVER_LIMIT per descriptor, never deny",
+    )
+
+    check = commands.add_parser("check-config", help="validate rule files")
+    check.add_argument("path", nargs="?", default=_env("--config", None))
+    _add(check, "--merge-domain-config", action="store_true")
+
+    client = commands.add_parser("client", help="call ShouldRateLimit once")
+    _add(client, "--addr", default="127.0.0.1:8081", help="service address HOST:PORT")
+    _add(client, "--domain", required=True)
+    client.add_argument(
+        "--descriptor",
+        action="append",
+        required=True,
+        help="k=v[,k2=v2]; repeat for several descriptors",
+    )
+    _add(client, "--hits-addend", type=int, default=0)
+    _add(client, "--timeout", type=_positive(float), default=5.0)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ratelimit_service.server import RateLimitService, Settings
+
+    logging.basicConfig(
+        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    settings = Settings(
+        config_path=args.config,
+        grpc_addr=args.grpc_addr,
+        admin_addr=args.admin_addr,
+        mode=Mode(args.mode),
+        sync_interval=float(args.sync_interval),
+        redis_url=args.redis_url or None,
+        max_buckets=int(args.max_buckets),
+        max_stats_keys=int(args.max_stats_keys),
+        merge_domain_config=bool(args.merge_domain_config),
+        shadow_mode=bool(args.shadow_mode),
+    )
+    try:
+        service = RateLimitService(settings)
+    except ConfigLoadError as exc:
+        for error in exc.errors:
+            print(error, file=sys.stderr)
+        return 1
+    asyncio.run(service.run_until_signal())
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from ratelimit_service.config_source import read_config_files
+
+    if not args.path:
+        print("check-config: a PATH (or RATELIMIT_CONFIG) is required", file=sys.stderr)
+        return 2
+    try:
+        files = read_config_files(args.path)
+    except ConfigLoadError as exc:
+        errors = list(exc.errors)
+    else:
+        errors = check_config(files, merge_domains=bool(args.merge_domain_config))
+    for error in errors:
+        print(error)
+    if errors:
+        return 1
+    print(f"{args.path}: OK ({len(files)} file{'s' if len(files) != 1 else ''})")
+    return 0
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from ratelimit_service.client import call_and_print
+
+    return call_and_print(
+        args.addr, args.domain, args.descriptor, int(args.hits_addend), float(args.timeout)
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"serve": cmd_serve, "check-config": cmd_check_config, "client": cmd_client}
+    return handlers[args.command](args)

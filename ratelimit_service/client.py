@@ -1,0 +1,80 @@
+"""The ``client`` command: one ShouldRateLimit call, printed for people."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
+_CODES = {0: "UNKNOWN", 1: "OK", 2: "OVER_LIMIT"}
+_UNITS = dict(rls_pb2.RateLimitResponse.RateLimit.Unit.items())
+_UNIT_NAMES = {number: name for name, number in _UNITS.items()}
+
+
+def parse_descriptor(text: str) -> list[tuple[str, str]]:
+    """``k=v,k2=v2`` → entries; raises ValueError on a part without ``=`` or an empty key."""
+    entries = []
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad descriptor {text!r}: expected k=v[,k2=v2]")
+        entries.append((key, value))
+    return entries
+
+
+def build_request(domain: str, descriptors: Sequence[str], hits_addend: int) -> Any:
+    Entry = ratelimit_pb2.RateLimitDescriptor.Entry
+    return rls_pb2.RateLimitRequest(
+        domain=domain,
+        hits_addend=hits_addend,
+        descriptors=[
+            ratelimit_pb2.RateLimitDescriptor(
+                entries=[Entry(key=k, value=v) for k, v in parse_descriptor(text)]
+            )
+            for text in descriptors
+        ],
+    )
+
+
+def format_response(descriptors: Sequence[str], response: Any) -> str:
+    lines = [f"overall: {_CODES.get(response.overall_code, response.overall_code)}"]
+    for text, status in zip(descriptors, response.statuses, strict=False):
+        line = f"  [{text}] {_CODES.get(status.code, status.code)}"
+        if status.HasField("current_limit"):
+            limit = status.current_limit
+            unit = _UNIT_NAMES.get(limit.unit, str(limit.unit))
+            name = f" name={limit.name}" if limit.name else ""
+            reset = status.duration_until_reset
+            line += (
+                f" limit={limit.requests_per_unit}/{unit}{name} remaining={status.limit_remaining}"
+                f" reset={reset.seconds + reset.nanos / 1e9:.3f}s"
+            )
+        elif status.limit_remaining:
+            line += " unlimited"
+        else:
+            line += " no limit"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def call_and_print(
+    addr: str, domain: str, descriptors: Sequence[str], hits_addend: int, timeout: float
+) -> int:
+    try:
+        request = build_request(domain, descriptors, hits_addend)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    with grpc.insecure_channel(addr) as channel:
+        stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+        try:
+            response = stub.ShouldRateLimit(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(format_response(descriptors, response))
+    return 0

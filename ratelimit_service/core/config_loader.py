@@ -1,0 +1,430 @@
+"""Turn envoyproxy/ratelimit YAML files into a :class:`RateLimitConfig`.
+
+The format is the Go service's, unchanged, plus two extensions (``mode`` and
+``failure_mode``). We walk PyYAML's node graph rather than plain Python values so
+every error can name its line, and we keep going after an error so that
+``check-config`` reports everything in one pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import yaml
+
+from ratelimit_service.core.config_errors import ConfigError, ConfigLoadError
+from ratelimit_service.core.config_model import (
+    DescriptorNode,
+    DomainConfig,
+    FailureMode,
+    Mode,
+    NodeChildren,
+    RateLimit,
+    RateLimitConfig,
+    WildcardPattern,
+)
+from ratelimit_service.core.units import Unit, parse_unit
+
+UINT32_MAX = 2**32 - 1
+
+DOMAIN_KEYS = frozenset({"domain", "descriptors", "mode", "failure_mode"})
+DESCRIPTOR_KEYS = frozenset(
+    {
+        "key",
+        "value",
+        "rate_limit",
+        "descriptors",
+        "shadow_mode",
+        "quota_mode",
+        "detailed_metric",
+        "value_to_metric",
+        "share_threshold",
+        "metadata",
+        "mode",
+        "failure_mode",
+    }
+)
+RATE_LIMIT_KEYS = frozenset({"unit", "requests_per_unit", "unlimited", "name", "replaces"})
+REPLACES_KEYS = frozenset({"name"})
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFile:
+    """A file's display name (used in every error) and its text."""
+
+    name: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Inherited:
+    mode: Mode
+    failure_mode: FailureMode
+
+
+class _FileLoader:
+    """Loads one file; errors accumulate in ``self.errors``."""
+
+    def __init__(self, file: ConfigFile, inherited: _Inherited) -> None:
+        self.file = file
+        self.errors: list[ConfigError] = []
+        self._constructor = yaml.constructor.SafeConstructor()
+        self._default = inherited
+        self.domain_line: int | None = None
+
+    # -- error helpers -------------------------------------------------------------
+
+    def error(self, node: yaml.Node | None, message: str) -> None:
+        line = node.start_mark.line + 1 if node is not None else None
+        self.errors.append(ConfigError(self.file.name, line, message))
+
+    # -- YAML plumbing ---------------------------------------------------------------
+
+    def parse(self) -> yaml.Node | None:
+        try:
+            documents = list(yaml.compose_all(self.file.text, Loader=yaml.SafeLoader))
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark is not None else None
+            problem = exc.problem or exc.context or "invalid YAML"
+            self.errors.append(
+                ConfigError(self.file.name, line, f"error loading config file: {problem}")
+            )
+            return None
+        except yaml.YAMLError as exc:
+            self.errors.append(
+                ConfigError(self.file.name, None, f"error loading config file: {exc}")
+            )
+            return None
+        if len(documents) > 1:
+            self.error(documents[1], "config file must hold one YAML document, found several")
+            return None
+        return documents[0] if documents else None
+
+    def mapping(self, node: yaml.Node, allowed: frozenset[str]) -> dict[str, yaml.Node] | None:
+        """Check a mapping's keys (string, known, not repeated) and index it by key."""
+        if not isinstance(node, yaml.MappingNode):
+            self.error(node, f"expected a mapping, found {_describe(node)}")
+            return None
+        result: dict[str, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            key = self.scalar(key_node)
+            if not isinstance(key, str):
+                self.error(key_node, f"config error, key is not of type string: {key_node.value}")
+                continue
+            if key not in allowed:
+                self.error(key_node, f"config error, unknown key '{key}'")
+                continue
+            if key in result:
+                self.error(key_node, f"config error, duplicate key '{key}'")
+                continue
+            result[key] = value_node
+        return result
+
+    def scalar(self, node: yaml.Node) -> Any:
+        if isinstance(node, yaml.ScalarNode):
+            return self._constructor.construct_object(node, deep=True)
+        return node
+
+    def text(self, node: yaml.Node | None, field: str) -> str | None:
+        """A string field; ints and bools are accepted as their YAML text, like the Go loader."""
+        if node is None:
+            return None
+        value = self.scalar(node)
+        if value is None:
+            return None
+        if isinstance(node, yaml.ScalarNode) and isinstance(value, str | int | bool):
+            return str(node.value)
+        self.error(node, f"'{field}' must be a string, found {_describe(node)}")
+        return None
+
+    def flag(self, node: yaml.Node | None, field: str) -> bool:
+        if node is None:
+            return False
+        value = self.scalar(node)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            self.error(node, f"'{field}' must be true or false, found {_describe(node)}")
+            return False
+        return value
+
+    def plain(self, node: yaml.Node) -> Any:
+        """Any YAML value as plain Python (used for ``metadata``)."""
+        return self._constructor.construct_object(node, deep=True)
+
+    # -- the format ------------------------------------------------------------------
+
+    def load(self) -> DomainConfig | None:
+        document = self.parse()
+        if self.errors:
+            return None
+        if document is None or (
+            isinstance(document, yaml.ScalarNode) and self.scalar(document) is None
+        ):
+            self.errors.append(
+                ConfigError(self.file.name, None, "config file cannot have empty domain")
+            )
+            return None
+        fields = self.mapping(document, DOMAIN_KEYS)
+        if fields is None:
+            return None
+        domain = self.text(fields.get("domain"), "domain")
+        if "domain" in fields:
+            self.domain_line = fields["domain"].start_mark.line + 1
+        if not domain:
+            self.error(fields.get("domain", document), "config file cannot have empty domain")
+            domain = ""
+        inherited = self.inherited(fields, self._default)
+        root = NodeChildren()
+        self.descriptors(fields.get("descriptors"), root, domain, inherited)
+        return DomainConfig(name=domain, root=root, source=self.file.name)
+
+    def inherited(self, fields: dict[str, yaml.Node], parent: _Inherited) -> _Inherited:
+        mode, failure_mode = parent.mode, parent.failure_mode
+        mode_text = self.text(fields.get("mode"), "mode")
+        if mode_text is not None:
+            try:
+                mode = Mode(mode_text.lower())
+            except ValueError:
+                self.error(fields["mode"], f"invalid mode '{mode_text}' (exact or probabilistic)")
+        failure_text = self.text(fields.get("failure_mode"), "failure_mode")
+        if failure_text is not None:
+            try:
+                failure_mode = FailureMode(failure_text.lower())
+            except ValueError:
+                self.error(
+                    fields["failure_mode"],
+                    f"invalid failure_mode '{failure_text}' (open or closed)",
+                )
+        return _Inherited(mode, failure_mode)
+
+    def descriptors(
+        self, node: yaml.Node | None, into: NodeChildren, path: str, inherited: _Inherited
+    ) -> None:
+        if node is None or (isinstance(node, yaml.ScalarNode) and self.scalar(node) is None):
+            return
+        if not isinstance(node, yaml.SequenceNode):
+            self.error(node, f"'descriptors' must be a list, found {_describe(node)}")
+            return
+        for item in node.value:
+            if not isinstance(item, yaml.MappingNode):
+                self.error(
+                    item,
+                    "config error, yaml file contains list of type other than map: "
+                    f"{getattr(item, 'value', '')}",
+                )
+                continue
+            self.descriptor(item, into, path, inherited)
+
+    def descriptor(
+        self, node: yaml.MappingNode, into: NodeChildren, path: str, parent: _Inherited
+    ) -> None:
+        fields = self.mapping(node, DESCRIPTOR_KEYS)
+        if fields is None:
+            return
+        key = self.text(fields.get("key"), "key")
+        if not key:
+            self.error(fields.get("key", node), "descriptor has empty key")
+            return
+        value = self.text(fields.get("value"), "value") or None
+        element = key if value is None else f"{key}_{value}"
+        config_path = f"{path}.{element}"
+        inherited = self.inherited(fields, parent)
+        share_threshold = self.flag(fields.get("share_threshold"), "share_threshold")
+        is_wildcard = value is not None and "*" in value
+        if share_threshold and not is_wildcard:
+            self.error(
+                fields["share_threshold"],
+                "share_threshold can only be used with wildcard values (containing '*'), "
+                f"but found key '{element}'",
+            )
+        detailed_metric = self.flag(fields.get("detailed_metric"), "detailed_metric")
+        limit = self.rate_limit(fields, config_path, inherited, detailed_metric)
+        descriptor = DescriptorNode(
+            key=key,
+            value=value,
+            limit=limit,
+            children=NodeChildren(),
+            config_path=config_path,
+            pattern=WildcardPattern(value) if is_wildcard and value is not None else None,
+            share_threshold=share_threshold,
+            value_to_metric=self.flag(fields.get("value_to_metric"), "value_to_metric"),
+            detailed_metric=detailed_metric,
+        )
+        if not add_child(into, descriptor):
+            self.error(node, f"duplicate descriptor composite key '{config_path}'")
+            return
+        self.descriptors(fields.get("descriptors"), descriptor.children, config_path, inherited)
+
+    def rate_limit(
+        self,
+        fields: dict[str, yaml.Node],
+        config_path: str,
+        inherited: _Inherited,
+        detailed_metric: bool,
+    ) -> RateLimit | None:
+        node = fields.get("rate_limit")
+        if node is None:
+            return None
+        limit_fields = self.mapping(node, RATE_LIMIT_KEYS)
+        if limit_fields is None:
+            return None
+        unlimited = self.flag(limit_fields.get("unlimited"), "unlimited")
+        unit_text = self.text(limit_fields.get("unit"), "unit")
+        unit = parse_unit(unit_text or "")
+        if unlimited and unit_text:
+            self.error(limit_fields["unit"], "should not specify rate limit unit when unlimited")
+            return None
+        if not unlimited and unit is None:
+            self.error(
+                limit_fields.get("unit", node), f"invalid rate limit unit '{unit_text or ''}'"
+            )
+            return None
+        name = self.text(limit_fields.get("name"), "name") or ""
+        replaces = self.replaces(limit_fields.get("replaces"), name)
+        metadata_node = fields.get("metadata")
+        metadata = None
+        if metadata_node is not None:
+            metadata = self.plain(metadata_node)
+            if metadata is not None and not isinstance(metadata, dict):
+                self.error(metadata_node, "error parsing metadata: 'metadata' must be a mapping")
+                metadata = None
+        return RateLimit(
+            requests_per_unit=self.requests_per_unit(limit_fields.get("requests_per_unit")),
+            unit=unit if unit is not None else Unit.SECOND,
+            name=name,
+            unlimited=unlimited,
+            replaces=replaces,
+            shadow_mode=self.flag(fields.get("shadow_mode"), "shadow_mode"),
+            quota_mode=self.flag(fields.get("quota_mode"), "quota_mode"),
+            detailed_metric=detailed_metric,
+            mode=inherited.mode,
+            failure_mode=inherited.failure_mode,
+            stats_key=config_path,
+            metadata=metadata,
+            source=f"{self.file.name}:{node.start_mark.line + 1}",
+        )
+
+    def requests_per_unit(self, node: yaml.Node | None) -> int:
+        if node is None:
+            return 0
+        value = self.scalar(node)
+        if value is None:
+            return 0
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT32_MAX:
+            self.error(
+                node,
+                "requests_per_unit must be an integer from 0 to 4294967295, "
+                f"found {_describe(node)}",
+            )
+            return 0
+        return value
+
+    def replaces(self, node: yaml.Node | None, own_name: str) -> frozenset[str]:
+        if node is None or (isinstance(node, yaml.ScalarNode) and self.scalar(node) is None):
+            return frozenset()
+        if not isinstance(node, yaml.SequenceNode):
+            self.error(node, f"'replaces' must be a list, found {_describe(node)}")
+            return frozenset()
+        names: set[str] = set()
+        for item in node.value:
+            entry = self.mapping(item, REPLACES_KEYS)
+            if entry is None:
+                continue
+            name = self.text(entry.get("name"), "name")
+            if not name:
+                self.error(item, "should not have an empty replaces entry")
+                continue
+            if name == own_name:
+                self.error(entry["name"], "replaces should not contain name of same descriptor")
+                continue
+            names.add(name)
+        return frozenset(names)
+
+
+def _describe(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    return repr(node.value) if node.tag.endswith(":str") else str(node.value)
+
+
+def load_config(
+    files: Sequence[ConfigFile],
+    *,
+    default_mode: Mode = Mode.PROBABILISTIC,
+    default_failure_mode: FailureMode = FailureMode.OPEN,
+    merge_domains: bool = False,
+) -> RateLimitConfig:
+    """Load every file into one configuration, or raise :class:`ConfigLoadError` with all errors."""
+    errors: list[ConfigError] = []
+    domains: dict[str, DomainConfig] = {}
+    inherited = _Inherited(default_mode, default_failure_mode)
+    for file in files:
+        loader = _FileLoader(file, inherited)
+        domain = loader.load()
+        errors.extend(loader.errors)
+        if domain is None or loader.errors:
+            continue
+        existing = domains.get(domain.name)
+        if existing is None:
+            domains[domain.name] = domain
+        elif merge_domains:
+            merged = _merge(existing.root, domain.root, file.name, errors)
+            domains[domain.name] = replace(existing, root=merged)
+        else:
+            errors.append(
+                ConfigError(
+                    file.name, loader.domain_line, f"duplicate domain '{domain.name}' in config file"
+                )
+            )
+    if errors:
+        raise ConfigLoadError(errors)
+    return RateLimitConfig(domains=domains)
+
+
+def check_config(files: Sequence[ConfigFile], *, merge_domains: bool = False) -> list[ConfigError]:
+    """Every error in ``files``; empty when they load."""
+    try:
+        load_config(files, merge_domains=merge_domains)
+    except ConfigLoadError as exc:
+        return list(exc.errors)
+    return []
+
+
+def _merge(
+    base: NodeChildren, extra: NodeChildren, file_name: str, errors: list[ConfigError]
+) -> NodeChildren:
+    """Patch ``extra`` into ``base`` (MERGE_DOMAIN_CONFIG); a repeated key is still an error."""
+    merged = NodeChildren(
+        exact=dict(base.exact), wildcards=list(base.wildcards), defaults=dict(base.defaults)
+    )
+    for node in extra:
+        if not add_child(merged, node):
+            errors.append(
+                ConfigError(
+                    file_name, None, f"duplicate descriptor composite key '{node.config_path}'"
+                )
+            )
+    return merged
+
+
+def add_child(children: NodeChildren, node: DescriptorNode) -> bool:
+    """Index ``node`` under ``children``; False when its key/value is already there."""
+    if node.value is None:
+        if node.key in children.defaults:
+            return False
+        children.defaults[node.key] = node
+    elif node.pattern is not None:
+        if any(w.key == node.key and w.value == node.value for w in children.wildcards):
+            return False
+        children.wildcards.append(node)
+    else:
+        if (node.key, node.value) in children.exact:
+            return False
+        children.exact[(node.key, node.value)] = node
+    return True

@@ -1,0 +1,166 @@
+"""The immutable rule tree that a loaded configuration becomes.
+
+The loader builds it once per (re)load; the request path only reads it, so a
+reload is an atomic swap of one reference and needs no locks.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ratelimit_service.core.units import UNIT_SECONDS, Unit
+
+
+class Mode(enum.Enum):
+    """How a rule decides: a store round trip per hit, or a locally cached drop ratio."""
+
+    EXACT = "exact"
+    PROBABILISTIC = "probabilistic"
+
+
+class FailureMode(enum.Enum):
+    """What a rule answers when its store cannot be reached in time."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """One limit: a count per window, with everything that decides how it is enforced."""
+
+    requests_per_unit: int
+    unit: Unit
+    name: str = ""
+    unlimited: bool = False
+    replaces: frozenset[str] = frozenset()
+    shadow_mode: bool = False
+    quota_mode: bool = False
+    detailed_metric: bool = False
+    mode: Mode = Mode.PROBABILISTIC
+    failure_mode: FailureMode = FailureMode.OPEN
+    stats_key: str = ""
+    metadata: Mapping[str, Any] | None = None
+    source: str = ""
+
+    @property
+    def window_seconds(self) -> int:
+        return UNIT_SECONDS[self.unit]
+
+
+class WildcardPattern:
+    """A value pattern where each ``*`` matches zero or more characters.
+
+    A lone trailing ``*`` (the common case, e.g. ``/api/*``) is checked with
+    ``startswith``; anything else compiles to an anchored regular expression.
+    """
+
+    __slots__ = ("_prefix", "_regex", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        star = text.find("*")
+        if star == len(text) - 1:
+            self._prefix: str | None = text[:-1]
+            self._regex: re.Pattern[str] | None = None
+        else:
+            self._prefix = None
+            parts = (re.escape(part) for part in text.split("*"))
+            self._regex = re.compile(".*".join(parts), re.DOTALL)
+
+    def matches(self, value: str) -> bool:
+        if self._prefix is not None:
+            return value.startswith(self._prefix)
+        assert self._regex is not None
+        return self._regex.fullmatch(value) is not None
+
+
+@dataclass(slots=True)
+class NodeChildren:
+    """The descriptors one level below a node, indexed the way matching needs them."""
+
+    exact: dict[tuple[str, str], DescriptorNode] = field(default_factory=dict)
+    wildcards: list[DescriptorNode] = field(default_factory=list)
+    defaults: dict[str, DescriptorNode] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[DescriptorNode]:
+        yield from self.exact.values()
+        yield from self.wildcards
+        yield from self.defaults.values()
+
+    def __len__(self) -> int:
+        return len(self.exact) + len(self.wildcards) + len(self.defaults)
+
+
+@dataclass(slots=True)
+class DescriptorNode:
+    """One ``key``/``value`` entry of the YAML tree."""
+
+    key: str
+    value: str | None
+    limit: RateLimit | None
+    children: NodeChildren
+    config_path: str
+    pattern: WildcardPattern | None = None
+    share_threshold: bool = False
+    value_to_metric: bool = False
+    detailed_metric: bool = False
+
+    def stats_element(self) -> str:
+        """The part of the roll-up stats key this node contributes (``key`` or ``key_value``)."""
+        return self.key if self.value is None else f"{self.key}_{self.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class DomainConfig:
+    name: str
+    root: NodeChildren
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitConfig:
+    """Every loaded domain. Swapped whole on reload."""
+
+    domains: Mapping[str, DomainConfig]
+
+    def dump(self) -> str:
+        """Text for the admin ``/rlconfig`` page: one line per limit, like the Go service."""
+        lines: list[str] = []
+        for domain in sorted(self.domains):
+            _dump_children(self.domains[domain].root, lines)
+        return "\n".join(lines) + ("\n" if lines else "")
+
+    def limits(self) -> Iterator[RateLimit]:
+        for domain in self.domains.values():
+            yield from _walk_limits(domain.root)
+
+
+def _walk_limits(children: NodeChildren) -> Iterator[RateLimit]:
+    for node in children:
+        if node.limit is not None:
+            yield node.limit
+        yield from _walk_limits(node.children)
+
+
+def _dump_children(children: NodeChildren, lines: list[str]) -> None:
+    for node in children:
+        limit = node.limit
+        if limit is not None:
+            if limit.unlimited:
+                text = "unlimited"
+            else:
+                text = f"unit={limit.unit.name} requests_per_unit={limit.requests_per_unit}"
+            flags = [f"mode={limit.mode.value}", f"failure_mode={limit.failure_mode.value}"]
+            if limit.shadow_mode:
+                flags.append("shadow_mode")
+            if limit.quota_mode:
+                flags.append("quota_mode")
+            if limit.name:
+                flags.append(f"name={limit.name}")
+            lines.append(f"{node.config_path}: {text}, {', '.join(flags)}")
+        _dump_children(node.children, lines)

@@ -1,0 +1,63 @@
+"""Small rules that turn per-descriptor results into a response, shared by both modes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus
+
+NEAR_LIMIT_RATIO = 0.8
+
+
+def hits_for(descriptor: Descriptor, request_hits: int) -> int:
+    """Per-descriptor ``hits_addend`` wins, and 0 there means check only; the request's
+    ``hits_addend`` applies otherwise, where 0 means 1 (envoyproxy/ratelimit rules)."""
+    if descriptor.hits_addend is not None:
+        return descriptor.hits_addend
+    return request_hits or 1
+
+
+def drop_replaced(limits: list[RateLimit | None]) -> None:
+    """Remove (set to None) every limit named in the ``replaces`` of a matched limit."""
+    replaced: set[str] = set()
+    for limit in limits:
+        if limit is not None and limit.replaces:
+            replaced.update(limit.replaces)
+    if not replaced:
+        return
+    for index, limit in enumerate(limits):
+        if limit is not None and limit.name and limit.name in replaced:
+            limits[index] = None
+
+
+def split_hits(limit: int, before: int, hits: int, admitted: bool) -> tuple[int, int, int]:
+    """Split ``hits`` into (over_limit, near_limit, within_limit) counts.
+
+    Hits past the limit are over; hits between 80 % of the limit and the limit are
+    near (and also within), as envoyproxy/ratelimit accounts them. Denied hits are
+    all over, since we do not let them consume the window.
+    """
+    if not admitted:
+        return hits, 0, 0
+    near_threshold = int(limit * NEAR_LIMIT_RATIO)
+    after = before + hits
+    near = 0
+    if after > near_threshold:
+        near = hits if before >= near_threshold else after - near_threshold
+    return 0, near, hits
+
+
+def overall_code(statuses: Sequence[DescriptorStatus]) -> Code:
+    """OVER_LIMIT iff a non-quota descriptor is over, or every quota-mode descriptor is."""
+    quota_seen = False
+    quota_all_over = True
+    for status in statuses:
+        limit = status.limit
+        if limit is not None and limit.quota_mode:
+            quota_seen = True
+            if status.code is not Code.OVER_LIMIT:
+                quota_all_over = False
+        elif status.code is Code.OVER_LIMIT:
+            return Code.OVER_LIMIT
+    return Code.OVER_LIMIT if quota_seen and quota_all_over else Code.OK

@@ -1,0 +1,113 @@
+"""Find the limit that applies to one request descriptor, the way envoyproxy/ratelimit does.
+
+For each entry in order we pick, among the current node's children: the exact
+``key``/``value`` child, else the first wildcard child (config order) whose pattern
+matches, else the valueless default child for the key. A limit applies only on
+the node reached by the *last* entry; a request that ends early, goes deeper than
+the config, or ends on a node without a limit gets none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, RateLimit
+
+Entries = Sequence[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A matched limit plus the keys that identify its counter and its stats."""
+
+    limit: RateLimit
+    stats_key: str
+    bucket_key: str
+
+
+def match_nodes(domain: DomainConfig, entries: Entries) -> list[DescriptorNode] | None:
+    """The node matched by each entry, or None when some entry matches nothing."""
+    children = domain.root
+    path: list[DescriptorNode] = []
+    for key, value in entries:
+        node = children.exact.get((key, value))
+        if node is None:
+            for wildcard in children.wildcards:
+                if (
+                    wildcard.key == key
+                    and wildcard.pattern is not None
+                    and (wildcard.pattern.matches(value))
+                ):
+                    node = wildcard
+                    break
+            else:
+                node = children.defaults.get(key)
+                if node is None:
+                    return None
+        path.append(node)
+        children = node.children
+    return path
+
+
+def find_limit(domain: DomainConfig, entries: Entries) -> Match | None:
+    """The limit for ``entries`` in ``domain``, with its stats and bucket keys; None if none."""
+    path = match_nodes(domain, entries)
+    if not path:
+        return None
+    limit = path[-1].limit
+    if limit is None:
+        return None
+    return Match(
+        limit=limit,
+        stats_key=stats_key(domain.name, path, entries, limit),
+        bucket_key=bucket_key(domain.name, path, entries),
+    )
+
+
+def stats_key(domain: str, path: list[DescriptorNode], entries: Entries, limit: RateLimit) -> str:
+    """The stats key: the config path, the request path (detailed_metric), or a mix of both
+    (value_to_metric); share_threshold nodes always show their pattern."""
+    if limit.detailed_metric:
+        parts = [
+            node.stats_element() if node.share_threshold else f"{key}_{value}"
+            for node, (key, value) in zip(path, entries, strict=True)
+        ]
+        return ".".join([domain, *parts])
+    if not any(node.value_to_metric for node in path):
+        return limit.stats_key
+    parts = [
+        f"{key}_{value}"
+        if node.value_to_metric and not node.share_threshold
+        else node.stats_element()
+        for node, (key, value) in zip(path, entries, strict=True)
+    ]
+    return ".".join([domain, *parts])
+
+
+def override_stats_key(domain: str, entries: Entries) -> str:
+    """Stats key of a request that carries its own ``limit``: the full request path."""
+    return ".".join([domain, *(f"{key}_{value}" for key, value in entries)])
+
+
+def bucket_key(domain: str, path: list[DescriptorNode], entries: Entries) -> str:
+    """Identity of a counter: the request's values, except share_threshold nodes, whose
+    matches all share the pattern's counter. Separators are escaped in values, so two
+    different descriptors can never share a key (the Go service's ``key_value`` joining
+    lets ``a=b_c`` collide with ``a_b=c``)."""
+    parts = [domain]
+    for node, (key, value) in zip(path, entries, strict=True):
+        shown = node.value if node.share_threshold and node.value is not None else value
+        parts.append(_escape(key) + "\x1e" + _escape(shown))
+    return "\x1f".join(parts)
+
+
+def override_bucket_key(domain: str, entries: Entries) -> str:
+    parts = [domain, *(_escape(key) + "\x1e" + _escape(value) for key, value in entries)]
+    return "\x1f".join(parts)
+
+
+def _escape(text: str) -> str:
+    if "\\" in text or "\x1e" in text or "\x1f" in text:
+        return text.replace("\\", "\\\\").replace("\x1e", "\\r").replace("\x1f", "\\u")
+    return text

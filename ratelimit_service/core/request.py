@@ -1,0 +1,102 @@
+"""Request and response types of the core, and the checks a request must pass.
+
+The gRPC adapter converts protobuf messages into these plain types; nothing here
+knows about protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.units import Unit
+
+UINT32_MAX = 2**32 - 1
+
+
+class Code(enum.IntEnum):
+    """Equal to envoy's RateLimitResponse.Code numbers."""
+
+    OK = 1
+    OVER_LIMIT = 2
+
+
+@dataclass(slots=True)
+class Descriptor:
+    entries: tuple[tuple[str, str], ...]
+    override: tuple[int, Unit | None] | None = None
+    """The request's own ``limit`` (requests_per_unit, unit); unit None means UNKNOWN."""
+    hits_addend: int | None = None
+    """Per-descriptor hits; None when the field is absent (0 is a valid check-only value)."""
+
+
+@dataclass(slots=True)
+class Request:
+    domain: str
+    descriptors: list[Descriptor]
+    hits_addend: int = 0
+
+
+@dataclass(slots=True)
+class DescriptorStatus:
+    code: Code
+    limit: RateLimit | None = None
+    remaining: int = 0
+    reset_after: float | None = None
+
+
+@dataclass(slots=True)
+class Response:
+    overall: Code
+    statuses: list[DescriptorStatus] = field(default_factory=list)
+
+
+class InvalidRequest(ValueError):
+    """A request the service refuses to evaluate; the message goes back to the caller."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBounds:
+    """Limits on what one request may carry, so a bad client cannot cost unbounded work."""
+
+    max_descriptors: int = 64
+    max_entries: int = 32
+    max_text_length: int = 1024
+
+
+def validate(request: Request, bounds: RequestBounds) -> None:
+    """Raise :class:`InvalidRequest` naming the first problem found."""
+    if not request.domain:
+        raise InvalidRequest("rate limit domain must not be empty")
+    if not request.descriptors:
+        raise InvalidRequest("rate limit descriptor list must not be empty")
+    if len(request.descriptors) > bounds.max_descriptors:
+        raise InvalidRequest(
+            f"too many descriptors: {len(request.descriptors)} (at most {bounds.max_descriptors})"
+        )
+    if len(request.domain) > bounds.max_text_length:
+        raise InvalidRequest(f"domain longer than {bounds.max_text_length} characters")
+    for index, descriptor in enumerate(request.descriptors):
+        _validate_descriptor(index, descriptor, bounds)
+
+
+def _validate_descriptor(index: int, descriptor: Descriptor, bounds: RequestBounds) -> None:
+    if not descriptor.entries:
+        raise InvalidRequest(f"descriptor {index} has no entries")
+    if len(descriptor.entries) > bounds.max_entries:
+        raise InvalidRequest(
+            f"descriptor {index} has {len(descriptor.entries)} entries "
+            f"(at most {bounds.max_entries})"
+        )
+    for key, value in descriptor.entries:
+        if not key:
+            raise InvalidRequest(f"descriptor {index} has an entry with an empty key")
+        if len(key) > bounds.max_text_length or len(value) > bounds.max_text_length:
+            raise InvalidRequest(
+                f"descriptor {index} has an entry longer than {bounds.max_text_length} characters"
+            )
+    if descriptor.override is not None and descriptor.override[1] is None:
+        raise InvalidRequest(f"descriptor {index} has a limit override with an unknown unit")
+    if descriptor.hits_addend is not None and descriptor.hits_addend > UINT32_MAX:
+        raise InvalidRequest(f"descriptor {index} hits_addend exceeds {UINT32_MAX}")

@@ -1,0 +1,230 @@
+"""ShouldRateLimit in core types: match, decide in each rule's mode, build the response.
+
+Probabilistic rules are decided locally first (no await); exact rules go to the
+store in one batched call. If the request ends up denied, probabilistic hits are
+given back, so a denied request consumes no quota anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ratelimit_service.core.config_model import FailureMode, Mode, RateLimit, RateLimitConfig
+from ratelimit_service.core.decision import drop_replaced, hits_for, overall_code, split_hits
+from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
+from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
+from ratelimit_service.core.matching import (
+    Match,
+    find_limit,
+    override_bucket_key,
+    override_stats_key,
+)
+from ratelimit_service.core.request import (
+    UINT32_MAX,
+    Code,
+    Descriptor,
+    DescriptorStatus,
+    Request,
+    RequestBounds,
+    Response,
+    validate,
+)
+from ratelimit_service.core.units import Unit
+from ratelimit_service.stats import Stats
+from ratelimit_service.storage.base import Store, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A descriptor with a limit, on its way through the decision."""
+
+    index: int
+    limit: RateLimit
+    match: Match
+    hits: int
+    bucket: ProbabilisticBucket | None = None
+    before: int = 0
+    admitted: bool = True
+
+
+class RateLimiter:
+    def __init__(
+        self,
+        config: RateLimitConfig,
+        store: Store,
+        *,
+        stats: Stats | None = None,
+        local: LocalBuckets | None = None,
+        bounds: RequestBounds | None = None,
+        default_mode: Mode = Mode.PROBABILISTIC,
+        global_shadow: bool = False,
+        clock: Callable[[], float] = time.time,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.stats = stats or Stats()
+        self.local = local or LocalBuckets()
+        self.bounds = bounds or RequestBounds()
+        self.default_mode = default_mode
+        self.global_shadow = global_shadow
+        self._clock = clock
+        self._draw = draw
+
+    def swap_config(self, config: RateLimitConfig) -> None:
+        """Install a new config; in-flight requests finish on the one they started with."""
+        self.config = config
+
+    async def should_rate_limit(self, request: Request) -> Response:
+        try:
+            validate(request, self.bounds)
+        except ValueError:
+            self.stats.service_error += 1
+            raise
+        config = self.config
+        domain = config.domains.get(request.domain)
+        statuses = [DescriptorStatus(Code.OK) for _ in request.descriptors]
+        if domain is None:
+            self.stats.count_domain_not_found(request.domain)
+            return Response(Code.OK, statuses)
+        matches = [self._match(request.domain, d) for d in request.descriptors]
+        limits = [m.limit if m is not None else None for m in matches]
+        drop_replaced(limits)
+        pending: list[_Pending] = []
+        for index, descriptor in enumerate(request.descriptors):
+            limit, match = limits[index], matches[index]
+            if limit is None or match is None:
+                continue
+            if limit.unlimited:
+                statuses[index].remaining = UINT32_MAX
+                continue
+            pending.append(_Pending(index, limit, match, hits_for(descriptor, request.hits_addend)))
+        if pending:
+            await self._decide(pending, statuses)
+        return self._finish(statuses, pending)
+
+    def _match(self, domain_name: str, descriptor: Descriptor) -> Match | None:
+        if descriptor.override is None:
+            return find_limit(self.config.domains[domain_name], descriptor.entries)
+        requests_per_unit, unit = descriptor.override
+        assert unit is not None  # validate() rejects UNKNOWN units
+        key = override_stats_key(domain_name, descriptor.entries)
+        limit = RateLimit(
+            requests_per_unit=requests_per_unit,
+            unit=Unit(unit),
+            mode=self.default_mode,
+            stats_key=key,
+        )
+        return Match(limit, key, override_bucket_key(domain_name, descriptor.entries))
+
+    async def _decide(self, pending: list[_Pending], statuses: list[DescriptorStatus]) -> None:
+        now = self._clock()
+        local = self.local
+        exact: list[_Pending] = []
+        denied = False
+        for item in pending:
+            limit = item.limit
+            if limit.mode is Mode.EXACT:
+                exact.append(item)
+                continue
+            bucket = local.get(
+                item.match.bucket_key, limit.requests_per_unit, limit.window_seconds, now
+            )
+            item.bucket = bucket
+            item.before = bucket.window_count + bucket.admitted
+            item.admitted = local.decide(bucket, item.hits, self._draw())
+            status = statuses[item.index]
+            status.remaining = bucket.remaining()
+            status.reset_after = bucket.reset_estimate(now)
+            if not item.admitted and _role(limit) is HitRole.ENFORCE:
+                denied = True
+        if exact:
+            await self._decide_exact(exact, statuses, commit=not denied)
+
+    async def _decide_exact(
+        self, exact: list[_Pending], statuses: list[DescriptorStatus], commit: bool
+    ) -> None:
+        hits = [
+            ExactHit(
+                key=item.match.bucket_key,
+                limit=item.limit.requests_per_unit,
+                window_seconds=item.limit.window_seconds,
+                hits=item.hits,
+                role=_role(item.limit),
+            )
+            for item in exact
+        ]
+        try:
+            results = await self.store.hit(hits, commit)
+        except StoreUnavailable as exc:
+            self.stats.store_error += 1
+            log.debug("exact store unavailable: %s", exc)
+            results = [_failure_result(item.limit) for item in exact]
+        for item, result in zip(exact, results, strict=True):
+            item.before = result.before
+            item.admitted = result.admitted
+            status = statuses[item.index]
+            status.remaining = result.remaining
+            status.reset_after = result.reset_after
+
+    def _finish(self, statuses: list[DescriptorStatus], pending: list[_Pending]) -> Response:
+        stats = self.stats
+        for item in pending:
+            limit = item.limit
+            status = statuses[item.index]
+            status.limit = limit
+            rule = stats.rule(item.match.stats_key)
+            rule.total_hits += item.hits
+            over, near, within = split_hits(
+                limit.requests_per_unit, item.before, item.hits, item.admitted
+            )
+            rule.near_limit += near
+            rule.within_limit += within
+            if item.admitted:
+                continue
+            if limit.shadow_mode:
+                rule.shadow_mode += item.hits
+            else:
+                rule.over_limit += over
+                status.code = Code.OVER_LIMIT
+                status.remaining = 0
+        overall = overall_code(statuses)
+        if overall is Code.OVER_LIMIT:
+            self._refund(pending)
+            if self.global_shadow:
+                stats.global_shadow_mode += 1
+                overall = Code.OK
+        return Response(overall, statuses)
+
+    @staticmethod
+    def _refund(pending: list[_Pending]) -> None:
+        """Give back probabilistic hits of a denied request."""
+        for item in pending:
+            bucket = item.bucket
+            if bucket is not None and item.admitted and item.hits:
+                bucket.credit += item.hits
+                bucket.admitted -= item.hits
+
+
+def _role(limit: RateLimit) -> HitRole:
+    if limit.shadow_mode:
+        return HitRole.SHADOW
+    if limit.quota_mode:
+        return HitRole.QUOTA
+    return HitRole.ENFORCE
+
+
+def _failure_result(limit: RateLimit) -> ExactResult:
+    admitted = limit.failure_mode is FailureMode.OPEN
+    return ExactResult(
+        admitted=admitted,
+        before=0,
+        remaining=limit.requests_per_unit if admitted else 0,
+        reset_after=0.0,
+    )

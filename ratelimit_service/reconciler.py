@@ -1,0 +1,84 @@
+"""The background loop of probabilistic mode: report local counts, read fleet totals,
+set drop ratios. It is the only place where probabilistic rules touch the store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.storage.base import Store, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        local: LocalBuckets,
+        store: Store,
+        interval: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError("sync interval must be positive")
+        self.local = local
+        self.store = store
+        self.interval = interval
+        self._clock = clock
+        self.syncs = 0
+        self.errors = 0
+        self.last_duration = 0.0
+        self.last_success: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def sync_once(self) -> int:
+        """One reconciliation; returns the number of buckets synced."""
+        started = time.perf_counter()
+        now = self._clock()
+        reports = self.local.take_reports(now, self.interval)
+        try:
+            views = await self.store.sync(reports, self.interval) if reports else []
+        except StoreUnavailable as exc:
+            self.errors += 1
+            log.warning("sync failed, keeping last drop ratios: %s", exc)
+            return 0
+        now = self._clock()
+        for report, view in zip(reports, views, strict=True):
+            self.local.apply(report.key, view, now, self.interval)
+        sweep = getattr(self.store, "sweep", None)
+        if sweep is not None and self.syncs % 40 == 0:
+            sweep()
+        self.syncs += 1
+        self.last_success = now
+        self.last_duration = time.perf_counter() - started
+        return len(reports)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            next_at += self.interval
+            try:
+                await self.sync_once()
+            except Exception:  # keep the loop alive whatever one round does
+                self.errors += 1
+                log.exception("sync round failed")
+            delay = next_at - loop.time()
+            if delay < 0:  # fell behind (huge bucket count): do not try to catch up
+                next_at = loop.time()
+                delay = 0
+            await asyncio.sleep(delay)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="reconciler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

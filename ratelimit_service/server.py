@@ -1,0 +1,225 @@
+"""Wiring and lifecycle: build the limiter, store, reconciler, gRPC and admin listeners,
+start them, and stop them gracefully (health NOT_SERVING first, then drain)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ratelimit_service.admin_http import AdminServer
+from ratelimit_service.config_source import read_config_files
+from ratelimit_service.core.config_loader import load_config
+from ratelimit_service.core.config_model import Mode, RateLimitConfig
+from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.core.request import RequestBounds
+from ratelimit_service.grpc_servicer import RateLimitServicer
+from ratelimit_service.limiter import RateLimiter
+from ratelimit_service.reconciler import Reconciler
+from ratelimit_service.stats import Stats, StatsCollector
+from ratelimit_service.storage.base import Store
+from ratelimit_service.storage.embedded import EmbeddedStore
+
+log = logging.getLogger(__name__)
+
+RLS_SERVICE = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
+HEALTH_NAMES = ("", RLS_SERVICE, "ratelimit")
+MAX_RATIO_SERIES = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    config_path: str
+    grpc_addr: str = "0.0.0.0:8081"
+    admin_addr: str = "127.0.0.1:6070"
+    mode: Mode = Mode.PROBABILISTIC
+    sync_interval: float = 0.25
+    redis_url: str | None = None
+    max_buckets: int = 100_000
+    max_stats_keys: int = 10_000
+    merge_domain_config: bool = False
+    shadow_mode: bool = False
+    shutdown_grace: float = 5.0
+    max_descriptors: int = 64
+    max_entries: int = 32
+
+
+def load_rules(settings: Settings) -> RateLimitConfig:
+    """Read and load the rule files; raises ConfigLoadError listing every problem."""
+    return load_config(
+        read_config_files(settings.config_path),
+        default_mode=settings.mode,
+        merge_domains=settings.merge_domain_config,
+    )
+
+
+def make_store(settings: Settings) -> Store:
+    if settings.redis_url:
+        raise SystemExit(
+            "--redis-url: the Redis store is not available in this version; "
+            "run without it to use the embedded store"
+        )
+    return EmbeddedStore(max_keys=settings.max_buckets)
+
+
+class RateLimitService:
+    """One service process: gRPC RLS + health + reflection, admin HTTP, reconciler."""
+
+    def __init__(self, settings: Settings, store: Store | None = None) -> None:
+        self.settings = settings
+        self.stats = Stats(max_keys=settings.max_stats_keys)
+        config = load_rules(settings)
+        self.stats.config_load_success += 1
+        self.store = store if store is not None else make_store(settings)
+        self.local = LocalBuckets(max_buckets=settings.max_buckets)
+        self.limiter = RateLimiter(
+            config,
+            self.store,
+            stats=self.stats,
+            local=self.local,
+            bounds=RequestBounds(
+                max_descriptors=settings.max_descriptors, max_entries=settings.max_entries
+            ),
+            default_mode=settings.mode,
+            global_shadow=settings.shadow_mode,
+        )
+        self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
+        self.health = health.aio.HealthServicer()
+        self.admin = AdminServer(
+            {
+                "/healthcheck": self._healthcheck_page,
+                "/metrics": self._metrics_page,
+                "/rlconfig": self._rlconfig_page,
+                "/": self._index_page,
+            }
+        )
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StatsCollector(self.stats, self._gauges))
+        self._server: grpc.aio.Server | None = None
+        self._serving = False
+        self.grpc_port = 0
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitServicer(self.limiter), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (RLS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self.grpc_port = server.add_insecure_port(self.settings.grpc_addr)
+        if self.grpc_port == 0:
+            raise OSError(f"cannot listen on {self.settings.grpc_addr}")
+        await server.start()
+        self._server = server
+        host, port = _split_addr(self.settings.admin_addr)
+        await self.admin.start(host, port)
+        self.reconciler.start()
+        for name in HEALTH_NAMES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
+        log.warning(
+            "serving RLS on port %d, admin on %s:%d, store=%s, default mode=%s, domains=%s",
+            self.grpc_port,
+            host,
+            self.admin.port,
+            self.store.name,
+            self.settings.mode.value,
+            ",".join(sorted(self.limiter.config.domains)) or "(none)",
+        )
+
+    async def stop(self) -> None:
+        """Report NOT_SERVING, stop taking calls, let in-flight ones finish, release."""
+        self._serving = False
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(self.settings.shutdown_grace)
+        await self.reconciler.stop()
+        await self.admin.stop()
+        await self.store.close()
+
+    async def run_until_signal(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        await stop.wait()
+        log.warning("shutting down")
+        await self.stop()
+
+    # -- admin pages ---------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        return self._serving and self.store.healthy()
+
+    def _healthcheck_page(self) -> tuple[int, str, bytes]:
+        if self.healthy():
+            return 200, "text/plain", b"OK\n"
+        return 503, "text/plain", b"NOT SERVING\n"
+
+    def _metrics_page(self) -> tuple[int, str, bytes]:
+        return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
+
+    def _rlconfig_page(self) -> tuple[int, str, bytes]:
+        return 200, "text/plain; charset=utf-8", self.limiter.config.dump().encode()
+
+    def _index_page(self) -> tuple[int, str, bytes]:
+        return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n"
+
+    def _gauges(self) -> Iterator[Metric]:
+        local = self.local
+        yield GaugeMetricFamily(
+            "ratelimit_probabilistic_buckets", "Probabilistic buckets held", value=len(local)
+        )
+        evictions = CounterMetricFamily(
+            "ratelimit_bucket_evictions", "Buckets forgotten", labels=["table", "reason"]
+        )
+        evictions.add_metric(["probabilistic", "overflow"], local.evicted_overflow)
+        evictions.add_metric(["probabilistic", "idle"], local.evicted_idle)
+        yield evictions
+        ratio = GaugeMetricFamily(
+            "ratelimit_drop_ratio",
+            f"Drop ratio of probabilistic buckets that drop (at most {MAX_RATIO_SERIES})",
+            labels=["bucket"],
+        )
+        shown = 0
+        for bucket in local.buckets():
+            if bucket.ratio > 0 or bucket.credit < 1:
+                ratio.add_metric(
+                    [_readable(bucket.key)], 1.0 if bucket.credit < 1 else bucket.ratio
+                )
+                shown += 1
+                if shown >= MAX_RATIO_SERIES:
+                    break
+        yield ratio
+        store = GaugeMetricFamily("ratelimit_store", "Store state", labels=["store", "name"])
+        for name, value in self.store.stats().items():
+            store.add_metric([self.store.name, name], value)
+        store.add_metric([self.store.name, "healthy"], 1.0 if self.store.healthy() else 0.0)
+        yield store
+        rec = self.reconciler
+        yield CounterMetricFamily("ratelimit_sync_rounds", "Reconciler rounds", value=rec.syncs)
+        yield CounterMetricFamily("ratelimit_sync_errors", "Failed sync rounds", value=rec.errors)
+        yield GaugeMetricFamily(
+            "ratelimit_sync_duration_seconds", "Last sync round", value=rec.last_duration
+        )
+
+
+def _readable(bucket_key: str) -> str:
+    return bucket_key.replace("\x1f", ".").replace("\x1e", "=")
+
+
+def _split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)

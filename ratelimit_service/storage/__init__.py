@@ -1,0 +1,1 @@
+"""Storage backends behind one small seam (:class:`~ratelimit_service.storage.base.Store`)."""

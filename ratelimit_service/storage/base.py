@@ -1,0 +1,40 @@
+"""The storage seam: everything the request path and the reconciler need from a store.
+
+Two operations, both batched so a Redis store can answer each in one round trip:
+``hit`` decides a request's exact-mode descriptors atomically; ``sync`` folds one
+process's probabilistic counts into the fleet totals and returns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from ratelimit_service.core.drop_ratio import FleetView
+from ratelimit_service.core.exact import ExactHit, ExactResult
+from ratelimit_service.core.local_buckets import BucketReport
+
+
+class StoreUnavailable(Exception):
+    """The store did not answer in time or at all; callers apply the failure policy."""
+
+
+class Store(Protocol):
+    name: str
+
+    async def hit(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
+        """Decide ``hits`` (index-aligned results); consume only if ``commit`` and the
+        request is not denied."""
+        ...
+
+    async def sync(self, reports: Sequence[BucketReport], interval: float) -> list[FleetView]:
+        """Add ``reports`` to the fleet totals; return each bucket's fleet view."""
+        ...
+
+    def healthy(self) -> bool: ...
+
+    def stats(self) -> dict[str, float]:
+        """Gauges and counters for the metrics page (e.g. keys, evictions)."""
+        ...
+
+    async def close(self) -> None: ...
