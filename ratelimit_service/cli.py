@@ -76,6 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between probabilistic syncs",
     )
     _add(serve, "--redis-url", default=None, help="Redis URL; without it, the embedded store")
+    _add(
+        serve,
+        "--redis-timeout",
+        type=_positive(float),
+        default=0.010,
+        help="seconds an exact decision may wait for Redis before its failure_mode applies",
+    )
+    _add(
+        serve,
+        "--stale-after",
+        type=_positive(float),
+        default=3.0,
+        help="seconds without a successful sync before probabilistic rules use failure_mode",
+    )
     _add(serve, "--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
     _add(
         serve,
@@ -135,6 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         mode=Mode(args.mode),
         sync_interval=float(args.sync_interval),
         redis_url=args.redis_url or None,
+        redis_timeout=float(args.redis_timeout),
+        stale_after=float(args.stale_after),
         max_buckets=int(args.max_buckets),
         max_stats_keys=int(args.max_stats_keys),
         merge_domain_config=bool(args.merge_domain_config),

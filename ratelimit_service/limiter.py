@@ -69,9 +69,9 @@ class RateLimiter:
     ) -> None:
         self.config = config
         self.store = store
-        self.stats = stats or Stats()
-        self.local = local or LocalBuckets()
-        self.bounds = bounds or RequestBounds()
+        self.stats = stats if stats is not None else Stats()
+        self.local = local if local is not None else LocalBuckets()
+        self.bounds = bounds if bounds is not None else RequestBounds()
         self.default_mode = default_mode
         self.global_shadow = global_shadow
         self._clock = clock
@@ -128,6 +128,7 @@ class RateLimiter:
         local = self.local
         exact: list[_Pending] = []
         denied = False
+        stale = local.stale(now)
         for item in pending:
             limit = item.limit
             if limit.mode is Mode.EXACT:
@@ -137,8 +138,13 @@ class RateLimiter:
                 item.match.bucket_key, limit.requests_per_unit, limit.window_seconds, now
             )
             item.bucket = bucket
-            item.before = bucket.window_count + bucket.admitted
-            item.admitted = local.decide(bucket, item.hits, self._draw())
+            item.before = max(0, limit.requests_per_unit - bucket.remaining())
+            if stale:
+                item.admitted = local.fail(
+                    bucket, item.hits, limit.failure_mode is FailureMode.OPEN
+                )
+            else:
+                item.admitted = local.decide(bucket, item.hits, self._draw())
             status = statuses[item.index]
             status.remaining = bucket.remaining()
             status.reset_after = bucket.reset_estimate(now)

@@ -41,19 +41,21 @@ class Reconciler:
         now = self._clock()
         reports = self.local.take_reports(now, self.interval)
         try:
-            views = await self.store.sync(reports, self.interval) if reports else []
+            # With nothing to report, a sync still proves the store answers (freshness).
+            result = await self.store.sync(reports, self.interval)
         except StoreUnavailable as exc:
             self.errors += 1
+            self.local.restore(reports)
             log.warning("sync failed, keeping last drop ratios: %s", exc)
             return 0
         now = self._clock()
-        for report, view in zip(reports, views, strict=True):
-            self.local.apply(report.key, view, now, self.interval)
+        self.local.apply_all(reports, result, now, self.interval)
         sweep = getattr(self.store, "sweep", None)
         if sweep is not None and self.syncs % 40 == 0:
             sweep()
         self.syncs += 1
         self.last_success = now
+        self.local.last_sync_ok = now
         self.last_duration = time.perf_counter() - started
         return len(reports)
 
@@ -74,6 +76,7 @@ class Reconciler:
             await asyncio.sleep(delay)
 
     def start(self) -> None:
+        self.local.last_sync_ok = self._clock()
         self._task = asyncio.get_running_loop().create_task(self.run(), name="reconciler")
 
     async def stop(self) -> None:

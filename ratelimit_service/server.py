@@ -28,6 +28,7 @@ from ratelimit_service.reconciler import Reconciler
 from ratelimit_service.stats import Stats, StatsCollector
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
+from ratelimit_service.storage.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class Settings:
     mode: Mode = Mode.PROBABILISTIC
     sync_interval: float = 0.25
     redis_url: str | None = None
+    redis_timeout: float = 0.010
+    stale_after: float = 3.0
     max_buckets: int = 100_000
     max_stats_keys: int = 10_000
     merge_domain_config: bool = False
@@ -64,9 +67,10 @@ def load_rules(settings: Settings) -> RateLimitConfig:
 
 def make_store(settings: Settings) -> Store:
     if settings.redis_url:
-        raise SystemExit(
-            "--redis-url: the Redis store is not available in this version; "
-            "run without it to use the embedded store"
+        return RedisStore(
+            settings.redis_url,
+            request_timeout=settings.redis_timeout,
+            node_ttl=max(2.0, 5 * settings.sync_interval),
         )
     return EmbeddedStore(max_keys=settings.max_buckets)
 
@@ -80,7 +84,10 @@ class RateLimitService:
         config = load_rules(settings)
         self.stats.config_load_success += 1
         self.store = store if store is not None else make_store(settings)
-        self.local = LocalBuckets(max_buckets=settings.max_buckets)
+        self.local = LocalBuckets(
+            max_buckets=settings.max_buckets,
+            stale_after=settings.stale_after,
+        )
         self.limiter = RateLimiter(
             config,
             self.store,

@@ -253,6 +253,7 @@ class _FileLoader:
             share_threshold=share_threshold,
             value_to_metric=self.flag(fields.get("value_to_metric"), "value_to_metric"),
             detailed_metric=detailed_metric,
+            line=node.start_mark.line + 1,
         )
         if not add_child(into, descriptor):
             self.error(node, f"duplicate descriptor composite key '{config_path}'")
@@ -379,7 +380,9 @@ def load_config(
         else:
             errors.append(
                 ConfigError(
-                    file.name, loader.domain_line, f"duplicate domain '{domain.name}' in config file"
+                    file.name,
+                    loader.domain_line,
+                    f"duplicate domain '{domain.name}' in config file",
                 )
             )
     if errors:
@@ -407,7 +410,7 @@ def _merge(
         if not add_child(merged, node):
             errors.append(
                 ConfigError(
-                    file_name, None, f"duplicate descriptor composite key '{node.config_path}'"
+                    file_name, node.line, f"duplicate descriptor composite key '{node.config_path}'"
                 )
             )
     return merged

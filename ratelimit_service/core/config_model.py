@@ -109,6 +109,7 @@ class DescriptorNode:
     share_threshold: bool = False
     value_to_metric: bool = False
     detailed_metric: bool = False
+    line: int | None = None
 
     def stats_element(self) -> str:
         """The part of the roll-up stats key this node contributes (``key`` or ``key_value``)."""

@@ -1,21 +1,29 @@
 """The controller behind probabilistic mode: from fleet totals to a drop ratio and a credit.
 
 The seed design sets ``ratio = max(0, (offered - limit) / offered)`` from rates. We
-keep that as the steady state but compute it from the *budget* the sliding window
-leaves for the next sync interval, which gives three improvements:
+keep that as the steady state, but steer by the *budget* the fleet may admit before
+the next sync, taken from a fleet-wide token bucket (capacity ``limit``, refilled at
+``limit / T``). That gives:
 
-* **Burst guard.** The budget for the next interval is
-  ``limit - admitted_in_window + expiring_in_interval``; a node may admit at most
-  its share of that budget (its *credit*) until the next sync, so a spike between
-  syncs, or the very first burst before any sync, cannot overshoot the window by
-  more than rounding. In steady state the budget is ``limit * interval / T`` and the
-  ratio reduces to the seed's formula.
+* **Bursts up to the limit, then the limit rate.** An idle client may send up to
+  ``limit`` at once; under sustained overload the bucket is empty, the budget is
+  ``limit * interval / T`` and the ratio is exactly the seed's formula. Admissions
+  flow smoothly at the limit rate (a sliding window, as in exact mode, instead
+  re-admits a burst each time an old burst leaves the window).
+* **Burst guard.** A node may admit at most its share of the budget (its *credit*)
+  until the next sync, so a spike between syncs, or the first burst before any
+  sync, cannot overshoot by more than rounding.
 * **Low-rate limits.** With 5 per minute the offered rate is too noisy to steer by;
-  the credit makes such buckets behave like an exact sliding window with a
-  resolution of one sync interval.
+  the credit makes such buckets behave like a token bucket with a resolution of one
+  sync interval.
 * **Fast attack, smooth decay.** The offered-rate estimate follows a rise at once
-  (no lag on a spike) and falls with an exponential moving average (no
-  oscillation after a dip).
+  (no lag on a spike) and falls with an exponential moving average (no oscillation
+  after a dip).
+
+The price of the token bucket: an interval of length T can see up to 2x the limit
+when a full bucket is emptied and then refilled during T (the Go service's fixed
+window allows the same across its edge). Rules that must never exceed the limit in
+any window use exact mode.
 """
 
 from __future__ import annotations
@@ -27,16 +35,18 @@ from dataclasses import dataclass
 class FleetView:
     """What the store reports for one bucket after a sync."""
 
-    admitted_in_window: int
-    """Hits admitted by the whole fleet within the sliding window."""
-    expiring: int
-    """Of those, hits that leave the window before the next sync."""
+    tokens: float
+    """The fleet token bucket after this node's admitted hits were taken out."""
     offered_total: int
     """Monotonic count of hits offered to the whole fleet."""
-    nodes: int = 1
-    """Nodes that reported this bucket recently."""
-    reset_after: float = 0.0
-    """Seconds until the window's count next goes down."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResult:
+    """A store's answer to one sync: live nodes, and a view per reported bucket."""
+
+    nodes: int
+    views: list[FleetView]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +62,25 @@ def smoothed_rate(previous: float | None, measured: float, decay: float) -> floa
     return previous + decay * (measured - previous)
 
 
+def refill(tokens: float, elapsed: float, limit: int, window_seconds: float) -> float:
+    """The token bucket ``elapsed`` seconds later: refilled at limit/T, capped at limit."""
+    return min(float(limit), tokens + max(0.0, elapsed) * limit / window_seconds)
+
+
+def take(tokens: float, admitted: int, limit: int) -> float:
+    """Spend admitted hits; the debt is bounded by one window's worth."""
+    return max(-float(limit), tokens - admitted)
+
+
 def control(
     *,
     limit: int,
-    view: FleetView,
+    window_seconds: float,
+    tokens: float,
     fleet_rate: float,
     local_rate: float,
     interval: float,
+    nodes: int = 1,
 ) -> Control:
     """Ratio and credit for the next ``interval`` seconds.
 
@@ -66,16 +88,16 @@ def control(
     for this node. The credit is this node's share of the budget, by its share of
     the offered traffic (an equal share when nothing was offered yet).
     """
-    budget = max(0.0, float(limit - view.admitted_in_window + view.expiring))
+    budget = max(0.0, tokens + limit * interval / window_seconds)
     expected = fleet_rate * interval
     ratio = 0.0 if expected <= budget else 1.0 - budget / expected
     if fleet_rate > 0.0:
         share = min(1.0, local_rate / fleet_rate)
     else:
-        share = 1.0 / max(1, view.nodes)
+        share = 1.0 / max(1, nodes)
     return Control(ratio=ratio, credit=budget * share)
 
 
 def initial_credit(limit: int, nodes: int) -> float:
-    """Credit of a bucket this node has never synced: an equal share of a whole window."""
+    """Credit of a bucket this node has never synced: an equal share of a full bucket."""
     return limit / max(1, nodes)

@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ratelimit_service.core.drop_ratio import FleetView, control, initial_credit, smoothed_rate
+from ratelimit_service.core.drop_ratio import (
+    FleetView,
+    SyncResult,
+    control,
+    initial_credit,
+    smoothed_rate,
+)
 
 
 class ProbabilisticBucket:
@@ -30,9 +36,8 @@ class ProbabilisticBucket:
         "offered",
         "offered_total_seen",
         "ratio",
-        "reset_after",
         "synced_at",
-        "window_count",
+        "tokens",
         "window_seconds",
     )
 
@@ -47,18 +52,23 @@ class ProbabilisticBucket:
         self.offered_total_seen: int | None = None
         self.fleet_rate: float | None = None
         self.local_rate: float | None = None
-        self.window_count = 0
-        self.reset_after = 0.0
+        self.tokens = float(limit)
         self.synced_at = now
         self.last_report = now
         self.last_used = now
 
     def remaining(self) -> int:
-        """Best estimate of what the window still allows: last fleet count plus local hits."""
-        return max(0, self.limit - self.window_count - self.admitted)
+        """Best estimate of what the fleet may still admit now: the token bucket at the
+        last sync, less what this process admitted since."""
+        return max(0, int(self.tokens) - self.admitted)
 
     def reset_estimate(self, now: float) -> float:
-        return max(0.0, self.reset_after - (now - self.synced_at))
+        """Seconds until the bucket would be full again with no more traffic."""
+        missing = self.limit - self.tokens + self.admitted
+        if missing <= 0 or self.limit == 0:
+            return 0.0
+        refill_time = missing * self.window_seconds / self.limit
+        return max(0.0, refill_time - (now - self.synced_at))
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +86,18 @@ class LocalBuckets:
     """All probabilistic buckets of this process, bounded in number (least recently used
     buckets are evicted first) and in time (idle buckets are dropped at sync)."""
 
-    def __init__(self, max_buckets: int = 100_000, decay: float = 0.5) -> None:
+    def __init__(
+        self,
+        max_buckets: int = 100_000,
+        decay: float = 0.5,
+        stale_after: float = 3.0,
+    ) -> None:
         self._buckets: OrderedDict[str, ProbabilisticBucket] = OrderedDict()
+        self.stale_after = stale_after
+        self.last_sync_ok: float | None = None
+        """When the store last answered a sync (set when the reconciler starts); past
+        ``stale_after`` rules fall back to their failure_mode instead of trusting ratios
+        that no longer track the fleet. None: no reconciler, never stale."""
         self.max_buckets = max_buckets
         self.decay = decay
         self.nodes = 1
@@ -113,6 +133,15 @@ class LocalBuckets:
         bucket.admitted += hits
         return True
 
+    @staticmethod
+    def fail(bucket: ProbabilisticBucket, hits: int, admit: bool) -> bool:
+        """Decide by failure policy (store out of reach too long); counts still accrue so
+        the fleet totals catch up when the store is back."""
+        bucket.offered += hits
+        if admit:
+            bucket.admitted += hits
+        return admit
+
     def take_reports(self, now: float, interval: float) -> list[BucketReport]:
         """Counts of every active bucket since the last sync; idle buckets are dropped."""
         reports: list[BucketReport] = []
@@ -122,7 +151,9 @@ class LocalBuckets:
                 if now - bucket.last_used > max(bucket.window_seconds, 10 * interval):
                     idle.append(key)
                 continue
-            elapsed = max(now - bucket.last_report, 1e-3)
+            # At least one interval: a bucket born just before a sync would otherwise
+            # show an absurd rate, and the fast-attack estimate would believe it.
+            elapsed = max(now - bucket.last_report, interval)
             measured = bucket.offered / elapsed
             bucket.local_rate = smoothed_rate(bucket.local_rate, measured, self.decay)
             reports.append(
@@ -138,33 +169,52 @@ class LocalBuckets:
         self.evicted_idle += len(idle)
         return reports
 
+    def apply_all(
+        self, reports: list[BucketReport], result: SyncResult, now: float, interval: float
+    ) -> None:
+        """Apply a whole sync: the node count, then each bucket's view."""
+        self.nodes = max(1, result.nodes)
+        for report, view in zip(reports, result.views, strict=True):
+            self.apply(report.key, view, now, interval)
+
+    def restore(self, reports: list[BucketReport]) -> None:
+        """Put back counts of a sync that failed, so they are reported next time."""
+        for report in reports:
+            bucket = self._buckets.get(report.key)
+            if bucket is not None:
+                bucket.offered += report.offered
+                bucket.admitted += report.admitted
+
     def apply(self, key: str, view: FleetView, now: float, interval: float) -> None:
         """Set a bucket's ratio and credit from the fleet's totals."""
         bucket = self._buckets.get(key)
         if bucket is None:
             return
-        self.nodes = max(1, view.nodes)
         if bucket.offered_total_seen is None:
             measured = bucket.local_rate or 0.0
         else:
-            elapsed = max(now - bucket.synced_at, 1e-3)
+            elapsed = max(now - bucket.synced_at, interval)
             measured = max(0, view.offered_total - bucket.offered_total_seen) / elapsed
         bucket.offered_total_seen = view.offered_total
         bucket.fleet_rate = smoothed_rate(bucket.fleet_rate, measured, self.decay)
         local_rate = bucket.local_rate or 0.0
         result = control(
             limit=bucket.limit,
-            view=view,
+            window_seconds=bucket.window_seconds,
+            tokens=view.tokens,
             fleet_rate=max(bucket.fleet_rate, local_rate),
             local_rate=local_rate,
             interval=interval,
+            nodes=self.nodes,
         )
         bucket.ratio = result.ratio
         # Hits admitted while the sync was in flight are not in the view yet.
         bucket.credit = max(0.0, result.credit - bucket.admitted)
-        bucket.window_count = view.admitted_in_window
-        bucket.reset_after = view.reset_after
+        bucket.tokens = view.tokens
         bucket.synced_at = now
+
+    def stale(self, now: float) -> bool:
+        return self.last_sync_ok is not None and now - self.last_sync_ok > self.stale_after
 
     def buckets(self) -> list[ProbabilisticBucket]:
         return list(self._buckets.values())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ratelimit_service.core.drop_ratio import FleetView
+from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.exact import ExactHit, ExactResult
 from ratelimit_service.core.local_buckets import BucketReport
 
@@ -27,8 +27,9 @@ class Store(Protocol):
         request is not denied."""
         ...
 
-    async def sync(self, reports: Sequence[BucketReport], interval: float) -> list[FleetView]:
-        """Add ``reports`` to the fleet totals; return each bucket's fleet view."""
+    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+        """Add ``reports`` to the fleet totals; return the live node count and each
+        bucket's fleet view. Runs even with no reports: it is the node's heartbeat."""
         ...
 
     def healthy(self) -> bool: ...

@@ -1,9 +1,8 @@
 """The in-process store: the default when no Redis is configured.
 
 It makes ``serve --config config/`` work on a laptop with no dependencies, and
-its fleet is this one process, so probabilistic buckets converge on exact counts.
-With several workers each would have its own store, which is why the service
-refuses ``--workers > 1`` without Redis.
+its fleet is this one process. With several worker processes each would have its
+own store, so the service must not run more than one process on it.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from ratelimit_service.core.drop_ratio import FleetView
+from ratelimit_service.core.drop_ratio import FleetView, SyncResult, refill, take
 from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.lru import LruMap
@@ -19,17 +18,27 @@ from ratelimit_service.core.window import DEFAULT_SLICES, SlidingWindow
 
 
 class _FleetBucket:
-    __slots__ = ("admitted", "offered_total", "touched", "window_seconds")
+    """Fleet totals of one probabilistic bucket: its token bucket and offered count."""
 
-    def __init__(self, window_seconds: int, slices: int, now: float) -> None:
-        self.admitted = SlidingWindow(window_seconds, slices)
+    __slots__ = ("limit", "offered_total", "tokens", "touched", "window_seconds")
+
+    def __init__(self, report: BucketReport, now: float) -> None:
+        self.limit = report.limit
+        self.window_seconds = report.window_seconds
+        self.tokens = float(report.limit)
         self.offered_total = 0
         self.touched = now
-        self.window_seconds = window_seconds
+
+    def update(self, report: BucketReport, now: float) -> None:
+        self.limit = report.limit
+        refilled = refill(self.tokens, now - self.touched, report.limit, report.window_seconds)
+        self.tokens = take(refilled, report.admitted, report.limit)
+        self.offered_total += report.offered
+        self.touched = now
 
     def idle(self, now: float) -> bool:
-        """Safe to forget: nothing admitted in the window and no report for a window."""
-        return self.admitted.count(now) == 0 and now - self.touched > self.window_seconds
+        """Safe to forget: no report for a whole window, so the bucket is full again."""
+        return now - self.touched > self.window_seconds
 
 
 class EmbeddedStore:
@@ -53,9 +62,9 @@ class EmbeddedStore:
             f"{key}\x1f{window_seconds}", lambda: SlidingWindow(window_seconds, self._slices)
         )
 
-    def _fleet_bucket(self, key: str, window_seconds: int, now: float) -> _FleetBucket:
+    def _fleet_bucket(self, report: BucketReport, now: float) -> _FleetBucket:
         return self._fleet.get_or_create(
-            f"{key}\x1f{window_seconds}", lambda: _FleetBucket(window_seconds, self._slices, now)
+            f"{report.key}\x1f{report.window_seconds}", lambda: _FleetBucket(report, now)
         )
 
     async def hit(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
@@ -63,27 +72,17 @@ class EmbeddedStore:
         windows = [self._window(hit.key, hit.window_seconds) for hit in hits]
         return evaluate(hits, windows, now, commit)
 
-    async def sync(self, reports: Sequence[BucketReport], interval: float) -> list[FleetView]:
+    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
         now = self._clock()
         views: list[FleetView] = []
         for report in reports:
-            bucket = self._fleet_bucket(report.key, report.window_seconds, now)
-            bucket.touched = now
-            bucket.admitted.add(now, report.admitted)
-            bucket.offered_total += report.offered
-            views.append(
-                FleetView(
-                    admitted_in_window=bucket.admitted.count(now),
-                    expiring=bucket.admitted.expiring_within(now, interval),
-                    offered_total=bucket.offered_total,
-                    nodes=1,
-                    reset_after=bucket.admitted.next_drop(now),
-                )
-            )
-        return views
+            bucket = self._fleet_bucket(report, now)
+            bucket.update(report, now)
+            views.append(FleetView(tokens=bucket.tokens, offered_total=bucket.offered_total))
+        return SyncResult(nodes=1, views=views)
 
     def sweep(self) -> int:
-        """Forget windows that hold no hits any more; called by the reconciler."""
+        """Forget state that no longer holds anything; called by the reconciler."""
         now = self._clock()
         removed = self._windows.remove_if(lambda window: window.count(now) == 0)
         removed += self._fleet.remove_if(lambda bucket: bucket.idle(now))

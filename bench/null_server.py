@@ -1,0 +1,36 @@
+"""A null RLS server: answers OK to every ShouldRateLimit and does nothing else.
+
+It is the ceiling a Python grpc.aio service can reach on this machine; our figures
+are quoted as ratios to it, measured side by side in one run.
+
+    python bench/null_server.py --port 18090
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import grpc
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
+_OK = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
+
+
+class NullServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    async def ShouldRateLimit(self, request, context):  # noqa: N802, ANN001, ANN201
+        return _OK
+
+
+async def serve(port: int) -> None:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(NullServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=18090)
+    asyncio.run(serve(parser.parse_args().port))

@@ -1,0 +1,52 @@
+-- fleet_sync.lua: fold one process's probabilistic counts into the fleet totals.
+--
+-- Each bucket is a hash with the fleet token bucket (same arithmetic as
+-- core/drop_ratio.py refill/take): 'tk' tokens, 'ts' when they were last updated
+-- (microseconds), 'o' the monotonic count of offered hits. A sorted set of node ids
+-- scored by last sync time gives the number of live nodes.
+--
+-- KEYS[1]   the node registry (sorted set)
+-- KEYS[1+i] the fleet hash of bucket i
+-- ARGV[1]   this node's id
+-- ARGV[2]   node time-to-live in microseconds (a node silent longer is not counted)
+-- ARGV[3 + 4*(i-1) ...] for bucket i: window_us, limit, admitted delta, offered delta
+-- Returns   {live nodes, then 2 integers per bucket: tokens in thousandths, offered total}
+-- Time comes from the Redis server (TIME), so service clocks may disagree freely.
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local node_ttl = tonumber(ARGV[2])
+
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - node_ttl)
+redis.call('PEXPIRE', KEYS[1], math.ceil(node_ttl / 1000) + 1000)
+local out = {redis.call('ZCARD', KEYS[1])}
+
+for i = 1, #KEYS - 1 do
+  local key = KEYS[1 + i]
+  local base = 3 + 4 * (i - 1)
+  local window = tonumber(ARGV[base])
+  local limit = tonumber(ARGV[base + 1])
+  local admitted = tonumber(ARGV[base + 2])
+  local offered = tonumber(ARGV[base + 3])
+  local state = redis.call('HMGET', key, 'tk', 'ts')
+  local tokens = tonumber(state[1])
+  local stamp = tonumber(state[2])
+  if tokens == nil or stamp == nil then
+    tokens = limit
+  else
+    local elapsed = now - stamp
+    if elapsed < 0 then elapsed = 0 end
+    tokens = tokens + elapsed * limit / window
+    if tokens > limit then tokens = limit end
+  end
+  tokens = tokens - admitted
+  if tokens < -limit then tokens = -limit end
+  redis.call('HSET', key, 'tk', tostring(tokens), 'ts', tostring(now))
+  local offered_total = redis.call('HINCRBY', key, 'o', offered)
+  -- Kept one window past full refill plus a minute: after that it is a full bucket.
+  redis.call('PEXPIRE', key, math.ceil(window / 1000) * 2 + 60000)
+  out[#out + 1] = math.floor(tokens * 1000)
+  out[#out + 1] = offered_total
+end
+return out

@@ -1,0 +1,171 @@
+"""Shared fixtures: free loopback ports, a running service, a gRPC client."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
+from ratelimit_service.server import RateLimitService, Settings
+
+REPO = Path(__file__).resolve().parent.parent
+COMPAT = REPO.parent / "shared" / "compat" / "envoy-ratelimit"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def write_config(tmp_path: Path) -> Callable[..., Path]:
+    """Write YAML text (dedented) to a file in a fresh config directory; returns the dir."""
+    directory = tmp_path / "config"
+    directory.mkdir()
+
+    def write(text: str, name: str = "rules.yaml") -> Path:
+        (directory / name).write_text(textwrap.dedent(text))
+        return directory
+
+    return write
+
+
+class RunningService:
+    def __init__(self, service: RateLimitService, channel: grpc.aio.Channel) -> None:
+        self.service = service
+        self.channel = channel
+        self.stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+        self.admin_url = f"http://127.0.0.1:{service.admin.port}"
+
+    async def call(
+        self,
+        domain: str,
+        *descriptors: list[tuple[str, str]] | dict[str, object],
+        hits_addend: int = 0,
+    ) -> rls_pb2.RateLimitResponse:
+        request = make_request(domain, *descriptors, hits_addend=hits_addend)
+        return await self.stub.ShouldRateLimit(request)
+
+
+def make_request(
+    domain: str, *descriptors: list[tuple[str, str]] | dict[str, object], hits_addend: int = 0
+) -> rls_pb2.RateLimitRequest:
+    """Descriptors are entry lists, or dicts {"entries": [...], "limit": (n, unit), "hits": n}."""
+    built = []
+    for descriptor in descriptors:
+        spec = descriptor if isinstance(descriptor, dict) else {"entries": descriptor}
+        message = ratelimit_pb2.RateLimitDescriptor(
+            entries=[
+                ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v)
+                for k, v in spec["entries"]  # type: ignore[union-attr]
+            ]
+        )
+        if "limit" in spec:
+            count, unit = spec["limit"]  # type: ignore[misc]
+            message.limit.requests_per_unit = count
+            message.limit.unit = unit
+        if "hits" in spec:
+            message.hits_addend.value = spec["hits"]  # type: ignore[assignment]
+        built.append(message)
+    return rls_pb2.RateLimitRequest(domain=domain, descriptors=built, hits_addend=hits_addend)
+
+
+@pytest.fixture
+async def start_service() -> AsyncIterator[Callable[..., object]]:
+    """Start a real service on loopback ports; returns an async factory taking Settings kwargs."""
+    started: list[RunningService] = []
+
+    async def start(config_path: Path | str, **settings: object) -> RunningService:
+        service = RateLimitService(
+            Settings(
+                config_path=str(config_path),
+                grpc_addr=f"127.0.0.1:{free_port()}",
+                admin_addr="127.0.0.1:0",
+                shutdown_grace=0.5,
+                **settings,  # type: ignore[arg-type]
+            )
+        )
+        await service.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}")
+        running = RunningService(service, channel)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        await running.channel.close()
+        await running.service.stop()
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, owned by the test."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._tmp = tmp
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self._tmp),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def pause(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A running redis-server. Without one on the PATH the test is skipped locally and
+    fails under CI, where .ci/run installs it."""
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed")
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            server.resume()
+        server.stop()

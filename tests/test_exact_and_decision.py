@@ -1,0 +1,398 @@
+"""Exact-mode batch decisions, the shared decision helpers, and request validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.decision import drop_replaced, hits_for, overall_code, split_hits
+from ratelimit_service.core.exact import ExactHit, HitRole, evaluate, fits, request_denied
+from ratelimit_service.core.request import (
+    UINT32_MAX,
+    Code,
+    Descriptor,
+    DescriptorStatus,
+    InvalidRequest,
+    Request,
+    RequestBounds,
+    validate,
+)
+from ratelimit_service.core.units import Unit
+from ratelimit_service.core.window import SlidingWindow
+
+NOW = 1000.0
+
+E = HitRole.ENFORCE
+S = HitRole.SHADOW
+Q = HitRole.QUOTA
+
+
+def window_with(count: int, at: float = NOW) -> SlidingWindow:
+    """A 60 s window (1 s slices) holding ``count`` hits added at ``at``."""
+    window = SlidingWindow(60, 60)
+    window.add(at, count)
+    return window
+
+
+def hit(limit: int, hits: int = 1, role: HitRole = E, key: str = "k") -> ExactHit:
+    return ExactHit(key=key, limit=limit, window_seconds=60, hits=hits, role=role)
+
+
+# --------------------------------------------------------------------------- fits / roles
+
+
+@pytest.mark.parametrize(
+    ("count", "hits", "limit", "expected"),
+    [
+        (0, 1, 1, True),
+        (1, 1, 1, False),
+        (0, 5, 5, True),
+        (0, 6, 5, False),
+        (4, 1, 5, True),
+        (4, 2, 5, False),
+        # check-only asks whether one more would fit
+        (4, 0, 5, True),
+        (5, 0, 5, False),
+        (0, 0, 0, False),
+    ],
+)
+def test_fits(count: int, hits: int, limit: int, expected: bool) -> None:
+    assert fits(count, hits, limit) is expected
+
+
+@pytest.mark.parametrize(
+    ("roles", "admitted", "denied"),
+    [
+        ([], [], False),
+        ([E], [True], False),
+        ([E], [False], True),
+        ([S], [False], False),
+        ([S, E], [False, True], False),
+        ([Q], [False], True),
+        ([Q], [True], False),
+        ([Q, Q], [False, True], False),
+        ([Q, Q], [False, False], True),
+        ([Q, E], [True, False], True),
+        ([Q, S], [False, True], True),
+        ([S, S], [False, False], False),
+    ],
+)
+def test_request_denied(roles: list[HitRole], admitted: list[bool], denied: bool) -> None:
+    assert request_denied(roles, admitted) is denied
+
+
+# --------------------------------------------------------------------------- evaluate
+
+
+def test_all_fit_commit_consumes_every_window() -> None:
+    a, b = window_with(1), window_with(0)
+    results = evaluate([hit(5, 2), hit(3, 3)], [a, b], NOW, commit=True)
+    assert [r.admitted for r in results] == [True, True]
+    assert [r.before for r in results] == [1, 0]
+    assert [r.remaining for r in results] == [2, 0]
+    assert a.count(NOW) == 3
+    assert b.count(NOW) == 3
+
+
+def test_no_commit_consumes_nothing() -> None:
+    a, b = window_with(1), window_with(0)
+    results = evaluate([hit(5, 2), hit(3, 3)], [a, b], NOW, commit=False)
+    assert [r.admitted for r in results] == [True, True]
+    assert [r.remaining for r in results] == [4, 3]
+    assert a.count(NOW) == 1
+    assert b.count(NOW) == 0
+
+
+def test_denied_request_consumes_nothing_anywhere() -> None:
+    full, free, shadow, quota = window_with(2), window_with(0), window_with(0), window_with(0)
+    hits = [hit(2), hit(5, 3), hit(5, role=S), hit(5, role=Q)]
+    results = evaluate(hits, [full, free, shadow, quota], NOW, commit=True)
+    assert [r.admitted for r in results] == [False, True, True, True]
+    assert full.count(NOW) == 2
+    assert free.count(NOW) == 0
+    assert shadow.count(NOW) == 0
+    assert quota.count(NOW) == 0
+    assert results[0].before == 2
+    assert results[0].remaining == 0
+    assert results[1].remaining == 5
+
+
+def test_shadow_never_denies() -> None:
+    over, enforce = window_with(3), window_with(0)
+    results = evaluate([hit(3, role=S), hit(3)], [over, enforce], NOW, commit=True)
+    assert [r.admitted for r in results] == [False, True]
+    assert over.count(NOW) == 3  # the over shadow hit itself is not counted
+    assert enforce.count(NOW) == 1
+    alone = window_with(10)
+    results = evaluate([hit(1, 5, role=S)], [alone], NOW, commit=True)
+    assert results[0].admitted is False
+    assert alone.count(NOW) == 10
+
+
+def test_shadow_under_limit_is_consumed() -> None:
+    window = window_with(0)
+    evaluate([hit(3, role=S)], [window], NOW, commit=True)
+    assert window.count(NOW) == 1
+
+
+def test_quota_denies_only_when_all_quota_hits_are_over() -> None:
+    q_over, q_ok, enforce = window_with(1), window_with(0), window_with(0)
+    results = evaluate(
+        [hit(1, role=Q), hit(1, role=Q), hit(5)], [q_over, q_ok, enforce], NOW, commit=True
+    )
+    assert [r.admitted for r in results] == [False, True, True]
+    assert q_over.count(NOW) == 1
+    assert q_ok.count(NOW) == 1
+    assert enforce.count(NOW) == 1
+    # now both quota windows are full: the request is denied and nothing is consumed
+    results = evaluate(
+        [hit(1, role=Q), hit(1, role=Q), hit(5)], [q_over, q_ok, enforce], NOW, commit=True
+    )
+    assert [r.admitted for r in results] == [False, False, True]
+    assert enforce.count(NOW) == 1
+
+
+def test_check_only_hit_reports_over_and_consumes_nothing() -> None:
+    full = window_with(5)
+    results = evaluate([hit(5, 0)], [full], NOW, commit=True)
+    assert results[0].admitted is False
+    assert results[0].before == 5
+    assert full.count(NOW) == 5
+    room = window_with(4)
+    results = evaluate([hit(5, 0)], [room], NOW, commit=True)
+    assert results[0].admitted is True
+    assert results[0].remaining == 1
+    assert room.count(NOW) == 4
+
+
+def test_check_only_over_denies_the_request() -> None:
+    full, other = window_with(5), window_with(0)
+    results = evaluate([hit(5, 0), hit(5, 2)], [full, other], NOW, commit=True)
+    assert [r.admitted for r in results] == [False, True]
+    assert other.count(NOW) == 0
+
+
+def test_check_only_over_reset_is_time_until_one_hit_fits() -> None:
+    """A check-only hit that is over must say when one hit would fit, not "now"."""
+    full = window_with(5, at=NOW - 30.5)  # slice leaves at NOW + 30
+    results = evaluate([hit(5, 0)], [full], NOW, commit=False)
+    assert results[0].admitted is False
+    assert results[0].reset_after == pytest.approx(30.0)
+
+
+def test_reset_after_values() -> None:
+    window = window_with(3, at=NOW - 10.5)  # leaves at NOW + 50
+    results = evaluate([hit(5, 1)], [window], NOW, commit=True)
+    assert results[0].admitted
+    assert results[0].reset_after == pytest.approx(50.0)  # next drop
+    results = evaluate([hit(5, 2)], [window], NOW, commit=True)
+    assert not results[0].admitted
+    # the older slice frees 3, enough for 2 more
+    assert results[0].reset_after == pytest.approx(50.0)
+    results = evaluate([hit(5, 5)], [window], NOW, commit=True)
+    assert not results[0].admitted
+    # all 4 counted hits must go; the newest slice (NOW) leaves at NOW + 61
+    assert results[0].reset_after == pytest.approx(61.0)
+
+
+def test_hits_larger_than_limit_never_fit() -> None:
+    window = window_with(0)
+    results = evaluate([hit(3, 4)], [window], NOW, commit=True)
+    assert results[0].admitted is False
+    assert window.count(NOW) == 0
+    assert results[0].remaining == 3
+
+
+# --------------------------------------------------------------------------- hits_for
+
+
+@pytest.mark.parametrize(
+    ("descriptor_hits", "request_hits", "expected"),
+    [
+        (None, 0, 1),
+        (None, 1, 1),
+        (None, 7, 7),
+        (0, 0, 0),
+        (0, 5, 0),
+        (3, 0, 3),
+        (3, 7, 3),
+    ],
+)
+def test_hits_for(descriptor_hits: int | None, request_hits: int, expected: int) -> None:
+    descriptor = Descriptor((("k", "v"),), hits_addend=descriptor_hits)
+    assert hits_for(descriptor, request_hits) == expected
+
+
+# --------------------------------------------------------------------------- drop_replaced
+
+
+def rl(name: str = "", replaces: tuple[str, ...] = (), quota: bool = False) -> RateLimit:
+    return RateLimit(
+        requests_per_unit=10,
+        unit=Unit.SECOND,
+        name=name,
+        replaces=frozenset(replaces),
+        quota_mode=quota,
+    )
+
+
+def test_drop_replaced() -> None:
+    a, b, c = rl("a"), rl("b", ("a",)), rl("c")
+    limits: list[RateLimit | None] = [a, b, None, c]
+    drop_replaced(limits)
+    assert limits == [None, b, None, c]
+
+
+def test_drop_replaced_several_and_unnamed() -> None:
+    a, b, unnamed = rl("a"), rl("b"), rl("")
+    replacer = rl("r", ("a", "b", "missing"))
+    limits: list[RateLimit | None] = [a, unnamed, b, replacer]
+    drop_replaced(limits)
+    assert limits == [None, unnamed, None, replacer]
+
+
+def test_drop_replaced_mutual_and_no_replaces() -> None:
+    a, b = rl("a", ("b",)), rl("b", ("a",))
+    limits: list[RateLimit | None] = [a, b]
+    drop_replaced(limits)
+    assert limits == [None, None]
+    plain: list[RateLimit | None] = [rl("a"), rl("b"), None]
+    before = list(plain)
+    drop_replaced(plain)
+    assert plain == before
+
+
+# --------------------------------------------------------------------------- split_hits
+
+
+@pytest.mark.parametrize(
+    ("limit", "before", "hits", "admitted", "expected"),
+    [
+        (10, 0, 5, True, (0, 0, 5)),
+        (10, 5, 3, True, (0, 0, 3)),  # after = 8 = threshold: not near
+        (10, 7, 2, True, (0, 1, 2)),  # crosses the threshold
+        (10, 8, 2, True, (0, 2, 2)),
+        (10, 9, 1, True, (0, 1, 1)),
+        (10, 0, 10, True, (0, 2, 10)),
+        (10, 9, 0, True, (0, 0, 0)),  # check-only
+        (10, 10, 3, False, (3, 0, 0)),
+        (10, 0, 11, False, (11, 0, 0)),
+        (100, 79, 2, True, (0, 1, 2)),
+        (100, 80, 1, True, (0, 1, 1)),
+        (100, 78, 2, True, (0, 0, 2)),
+        (1, 0, 1, True, (0, 1, 1)),  # threshold int(0.8) = 0
+        (5, 3, 1, True, (0, 0, 1)),  # threshold 4
+        (5, 4, 1, True, (0, 1, 1)),
+    ],
+)
+def test_split_hits(
+    limit: int, before: int, hits: int, admitted: bool, expected: tuple[int, int, int]
+) -> None:
+    assert split_hits(limit, before, hits, admitted) == expected
+
+
+# --------------------------------------------------------------------------- overall_code
+
+OK = Code.OK
+OVER = Code.OVER_LIMIT
+
+
+def status(code: Code, quota: bool | None) -> DescriptorStatus:
+    limit = None if quota is None else rl(quota=quota)
+    return DescriptorStatus(code, limit)
+
+
+@pytest.mark.parametrize(
+    ("statuses", "expected"),
+    [
+        ([], OK),
+        ([(OK, None)], OK),
+        ([(OK, False)], OK),
+        ([(OVER, False)], OVER),
+        ([(OK, False), (OVER, False)], OVER),
+        ([(OVER, True)], OVER),
+        ([(OVER, True), (OK, True)], OK),
+        ([(OVER, True), (OVER, True)], OVER),
+        ([(OVER, True), (OK, False)], OVER),
+        ([(OK, True), (OVER, False)], OVER),
+        ([(OK, None), (OVER, True), (OK, True)], OK),
+    ],
+)
+def test_overall_code(statuses: list[tuple[Code, bool | None]], expected: Code) -> None:
+    assert overall_code([status(code, quota) for code, quota in statuses]) is expected
+
+
+# --------------------------------------------------------------------------- validate
+
+BOUNDS = RequestBounds(max_descriptors=3, max_entries=2, max_text_length=8)
+
+
+def desc(
+    *entries: tuple[str, str],
+    override: tuple[int, Unit | None] | None = None,
+    hits_addend: int | None = None,
+) -> Descriptor:
+    return Descriptor(tuple(entries), override=override, hits_addend=hits_addend)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (Request("", [desc(("k", "v"))]), "rate limit domain must not be empty"),
+        (Request("d", []), "rate limit descriptor list must not be empty"),
+        (Request("d", [desc(("k", "v"))] * 4), "too many descriptors: 4 (at most 3)"),
+        (Request("d" * 9, [desc(("k", "v"))]), "domain longer than 8 characters"),
+        (Request("d", [desc(("k", "v")), desc()]), "descriptor 1 has no entries"),
+        (
+            Request("d", [desc(("a", "1"), ("b", "2"), ("c", "3"))]),
+            "descriptor 0 has 3 entries (at most 2)",
+        ),
+        (Request("d", [desc(("", "v"))]), "descriptor 0 has an entry with an empty key"),
+        (
+            Request("d", [desc(("k" * 9, "v"))]),
+            "descriptor 0 has an entry longer than 8 characters",
+        ),
+        (
+            Request("d", [desc(("k", "v")), desc(("k", "v" * 9))]),
+            "descriptor 1 has an entry longer than 8 characters",
+        ),
+        (
+            Request("d", [desc(("k", "v"), override=(5, None))]),
+            "descriptor 0 has a limit override with an unknown unit",
+        ),
+        (
+            Request("d", [desc(("k", "v"), hits_addend=UINT32_MAX + 1)]),
+            f"descriptor 0 hits_addend exceeds {UINT32_MAX}",
+        ),
+    ],
+)
+def test_validate_messages(request_: Request, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate(request_, BOUNDS)
+    assert str(info.value) == message
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        Request("d", [desc(("k", "v"))]),
+        Request("d" * 8, [desc(("k" * 8, "v" * 8), ("a", ""))] * 3),
+        Request("d", [desc(("k", "v"), override=(5, Unit.MINUTE))]),
+        Request("d", [desc(("k", "v"), hits_addend=UINT32_MAX)]),
+        Request("d", [desc(("k", "v"), hits_addend=0)]),
+    ],
+)
+def test_validate_accepts(request_: Request) -> None:
+    validate(request_, BOUNDS)
+
+
+def test_default_bounds() -> None:
+    bounds = RequestBounds()
+    validate(Request("d", [desc(("k", "v" * 1024))] * 64), bounds)
+    with pytest.raises(InvalidRequest, match="too many descriptors: 65"):
+        validate(Request("d", [desc(("k", "v"))] * 65), bounds)
+    with pytest.raises(InvalidRequest, match="longer than 1024"):
+        validate(Request("d", [desc(("k", "v" * 1025))]), bounds)
+    with pytest.raises(InvalidRequest, match="33 entries"):
+        validate(Request("d", [desc(*[("k", "v")] * 33)]), bounds)

@@ -1,0 +1,513 @@
+"""RateLimiter end to end in core types, with an injected clock, draw and embedded store."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+
+import pytest
+
+from ratelimit_service.core.config_loader import ConfigFile, load_config
+from ratelimit_service.core.config_model import Mode, RateLimitConfig
+from ratelimit_service.core.exact import ExactHit, ExactResult
+from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.core.request import (
+    UINT32_MAX,
+    Code,
+    Descriptor,
+    InvalidRequest,
+    Request,
+    Response,
+)
+from ratelimit_service.core.units import Unit
+from ratelimit_service.limiter import RateLimiter
+from ratelimit_service.stats import OVERFLOW_KEY, Stats
+from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.embedded import EmbeddedStore
+
+OK = Code.OK
+OVER = Code.OVER_LIMIT
+
+CONFIG = """
+domain: d
+descriptors:
+  - key: prob
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: p5
+    rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: p0
+    rate_limit: {unit: minute, requests_per_unit: 0}
+  - key: ex
+    mode: exact
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: ex10
+    mode: exact
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: sec
+    mode: exact
+    rate_limit: {unit: second, requests_per_unit: 10}
+  - key: unl
+    rate_limit: {unlimited: true}
+  - key: shadow
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: exshadow
+    mode: exact
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: a
+    mode: exact
+    rate_limit: {name: a, unit: minute, requests_per_unit: 1}
+  - key: b
+    mode: exact
+    rate_limit:
+      name: b
+      unit: minute
+      requests_per_unit: 5
+      replaces: [{name: a}]
+  - key: pq
+    quota_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: eq
+    mode: exact
+    quota_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: parent
+    descriptors:
+      - key: child
+        mode: exact
+        rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: closed
+    mode: exact
+    failure_mode: closed
+    rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: open
+    mode: exact
+    rate_limit: {unit: minute, requests_per_unit: 5}
+"""
+
+
+def config(text: str = CONFIG) -> RateLimitConfig:
+    return load_config([ConfigFile("t.yaml", textwrap.dedent(text))])
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Draw:
+    def __init__(self, value: float = 0.999) -> None:
+        self.value = value
+
+    def __call__(self) -> float:
+        return self.value
+
+
+class Harness:
+    def __init__(
+        self,
+        *,
+        stats: Stats | None = None,
+        local: LocalBuckets | None = None,
+        max_keys: int = 100_000,
+        default_mode: Mode = Mode.PROBABILISTIC,
+        global_shadow: bool = False,
+        text: str = CONFIG,
+    ) -> None:
+        self.clock = Clock()
+        self.draw = Draw()
+        self.store = EmbeddedStore(clock=self.clock, max_keys=max_keys)
+        self.limiter = RateLimiter(
+            config(text),
+            self.store,
+            stats=stats,
+            local=local,
+            default_mode=default_mode,
+            global_shadow=global_shadow,
+            clock=self.clock,
+            draw=self.draw,
+        )
+
+    @property
+    def stats(self) -> Stats:
+        return self.limiter.stats
+
+    async def call(self, *descriptors: Descriptor | str, hits: int = 0) -> Response:
+        """Descriptors as Descriptor objects or "key=value" shorthand."""
+        built = [d if isinstance(d, Descriptor) else _parse(d) for d in descriptors]
+        return await self.limiter.should_rate_limit(Request("d", built, hits_addend=hits))
+
+    async def codes(self, *descriptors: Descriptor | str, hits: int = 0) -> list[Code]:
+        response = await self.call(*descriptors, hits=hits)
+        return [response.overall, *(status.code for status in response.statuses)]
+
+
+def _parse(text: str) -> Descriptor:
+    entries = tuple(tuple(part.split("=", 1)) for part in text.split(","))
+    return Descriptor(entries)  # type: ignore[arg-type]
+
+
+async def overall(h: Harness, *descriptors: Descriptor | str, times: int) -> list[Code]:
+    return [(await h.call(*descriptors)).overall for _ in range(times)]
+
+
+# --------------------------------------------------------------------------- basics
+
+
+async def test_unknown_domain_is_ok_and_counted() -> None:
+    h = Harness()
+    for _ in range(3):
+        response = await h.limiter.should_rate_limit(
+            Request("nope", [_parse("k=v"), _parse("k=w")])
+        )
+        assert response.overall is OK
+        assert [s.code for s in response.statuses] == [OK, OK]
+        assert all(s.limit is None for s in response.statuses)
+    assert h.stats.domain_not_found == {"nope": 3}
+    assert h.stats.rules == {}
+
+
+async def test_no_match_is_ok_without_limit() -> None:
+    h = Harness()
+    for descriptor in ("zzz=1", "parent=x", "parent=x,child=y,deeper=z", "ex=1,more=2"):
+        response = await h.call(descriptor)
+        assert response.overall is OK
+        assert response.statuses[0].code is OK
+        assert response.statuses[0].limit is None
+    assert h.stats.rules == {}
+    assert h.stats.domain_not_found == {}
+
+
+async def test_nested_match() -> None:
+    h = Harness()
+    assert await overall(h, "parent=x,child=y", times=3) == [OK, OK, OVER]
+    assert h.stats.rules["d.parent.child"].total_hits == 3
+
+
+async def test_invalid_request_raises_and_counts() -> None:
+    h = Harness()
+    with pytest.raises(InvalidRequest, match="descriptor list must not be empty"):
+        await h.limiter.should_rate_limit(Request("d", []))
+    with pytest.raises(InvalidRequest, match="domain must not be empty"):
+        await h.limiter.should_rate_limit(Request("", [_parse("k=v")]))
+    assert h.stats.service_error == 2
+
+
+async def test_unlimited() -> None:
+    h = Harness()
+    for _ in range(50):
+        response = await h.call("unl=1", hits=1000)
+        assert response.overall is OK
+        status = response.statuses[0]
+        assert status.code is OK
+        assert status.remaining == UINT32_MAX == 4294967295
+        assert status.limit is None
+    assert h.stats.rules == {}
+
+
+async def test_replaces() -> None:
+    h = Harness()
+    # b replaces a: a's 1/minute does not apply while b is in the request
+    for _ in range(3):
+        response = await h.call("a=1", "b=1")
+        assert response.overall is OK
+        assert response.statuses[0].limit is None
+        limit = response.statuses[1].limit
+        assert limit is not None and limit.name == "b"
+    assert response.statuses[1].remaining == 2
+    assert "d.a" not in h.stats.rules
+    # alone, a is enforced
+    assert await overall(h, "a=1", times=2) == [OK, OVER]
+
+
+# --------------------------------------------------------------------------- shadow
+
+
+async def test_shadow_mode_never_denies_probabilistic() -> None:
+    h = Harness()
+    for _ in range(5):
+        response = await h.call("shadow=1")
+        assert response.overall is OK
+        assert response.statuses[0].code is OK
+    rule = h.stats.rules["d.shadow"]
+    assert rule.total_hits == 5
+    assert rule.shadow_mode == 4
+    assert rule.within_limit == 1
+
+
+async def test_shadow_mode_never_denies_exact() -> None:
+    h = Harness()
+    assert await overall(h, "exshadow=1", times=5) == [OK] * 5
+    assert h.stats.rules["d.exshadow"].shadow_mode == 4
+    # a shadow rule over its limit does not stop an enforced one from consuming
+    assert await h.codes("exshadow=1", "ex=1") == [OK, OK, OK]
+    response = await h.call("ex=1")
+    assert response.statuses[0].remaining == 1
+
+
+async def test_global_shadow() -> None:
+    h = Harness(global_shadow=True)
+    codes = [await h.codes("ex=1") for _ in range(5)]
+    assert codes == [[OK, OK]] * 3 + [[OK, OVER]] * 2
+    assert h.stats.global_shadow_mode == 2
+    assert h.stats.rules["d.ex"].over_limit == 2
+
+
+# --------------------------------------------------------------------------- overrides and hits
+
+
+async def test_per_request_limit_override() -> None:
+    h = Harness(default_mode=Mode.EXACT)
+    override = Descriptor((("ov", "x"), ("user", "u1")), override=(2, Unit.MINUTE))
+    codes = [(await h.call(override)).overall for _ in range(3)]
+    assert codes == [OK, OK, OVER]
+    response = await h.call(override)
+    limit = response.statuses[0].limit
+    assert limit is not None
+    assert (limit.requests_per_unit, limit.unit) == (2, Unit.MINUTE)
+    rule = h.stats.rules["d.ov_x.user_u1"]
+    assert (rule.total_hits, rule.over_limit) == (4, 2)
+    # another value is another counter
+    other = Descriptor((("ov", "x"), ("user", "u2")), override=(2, Unit.MINUTE))
+    assert (await h.call(other)).overall is OK
+
+
+async def test_override_on_configured_descriptor_wins() -> None:
+    h = Harness(default_mode=Mode.EXACT)
+    override = Descriptor((("ex10", "1"),), override=(1, Unit.MINUTE))
+    codes = [(await h.call(override)).overall for _ in range(2)]
+    assert codes == [OK, OVER]
+    assert "d.ex10_1" in h.stats.rules
+    assert "d.ex10" not in h.stats.rules
+
+
+async def test_request_hits_addend() -> None:
+    h = Harness()
+    remaining = []
+    for _ in range(4):
+        response = await h.call("ex10=1", hits=3)
+        remaining.append((response.overall, response.statuses[0].remaining))
+    assert remaining == [(OK, 7), (OK, 4), (OK, 1), (OVER, 0)]
+    rule = h.stats.rules["d.ex10"]
+    assert (rule.total_hits, rule.within_limit, rule.near_limit, rule.over_limit) == (12, 9, 1, 3)
+
+
+async def test_descriptor_hits_addend() -> None:
+    h = Harness()
+    five = Descriptor((("ex10", "1"),), hits_addend=5)
+    response = await h.call(five, hits=1)
+    assert response.statuses[0].remaining == 5
+    check = Descriptor((("ex10", "1"),), hits_addend=0)
+    for _ in range(3):
+        response = await h.call(check, hits=4)
+        assert response.overall is OK
+        assert response.statuses[0].remaining == 5  # check-only consumes nothing
+    response = await h.call("ex10=1", hits=0)  # request 0 means 1
+    assert response.statuses[0].remaining == 4
+    assert (await h.call(Descriptor((("ex10", "1"),), hits_addend=4))).overall is OK
+    # full: a check-only request is now over
+    assert (await h.call(check)).overall is OVER
+    assert h.stats.rules["d.ex10"].total_hits == 10
+
+
+async def test_probabilistic_check_only_consumes_nothing() -> None:
+    h = Harness()
+    check = Descriptor((("prob", "1"),), hits_addend=0)
+    for _ in range(10):
+        assert (await h.call(check)).overall is OK
+    assert await overall(h, "prob=1", times=4) == [OK, OK, OK, OVER]
+
+
+# --------------------------------------------------------------------------- exact window
+
+
+async def test_exact_sliding_window_has_no_burst_at_the_edge() -> None:
+    h = Harness()
+    h.clock.now = 1_000_000.999
+    assert await overall(h, "sec=1", times=10) == [OK] * 10
+    # a fixed window would reset here and admit 10 more
+    h.clock.now = 1_000_001.0
+    assert await overall(h, "sec=1", times=3) == [OVER] * 3
+    h.clock.now = 1_000_001.9
+    assert (await h.call("sec=1")).overall is OVER
+    # once the slice of the burst has left (at most one slice after T) there is room again
+    h.clock.now = 1_000_002.0
+    assert await overall(h, "sec=1", times=11) == [OK] * 10 + [OVER]
+
+
+async def test_exact_reset_after_and_remaining() -> None:
+    h = Harness()
+    h.clock.now = 1_000_000.5  # slice of 1 s; leaves the 60 s window at 1_000_061
+    response = await h.call("ex=1")
+    status = response.statuses[0]
+    assert status.remaining == 2
+    assert status.reset_after == pytest.approx(60.5)
+    await h.call("ex=1")
+    await h.call("ex=1")
+    h.clock.now = 1_000_010.0
+    response = await h.call("ex=1")
+    status = response.statuses[0]
+    assert (status.code, status.remaining) == (OVER, 0)
+    assert status.reset_after == pytest.approx(51.0)
+
+
+# --------------------------------------------------------------------------- denials consume nothing
+
+
+async def test_denied_request_refunds_probabilistic_credit() -> None:
+    h = Harness()
+    assert await h.codes("p5=1", "ex=1") == [OK, OK, OK]
+    for _ in range(2):
+        await h.call("ex=1")
+    (bucket,) = h.limiter.local.buckets()
+    assert (bucket.admitted, bucket.credit) == (1, 4.0)
+    # ex is full: the request is denied, p5's admitted hit is given back
+    for _ in range(5):
+        assert await h.codes("p5=1", "ex=1") == [OVER, OK, OVER]
+    assert (bucket.admitted, bucket.credit) == (1, 4.0)
+    assert await overall(h, "p5=1", times=5) == [OK] * 4 + [OVER]
+
+
+async def test_probabilistic_denial_does_not_consume_exact_windows() -> None:
+    h = Harness()
+    for _ in range(5):
+        assert await h.codes("p0=1", "ex=1") == [OVER, OVER, OK]
+    response = await h.call("ex=1")
+    assert response.overall is OK
+    assert response.statuses[0].remaining == 2
+
+
+async def test_draw_decides_against_the_ratio() -> None:
+    h = Harness()
+    assert (await h.call("p5=1")).overall is OK
+    (bucket,) = h.limiter.local.buckets()
+    bucket.ratio = 0.5
+    h.draw.value = 0.4
+    assert (await h.call("p5=1")).overall is OVER
+    h.draw.value = 0.6
+    assert (await h.call("p5=1")).overall is OK
+    assert bucket.admitted == 2
+    assert bucket.offered == 3
+
+
+async def test_probabilistic_quota_over_denies_and_consumes_no_exact_window() -> None:
+    """Overall OVER_LIMIT because every quota descriptor (here one, probabilistic) is over:
+    the request is denied, so the exact window of "ex" must not be consumed."""
+    h = Harness()
+    assert (await h.call("pq=1")).overall is OK  # uses pq's only hit
+    for _ in range(3):
+        assert await h.codes("pq=1", "ex=2") == [OVER, OVER, OK]
+    response = await h.call("ex=2")
+    assert response.overall is OK
+    assert response.statuses[0].remaining == 2
+
+
+async def test_admitted_request_with_exact_quota_over_still_consumes() -> None:
+    """A probabilistic quota descriptor is OK, so the request is admitted although the exact
+    quota descriptor is over; the admitted enforced exact hit must then be counted."""
+    h = Harness()
+    assert (await h.call("eq=1")).overall is OK  # exhausts eq
+    results = []
+    for index in range(5):
+        response = await h.call(f"pq=user{index}", "eq=1", "ex=3")
+        results.append((response.overall, response.statuses[2].code))
+    # ex allows 3 per minute: the 4th and 5th requests must be denied
+    assert results == [(OK, OK)] * 3 + [(OVER, OVER)] * 2
+
+
+# --------------------------------------------------------------------------- failure modes
+
+
+class DownStore(EmbeddedStore):
+    async def hit(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
+        raise StoreUnavailable("down")
+
+
+async def test_store_unavailable_applies_failure_mode() -> None:
+    clock = Clock()
+    limiter = RateLimiter(config(), DownStore(clock=clock), clock=clock, draw=Draw())
+    open_response = await limiter.should_rate_limit(Request("d", [_parse("open=1")]))
+    assert open_response.overall is OK
+    assert open_response.statuses[0].remaining == 5
+    closed_response = await limiter.should_rate_limit(Request("d", [_parse("closed=1")]))
+    assert closed_response.overall is OVER
+    assert limiter.stats.store_error == 2
+
+
+# --------------------------------------------------------------------------- stats
+
+
+async def test_stats_counters() -> None:
+    h = Harness()
+    assert await overall(h, "ex10=1", times=12) == [OK] * 10 + [OVER] * 2
+    rule = h.stats.rules["d.ex10"]
+    assert rule.total_hits == 12
+    assert rule.over_limit == 2
+    assert rule.near_limit == 2  # the 9th and 10th hits are past 80 %
+    assert rule.within_limit == 10
+    assert rule.shadow_mode == 0
+
+
+async def test_stats_counters_probabilistic() -> None:
+    h = Harness()
+    assert await overall(h, "p5=1", times=7) == [OK] * 5 + [OVER] * 2
+    rule = h.stats.rules["d.p5"]
+    assert (rule.total_hits, rule.within_limit, rule.near_limit, rule.over_limit) == (7, 5, 1, 2)
+
+
+async def test_stats_keys_are_bounded() -> None:
+    h = Harness(stats=Stats(max_keys=2), default_mode=Mode.EXACT)
+    for index in range(5):
+        override = Descriptor((("user", f"u{index}"),), override=(10, Unit.MINUTE))
+        await h.call(override)
+    assert set(h.stats.rules) == {"d.user_u0", "d.user_u1", OVERFLOW_KEY}
+    assert h.stats.rules[OVERFLOW_KEY].total_hits == 3
+    assert h.stats.overflowed_keys == 3
+
+
+async def test_domain_not_found_keys_are_bounded() -> None:
+    h = Harness(stats=Stats(max_keys=2))
+    for index in range(5):
+        await h.limiter.should_rate_limit(Request(f"x{index}", [_parse("k=v")]))
+    assert h.stats.domain_not_found == {"x0": 1, "x1": 1, OVERFLOW_KEY: 3}
+
+
+# --------------------------------------------------------------------------- bounds under a flood
+
+
+async def test_local_buckets_bounded_under_a_flood() -> None:
+    local = LocalBuckets(max_buckets=100)
+    h = Harness(local=local)
+    for index in range(1000):
+        assert (await h.call(f"prob=client{index}")).overall is OK
+        assert len(local) <= 100
+    assert len(local) == 100
+    assert local.evicted_overflow == 900
+
+
+async def test_exact_windows_bounded_under_a_flood() -> None:
+    h = Harness(max_keys=100)
+    for index in range(1000):
+        assert (await h.call(f"ex=client{index}")).overall is OK
+    stats = h.store.stats()
+    assert stats["exact_keys"] == 100
+    assert stats["evictions"] == 900
+
+
+# --------------------------------------------------------------------------- reload
+
+
+async def test_reload_keeps_probabilistic_counts() -> None:
+    h = Harness()
+    assert await overall(h, "prob=1", times=2) == [OK, OK]
+    h.limiter.swap_config(config(CONFIG.replace("requests_per_unit: 3}", "requests_per_unit: 4}")))
+    response = await h.call("prob=1")
+    assert response.overall is OK
+    limit = response.statuses[0].limit
+    assert limit is not None and limit.requests_per_unit == 4
+    (bucket,) = h.limiter.local.buckets()
+    assert (bucket.limit, bucket.admitted) == (4, 3)
