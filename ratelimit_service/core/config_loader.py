@@ -59,6 +59,16 @@ class ConfigFile:
 
 
 @dataclass(frozen=True, slots=True)
+class _RuleFlags:
+    """Descriptor-level settings that end up on the descriptor's RateLimit."""
+
+    shadow_mode: bool
+    quota_mode: bool
+    detailed_metric: bool
+    metadata: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Inherited:
     mode: Mode
     failure_mode: FailureMode
@@ -213,8 +223,7 @@ class _FileLoader:
             if not isinstance(item, yaml.MappingNode):
                 self.error(
                     item,
-                    "config error, yaml file contains list of type other than map: "
-                    f"{getattr(item, 'value', '')}",
+                    f"config error, yaml file contains list of type other than map: {_show(item)}",
                 )
                 continue
             self.descriptor(item, into, path, inherited)
@@ -241,8 +250,8 @@ class _FileLoader:
                 "share_threshold can only be used with wildcard values (containing '*'), "
                 f"but found key '{element}'",
             )
-        detailed_metric = self.flag(fields.get("detailed_metric"), "detailed_metric")
-        limit = self.rate_limit(fields, config_path, inherited, detailed_metric)
+        flags = self.rule_flags(fields)
+        limit = self.rate_limit(fields.get("rate_limit"), config_path, inherited, flags)
         descriptor = DescriptorNode(
             key=key,
             value=value,
@@ -252,7 +261,7 @@ class _FileLoader:
             pattern=WildcardPattern(value) if is_wildcard and value is not None else None,
             share_threshold=share_threshold,
             value_to_metric=self.flag(fields.get("value_to_metric"), "value_to_metric"),
-            detailed_metric=detailed_metric,
+            detailed_metric=flags.detailed_metric,
             line=node.start_mark.line + 1,
         )
         if not add_child(into, descriptor):
@@ -260,16 +269,30 @@ class _FileLoader:
             return
         self.descriptors(fields.get("descriptors"), descriptor.children, config_path, inherited)
 
+    def rule_flags(self, fields: dict[str, yaml.Node]) -> _RuleFlags:
+        metadata_node = fields.get("metadata")
+        metadata = None
+        if metadata_node is not None:
+            metadata = self.plain(metadata_node)
+            if metadata is not None and not isinstance(metadata, dict):
+                self.error(metadata_node, "error parsing metadata: 'metadata' must be a mapping")
+                metadata = None
+        return _RuleFlags(
+            shadow_mode=self.flag(fields.get("shadow_mode"), "shadow_mode"),
+            quota_mode=self.flag(fields.get("quota_mode"), "quota_mode"),
+            detailed_metric=self.flag(fields.get("detailed_metric"), "detailed_metric"),
+            metadata=metadata,
+        )
+
     def rate_limit(
         self,
-        fields: dict[str, yaml.Node],
+        node: yaml.Node | None,
         config_path: str,
         inherited: _Inherited,
-        detailed_metric: bool,
+        flags: _RuleFlags,
     ) -> RateLimit | None:
-        node = fields.get("rate_limit")
-        if node is None:
-            return None
+        if node is None or (isinstance(node, yaml.ScalarNode) and self.scalar(node) is None):
+            return None  # an empty `rate_limit:` is no limit, as in the Go loader
         limit_fields = self.mapping(node, RATE_LIMIT_KEYS)
         if limit_fields is None:
             return None
@@ -286,26 +309,19 @@ class _FileLoader:
             return None
         name = self.text(limit_fields.get("name"), "name") or ""
         replaces = self.replaces(limit_fields.get("replaces"), name)
-        metadata_node = fields.get("metadata")
-        metadata = None
-        if metadata_node is not None:
-            metadata = self.plain(metadata_node)
-            if metadata is not None and not isinstance(metadata, dict):
-                self.error(metadata_node, "error parsing metadata: 'metadata' must be a mapping")
-                metadata = None
         return RateLimit(
             requests_per_unit=self.requests_per_unit(limit_fields.get("requests_per_unit")),
             unit=unit if unit is not None else Unit.SECOND,
             name=name,
             unlimited=unlimited,
             replaces=replaces,
-            shadow_mode=self.flag(fields.get("shadow_mode"), "shadow_mode"),
-            quota_mode=self.flag(fields.get("quota_mode"), "quota_mode"),
-            detailed_metric=detailed_metric,
+            shadow_mode=flags.shadow_mode,
+            quota_mode=flags.quota_mode,
+            detailed_metric=flags.detailed_metric,
             mode=inherited.mode,
             failure_mode=inherited.failure_mode,
             stats_key=config_path,
-            metadata=metadata,
+            metadata=flags.metadata,
             source=f"{self.file.name}:{node.start_mark.line + 1}",
         )
 
@@ -346,11 +362,23 @@ class _FileLoader:
         return frozenset(names)
 
 
+def _show(node: yaml.Node) -> str:
+    """A node as the Go loader prints it: scalars bare, lists as ``[a b]``."""
+    if isinstance(node, yaml.SequenceNode):
+        return "[" + " ".join(_show(item) for item in node.value) + "]"
+    if isinstance(node, yaml.MappingNode):
+        pairs = (f"{_show(k)}:{_show(v)}" for k, v in node.value)
+        return "map[" + " ".join(pairs) + "]"
+    return str(node.value)
+
+
 def _describe(node: yaml.Node) -> str:
     if isinstance(node, yaml.MappingNode):
         return "a mapping"
     if isinstance(node, yaml.SequenceNode):
         return "a list"
+    if node.tag.endswith(":null"):
+        return "nothing"
     return repr(node.value) if node.tag.endswith(":str") else str(node.value)
 
 

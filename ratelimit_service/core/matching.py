@@ -70,14 +70,14 @@ def stats_key(domain: str, path: list[DescriptorNode], entries: Entries, limit: 
     (value_to_metric); share_threshold nodes always show their pattern."""
     if limit.detailed_metric:
         parts = [
-            node.stats_element() if node.share_threshold else f"{key}_{value}"
+            node.stats_element() if node.share_threshold else _element(key, value)
             for node, (key, value) in zip(path, entries, strict=True)
         ]
         return ".".join([domain, *parts])
     if not any(node.value_to_metric for node in path):
         return limit.stats_key
     parts = [
-        f"{key}_{value}"
+        _element(key, value)
         if node.value_to_metric and not node.share_threshold
         else node.stats_element()
         for node, (key, value) in zip(path, entries, strict=True)
@@ -87,7 +87,12 @@ def stats_key(domain: str, path: list[DescriptorNode], entries: Entries, limit: 
 
 def override_stats_key(domain: str, entries: Entries) -> str:
     """Stats key of a request that carries its own ``limit``: the full request path."""
-    return ".".join([domain, *(f"{key}_{value}" for key, value in entries)])
+    return ".".join([domain, *(_element(key, value) for key, value in entries)])
+
+
+def _element(key: str, value: str) -> str:
+    """``key_value``, or just ``key`` for an empty value (as the Go service writes it)."""
+    return f"{key}_{value}" if value else key
 
 
 def bucket_key(domain: str, path: list[DescriptorNode], entries: Entries) -> str:
