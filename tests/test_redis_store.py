@@ -1,0 +1,185 @@
+"""The Redis store against a real redis-server: exact windows, fleet sync, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from ratelimit_service.core.exact import ExactHit, HitRole
+from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.redis_store import RedisStore
+
+
+@pytest.fixture
+async def store(redis_server):  # type: ignore[no-untyped-def]
+    store = RedisStore(redis_server.url, request_timeout=0.2)
+    yield store
+    await store.close()
+
+
+async def test_exact_admits_exactly_the_limit(store: RedisStore) -> None:
+    results = [await store.hit([ExactHit("k", 3, 60, 1)], True) for _ in range(5)]
+    assert [r[0].admitted for r in results] == [True, True, True, False, False]
+    assert [r[0].remaining for r in results] == [2, 1, 0, 0, 0]
+    assert [r[0].before for r in results] == [0, 1, 2, 3, 3]
+    # Denied: the wait is until the first hit leaves a 60 s window (plus at most a slice).
+    assert 59.0 < results[-1][0].reset_after <= 61.1
+
+
+async def test_hits_addend_and_check_only(store: RedisStore) -> None:
+    first = await store.hit([ExactHit("k", 10, 60, 7)], True)
+    assert first[0].admitted and first[0].remaining == 3
+    too_many = await store.hit([ExactHit("k", 10, 60, 4)], True)
+    assert not too_many[0].admitted and too_many[0].before == 7
+    check = await store.hit([ExactHit("k", 10, 60, 0)], True)
+    assert check[0].admitted and check[0].remaining == 3  # consumed nothing
+    fits = await store.hit([ExactHit("k", 10, 60, 3)], True)
+    assert fits[0].admitted and fits[0].remaining == 0
+    full_check = await store.hit([ExactHit("k", 10, 60, 0)], True)
+    assert not full_check[0].admitted
+
+
+async def test_denied_request_consumes_no_other_descriptor(store: RedisStore) -> None:
+    await store.hit([ExactHit("full", 1, 60, 1)], True)
+    result = await store.hit([ExactHit("roomy", 5, 60, 1), ExactHit("full", 1, 60, 1)], True)
+    assert [r.admitted for r in result] == [True, False]
+    again = await store.hit([ExactHit("roomy", 5, 60, 1)], True)
+    assert again[0].before == 0  # the denied request did not consume "roomy"
+
+
+async def test_shadow_and_quota_roles(store: RedisStore) -> None:
+    await store.hit([ExactHit("s", 1, 60, 1)], True)
+    shadowed = await store.hit(
+        [ExactHit("s", 1, 60, 1, HitRole.SHADOW), ExactHit("e", 5, 60, 1)], True
+    )
+    assert [r.admitted for r in shadowed] == [False, True]
+    assert (await store.hit([ExactHit("e", 5, 60, 0)], True))[0].before == 1  # consumed
+    await store.hit([ExactHit("q1", 1, 60, 1)], True)
+    quota = await store.hit(
+        [ExactHit("q1", 1, 60, 1, HitRole.QUOTA), ExactHit("q2", 1, 60, 1, HitRole.QUOTA)], True
+    )
+    assert [r.admitted for r in quota] == [False, True]
+    assert (await store.hit([ExactHit("q2", 1, 60, 0)], True))[0].before == 1
+
+
+async def test_commit_false_checks_only(store: RedisStore) -> None:
+    result = await store.hit([ExactHit("k", 2, 60, 1)], False)
+    assert result[0].admitted
+    assert (await store.hit([ExactHit("k", 2, 60, 0)], True))[0].before == 0
+
+
+async def test_sliding_window_has_no_edge_burst(store: RedisStore) -> None:
+    """A 1 s window: hits admitted late in one second block the start of the next."""
+    admitted = [(await store.hit([ExactHit("edge", 5, 1, 1)], True))[0].admitted for _ in range(5)]
+    assert admitted == [True] * 5
+    await asyncio.sleep(0.5)  # a fixed window aligned to seconds may have rolled over here
+    later = [(await store.hit([ExactHit("edge", 5, 1, 1)], True))[0].admitted for _ in range(3)]
+    assert later == [False, False, False]
+    await asyncio.sleep(0.6)  # now more than a window (plus one slice) after the first hits
+    assert (await store.hit([ExactHit("edge", 5, 1, 1)], True))[0].admitted
+
+
+async def test_script_reloaded_after_flush(store: RedisStore, redis_server) -> None:  # type: ignore[no-untyped-def]
+    await store.hit([ExactHit("k", 5, 60, 1)], True)
+    raw = aioredis.Redis.from_url(redis_server.url)
+    await raw.script_flush()
+    await raw.aclose()
+    result = await store.hit([ExactHit("k", 5, 60, 1)], True)
+    assert result[0].before == 1
+
+
+async def test_fleet_sync_token_bucket(store: RedisStore) -> None:
+    first = await store.sync([BucketReport("b", 100, 1, offered=150, admitted=60)], 0.25)
+    assert first.nodes == 1
+    assert 39.0 <= first.views[0].tokens <= 41.5  # 100 - 60, plus a few ms of refill
+    assert first.views[0].offered_total == 150
+    await asyncio.sleep(0.2)
+    second = await store.sync([BucketReport("b", 100, 1, offered=10, admitted=0)], 0.25)
+    assert 55.0 <= second.views[0].tokens <= 75.0  # refilled at 100/s for ~0.2 s
+    assert second.views[0].offered_total == 160
+    debt = await store.sync([BucketReport("b", 100, 1, offered=0, admitted=1000)], 0.25)
+    assert debt.views[0].tokens == -100.0  # debt is bounded by one window
+
+
+async def test_nodes_are_counted_by_heartbeat(redis_server) -> None:  # type: ignore[no-untyped-def]
+    stores = [RedisStore(redis_server.url) for _ in range(3)]
+    try:
+        for store in stores:
+            await store.sync([], 0.25)
+        result = await stores[0].sync([], 0.25)
+        assert result.nodes == 3
+        assert result.views == []
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_paused_redis_times_out_within_bound(redis_server) -> None:  # type: ignore[no-untyped-def]
+    store = RedisStore(redis_server.url, request_timeout=0.02, sync_timeout=0.05)
+    try:
+        await store.hit([ExactHit("k", 5, 60, 1)], True)  # connection established
+        redis_server.pause()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.hit([ExactHit("k", 5, 60, 1)], True)
+        assert time.monotonic() - started < 0.5
+        # The circuit is open now: the next call fails at once, without waiting.
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="circuit open"):
+            await store.hit([ExactHit("k", 5, 60, 1)], True)
+        assert time.monotonic() - started < 0.01
+        with pytest.raises(StoreUnavailable):
+            await asyncio.sleep(0.1)
+            await store.sync([], 0.25)
+    finally:
+        redis_server.resume()
+        await store.close()
+
+
+async def test_recovers_after_restart(redis_server) -> None:  # type: ignore[no-untyped-def]
+    store = RedisStore(redis_server.url, request_timeout=0.05)
+    try:
+        await store.hit([ExactHit("k", 5, 60, 1)], True)
+        redis_server.stop()
+        deadline = time.monotonic() + 5
+        while store.healthy() and time.monotonic() < deadline:
+            with pytest.raises(StoreUnavailable):
+                await store.hit([ExactHit("k", 5, 60, 1)], True)
+            await asyncio.sleep(0.05)
+        assert not store.healthy()
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                result = await store.hit([ExactHit("k", 5, 60, 1)], True)
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the store never recovered")
+        assert result[0].admitted
+        for _ in range(3):
+            await store.hit([ExactHit("k2", 50, 60, 1)], True)
+        assert store.healthy()
+    finally:
+        await store.close()
+
+
+async def test_memory_per_window_key(store: RedisStore, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A busy exact key holds at most 61 slices; its memory stays small (README figure)."""
+    for _ in range(200):
+        await store.hit([ExactHit("busy", 10**6, 1, 1)], True)
+        await asyncio.sleep(0.005)
+    raw = aioredis.Redis.from_url(redis_server.url)
+    try:
+        key = store._exact_key("busy", 1)
+        fields = await raw.hlen(key)
+        usage = await raw.memory_usage(key)
+    finally:
+        await raw.aclose()
+    assert 1 <= fields <= 61
+    assert usage is not None and usage < 2048
