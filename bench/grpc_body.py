@@ -1,6 +1,6 @@
 """Write a gRPC-framed ShouldRateLimit request body for h2load (-d FILE).
 
-    python bench/grpc_body.py out.bin --domain edge --descriptor remote_address=10.0.0.1
+python bench/grpc_body.py out.bin --domain edge --descriptor remote_address=10.0.0.1
 """
 
 from __future__ import annotations

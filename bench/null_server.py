@@ -18,7 +18,7 @@ _OK = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
 
 
 class NullServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
-    async def ShouldRateLimit(self, request, context):  # noqa: N802, ANN001, ANN201
+    async def ShouldRateLimit(self, request, context):
         return _OK
 
 

@@ -10,7 +10,7 @@ import pytest
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import Mode, RateLimitConfig
 from ratelimit_service.core.exact import ExactHit, ExactResult
-from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
 from ratelimit_service.core.request import (
     UINT32_MAX,
     Code,
@@ -83,6 +83,9 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 5}
   - key: open
     mode: exact
+    rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: pclosed
+    failure_mode: closed
     rate_limit: {unit: minute, requests_per_unit: 5}
 """
 
@@ -257,7 +260,7 @@ async def test_global_shadow() -> None:
     assert h.stats.rules["d.ex"].over_limit == 2
 
 
-# --------------------------------------------------------------------------- overrides and hits
+# ------------------------------------------------------------------------ overrides and hits
 
 
 async def test_per_request_limit_override() -> None:
@@ -355,7 +358,7 @@ async def test_exact_reset_after_and_remaining() -> None:
     assert status.reset_after == pytest.approx(51.0)
 
 
-# --------------------------------------------------------------------------- denials consume nothing
+# ------------------------------------------------------------------- denials consume nothing
 
 
 async def test_denied_request_refunds_probabilistic_credit() -> None:
@@ -438,6 +441,23 @@ async def test_store_unavailable_applies_failure_mode() -> None:
     assert limiter.stats.store_error == 2
 
 
+def _bucket(h: Harness, key: str) -> ProbabilisticBucket:
+    return next(b for b in h.limiter.local.buckets() if b.key == f"d\x1f{key}\x1e1")
+
+
+async def test_stale_sync_applies_failure_mode_to_probabilistic_rules() -> None:
+    h = Harness()
+    h.limiter.local.last_sync_ok = h.clock.now - 10.0  # stale_after is 3 s by default
+    assert await overall(h, "pclosed=1", times=2) == [OVER, OVER]
+    assert await overall(h, "p5=1", times=8) == [OK] * 8  # open: past the credit
+    p5 = _bucket(h, "p5")
+    assert (p5.offered, p5.admitted, p5.credit) == (8, 8, 5.0)
+    assert _bucket(h, "pclosed").offered == 2
+    # fresh again: the credit decides
+    h.limiter.local.last_sync_ok = h.clock.now
+    assert await overall(h, "pclosed=1", times=6) == [OK] * 5 + [OVER]
+
+
 # --------------------------------------------------------------------------- stats
 
 
@@ -477,6 +497,13 @@ async def test_domain_not_found_keys_are_bounded() -> None:
 
 
 # --------------------------------------------------------------------------- bounds under a flood
+
+
+async def test_injected_parts_are_used() -> None:
+    local, stats = LocalBuckets(max_buckets=7), Stats(max_keys=3)
+    h = Harness(local=local, stats=stats)
+    assert h.limiter.local is local
+    assert h.limiter.stats is stats
 
 
 async def test_local_buckets_bounded_under_a_flood() -> None:

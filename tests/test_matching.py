@@ -334,11 +334,14 @@ STATS = domain(
         # detailed_metric: the request path
         ([("detailed", "x"), ("path", "/api/users")], "d.detailed_x.path_/api/users"),
         ([("detailed", "y"), ("path", "/api/")], "d.detailed_y.path_/api/"),
+        # an empty value shows as the bare key, as the Go service writes it
+        ([("detailed", ""), ("path", "/api/x")], "d.detailed.path_/api/x"),
         # detailed_metric on a share_threshold node keeps the pattern
         ([("shared", "/s/abc")], "d.shared_/s/*"),
         ([("sharedplain", "/sp/abc")], "d.sharedplain_/sp/*"),
         # value_to_metric: the value of the flagged nodes only
         ([("vtm", "a"), ("user", "u1")], "d.vtm_a.user"),
+        ([("vtm", ""), ("user", "u1")], "d.vtm.user"),
         ([("vtmleaf", "a"), ("user", "u1")], "d.vtmleaf.user_u1"),
         # value_to_metric on a share_threshold node keeps the pattern
         ([("vtmshare", "/x/1"), ("user", "u1")], "d.vtmshare_/x/*.user_u1"),
@@ -353,6 +356,7 @@ def test_stats_key(entries: Entries, expected: str) -> None:
 def test_override_stats_key_is_request_path() -> None:
     entries = [("a", "1"), ("b", "x.y")]
     assert override_stats_key("d", entries) == "d.a_1.b_x.y"
+    assert override_stats_key("d", [("a", ""), ("b", "2")]) == "d.a.b_2"
 
 
 # --------------------------------------------------------------------------- bucket keys

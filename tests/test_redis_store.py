@@ -15,7 +15,7 @@ from ratelimit_service.storage.redis_store import RedisStore
 
 
 @pytest.fixture
-async def store(redis_server):  # type: ignore[no-untyped-def]
+async def store(redis_server):
     store = RedisStore(redis_server.url, request_timeout=0.2)
     yield store
     await store.close()
@@ -83,7 +83,7 @@ async def test_sliding_window_has_no_edge_burst(store: RedisStore) -> None:
     assert (await store.hit([ExactHit("edge", 5, 1, 1)], True))[0].admitted
 
 
-async def test_script_reloaded_after_flush(store: RedisStore, redis_server) -> None:  # type: ignore[no-untyped-def]
+async def test_script_reloaded_after_flush(store: RedisStore, redis_server) -> None:
     await store.hit([ExactHit("k", 5, 60, 1)], True)
     raw = aioredis.Redis.from_url(redis_server.url)
     await raw.script_flush()
@@ -105,7 +105,7 @@ async def test_fleet_sync_token_bucket(store: RedisStore) -> None:
     assert debt.views[0].tokens == -100.0  # debt is bounded by one window
 
 
-async def test_nodes_are_counted_by_heartbeat(redis_server) -> None:  # type: ignore[no-untyped-def]
+async def test_nodes_are_counted_by_heartbeat(redis_server) -> None:
     stores = [RedisStore(redis_server.url) for _ in range(3)]
     try:
         for store in stores:
@@ -118,7 +118,7 @@ async def test_nodes_are_counted_by_heartbeat(redis_server) -> None:  # type: ig
             await store.close()
 
 
-async def test_paused_redis_times_out_within_bound(redis_server) -> None:  # type: ignore[no-untyped-def]
+async def test_paused_redis_times_out_within_bound(redis_server) -> None:
     store = RedisStore(redis_server.url, request_timeout=0.02, sync_timeout=0.05)
     try:
         await store.hit([ExactHit("k", 5, 60, 1)], True)  # connection established
@@ -140,7 +140,7 @@ async def test_paused_redis_times_out_within_bound(redis_server) -> None:  # typ
         await store.close()
 
 
-async def test_recovers_after_restart(redis_server) -> None:  # type: ignore[no-untyped-def]
+async def test_recovers_after_restart(redis_server) -> None:
     store = RedisStore(redis_server.url, request_timeout=0.05)
     try:
         await store.hit([ExactHit("k", 5, 60, 1)], True)
@@ -169,7 +169,7 @@ async def test_recovers_after_restart(redis_server) -> None:  # type: ignore[no-
         await store.close()
 
 
-async def test_memory_per_window_key(store: RedisStore, redis_server) -> None:  # type: ignore[no-untyped-def]
+async def test_memory_per_window_key(store: RedisStore, redis_server) -> None:
     """A busy exact key holds at most 61 slices; its memory stays small (README figure)."""
     for _ in range(200):
         await store.hit([ExactHit("busy", 10**6, 1, 1)], True)

@@ -1,0 +1,212 @@
+"""Start a real redis-server and N real service processes, and drive open-loop traffic.
+
+Open loop: request i leaves at its scheduled time whatever happened to earlier ones,
+so a slow or denying service cannot slow the offered rate down (a closed loop would
+hide overload). Each answer is recorded in the time bucket of its send time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
+
+from ratelimit_service.client import build_request
+
+OVER_LIMIT = 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def redis_server(directory: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port)
+        yield f"redis://127.0.0.1:{port}/0", process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def wait_port(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+def wait_healthy(admin_port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{admin_port}/healthcheck"
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=0.5) as response:
+            if response.status == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"service with admin port {admin_port} never became healthy")
+
+
+@dataclass
+class Node:
+    process: subprocess.Popen[bytes]
+    grpc_port: int
+    admin_port: int
+
+
+@contextlib.contextmanager
+def service_fleet(
+    count: int, config: Path, redis_url: str, extra: Sequence[str] = ()
+) -> Iterator[list[Node]]:
+    nodes: list[Node] = []
+    try:
+        for _ in range(count):
+            grpc_port, admin_port = free_port(), free_port()
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ratelimit_service",
+                    "serve",
+                    "--config",
+                    str(config),
+                    "--grpc-addr",
+                    f"127.0.0.1:{grpc_port}",
+                    "--admin-addr",
+                    f"127.0.0.1:{admin_port}",
+                    "--redis-url",
+                    redis_url,
+                    *extra,
+                ],
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            nodes.append(Node(process, grpc_port, admin_port))
+        for node in nodes:
+            wait_healthy(node.admin_port)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.process.send_signal(signal.SIGTERM)
+        for node in nodes:
+            try:
+                node.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+
+
+@dataclass
+class Timeline:
+    bucket: float
+    offered: dict[int, int] = field(default_factory=dict)
+    admitted: dict[int, int] = field(default_factory=dict)
+    errors: int = 0
+    latencies: list[float] = field(default_factory=list)
+    admitted_at: list[float] = field(default_factory=list)
+
+    def record(self, at: float, admitted: bool, latency: float) -> None:
+        index = int(at / self.bucket)
+        self.offered[index] = self.offered.get(index, 0) + 1
+        if admitted:
+            self.admitted[index] = self.admitted.get(index, 0) + 1
+            self.admitted_at.append(at)
+        self.latencies.append(latency)
+
+    def rows(self) -> list[tuple[float, int, int]]:
+        last = max(self.offered, default=-1)
+        return [
+            (i * self.bucket, self.offered.get(i, 0), self.admitted.get(i, 0))
+            for i in range(last + 1)
+        ]
+
+
+async def drive(
+    ports: Sequence[int],
+    skew: Sequence[float],
+    rate_at: Callable[[float], float],
+    seconds: float,
+    domain: str,
+    descriptor: str,
+    bucket: float = 0.25,
+) -> Timeline:
+    """Open-loop traffic: request i is sent at its scheduled time whatever the answers."""
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for port in ports]
+    stubs = [rls_pb2_grpc.RateLimitServiceStub(channel) for channel in channels]
+    request = build_request(domain, [descriptor], 0)
+    timeline = Timeline(bucket)
+    weights = [w / sum(skew) for w in skew]
+    debt = [0.0] * len(stubs)
+    tasks: set[asyncio.Task[None]] = set()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def one(stub: rls_pb2_grpc.RateLimitServiceStub, at: float) -> None:
+        sent = loop.time()
+        try:
+            response = await stub.ShouldRateLimit(request, timeout=2)
+        except grpc.aio.AioRpcError:
+            timeline.errors += 1
+            return
+        timeline.record(sent - start, response.overall_code != OVER_LIMIT, loop.time() - sent)
+
+    now = 0.0
+    tick = 0.002
+    while now < seconds:
+        rate = rate_at(now)
+        for index, weight in enumerate(weights):
+            debt[index] += rate * weight * tick
+            while debt[index] >= 1:
+                debt[index] -= 1
+                task = asyncio.create_task(one(stubs[index], now))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        now += tick
+        # Always yield, even when behind schedule, so responses get processed.
+        await asyncio.sleep(max(0.0, start + now - loop.time()))
+    if tasks:
+        await asyncio.gather(*tasks)
+    for channel in channels:
+        await channel.close()
+    return timeline
+
+
+def write_config(directory: Path, limit: int, unit: str, mode: str) -> Path:
+    path = directory / "fleet.yaml"
+    path.write_text(
+        f"domain: fleet\ndescriptors:\n  - key: k\n    mode: {mode}\n"
+        f"    rate_limit: {{unit: {unit}, requests_per_unit: {limit}}}\n"
+    )
+    return path

@@ -1,0 +1,165 @@
+"""Several real service processes on one real Redis: the fleet behaviours of both modes.
+
+The rates and durations are small so the suite stays quick on two cores; the
+tolerances here are test tolerances, and the benchmark figures (docs/benchmarks.md)
+are the accuracy claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
+
+from ratelimit_service.client import build_request
+from ratelimit_service.testing.fleet import (
+    Node,
+    Timeline,
+    drive,
+    service_fleet,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+OVER_LIMIT = 2
+
+
+@pytest.fixture
+def fleet_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Path(tmp)
+
+
+def steady_rate(timeline: Timeline, start: float, end: float) -> tuple[float, float]:
+    """Offered and admitted per second over [start, end) by send time."""
+    rows = [row for row in timeline.rows() if start <= row[0] < end]
+    span = len(rows) * timeline.bucket
+    return sum(r[1] for r in rows) / span, sum(r[2] for r in rows) / span
+
+
+async def concurrent_calls(nodes: list[Node], per_node: int, descriptor: str) -> list[bool]:
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{n.grpc_port}") for n in nodes]
+    request = build_request("fleet", [descriptor], 0)
+    try:
+        stubs = [rls_pb2_grpc.RateLimitServiceStub(c) for c in channels]
+        calls = [stub.ShouldRateLimit(request) for stub in stubs for _ in range(per_node)]
+        responses = await asyncio.gather(*calls)
+    finally:
+        for channel in channels:
+            await channel.close()
+    return [r.overall_code != OVER_LIMIT for r in responses]
+
+
+def test_exact_limit_holds_across_three_processes(redis_server, fleet_dir: Path) -> None:
+    config = write_config(fleet_dir, 100, "minute", "exact")
+    with service_fleet(3, config, redis_server.url, ["--redis-timeout", "0.5"]) as nodes:
+        admitted = asyncio.run(concurrent_calls(nodes, 100, "k=v"))
+    assert len(admitted) == 300
+    assert sum(admitted) == 100
+
+
+def test_exact_window_never_exceeds_limit(redis_server, fleet_dir: Path) -> None:
+    """3 processes, 20 per second, offered 60 per second for 3.5 s across window edges."""
+    config = write_config(fleet_dir, 20, "second", "exact")
+    with service_fleet(3, config, redis_server.url, ["--redis-timeout", "0.5"]) as nodes:
+        timeline = asyncio.run(
+            drive([n.grpc_port for n in nodes], [1, 1, 1], lambda t: 60, 3.5, "fleet", "k=v")
+        )
+    assert timeline.errors == 0
+    sends = sorted(timeline.admitted_at)
+    assert len(sends) >= 50  # about 20 per second were admitted
+    # Any 21 admitted requests span more than a window (less the latency of one call).
+    spans = [sends[i + 20] - sends[i] for i in range(len(sends) - 20)]
+    assert min(spans) > 0.95
+
+
+def test_probabilistic_accuracy_with_skewed_traffic(redis_server, fleet_dir: Path) -> None:
+    config = write_config(fleet_dir, 200, "second", "probabilistic")
+    with service_fleet(3, config, redis_server.url) as nodes:
+        timeline = asyncio.run(
+            drive([n.grpc_port for n in nodes], [0.6, 0.3, 0.1], lambda t: 400, 6, "fleet", "k=v")
+        )
+    assert timeline.errors == 0
+    offered, admitted = steady_rate(timeline, 2.0, 6.0)
+    assert offered == pytest.approx(400, rel=0.05)
+    assert admitted == pytest.approx(200, rel=0.10)
+
+
+def test_probabilistic_under_the_limit_admits_everything(redis_server, fleet_dir: Path) -> None:
+    config = write_config(fleet_dir, 200, "second", "probabilistic")
+    with service_fleet(3, config, redis_server.url) as nodes:
+        timeline = asyncio.run(
+            drive([n.grpc_port for n in nodes], [0.6, 0.3, 0.1], lambda t: 140, 5, "fleet", "k=v")
+        )
+    offered, admitted = steady_rate(timeline, 0.0, 5.0)
+    assert admitted / offered >= 0.99
+
+
+def test_probabilistic_step_change(redis_server, fleet_dir: Path) -> None:
+    """0.5x the limit, then 3x: after the burst the fleet is back near the limit."""
+    config = write_config(fleet_dir, 150, "second", "probabilistic")
+    with service_fleet(3, config, redis_server.url) as nodes:
+        timeline = asyncio.run(
+            drive(
+                [n.grpc_port for n in nodes],
+                [0.5, 0.3, 0.2],
+                lambda t: 75 if t < 3 else 450,
+                7,
+                "fleet",
+                "k=v",
+            )
+        )
+    _, before = steady_rate(timeline, 1.0, 3.0)
+    assert before == pytest.approx(75, rel=0.1)
+    _, after = steady_rate(timeline, 4.5, 7.0)
+    assert after == pytest.approx(150, rel=0.15)
+
+
+def test_probabilistic_makes_no_redis_call_on_the_request_path(
+    redis_server, fleet_dir: Path
+) -> None:
+    """Redis frozen with SIGSTOP: probabilistic answers keep coming at normal latency."""
+    config = write_config(fleet_dir, 1000, "second", "probabilistic")
+    with service_fleet(2, config, redis_server.url) as nodes:
+        ports = [n.grpc_port for n in nodes]
+        asyncio.run(drive(ports, [1, 1], lambda t: 100, 1, "fleet", "k=v"))
+        redis_server.pause()
+        try:
+            frozen = asyncio.run(drive(ports, [1, 1], lambda t: 100, 2, "fleet", "k=v"))
+        finally:
+            redis_server.resume()
+    assert frozen.errors == 0
+    assert sum(frozen.admitted.values()) == sum(frozen.offered.values())
+    latencies = sorted(frozen.latencies)
+    assert latencies[int(len(latencies) * 0.99)] < 0.05
+
+
+def test_redis_restart_under_load(redis_server, fleet_dir: Path) -> None:
+    """Redis dies mid-run and comes back: no errors, fail open while down, limit again after."""
+    config = write_config(fleet_dir, 100, "second", "probabilistic")
+    extra = ["--stale-after", "0.5"]
+    with service_fleet(3, config, redis_server.url, extra) as nodes:
+        ports = [n.grpc_port for n in nodes]
+
+        async def scenario() -> Timeline:
+            task = asyncio.create_task(
+                drive(ports, [0.5, 0.3, 0.2], lambda t: 200, 9, "fleet", "k=v")
+            )
+            await asyncio.sleep(2.5)
+            redis_server.stop()
+            await asyncio.sleep(2.5)
+            redis_server.start()
+            return await task
+
+        timeline = asyncio.run(scenario())
+    assert timeline.errors == 0
+    _, during = steady_rate(timeline, 3.5, 5.0)
+    assert during > 150  # failing open (failure_mode: open) once the ratios went stale
+    _, after = steady_rate(timeline, 7.0, 9.0)
+    assert after == pytest.approx(100, rel=0.2)
