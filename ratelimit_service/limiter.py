@@ -128,6 +128,7 @@ class RateLimiter:
         local = self.local
         exact: list[_Pending] = []
         denied = False
+        quota_seen = quota_ok = False  # probabilistic quota-mode descriptors
         stale = local.stale(now)
         for item in pending:
             limit = item.limit
@@ -148,21 +149,34 @@ class RateLimiter:
             status = statuses[item.index]
             status.remaining = bucket.remaining()
             status.reset_after = bucket.reset_estimate(now)
-            if not item.admitted and _role(limit) is HitRole.ENFORCE:
+            role = _role(limit)
+            if role is HitRole.QUOTA:
+                quota_seen = True
+                quota_ok = quota_ok or item.admitted
+            elif role is HitRole.ENFORCE and not item.admitted:
                 denied = True
         if exact:
-            await self._decide_exact(exact, statuses, commit=not denied)
+            exact_quota = any(_role(item.limit) is HitRole.QUOTA for item in exact)
+            if quota_seen and not quota_ok and not exact_quota:
+                denied = True  # every quota descriptor is over: the request is denied
+            await self._decide_exact(exact, statuses, commit=not denied, quota_met=quota_ok)
 
     async def _decide_exact(
-        self, exact: list[_Pending], statuses: list[DescriptorStatus], commit: bool
+        self,
+        exact: list[_Pending],
+        statuses: list[DescriptorStatus],
+        commit: bool,
+        quota_met: bool,
     ) -> None:
+        """``quota_met``: a probabilistic quota descriptor already lets the request
+        through, so exact quota hits can no longer deny it (they still consume)."""
         hits = [
             ExactHit(
                 key=item.match.bucket_key,
                 limit=item.limit.requests_per_unit,
                 window_seconds=item.limit.window_seconds,
                 hits=item.hits,
-                role=_role(item.limit),
+                role=_exact_role(item.limit, quota_met),
             )
             for item in exact
         ]
@@ -194,10 +208,10 @@ class RateLimiter:
             rule.within_limit += within
             if item.admitted:
                 continue
+            rule.over_limit += over
             if limit.shadow_mode:
-                rule.shadow_mode += item.hits
+                rule.shadow_mode += item.hits  # would have been denied; reported OK
             else:
-                rule.over_limit += over
                 status.code = Code.OVER_LIMIT
                 status.remaining = 0
         overall = overall_code(statuses)
@@ -224,6 +238,11 @@ def _role(limit: RateLimit) -> HitRole:
     if limit.quota_mode:
         return HitRole.QUOTA
     return HitRole.ENFORCE
+
+
+def _exact_role(limit: RateLimit, quota_met: bool) -> HitRole:
+    role = _role(limit)
+    return HitRole.SHADOW if quota_met and role is HitRole.QUOTA else role
 
 
 def _failure_result(limit: RateLimit) -> ExactResult:

@@ -168,12 +168,17 @@ class RateLimitService:
     # -- admin pages ---------------------------------------------------------------
 
     def healthy(self) -> bool:
-        return self._serving and self.store.healthy()
+        """Serving calls. A store outage does not make the service unhealthy: every rule
+        still answers (by its failure_mode), and taking all replicas out of rotation at
+        once would only move the decision to Envoy's own failure mode."""
+        return self._serving
 
     def _healthcheck_page(self) -> tuple[int, str, bytes]:
+        store = "healthy" if self.store.healthy() else "unavailable (rules use failure_mode)"
+        detail = f"store: {self.store.name} {store}\n".encode()
         if self.healthy():
-            return 200, "text/plain", b"OK\n"
-        return 503, "text/plain", b"NOT SERVING\n"
+            return 200, "text/plain", b"OK\n" + detail
+        return 503, "text/plain", b"NOT SERVING\n" + detail
 
     def _metrics_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)

@@ -465,9 +465,12 @@ def test_unit_change_on_reload_updates_the_window() -> None:
     local = LocalBuckets()
     bucket = local.get("k", 10, 60, now=0.0)
     LocalBuckets.decide(bucket, 1, 0.9)
-    local.get("k", 10, 1, now=1.0)
+    fresh = local.get("k", 10, 1, now=1.0)
+    assert fresh is not bucket and fresh.window_seconds == 1
+    assert len(local) == 1
+    LocalBuckets.decide(fresh, 1, 0.9)
     reports = local.take_reports(now=2.0, interval=0.25)
-    assert [r.window_seconds for r in reports] == [1]
+    assert [(r.window_seconds, r.offered) for r in reports] == [(1, 1)]
 
 
 # --------------------------------------------------------------------------- closed loop

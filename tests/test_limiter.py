@@ -150,8 +150,11 @@ class Harness:
 
 
 def _parse(text: str) -> Descriptor:
-    entries = tuple(tuple(part.split("=", 1)) for part in text.split(","))
-    return Descriptor(entries)  # type: ignore[arg-type]
+    entries: list[tuple[str, str]] = []
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        entries.append((key, value))
+    return Descriptor(tuple(entries))
 
 
 async def overall(h: Harness, *descriptors: Descriptor | str, times: int) -> list[Code]:

@@ -76,7 +76,7 @@ def evaluate(
         if ok:
             reset = window.next_drop(now)
         else:
-            reset = window.wait_for_room(now, hit.hits, hit.limit)
+            reset = window.wait_for_room(now, max(hit.hits, 1), hit.limit)
         results.append(
             ExactResult(
                 admitted=ok,

@@ -109,9 +109,11 @@ class LocalBuckets:
 
     def get(self, key: str, limit: int, window_seconds: int, now: float) -> ProbabilisticBucket:
         bucket = self._buckets.get(key)
-        if bucket is None:
+        if bucket is None or bucket.window_seconds != window_seconds:
+            # New, or a reload changed the unit: counts of another window mean nothing.
             bucket = ProbabilisticBucket(key, limit, window_seconds, now, self.nodes)
             self._buckets[key] = bucket
+            self._buckets.move_to_end(key)
             if len(self._buckets) > self.max_buckets:
                 self._buckets.popitem(last=False)
                 self.evicted_overflow += 1

@@ -85,7 +85,7 @@ for i = 1, n do
   if s.ok then
     if #s.live > 0 then reset = leave_after(s, s.live[1][1]) end
   else
-    local excess = before + s.hits - s.limit
+    local excess = before + math.max(s.hits, 1) - s.limit
     local freed = 0
     for _, slice in ipairs(s.live) do
       freed = freed + slice[2]

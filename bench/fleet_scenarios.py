@@ -1,0 +1,182 @@
+"""The fleet accuracy scenarios behind docs/benchmarks.md (issue targets in brackets).
+
+    python bench/fleet_scenarios.py --out bench/out
+
+Each scenario starts a fresh redis-server and N service processes, drives skewed
+open-loop traffic (skew 0.4/0.3/0.2/0.1) and writes <out>/<scenario>.csv (t,
+offered, admitted per 250 ms). The summary table is printed as Markdown.
+
+- overload: offered 2x the limit [fleet admitted within +-5% of the limit]
+- under:    offered 0.7x the limit [>= 99.5% admitted]
+- step:     0.5x, then 3x [back within +-10% of the limit in <= 1 s]
+- exact:    exact mode, 2x the limit [never over the limit in any window]
+- outage:   probabilistic, Redis SIGSTOPped for 3 s mid-run [0 errors, no latency spike]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ratelimit_service.testing.fleet import (
+    Timeline,
+    drive,
+    redis_server,
+    service_fleet,
+    write_config,
+)
+
+SKEW = [0.4, 0.3, 0.2, 0.1]
+
+
+def run(
+    name: str,
+    mode: str,
+    limit: int,
+    rate: Callable[[float], float],
+    seconds: float,
+    nodes: int,
+    out: Path,
+    during: Callable[[object], object] | None = None,
+) -> Timeline:
+    with tempfile.TemporaryDirectory() as tmp, redis_server(Path(tmp)) as (url, process):
+        config = write_config(Path(tmp), limit, "second", mode)
+        extra = ["--redis-timeout", "0.05"] if mode == "exact" else []
+        with service_fleet(nodes, config, url, extra) as fleet:
+            ports = [n.grpc_port for n in fleet]
+
+            async def scenario() -> Timeline:
+                task = asyncio.create_task(
+                    drive(ports, SKEW[:nodes], rate, seconds, "fleet", "k=v")
+                )
+                if during is not None:
+                    await during(process)  # type: ignore[misc]
+                return await task
+
+            timeline = asyncio.run(scenario())
+    with open(out / f"{name}.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["t", "offered", "admitted"])
+        writer.writerows(timeline.rows())
+    return timeline
+
+
+def window_rate(timeline: Timeline, start: float, end: float) -> tuple[float, float]:
+    rows = [r for r in timeline.rows() if start <= r[0] < end]
+    span = len(rows) * timeline.bucket
+    return sum(r[1] for r in rows) / span, sum(r[2] for r in rows) / span
+
+
+def reaction_time(timeline: Timeline, step_at: float, limit: float, tolerance: float) -> float:
+    """Seconds after the step until the 0.5 s moving admitted rate enters +-tolerance of
+    the limit and stays there until the end."""
+    rows = timeline.rows()
+    per_second = [r[2] / timeline.bucket for r in rows]
+    moving = [(per_second[i] + per_second[i - 1]) / 2 for i in range(1, len(rows))]
+    times = [rows[i][0] + timeline.bucket for i in range(1, len(rows))]
+    last_bad = step_at
+    for t, value in zip(times, moving, strict=True):
+        if t > step_at and abs(value - limit) > tolerance * limit:
+            last_bad = t
+    return last_bad - step_at
+
+
+def max_in_any_window(timeline: Timeline, window: float = 1.0) -> int:
+    sends = sorted(timeline.admitted_at)
+    best, j = 0, 0
+    for i, t in enumerate(sends):
+        while sends[j] <= t - window:
+            j += 1
+        best = max(best, i - j + 1)
+    return best
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(len(ordered) * 0.99)] if ordered else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--limit", type=int, default=400)
+    parser.add_argument("--seconds", type=float, default=20)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    limit, seconds, nodes = args.limit, args.seconds, args.nodes
+    lines = ["| scenario | target | measured |", "|---|---|---|"]
+
+    print("overload ...", flush=True)
+    t = run("overload", "probabilistic", limit, lambda _: 2 * limit, seconds, nodes, out)
+    offered, admitted = window_rate(t, 3, seconds)
+    per_bucket = [r[2] / t.bucket / limit for r in t.rows() if r[0] >= 3]
+    lines.append(
+        f"| overload 2x, {nodes} nodes, skewed | admitted within +-5% of {limit}/s | "
+        f"{admitted:.1f}/s = {admitted / limit:.3f}x (offered {offered:.0f}/s; per 250 ms: "
+        f"sd {statistics.pstdev(per_bucket):.3f}x), errors {t.errors} |"
+    )
+
+    print("under ...", flush=True)
+    t = run("under", "probabilistic", limit, lambda _: 0.7 * limit, seconds, nodes, out)
+    offered, admitted = window_rate(t, 0, seconds)
+    lines.append(
+        f"| 0.7x the limit | >= 99.5% admitted | {100 * admitted / offered:.2f}% admitted |"
+    )
+
+    print("step ...", flush=True)
+    step_at = seconds / 2
+    t = run(
+        "step",
+        "probabilistic",
+        limit,
+        lambda s: 0.5 * limit if s < step_at else 3 * limit,
+        seconds,
+        nodes,
+        out,
+    )
+    reaction = reaction_time(t, step_at, limit, 0.10)
+    _, after = window_rate(t, step_at + 2, seconds)
+    lines.append(
+        f"| step 0.5x -> 3x | within +-10% in <= 1 s | {reaction:.2f} s "
+        f"(then {after / limit:.3f}x) |"
+    )
+
+    print("exact ...", flush=True)
+    t = run("exact", "exact", limit, lambda _: 2 * limit, seconds, nodes, out)
+    _, admitted = window_rate(t, 2, seconds)
+    lines.append(
+        f"| exact, 2x the limit | never over the limit in any 1 s window | max in any 1 s "
+        f"window: {max_in_any_window(t)} (limit {limit}); mean {admitted:.1f}/s; "
+        f"p99 latency {p99(t.latencies) * 1000:.2f} ms |"
+    )
+
+    print("outage ...", flush=True)
+
+    async def freeze(process: object) -> None:
+        import signal
+
+        await asyncio.sleep(seconds / 3)
+        process.send_signal(signal.SIGSTOP)  # type: ignore[attr-defined]
+        await asyncio.sleep(3)
+        process.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
+
+    started = time.monotonic()
+    t = run("outage", "probabilistic", limit, lambda _: 2 * limit, seconds, nodes, out, freeze)
+    lines.append(
+        f"| Redis SIGSTOPped 3 s, probabilistic | 0 errors, no latency spike | errors "
+        f"{t.errors}, p99 latency {p99(t.latencies) * 1000:.2f} ms over the run "
+        f"({time.monotonic() - started:.0f} s) |"
+    )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
