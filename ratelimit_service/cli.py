@@ -22,7 +22,7 @@ DEFAULT_SYNC_INTERVAL = 0.25
 
 
 def _env(flag: str, default: Any) -> Any:
-    return os.environ.get("RATELIMIT_" + flag.lstrip("-").replace("-", "_").upper(), default)
+    return os.environ.get(_env_name(flag), default)
 
 
 def _env_flag(flag: str) -> bool:
@@ -41,14 +41,29 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 
 def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
     """Add a flag whose default comes from RATELIMIT_<FLAG>; required flags become optional
-    when the environment supplies them."""
+    when the environment supplies them. Values from the environment are checked like
+    values on the command line (argparse does not check defaults)."""
     env_value = _env(flag, None)
     if kwargs.get("action") == "store_true":
         kwargs["default"] = _env_flag(flag)
     elif env_value is not None:
-        kwargs["default"] = env_value
+        convert = kwargs.get("type", str)
+        try:
+            value = convert(env_value)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            parser.error(f"{flag} from {_env_name(flag)}={env_value!r}: {exc}")
+        choices = kwargs.get("choices")
+        if choices is not None and value not in choices:
+            parser.error(
+                f"{flag} from {_env_name(flag)}={env_value!r}: choose from {', '.join(choices)}"
+            )
+        kwargs["default"] = value
         kwargs.pop("required", None)
     parser.add_argument(flag, **kwargs)
+
+
+def _env_name(flag: str) -> str:
+    return "RATELIMIT_" + flag.lstrip("-").replace("-", "_").upper()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=3.0,
         help="seconds without a successful sync before probabilistic rules use failure_mode",
     )
-    _add(serve, "--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    _add(
+        serve,
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="log level",
+    )
     _add(
         serve,
         "--max-buckets",
@@ -162,7 +184,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for error in exc.errors:
             print(error, file=sys.stderr)
         return 1
-    asyncio.run(service.run_until_signal())
+    try:
+        asyncio.run(service.run_until_signal())
+    except OSError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

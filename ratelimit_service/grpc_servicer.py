@@ -82,14 +82,14 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         stats.total_requests += 1
         try:
             response = await self.limiter.should_rate_limit(request_from_proto(request))
+            return response_to_proto(response)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception:
             log.exception("ShouldRateLimit failed")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
-        message = response_to_proto(response)
-        stats.latency.observe(time.perf_counter() - started)
-        return message
+        finally:
+            stats.latency.observe(time.perf_counter() - started)
 
 
 def code_name(code: int) -> str:

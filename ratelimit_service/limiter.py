@@ -22,6 +22,7 @@ from ratelimit_service.core.matching import (
     find_limit,
     override_bucket_key,
     override_stats_key,
+    with_window,
 )
 from ratelimit_service.core.request import (
     UINT32_MAX,
@@ -121,7 +122,8 @@ class RateLimiter:
             mode=self.default_mode,
             stats_key=key,
         )
-        return Match(limit, key, override_bucket_key(domain_name, descriptor.entries))
+        bucket = with_window(override_bucket_key(domain_name, descriptor.entries), limit)
+        return Match(limit, key, bucket)
 
     async def _decide(self, pending: list[_Pending], statuses: list[DescriptorStatus]) -> None:
         now = self._clock()

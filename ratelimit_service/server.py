@@ -86,7 +86,8 @@ class RateLimitService:
         self.store = store if store is not None else make_store(settings)
         self.local = LocalBuckets(
             max_buckets=settings.max_buckets,
-            stale_after=settings.stale_after,
+            # Never stale between two normal syncs, whatever the flags say.
+            stale_after=max(settings.stale_after, 4 * settings.sync_interval),
         )
         self.limiter = RateLimiter(
             config,
@@ -124,13 +125,21 @@ class RateLimitService:
         reflection.enable_server_reflection(
             (RLS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        self.grpc_port = server.add_insecure_port(self.settings.grpc_addr)
+        try:
+            self.grpc_port = server.add_insecure_port(self.settings.grpc_addr)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {self.settings.grpc_addr} (gRPC): {exc}") from exc
         if self.grpc_port == 0:
-            raise OSError(f"cannot listen on {self.settings.grpc_addr}")
+            raise OSError(f"cannot listen on {self.settings.grpc_addr} (gRPC)")
         await server.start()
         self._server = server
         host, port = _split_addr(self.settings.admin_addr)
-        await self.admin.start(host, port)
+        try:
+            await self.admin.start(host, port)
+        except OSError as exc:
+            await server.stop(0)
+            self._server = None
+            raise OSError(f"cannot listen on {self.settings.admin_addr} (admin): {exc}") from exc
         self.reconciler.start()
         for name in HEALTH_NAMES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -229,7 +238,9 @@ class RateLimitService:
 
 
 def _readable(bucket_key: str) -> str:
-    return bucket_key.replace("\x1f", ".").replace("\x1e", "=")
+    """``domain.key=value.key2=value2/60s`` for a metric label."""
+    values, _, window = bucket_key.rpartition("\x1f")
+    return values.replace("\x1f", ".").replace("\x1e", "=") + f"/{window}s"
 
 
 def _split_addr(addr: str) -> tuple[str, int]:

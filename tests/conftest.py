@@ -121,8 +121,17 @@ class RedisServer:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [
-                "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", str(self._tmp),
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self._tmp),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -167,8 +167,10 @@ def test_merge_pair() -> None:
     assert_limit(find_limit(domain, [("key1", "value1")]), 10, Unit.MINUTE)
     assert_limit(find_limit(domain, [("key2", "value2")]), 20, Unit.MINUTE)
     without_merge = check_config(
-        [config_file(CONFIG_DIR / "merge_domain_key1.yaml"),
-         config_file(CONFIG_DIR / "merge_domain_key2.yaml")]
+        [
+            config_file(CONFIG_DIR / "merge_domain_key1.yaml"),
+            config_file(CONFIG_DIR / "merge_domain_key2.yaml"),
+        ]
     )
     assert [(e.file, e.message) for e in without_merge] == [
         ("merge_domain_key2.yaml", "duplicate domain 'test-domain' in config file")
@@ -380,9 +382,7 @@ LOOKUPS = [
     ("wildcard.yaml", WILDCARD),
     ("share_threshold.yaml", SHARE),
 ]
-LOOKUP_CASES = [
-    (name, entries, expected) for name, cases in LOOKUPS for entries, expected in cases
-]
+LOOKUP_CASES = [(name, entries, expected) for name, cases in LOOKUPS for entries, expected in cases]
 
 
 @pytest.mark.parametrize(
@@ -514,9 +514,7 @@ descriptors:
 def test_value_to_metric_stats_keys(entries: Entries, stats: str) -> None:
     """value_to_metric puts the request's value in the stats key of the nodes that set it;
     share_threshold nodes keep their pattern (reference GetLimit's value_to_metric path)."""
-    domain = load_config([ConfigFile("vtm.yaml", textwrap.dedent(VALUE_TO_METRIC))]).domains[
-        "vtm"
-    ]
+    domain = load_config([ConfigFile("vtm.yaml", textwrap.dedent(VALUE_TO_METRIC))]).domains["vtm"]
     match = find_limit(domain, entries)
     assert match is not None
     assert match.stats_key == stats
@@ -525,9 +523,7 @@ def test_value_to_metric_stats_keys(entries: Entries, stats: str) -> None:
 def test_value_to_metric_empty_request_value() -> None:
     """The reference writes ``key`` alone (no ``_``) for a value_to_metric node when the
     request's value is empty."""
-    domain = load_config([ConfigFile("vtm.yaml", textwrap.dedent(VALUE_TO_METRIC))]).domains[
-        "vtm"
-    ]
+    domain = load_config([ConfigFile("vtm.yaml", textwrap.dedent(VALUE_TO_METRIC))]).domains["vtm"]
     match = find_limit(domain, [("route", ""), ("user", "bob")])
     assert match is not None
     assert match.stats_key == "vtm.route.user_bob"

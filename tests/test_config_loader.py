@@ -123,19 +123,25 @@ def test_top_level_must_be_a_mapping() -> None:
 
 
 def test_duplicate_domain_across_two_files() -> None:
-    first = ConfigFile("a.yaml", y("""
+    first = ConfigFile(
+        "a.yaml",
+        y("""
         domain: shared
         descriptors:
           - key: k1
             rate_limit: {unit: second, requests_per_unit: 1}
-        """))
-    second = ConfigFile("b.yaml", y("""
+        """),
+    )
+    second = ConfigFile(
+        "b.yaml",
+        y("""
         # the same domain again
         domain: shared
         descriptors:
           - key: k2
             rate_limit: {unit: second, requests_per_unit: 2}
-        """))
+        """),
+    )
     errors = check_config([first, second])
     assert [(e.file, e.line, e.message) for e in errors] == [
         ("b.yaml", 2, "duplicate domain 'shared' in config file")
@@ -867,9 +873,7 @@ def test_multiple_yaml_documents() -> None:
         ---
         domain: b
         """
-    assert errors_of(text) == [
-        (NAME, 4, "config file must hold one YAML document, found several")
-    ]
+    assert errors_of(text) == [(NAME, 4, "config file must hold one YAML document, found several")]
 
 
 def test_leading_document_marker_is_one_document() -> None:
@@ -1132,7 +1136,11 @@ def test_replaces_with_other_names_loads() -> None:
 
 
 def test_integer_and_bool_scalars_are_key_and_value_text() -> None:
-    config = load_config([ConfigFile(NAME, y("""
+    config = load_config(
+        [
+            ConfigFile(
+                NAME,
+                y("""
         domain: 123
         descriptors:
           - key: 42
@@ -1147,7 +1155,10 @@ def test_integer_and_bool_scalars_are_key_and_value_text() -> None:
           - key: true
             value: 7
             rate_limit: {unit: second, requests_per_unit: 4}
-        """))])
+        """),
+            )
+        ]
+    )
     assert list(config.domains) == ["123"]
     domain = config.domains["123"]
     first = find_limit(domain, [("42", "true")])
@@ -1182,8 +1193,11 @@ def test_anchors_and_aliases_are_followed() -> None:
 
 
 def test_dump() -> None:
-    config = load_config([
-        ConfigFile("b.yaml", y("""
+    config = load_config(
+        [
+            ConfigFile(
+                "b.yaml",
+                y("""
             domain: beta
             mode: exact
             descriptors:
@@ -1193,8 +1207,11 @@ def test_dump() -> None:
                 rate_limit: {unit: minute, requests_per_unit: 5, name: lim}
               - key: u
                 rate_limit: {unlimited: true}
-            """)),
-        ConfigFile("a.yaml", y("""
+            """),
+            ),
+            ConfigFile(
+                "a.yaml",
+                y("""
             domain: alpha
             failure_mode: closed
             descriptors:
@@ -1204,8 +1221,10 @@ def test_dump() -> None:
                 descriptors:
                   - key: s
                     rate_limit: {unit: week, requests_per_unit: 1}
-            """)),
-    ])
+            """),
+            ),
+        ]
+    )
     assert config.dump() == (
         "alpha.q: unit=DAY requests_per_unit=2, mode=probabilistic, failure_mode=closed,"
         " quota_mode\n"
@@ -1411,9 +1430,7 @@ def test_cli_check_config_merge_flag(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.usefixtures("clean_env")
-def test_cli_check_config_missing_path(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_check_config_missing_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "absent"
     assert cli_main(["check-config", str(missing)]) == 1
     assert capsys.readouterr().out == f"{missing}: no such file or directory\n"

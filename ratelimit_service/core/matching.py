@@ -61,7 +61,7 @@ def find_limit(domain: DomainConfig, entries: Entries) -> Match | None:
     return Match(
         limit=limit,
         stats_key=stats_key(domain.name, path, entries, limit),
-        bucket_key=bucket_key(domain.name, path, entries),
+        bucket_key=with_window(bucket_key(domain.name, path, entries), limit),
     )
 
 
@@ -105,6 +105,12 @@ def bucket_key(domain: str, path: list[DescriptorNode], entries: Entries) -> str
         shown = node.value if node.share_threshold and node.value is not None else value
         parts.append(_escape(key) + "\x1e" + _escape(shown))
     return "\x1f".join(parts)
+
+
+def with_window(key: str, limit: RateLimit) -> str:
+    """A counter is per descriptor values *and* window: the same values under another
+    unit (after a reload, or in a per-request override) must not share its count."""
+    return f"{key}\x1f{limit.window_seconds}"
 
 
 def override_bucket_key(domain: str, entries: Entries) -> str:
