@@ -137,11 +137,11 @@ class LocalBuckets:
 
     @staticmethod
     def fail(bucket: ProbabilisticBucket, hits: int, admit: bool) -> bool:
-        """Decide by failure policy (store out of reach too long); counts still accrue so
-        the fleet totals catch up when the store is back."""
+        """Decide by failure policy (store out of reach too long). Offered hits still count
+        (the rate estimate needs them); hits let through by the policy are not charged to
+        the fleet bucket, or a long outage would come back as a debt that blocks the
+        bucket well after the store has recovered."""
         bucket.offered += hits
-        if admit:
-            bucket.admitted += hits
         return admit
 
     def take_reports(self, now: float, interval: float) -> list[BucketReport]:

@@ -18,7 +18,7 @@ class CircuitBreaker:
         self,
         *,
         base_backoff: float = 0.05,
-        max_backoff: float = 2.0,
+        max_backoff: float = 1.0,
         flip_after: int = 3,
         clock: Callable[[], float] = time.monotonic,
         draw: Callable[[], float] = random.random,
