@@ -44,10 +44,10 @@ def main() -> None:
             return float(args.step_to)
         return float(args.rate)
 
-    with tempfile.TemporaryDirectory() as tmp, redis_server(Path(tmp)) as (url, _):
+    with tempfile.TemporaryDirectory() as tmp, redis_server(Path(tmp)) as redis:
         config = write_config(Path(tmp), args.limit, "second", args.mode)
         with service_fleet(
-            args.nodes, config, url, ["--sync-interval", args.sync_interval]
+            args.nodes, config, redis.url, ["--sync-interval", args.sync_interval]
         ) as nodes:
             timeline = asyncio.run(
                 drive(

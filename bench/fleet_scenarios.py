@@ -21,7 +21,7 @@ import csv
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ratelimit_service.testing.fleet import (
@@ -31,6 +31,7 @@ from ratelimit_service.testing.fleet import (
     service_fleet,
     write_config,
 )
+from ratelimit_service.testing.redis import RedisServer
 
 SKEW = [0.4, 0.3, 0.2, 0.1]
 
@@ -43,12 +44,12 @@ def run(
     seconds: float,
     nodes: int,
     out: Path,
-    during: Callable[[object], object] | None = None,
+    during: Callable[[RedisServer], Awaitable[None]] | None = None,
 ) -> Timeline:
-    with tempfile.TemporaryDirectory() as tmp, redis_server(Path(tmp)) as (url, process):
+    with tempfile.TemporaryDirectory() as tmp, redis_server(Path(tmp)) as redis:
         config = write_config(Path(tmp), limit, "second", mode)
         extra = ["--redis-timeout", "0.05"] if mode == "exact" else []
-        with service_fleet(nodes, config, url, extra) as fleet:
+        with service_fleet(nodes, config, redis.url, extra) as fleet:
             ports = [n.grpc_port for n in fleet]
 
             async def scenario() -> Timeline:
@@ -56,7 +57,7 @@ def run(
                     drive(ports, SKEW[:nodes], rate, seconds, "fleet", "k=v")
                 )
                 if during is not None:
-                    await during(process)  # type: ignore[misc]
+                    await during(redis)
                 return await task
 
             timeline = asyncio.run(scenario())
@@ -160,13 +161,11 @@ def main() -> None:
 
     print("outage ...", flush=True)
 
-    async def freeze(process: object) -> None:
-        import signal
-
+    async def freeze(redis: RedisServer) -> None:
         await asyncio.sleep(seconds / 3)
-        process.send_signal(signal.SIGSTOP)  # type: ignore[attr-defined]
+        redis.pause()
         await asyncio.sleep(3)
-        process.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
+        redis.resume()
 
     started = time.monotonic()
     t = run("outage", "probabilistic", limit, lambda _: 2 * limit, seconds, nodes, out, freeze)

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import textwrap
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -18,15 +14,10 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from ratelimit_service.server import RateLimitService, Settings
+from ratelimit_service.testing.redis import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 COMPAT = REPO.parent / "shared" / "compat" / "envoy-ratelimit"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -107,59 +98,6 @@ async def start_service() -> AsyncIterator[Callable[..., object]]:
     for running in started:
         await running.channel.close()
         await running.service.stop()
-
-
-class RedisServer:
-    """A real redis-server on a free loopback port, owned by the test."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._tmp = tmp
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self._tmp),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-            self.process = None
-
-    def pause(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGCONT)
 
 
 @pytest.fixture

@@ -24,41 +24,21 @@ import grpc
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
 from ratelimit_service.client import build_request
+from ratelimit_service.testing.redis import RedisServer, free_port
 
 OVER_LIMIT = 2
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
-def redis_server(directory: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(directory),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
+def redis_server(directory: Path) -> Iterator[RedisServer]:
+    server = RedisServer(directory)
+    server.start()
     try:
-        wait_port(port)
-        yield f"redis://127.0.0.1:{port}/0", process
+        yield server
     finally:
-        process.kill()
-        process.wait()
+        if server.process is not None:
+            server.resume()
+        server.stop()
 
 
 def wait_port(port: int, timeout: float = 15.0) -> None:
