@@ -138,7 +138,11 @@ class RateLimiter:
                 exact.append(item)
                 continue
             bucket = local.get(
-                item.match.bucket_key, limit.requests_per_unit, limit.window_seconds, now
+                item.match.bucket_key,
+                limit.requests_per_unit,
+                limit.window_seconds,
+                now,
+                limit.stats_key,
             )
             item.bucket = bucket
             item.before = max(0, limit.requests_per_unit - bucket.remaining())

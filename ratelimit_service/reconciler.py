@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.stats import LatencyHistogram
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class Reconciler:
         self.syncs = 0
         self.errors = 0
         self.last_duration = 0.0
+        self.durations = LatencyHistogram()
         self.last_success: float | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -57,6 +59,7 @@ class Reconciler:
         self.last_success = now
         self.local.last_sync_ok = now
         self.last_duration = time.perf_counter() - started
+        self.durations.observe(self.last_duration)
         return len(reports)
 
     async def run(self) -> None:

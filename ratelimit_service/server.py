@@ -14,7 +14,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from ratelimit_service.admin_http import AdminServer
 from ratelimit_service.config_source import read_config_files
@@ -25,6 +25,7 @@ from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.grpc_servicer import RateLimitServicer
 from ratelimit_service.limiter import RateLimiter
 from ratelimit_service.reconciler import Reconciler
+from ratelimit_service.state_metrics import bucket_metrics, reconciler_metrics, store_metrics
 from ratelimit_service.stats import Stats, StatsCollector
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 
 RLS_SERVICE = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
 HEALTH_NAMES = ("", RLS_SERVICE, "ratelimit")
-MAX_RATIO_SERIES = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,48 +199,9 @@ class RateLimitService:
         return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n"
 
     def _gauges(self) -> Iterator[Metric]:
-        local = self.local
-        yield GaugeMetricFamily(
-            "ratelimit_probabilistic_buckets", "Probabilistic buckets held", value=len(local)
-        )
-        evictions = CounterMetricFamily(
-            "ratelimit_bucket_evictions", "Buckets forgotten", labels=["table", "reason"]
-        )
-        evictions.add_metric(["probabilistic", "overflow"], local.evicted_overflow)
-        evictions.add_metric(["probabilistic", "idle"], local.evicted_idle)
-        yield evictions
-        ratio = GaugeMetricFamily(
-            "ratelimit_drop_ratio",
-            f"Drop ratio of probabilistic buckets that drop (at most {MAX_RATIO_SERIES})",
-            labels=["bucket"],
-        )
-        shown = 0
-        for bucket in local.buckets():
-            if bucket.ratio > 0 or bucket.credit < 1:
-                ratio.add_metric(
-                    [_readable(bucket.key)], 1.0 if bucket.credit < 1 else bucket.ratio
-                )
-                shown += 1
-                if shown >= MAX_RATIO_SERIES:
-                    break
-        yield ratio
-        store = GaugeMetricFamily("ratelimit_store", "Store state", labels=["store", "name"])
-        for name, value in self.store.stats().items():
-            store.add_metric([self.store.name, name], value)
-        store.add_metric([self.store.name, "healthy"], 1.0 if self.store.healthy() else 0.0)
-        yield store
-        rec = self.reconciler
-        yield CounterMetricFamily("ratelimit_sync_rounds", "Reconciler rounds", value=rec.syncs)
-        yield CounterMetricFamily("ratelimit_sync_errors", "Failed sync rounds", value=rec.errors)
-        yield GaugeMetricFamily(
-            "ratelimit_sync_duration_seconds", "Last sync round", value=rec.last_duration
-        )
-
-
-def _readable(bucket_key: str) -> str:
-    """``domain.key=value.key2=value2/60s`` for a metric label."""
-    values, _, window = bucket_key.rpartition("\x1f")
-    return values.replace("\x1f", ".").replace("\x1e", "=") + f"/{window}s"
+        yield from bucket_metrics(self.local)
+        yield from store_metrics(self.store)
+        yield from reconciler_metrics(self.reconciler)
 
 
 def _split_addr(addr: str) -> tuple[str, int]:

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
-    GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
@@ -115,7 +114,11 @@ class StatsCollector(Collector):
             not_found.add_metric([domain], count)
         yield not_found
         yield from _service_counters(stats)
-        yield _latency_family(stats.latency)
+        yield histogram_family(
+            "ratelimit_server_should_rate_limit_response_time_seconds",
+            "ShouldRateLimit handling time",
+            stats.latency,
+        )
         for source in self._sources:
             yield from source()
 
@@ -149,19 +152,10 @@ def _service_counters(stats: Stats) -> Iterator[Metric]:
         yield CounterMetricFamily(name, help_text, value=value)
 
 
-def _latency_family(latency: LatencyHistogram) -> Metric:
+def histogram_family(name: str, help_text: str, latency: LatencyHistogram) -> Metric:
     cumulative = 0
     buckets: list[tuple[str, float]] = []
     for bound, count in zip((*LATENCY_BOUNDS, float("inf")), latency.buckets, strict=True):
         cumulative += count
         buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-    return HistogramMetricFamily(
-        "ratelimit_server_should_rate_limit_response_time_seconds",
-        "ShouldRateLimit handling time",
-        buckets=buckets,
-        sum_value=latency.sum,
-    )
-
-
-def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, help_text, value=value)
+    return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=latency.sum)

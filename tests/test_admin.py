@@ -256,6 +256,10 @@ async def test_drop_ratio_gauge_for_a_dropping_bucket(start: Starter) -> None:
     assert set(ratios) == {"d.p=hot/60s"}
     assert 0 < ratios["d.p=hot/60s"] <= 1
     assert plain(samples, "ratelimit_probabilistic_buckets") == 2
+    # Per rule: the highest ratio among the rule's buckets ("hot" drops, "cool" does not).
+    assert plain(samples, "ratelimit_rule_drop_ratio", key="d.p") == ratios["d.p=hot/60s"]
+    assert plain(samples, "ratelimit_rule_overshoot_hits", key="d.p") == 0
+    assert plain(samples, "ratelimit_sync_duration_seconds_count") >= 0
 
 
 @BOTH_MODES

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 TOKEN_SPEND = 0.5
 """Share of the stored tokens the fleet may spend in one interval. Each node sees the
 others' admissions up to one interval late, so handing out all the tokens at once

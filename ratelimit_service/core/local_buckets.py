@@ -36,6 +36,7 @@ class ProbabilisticBucket:
         "offered",
         "offered_total_seen",
         "ratio",
+        "rule",
         "synced_at",
         "tokens",
         "window_seconds",
@@ -43,6 +44,8 @@ class ProbabilisticBucket:
 
     def __init__(self, key: str, limit: int, window_seconds: int, now: float, nodes: int) -> None:
         self.key = key
+        self.rule = ""
+        """Stats key of the rule that owns the bucket (for per-rule metrics)."""
         self.limit = limit
         self.window_seconds = window_seconds
         self.ratio = 0.0
@@ -107,11 +110,14 @@ class LocalBuckets:
     def __len__(self) -> int:
         return len(self._buckets)
 
-    def get(self, key: str, limit: int, window_seconds: int, now: float) -> ProbabilisticBucket:
+    def get(
+        self, key: str, limit: int, window_seconds: int, now: float, rule: str = ""
+    ) -> ProbabilisticBucket:
         bucket = self._buckets.get(key)
         if bucket is None or bucket.window_seconds != window_seconds:
             # New, or a reload changed the unit: counts of another window mean nothing.
             bucket = ProbabilisticBucket(key, limit, window_seconds, now, self.nodes)
+            bucket.rule = rule
             self._buckets[key] = bucket
             self._buckets.move_to_end(key)
             if len(self._buckets) > self.max_buckets:

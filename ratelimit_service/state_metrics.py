@@ -1,0 +1,95 @@
+"""Metrics read from live state at scrape time: probabilistic buckets, store, reconciler.
+
+Nothing here runs on the request path; each function walks its state once per
+scrape and yields Prometheus metric families.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.reconciler import Reconciler
+from ratelimit_service.stats import histogram_family
+from ratelimit_service.storage.base import Store
+
+MAX_BUCKET_SERIES = 1000
+"""Per-bucket series are capped: bucket counts are unbounded in principle."""
+
+
+def readable_bucket(bucket_key: str) -> str:
+    """``domain.key=value.key2=value2/60s`` for a metric label."""
+    values, _, window = bucket_key.rpartition("\x1f")
+    return values.replace("\x1f", ".").replace("\x1e", "=") + f"/{window}s"
+
+
+def bucket_metrics(local: LocalBuckets) -> Iterator[Metric]:
+    buckets = local.buckets()
+    yield GaugeMetricFamily(
+        "ratelimit_probabilistic_buckets", "Probabilistic buckets held", value=len(buckets)
+    )
+    evictions = CounterMetricFamily(
+        "ratelimit_bucket_evictions", "Buckets forgotten", labels=["table", "reason"]
+    )
+    evictions.add_metric(["probabilistic", "overflow"], local.evicted_overflow)
+    evictions.add_metric(["probabilistic", "idle"], local.evicted_idle)
+    yield evictions
+    per_bucket = GaugeMetricFamily(
+        "ratelimit_drop_ratio",
+        f"Drop ratio of probabilistic buckets that drop (at most {MAX_BUCKET_SERIES})",
+        labels=["bucket"],
+    )
+    shown = 0
+    ratio_by_rule: dict[str, float] = {}
+    offered_by_rule: dict[str, float] = {}
+    debt_by_rule: dict[str, float] = {}
+    for bucket in buckets:
+        ratio = 1.0 if bucket.credit < 1 else bucket.ratio
+        rule = bucket.rule
+        ratio_by_rule[rule] = max(ratio_by_rule.get(rule, 0.0), ratio)
+        offered_by_rule[rule] = offered_by_rule.get(rule, 0.0) + (bucket.fleet_rate or 0.0)
+        debt_by_rule[rule] = debt_by_rule.get(rule, 0.0) + max(0.0, -bucket.tokens)
+        if ratio > 0 and shown < MAX_BUCKET_SERIES:
+            per_bucket.add_metric([readable_bucket(bucket.key)], ratio)
+            shown += 1
+    yield per_bucket
+    yield _by_rule(
+        "ratelimit_rule_drop_ratio", "Highest drop ratio among a rule's buckets", ratio_by_rule
+    )
+    yield _by_rule(
+        "ratelimit_rule_fleet_offered_rate",
+        "Hits per second offered to the whole fleet, summed over a rule's buckets",
+        offered_by_rule,
+    )
+    yield _by_rule(
+        "ratelimit_rule_overshoot_hits",
+        "Hits the fleet admitted beyond its token buckets (debt at the last sync)",
+        debt_by_rule,
+    )
+
+
+def _by_rule(name: str, help_text: str, values: dict[str, float]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, help_text, labels=["key"])
+    for rule, value in values.items():
+        family.add_metric([rule], value)
+    return family
+
+
+def store_metrics(store: Store) -> Iterator[Metric]:
+    family = GaugeMetricFamily("ratelimit_store", "Store state", labels=["store", "name"])
+    for name, value in store.stats().items():
+        family.add_metric([store.name, name], value)
+    family.add_metric([store.name, "healthy"], 1.0 if store.healthy() else 0.0)
+    yield family
+
+
+def reconciler_metrics(reconciler: Reconciler) -> Iterator[Metric]:
+    yield CounterMetricFamily("ratelimit_sync_rounds", "Reconciler rounds", value=reconciler.syncs)
+    yield CounterMetricFamily(
+        "ratelimit_sync_errors", "Failed sync rounds", value=reconciler.errors
+    )
+    yield histogram_family(
+        "ratelimit_sync_duration_seconds", "Duration of sync rounds", reconciler.durations
+    )
