@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="global shadow mode: report OVER_LIMIT per descriptor, never deny",
     )
+    _add(
+        serve,
+        "--watch-interval",
+        type=float,
+        default=1.0,
+        help="seconds between checks of the config files for changes (0: never; SIGHUP "
+        "always reloads)",
+    )
 
     check = commands.add_parser("check-config", help="validate rule files")
     check.add_argument("path", nargs="?", default=_env("--config", None))
@@ -177,6 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_stats_keys=int(args.max_stats_keys),
         merge_domain_config=bool(args.merge_domain_config),
         shadow_mode=bool(args.shadow_mode),
+        watch_interval=float(args.watch_interval),
     )
     try:
         service = RateLimitService(settings)

@@ -18,6 +18,7 @@ from prometheus_client.core import Metric
 
 from ratelimit_service.admin_http import AdminServer
 from ratelimit_service.config_source import read_config_files
+from ratelimit_service.config_watcher import ConfigWatcher
 from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.core.config_model import Mode, RateLimitConfig
 from ratelimit_service.core.local_buckets import LocalBuckets
@@ -54,6 +55,8 @@ class Settings:
     shutdown_grace: float = 5.0
     max_descriptors: int = 64
     max_entries: int = 32
+    watch_interval: float = 1.0
+    """Seconds between looks at the config files for a change (0: no watching)."""
 
 
 def load_rules(settings: Settings) -> RateLimitConfig:
@@ -101,6 +104,13 @@ class RateLimitService:
             global_shadow=settings.shadow_mode,
         )
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
+        self.watcher = ConfigWatcher(
+            settings.config_path,
+            load=lambda: load_rules(settings),
+            install=self.limiter.swap_config,
+            stats=self.stats,
+            interval=settings.watch_interval or 1.0,
+        )
         self.health = health.aio.HealthServicer()
         self.admin = AdminServer(
             {
@@ -141,6 +151,8 @@ class RateLimitService:
             self._server = None
             raise OSError(f"cannot listen on {self.settings.admin_addr} (admin): {exc}") from exc
         self.reconciler.start()
+        if self.settings.watch_interval > 0:
+            self.watcher.start()
         for name in HEALTH_NAMES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
@@ -161,6 +173,7 @@ class RateLimitService:
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace)
         await self.reconciler.stop()
+        await self.watcher.stop()
         await self.admin.stop()
         await self.store.close()
 
@@ -169,6 +182,7 @@ class RateLimitService:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.watcher.reload)
         await self.start()
         await stop.wait()
         log.warning("shutting down")
