@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -17,6 +16,8 @@ from typing import Any
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import check_config
 from ratelimit_service.core.config_model import Mode
+from ratelimit_service.core.headers import HeaderNames, HeaderStyle
+from ratelimit_service.logs import configure_logging
 
 DEFAULT_SYNC_INTERVAL = 0.25
 
@@ -141,6 +142,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         serve,
+        "--max-descriptors",
+        type=_positive(int),
+        default=64,
+        help="most descriptors one request may carry (more: INVALID_ARGUMENT)",
+    )
+    _add(
+        serve,
+        "--max-entries",
+        type=_positive(int),
+        default=32,
+        help="most entries one descriptor may carry (more: INVALID_ARGUMENT)",
+    )
+    _add(
+        serve,
+        "--response-headers",
+        default="off",
+        choices=[s.value for s in HeaderStyle],
+        help="add rate-limit headers to responses: RateLimit-* or draft-03 X-RateLimit-*",
+    )
+    _add(serve, "--header-limit", default="RateLimit-Limit", help="name of the limit header")
+    _add(
+        serve,
+        "--header-remaining",
+        default="RateLimit-Remaining",
+        help="name of the remaining header",
+    )
+    _add(serve, "--header-reset", default="RateLimit-Reset", help="name of the reset header")
+    _add(serve, "--log-format", default="text", choices=["text", "json"], help="log format")
+    _add(
+        serve,
         "--watch-interval",
         type=float,
         default=1.0,
@@ -169,9 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ratelimit_service.server import RateLimitService, Settings
 
-    logging.basicConfig(
-        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(str(args.log_level), str(args.log_format))
     settings = Settings(
         config_path=args.config,
         grpc_addr=args.grpc_addr,
@@ -186,6 +215,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         merge_domain_config=bool(args.merge_domain_config),
         shadow_mode=bool(args.shadow_mode),
         watch_interval=float(args.watch_interval),
+        max_descriptors=int(args.max_descriptors),
+        max_entries=int(args.max_entries),
+        response_headers=HeaderStyle(args.response_headers),
+        header_names=HeaderNames(args.header_limit, args.header_remaining, args.header_reset),
+        log_format=args.log_format,
     )
     try:
         service = RateLimitService(settings)

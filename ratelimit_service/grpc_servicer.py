@@ -12,8 +12,10 @@ import time
 from typing import Any
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
 from ratelimit_service.core.request import (
     UINT32_MAX,
     Code,
@@ -51,7 +53,7 @@ def request_from_proto(message: Any) -> Request:
     return Request(message.domain, descriptors, message.hits_addend)
 
 
-def response_to_proto(response: Response) -> Any:
+def response_to_proto(response: Response, headers: list[tuple[str, str]] | None = None) -> Any:
     statuses = []
     for status in response.statuses:
         out = _Status(code=int(status.code), limit_remaining=min(status.remaining, UINT32_MAX))
@@ -69,12 +71,24 @@ def response_to_proto(response: Response) -> Any:
             out.duration_until_reset.seconds = seconds
             out.duration_until_reset.nanos = int((reset - seconds) * 1e9)
         statuses.append(out)
-    return rls_pb2.RateLimitResponse(overall_code=int(response.overall), statuses=statuses)
+    message = rls_pb2.RateLimitResponse(overall_code=int(response.overall), statuses=statuses)
+    if headers:
+        message.response_headers_to_add.extend(
+            base_pb2.HeaderValue(key=key, value=value) for key, value in headers
+        )
+    return message
 
 
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
-    def __init__(self, limiter: RateLimiter) -> None:
+    def __init__(
+        self,
+        limiter: RateLimiter,
+        header_style: HeaderStyle = HeaderStyle.OFF,
+        header_names: HeaderNames | None = None,
+    ) -> None:
         self.limiter = limiter
+        self.header_style = header_style
+        self.header_names = header_names or HeaderNames()
 
     async def ShouldRateLimit(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
@@ -82,7 +96,12 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         stats.total_requests += 1
         try:
             response = await self.limiter.should_rate_limit(request_from_proto(request))
-            return response_to_proto(response)
+            headers = None
+            if self.header_style is not HeaderStyle.OFF:
+                headers = rate_limit_headers(
+                    response.statuses, self.header_style, self.header_names
+                )
+            return response_to_proto(response, headers)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception:

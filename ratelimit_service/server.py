@@ -7,7 +7,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
@@ -21,6 +21,7 @@ from ratelimit_service.config_source import read_config_files
 from ratelimit_service.config_watcher import ConfigWatcher
 from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.core.config_model import Mode, RateLimitConfig
+from ratelimit_service.core.headers import HeaderNames, HeaderStyle
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.grpc_servicer import RateLimitServicer
@@ -55,6 +56,9 @@ class Settings:
     shutdown_grace: float = 5.0
     max_descriptors: int = 64
     max_entries: int = 32
+    response_headers: HeaderStyle = HeaderStyle.OFF
+    header_names: HeaderNames = field(default_factory=HeaderNames)
+    log_format: str = "text"
     watch_interval: float = 1.0
     """Seconds between looks at the config files for a change (0: no watching)."""
 
@@ -130,7 +134,10 @@ class RateLimitService:
 
     async def start(self) -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitServicer(self.limiter), server)
+        servicer = RateLimitServicer(
+            self.limiter, self.settings.response_headers, self.settings.header_names
+        )
+        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (RLS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -1,0 +1,71 @@
+"""Rate-limit response headers, chosen the way envoyproxy/ratelimit chooses them.
+
+The descriptor reported is the one with the smallest remaining count, except that
+an over-limit descriptor that is not in quota mode wins (the last one, if several).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ratelimit_service.core.request import Code, DescriptorStatus
+
+
+class HeaderStyle(enum.Enum):
+    OFF = "off"
+    RATELIMIT = "ratelimit"
+    """``RateLimit-Limit`` / ``-Remaining`` / ``-Reset`` (names configurable), as the Go service."""
+    DRAFT03 = "draft03"
+    """``X-RateLimit-*`` of draft-ietf-httpapi-ratelimit-headers-03, as Envoy's own
+    ``enable_x_ratelimit_headers: DRAFT_VERSION_03`` writes them (limit with ``;w=``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderNames:
+    limit: str = "RateLimit-Limit"
+    remaining: str = "RateLimit-Remaining"
+    reset: str = "RateLimit-Reset"
+
+
+DRAFT03_NAMES = HeaderNames("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
+
+
+def most_restrictive(statuses: Sequence[DescriptorStatus]) -> DescriptorStatus | None:
+    chosen: DescriptorStatus | None = None
+    for status in statuses:
+        if status.limit is not None and (chosen is None or status.remaining < chosen.remaining):
+            chosen = status
+    for status in statuses:
+        limit = status.limit
+        if status.code is Code.OVER_LIMIT and limit is not None and not limit.quota_mode:
+            chosen = status
+    return chosen
+
+
+def rate_limit_headers(
+    statuses: Sequence[DescriptorStatus], style: HeaderStyle, names: HeaderNames
+) -> list[tuple[str, str]]:
+    """Header name/value pairs for Envoy to add to the client response; empty when off
+    or when no descriptor had a limit."""
+    if style is HeaderStyle.OFF:
+        return []
+    status = most_restrictive(statuses)
+    if status is None or status.limit is None:
+        return []
+    count = status.limit.requests_per_unit
+    reset = str(math.ceil(status.reset_after or 0.0))
+    if style is HeaderStyle.DRAFT03:
+        window = status.limit.window_seconds
+        return [
+            (DRAFT03_NAMES.limit, f"{count}, {count};w={window}"),
+            (DRAFT03_NAMES.remaining, str(status.remaining)),
+            (DRAFT03_NAMES.reset, reset),
+        ]
+    return [
+        (names.limit, str(count)),
+        (names.remaining, str(status.remaining)),
+        (names.reset, reset),
+    ]
