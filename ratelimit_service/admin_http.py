@@ -7,12 +7,14 @@ web framework dependency, and it runs on the service's own event loop.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
-Page = Callable[[], tuple[int, str, bytes]]
+PageResult = tuple[int, str, bytes]
+Page = Callable[[], PageResult | Awaitable[PageResult]]
 MAX_REQUEST_LINE = 8192
 REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
@@ -53,7 +55,10 @@ class AdminServer:
         elif method not in ("GET", "HEAD"):
             status, content_type, body = 405, "text/plain", b"method not allowed\n"
         else:
-            status, content_type, body = page()
+            result = page()
+            if inspect.isawaitable(result):
+                result = await result
+            status, content_type, body = result
         head = (
             f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\n"
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"

@@ -172,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--log-format", default="text", choices=["text", "json"], help="log format")
     _add(
         serve,
+        "--workers",
+        type=_positive(int),
+        default=1,
+        help="worker processes on one gRPC port (SO_REUSEPORT); more than 1 needs Redis",
+    )
+    serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    _add(
+        serve,
         "--watch-interval",
         type=float,
         default=1.0,
@@ -198,9 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ratelimit_service.server import RateLimitService, Settings
+    from ratelimit_service.server import RateLimitService, Settings, load_rules
 
     configure_logging(str(args.log_level), str(args.log_format))
+    if int(args.workers) > 1:
+        return _serve_workers(args, load_rules)
     settings = Settings(
         config_path=args.config,
         grpc_addr=args.grpc_addr,
@@ -220,6 +230,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         response_headers=HeaderStyle(args.response_headers),
         header_names=HeaderNames(args.header_limit, args.header_remaining, args.header_reset),
         log_format=args.log_format,
+        reuse_port=bool(args.reuse_port),
     )
     try:
         service = RateLimitService(settings)
@@ -233,6 +244,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve_workers(args: argparse.Namespace, load_rules: Any) -> int:
+    """Check what can be checked once, then hand over to the supervisor."""
+    from ratelimit_service.server import Settings
+    from ratelimit_service.supervisor import Supervisor
+
+    if not args.redis_url:
+        print(
+            "serve: --workers > 1 needs --redis-url: with the embedded store every worker "
+            "would keep its own counts and the fleet would admit N times the limit",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        load_rules(Settings(config_path=args.config, merge_domain_config=args.merge_domain_config))
+    except ConfigLoadError as exc:
+        for error in exc.errors:
+            print(error, file=sys.stderr)
+        return 1
+    return asyncio.run(Supervisor(args.argv, int(args.workers), args.admin_addr).run())
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -264,6 +296,8 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(arguments)
+    args.argv = arguments
     handlers = {"serve": cmd_serve, "check-config": cmd_check_config, "client": cmd_client}
     return handlers[args.command](args)

@@ -60,6 +60,7 @@ class Settings:
     header_names: HeaderNames = field(default_factory=HeaderNames)
     log_format: str = "text"
     watch_interval: float = 1.0
+    reuse_port: bool = False
     """Seconds between looks at the config files for a change (0: no watching)."""
 
 
@@ -133,7 +134,9 @@ class RateLimitService:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # Port sharing only for --workers; otherwise a second server on the port must fail.
+        reuse = 1 if self.settings.reuse_port else 0
+        server = grpc.aio.server(options=[("grpc.so_reuseport", reuse)])
         servicer = RateLimitServicer(
             self.limiter, self.settings.response_headers, self.settings.header_names
         )
