@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(serve, "--header-reset", default="RateLimit-Reset", help="name of the reset header")
     _add(serve, "--log-format", default="text", choices=["text", "json"], help="log format")
+    _add(serve, "--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS")
+    _add(serve, "--tls-key", default=None, help="PEM private key of --tls-cert")
+    _add(
+        serve,
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA bundle: require client certificates signed by it (mTLS)",
+    )
     _add(
         serve,
         "--workers",
@@ -202,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(client, "--hits-addend", type=int, default=0)
     _add(client, "--timeout", type=_positive(float), default=5.0)
+    _add(client, "--tls-ca", default=None, help="PEM CA bundle: connect over TLS")
+    _add(client, "--tls-cert", default=None, help="PEM client certificate (mTLS)")
+    _add(client, "--tls-key", default=None, help="PEM key of --tls-cert")
     return parser
 
 
@@ -231,6 +242,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         header_names=HeaderNames(args.header_limit, args.header_remaining, args.header_reset),
         log_format=args.log_format,
         reuse_port=bool(args.reuse_port),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
     try:
         service = RateLimitService(settings)
@@ -290,8 +304,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     from ratelimit_service.client import call_and_print
 
+    tls = (args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     return call_and_print(
-        args.addr, args.domain, args.descriptor, int(args.hits_addend), float(args.timeout)
+        args.addr, args.domain, args.descriptor, int(args.hits_addend), float(args.timeout), tls
     )
 
 

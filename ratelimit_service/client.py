@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -61,15 +62,33 @@ def format_response(descriptors: Sequence[str], response: Any) -> str:
     return "\n".join(lines)
 
 
+def open_channel(addr: str, tls: tuple[str, str | None, str | None] | None) -> grpc.Channel:
+    """Plaintext, or TLS with (CA bundle, client certificate, client key) file paths."""
+    if tls is None:
+        return grpc.insecure_channel(addr)
+    ca, cert, key = tls
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes(),
+        private_key=Path(key).read_bytes() if key else None,
+        certificate_chain=Path(cert).read_bytes() if cert else None,
+    )
+    return grpc.secure_channel(addr, credentials)
+
+
 def call_and_print(
-    addr: str, domain: str, descriptors: Sequence[str], hits_addend: int, timeout: float
+    addr: str,
+    domain: str,
+    descriptors: Sequence[str],
+    hits_addend: int,
+    timeout: float,
+    tls: tuple[str, str | None, str | None] | None = None,
 ) -> int:
     try:
         request = build_request(domain, descriptors, hits_addend)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    with grpc.insecure_channel(addr) as channel:
+    with open_channel(addr, tls) as channel:
         stub = rls_pb2_grpc.RateLimitServiceStub(channel)
         try:
             response = stub.ShouldRateLimit(request, timeout=timeout)

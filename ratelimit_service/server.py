@@ -32,6 +32,7 @@ from ratelimit_service.stats import Stats, StatsCollector
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.tls import CertificateReloader
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,11 @@ class Settings:
     log_format: str = "text"
     watch_interval: float = 1.0
     reuse_port: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """With tls_cert and tls_key the gRPC listener speaks TLS; with tls_client_ca too,
+    clients must present a certificate signed by it (mTLS)."""
     """Seconds between looks at the config files for a change (0: no watching)."""
 
 
@@ -128,6 +134,7 @@ class RateLimitService:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatsCollector(self.stats, self._gauges))
         self._server: grpc.aio.Server | None = None
+        self.tls: CertificateReloader | None = None
         self._serving = False
         self.grpc_port = 0
 
@@ -146,7 +153,7 @@ class RateLimitService:
             (RLS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         try:
-            self.grpc_port = server.add_insecure_port(self.settings.grpc_addr)
+            self.grpc_port = self._bind(server)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {self.settings.grpc_addr} (gRPC): {exc}") from exc
         if self.grpc_port == 0:
@@ -175,6 +182,15 @@ class RateLimitService:
             self.settings.mode.value,
             ",".join(sorted(self.limiter.config.domains)) or "(none)",
         )
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        settings = self.settings
+        if not settings.tls_cert:
+            return int(server.add_insecure_port(settings.grpc_addr))
+        if not settings.tls_key:
+            raise OSError("--tls-cert needs --tls-key")
+        self.tls = CertificateReloader(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        return int(server.add_secure_port(settings.grpc_addr, self.tls.credentials()))
 
     async def stop(self) -> None:
         """Report NOT_SERVING, stop taking calls, let in-flight ones finish, release."""

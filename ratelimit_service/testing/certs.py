@@ -1,0 +1,42 @@
+"""Throw-away certificates for TLS tests, made with the openssl command line."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CertPair:
+    cert: Path
+    key: Path
+
+
+def _run(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_ca(directory: Path, name: str = "ca") -> CertPair:
+    directory.mkdir(parents=True, exist_ok=True)
+    key, cert = directory / f"{name}.key", directory / f"{name}.pem"
+    _run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+         str(cert), "-days", "2", "-subj", f"/CN=test {name}", cwd=directory)  # fmt: skip
+    return CertPair(cert, key)
+
+
+def make_cert(directory: Path, ca: CertPair, name: str, client: bool = False) -> CertPair:
+    """A leaf certificate for localhost / 127.0.0.1 signed by ``ca``."""
+    key, csr, cert = (directory / f"{name}.{ext}" for ext in ("key", "csr", "pem"))
+    ext = directory / f"{name}.ext"
+    usage = "clientAuth" if client else "serverAuth"
+    ext.write_text(
+        f"subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\n"
+        "basicConstraints=CA:FALSE\n"
+    )
+    _run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+         "-subj", f"/CN={name}", cwd=directory)  # fmt: skip
+    _run("x509", "-req", "-in", str(csr), "-CA", str(ca.cert), "-CAkey", str(ca.key),
+         "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext),
+         cwd=directory)  # fmt: skip
+    return CertPair(cert, key)
