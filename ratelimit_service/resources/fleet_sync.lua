@@ -5,25 +5,32 @@
 -- (microseconds), 'o' the monotonic count of offered hits. A sorted set of node ids
 -- scored by last sync time gives the number of live nodes.
 --
--- KEYS[1]   the node registry (sorted set)
--- KEYS[1+i] the fleet hash of bucket i
--- ARGV[1]   this node's id
+-- ARGV[1]   this node's id, or '' for no heartbeat (Redis Cluster: the registry lives
+--           in another slot and gets its own call)
+-- KEYS      with a heartbeat, KEYS[1] is the node registry (sorted set); the other keys
+--           are the fleet hashes of the buckets, in order
 -- ARGV[2]   node time-to-live in microseconds (a node silent longer is not counted)
 -- ARGV[3 + 4*(i-1) ...] for bucket i: window_us, limit, admitted delta, offered delta
--- Returns   {live nodes, then 2 integers per bucket: tokens in thousandths, offered total}
+-- Returns   {live nodes (-1 without heartbeat), then 2 integers per bucket:
+--            tokens in thousandths, offered total}
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local node_ttl = tonumber(ARGV[2])
 
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - node_ttl)
-redis.call('PEXPIRE', KEYS[1], math.ceil(node_ttl / 1000) + 1000)
-local out = {redis.call('ZCARD', KEYS[1])}
+local first = 1
+local out = {-1}
+if ARGV[1] ~= '' then
+  redis.call('ZADD', KEYS[1], now, ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - node_ttl)
+  redis.call('PEXPIRE', KEYS[1], math.ceil(node_ttl / 1000) + 1000)
+  out[1] = redis.call('ZCARD', KEYS[1])
+  first = 2
+end
 
-for i = 1, #KEYS - 1 do
-  local key = KEYS[1 + i]
+for i = 1, #KEYS - first + 1 do
+  local key = KEYS[first + i - 1]
   local base = 3 + 4 * (i - 1)
   local window = tonumber(ARGV[base])
   local limit = tonumber(ARGV[base + 1])

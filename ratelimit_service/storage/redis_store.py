@@ -14,23 +14,44 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from ratelimit_service.core.drop_ratio import FleetView, SyncResult
-from ratelimit_service.core.exact import ExactHit, ExactResult
+from ratelimit_service.core.exact import ExactHit, ExactResult, request_denied
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
+from ratelimit_service.storage.redis_connect import connect
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 SYNC_CHUNK = 256
 """Buckets per sync script call: keeps each Lua call short so Redis stays responsive."""
+
+
+@dataclass(slots=True)
+class _Group:
+    """Keys that one script call may touch together (one slot in a cluster)."""
+
+    indexes: list[int]
+    keys: list[str]
+    hits: list[Any]
+
+
+def _reorder(groups: Sequence[_Group], results: Sequence[Sequence[_R]], size: int) -> list[_R]:
+    """Per-group results back in the order of the original items."""
+    ordered: list[_R | None] = [None] * size
+    for group, group_results in zip(groups, results, strict=True):
+        for index, result in zip(group.indexes, group_results, strict=True):
+            ordered[index] = result
+    return [item for item in ordered if item is not None]
 
 
 def _script(name: str) -> str:
@@ -59,28 +80,42 @@ class RedisStore:
         self.slices = slices
         self.node_ttl = node_ttl
         self.node_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._client = aioredis.Redis.from_url(
+        self._client, self.cluster = connect(
             url,
             socket_timeout=max(sync_timeout, request_timeout),
-            socket_connect_timeout=connect_timeout,
-            retry=Retry(NoBackoff(), 0),
+            connect_timeout=connect_timeout,
             max_connections=max_connections,
-            health_check_interval=0,
         )
         self._exact = self._client.register_script(_script("exact_window.lua"))
         self._sync = self._client.register_script(_script("fleet_sync.lua"))
         self.breaker = CircuitBreaker()
+        self._initialized = not self.cluster
+        self._init_lock = asyncio.Lock()
         self.calls = 0
         self.timeouts = 0
 
     # -- request path ------------------------------------------------------------
 
     async def hit(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
-        keys = [self._exact_key(hit.key, hit.window_seconds) for hit in hits]
+        groups = self._by_slot([self._exact_key(hit.key, hit.window_seconds) for hit in hits], hits)
+        if len(groups) == 1:
+            return await self._hit_group(groups[0], commit)
+        # Redis Cluster, descriptors in several slots: one script cannot see them all.
+        # Check everywhere first, then consume only if the whole request goes through;
+        # the second pass re-checks each key, so a race can deny a hit, never overshoot.
+        checks = await asyncio.gather(*(self._hit_group(g, False) for g in groups))
+        results = _reorder(groups, checks, len(hits))
+        roles = [hit.role for hit in hits]
+        if not commit or request_denied(roles, [r.admitted for r in results]):
+            return results
+        committed = await asyncio.gather(*(self._hit_group(g, True) for g in groups))
+        return _reorder(groups, committed, len(hits))
+
+    async def _hit_group(self, group: _Group, commit: bool) -> list[ExactResult]:
         args: list[Any] = [1 if commit else 0, self.slices]
-        for hit in hits:
+        for hit in group.hits:
             args += (hit.limit, hit.window_seconds * 1_000_000, hit.hits, int(hit.role))
-        raw = await self._call(self._exact, keys, args, self.request_timeout)
+        raw = await self._call(self._exact, group.keys, args, self.request_timeout)
         return [
             ExactResult(
                 admitted=bool(raw[i]),
@@ -94,31 +129,57 @@ class RedisStore:
     # -- reconciler --------------------------------------------------------------
 
     async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
-        # An empty report still runs once: it is this node's heartbeat and a liveness probe.
-        chunks = [reports[i : i + SYNC_CHUNK] for i in range(0, len(reports), SYNC_CHUNK)] or [[]]
-        results = await asyncio.gather(*(self._sync_chunk(c) for c in chunks))
+        keys = [self._fleet_key(r.key, r.window_seconds) for r in reports]
+        if self.cluster:
+            # The node registry lives in its own slot: a heartbeat call of its own, and
+            # one call per slot for the buckets, all concurrently.
+            groups = self._by_slot(keys, reports)
+            calls = [self._sync_call([], [], heartbeat=True)]
+            calls += [self._sync_call(g.keys, g.hits, heartbeat=False) for g in groups]
+            results = await asyncio.gather(*calls)
+            views = _reorder(groups, [v for _, v in results[1:]], len(reports))
+            return SyncResult(nodes=results[0][0], views=views)
+        # One server: each chunk carries the heartbeat; an empty sync still runs once.
+        bounds = range(0, len(reports), SYNC_CHUNK)
+        chunks = [(keys[i : i + SYNC_CHUNK], reports[i : i + SYNC_CHUNK]) for i in bounds]
+        results = await asyncio.gather(
+            *(self._sync_call(k, r, heartbeat=True) for k, r in chunks or [([], [])])
+        )
         return SyncResult(
             nodes=max(nodes for nodes, _ in results),
             views=[view for _, views in results for view in views],
         )
 
-    async def _sync_chunk(self, reports: Sequence[BucketReport]) -> tuple[int, list[FleetView]]:
-        keys = [self.prefix + "nodes"]
-        args: list[Any] = [self.node_id, int(self.node_ttl * 1_000_000)]
+    async def _sync_call(
+        self, keys: list[str], reports: Sequence[BucketReport], heartbeat: bool
+    ) -> tuple[int, list[FleetView]]:
+        args: list[Any] = [self.node_id if heartbeat else "", int(self.node_ttl * 1_000_000)]
         for report in reports:
-            keys.append(self._fleet_key(report.key, report.window_seconds))
             args += (
                 report.window_seconds * 1_000_000,
                 report.limit,
                 report.admitted,
                 report.offered,
             )
-        raw = await self._call(self._sync, keys, args, self.sync_timeout)
+        call_keys = [self.prefix + "nodes", *keys] if heartbeat else keys
+        raw = await self._call(self._sync, call_keys, args, self.sync_timeout)
         views = [
             FleetView(tokens=int(raw[i]) / 1000, offered_total=int(raw[i + 1]))
             for i in range(1, len(raw), 2)
         ]
         return int(raw[0]), views
+
+    def _by_slot(self, keys: list[str], items: Sequence[_T]) -> list[_Group]:
+        """One group per cluster slot (everything in one group on a single server)."""
+        if not self.cluster:
+            return [_Group(list(range(len(keys))), keys, list(items))]
+        groups: dict[int, _Group] = {}
+        for index, (key, item) in enumerate(zip(keys, items, strict=True)):
+            group = groups.setdefault(key_slot(key.encode()), _Group([], [], []))
+            group.indexes.append(index)
+            group.keys.append(key)
+            group.hits.append(item)
+        return list(groups.values())
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -128,6 +189,8 @@ class RedisStore:
         self.calls += 1
         try:
             async with asyncio.timeout(timeout):
+                if not self._initialized:
+                    await self._initialize()
                 raw = await script(keys=keys, args=args)
         except TimeoutError as exc:
             self.timeouts += 1
@@ -138,6 +201,14 @@ class RedisStore:
             raise StoreUnavailable(f"redis: {exc}") from exc
         self.breaker.success()
         return raw
+
+    async def _initialize(self) -> None:
+        """Discover the cluster once, before concurrent use: redis-py's lazy discovery
+        races when several first commands start together (seen with redis-py 8.1)."""
+        async with self._init_lock:
+            if not self._initialized:
+                await self._client.initialize()
+                self._initialized = True
 
     def _exact_key(self, bucket_key: str, window_seconds: int) -> str:
         return f"{self.prefix}e:{window_seconds}:{bucket_key}"

@@ -26,21 +26,23 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> None:
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self._directory)],
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self._directory),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        )
+        _wait_ping(self.port, timeout)
 
     def stop(self) -> None:
         if self.process is not None:
@@ -56,3 +58,177 @@ class RedisServer:
     def resume(self) -> None:
         assert self.process is not None
         self.process.send_signal(signal.SIGCONT)
+
+
+def _wait_ping(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing answers PING on port {port}")
+
+
+def _cli(port: int, *args: str) -> str:
+    result = subprocess.run(
+        ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30
+    )
+    return result.stdout
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is a valid port too."""
+    while True:
+        port = free_port()
+        if port + 10000 <= 65535:
+            return port
+
+
+class RedisCluster:
+    """A 3-master Redis Cluster (no replicas) on loopback, built with redis-cli."""
+
+    def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.ports = [_cluster_port() for _ in range(masters)]
+        self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self._directory = directory
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        for port in self.ports:
+            node_dir = self._directory / f"node-{port}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            self.processes.append(
+                subprocess.Popen(
+                    [
+                        "redis-server",
+                        "--port",
+                        str(port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        str(node_dir),
+                        "--logfile",
+                        str(node_dir / "redis.log"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        for port in self.ports:
+            _wait_ping(port)
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in self.ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 20
+        while not all("cluster_state:ok" in _cli(p, "cluster", "info") for p in self.ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster never became ready")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+        self.processes = []
+
+
+class RedisSentinelSetup:
+    """A master, a replica and one Sentinel watching them (quorum 1)."""
+
+    MASTER = "rlmaster"
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self.master_port, self.replica_port, self.sentinel_port = (free_port() for _ in "abc")
+        self.url = f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{self.MASTER}"
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def _server(self, port: int, *extra: str) -> None:
+        node_dir = self._directory / f"redis-{port}"
+        node_dir.mkdir(parents=True, exist_ok=True)
+        self.processes.append(
+            subprocess.Popen(
+                [
+                    "redis-server",
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(node_dir),
+                    *extra,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        _wait_ping(port)
+
+    def start(self) -> None:
+        self._server(self.master_port)
+        self._server(self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port))
+        config = self._directory / "sentinel.conf"
+        config.write_text(
+            f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self._directory}\n"
+            f"sentinel monitor {self.MASTER} 127.0.0.1 {self.master_port} 1\n"
+            f"sentinel down-after-milliseconds {self.MASTER} 1000\n"
+            f"sentinel failover-timeout {self.MASTER} 5000\n"
+        )
+        self.processes.append(
+            subprocess.Popen(
+                ["redis-server", str(config), "--sentinel"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        _wait_ping(self.sentinel_port)
+
+    def master(self) -> int:
+        """The port the Sentinel names as master now."""
+        reply = _cli(self.sentinel_port, "sentinel", "get-master-addr-by-name", self.MASTER)
+        return int(reply.split()[1])
+
+    def failover(self, timeout: float = 30.0) -> None:
+        """Ask for a failover once the Sentinel knows the replica (it learns of replicas
+        from the master's INFO, every few seconds) and the replica is in sync."""
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = _cli(self.sentinel_port, "sentinel", "failover", self.MASTER)
+            if reply.strip() == "OK":
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"failover refused: {reply.strip()}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+        self.processes = []

@@ -1,0 +1,99 @@
+"""Turn ``--redis-url`` into a redis-py asyncio client: single node, Sentinel or Cluster.
+
+- ``redis://[user:pass@]host:port/db`` and ``rediss://...`` (TLS): one server.
+- ``redis+sentinel://[user:pass@]s1:26379,s2:26379/<master-name>[/db]``: the master
+  that the Sentinels name; the client follows failovers. The credentials are the
+  master's.
+- ``redis+cluster://[user:pass@]n1:7000,n2:7001``: a Redis Cluster, discovered from
+  the given seed nodes.
+
+Retries are off everywhere (``Retry(NoBackoff(), 0)``): our own circuit breaker
+decides when to try again, and a client-side retry would blow the request-path
+time bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    kind: str  # "single", "sentinel" or "cluster"
+    hosts: tuple[tuple[str, int], ...] = ()
+    master: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_target(url: str) -> Target:
+    """Sentinel and Cluster URLs; single-node URLs are left to redis-py (kind "single")."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("redis+sentinel", "redis+cluster"):
+        return Target("single")
+    hosts = tuple(_host(part) for part in parsed.netloc.rpartition("@")[2].split(",") if part)
+    if not hosts:
+        raise ValueError(f"{url}: no host given")
+    path = [part for part in parsed.path.split("/") if part]
+    username = unquote(parsed.username) if parsed.username else None
+    password = unquote(parsed.password) if parsed.password else None
+    if parsed.scheme == "redis+cluster":
+        return Target("cluster", hosts, username=username, password=password)
+    if not path:
+        raise ValueError(f"{url}: the master name is missing (redis+sentinel://hosts/master)")
+    db = int(path[1]) if len(path) > 1 else 0
+    return Target("sentinel", hosts, path[0], db, username, password)
+
+
+def _host(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host:
+        raise ValueError(f"'{text}': expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def connect(
+    url: str, *, socket_timeout: float, connect_timeout: float, max_connections: int
+) -> tuple[Any, bool]:
+    """A client for ``url`` and whether it is a cluster client."""
+    target = parse_target(url)
+    common: dict[str, Any] = {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": connect_timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if target.kind == "cluster":
+        nodes = [ClusterNode(host, port) for host, port in target.hosts]
+        client: Any = RedisCluster(
+            startup_nodes=nodes,
+            username=target.username,
+            password=target.password,
+            max_connections=max_connections,
+            **common,
+        )
+        return client, True
+    if target.kind == "sentinel":
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(target.hosts), sentinel_kwargs=dict(common), **common
+        )
+        client = sentinel.master_for(
+            target.master,
+            db=target.db,
+            username=target.username,
+            password=target.password,
+            max_connections=max_connections,
+        )
+        return client, False
+    client = aioredis.Redis.from_url(
+        url, max_connections=max_connections, health_check_interval=0, **common
+    )
+    return client, False

@@ -1,0 +1,120 @@
+"""Redis Cluster and Sentinel, real servers on loopback, both modes."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ratelimit_service.core.exact import ExactHit
+from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.storage.redis_connect import Target, parse_target
+from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup
+
+needs_redis = pytest.mark.skipif(
+    shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+    reason="redis-server and redis-cli are needed",
+)
+
+
+def test_parse_targets() -> None:
+    assert parse_target("redis://h:1/0").kind == "single"
+    assert parse_target("redis+cluster://a:7000,b:7001") == Target(
+        "cluster", (("a", 7000), ("b", 7001))
+    )
+    assert parse_target("redis+sentinel://u:p@s1:26379,s2:26380/main/2") == Target(
+        "sentinel", (("s1", 26379), ("s2", 26380)), "main", 2, "u", "p"
+    )
+    with pytest.raises(ValueError, match="master name"):
+        parse_target("redis+sentinel://s1:26379")
+    with pytest.raises(ValueError, match="host:port"):
+        parse_target("redis+cluster://justahost")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    setup = RedisCluster(tmp_path)
+    try:
+        setup.start()
+        yield setup
+    finally:
+        setup.stop()
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[RedisSentinelSetup]:
+    setup = RedisSentinelSetup(tmp_path)
+    try:
+        setup.start()
+        yield setup
+    finally:
+        setup.stop()
+
+
+@needs_redis
+async def test_cluster_exact_across_slots(cluster: RedisCluster) -> None:
+    store = RedisStore(cluster.url, request_timeout=1)
+    try:
+        assert store.cluster
+        keys = [f"tenant\x1e{i}" for i in range(6)]  # spread over several slots
+        hits = [ExactHit(key, 2, 60, 1) for key in keys]
+        first = await store.hit(hits, True)
+        assert [r.remaining for r in first] == [1] * 6
+        await store.hit([ExactHit(keys[0], 2, 60, 1)], True)  # keys[0] is now full
+        denied = await store.hit(hits, True)
+        assert [r.admitted for r in denied] == [False] + [True] * 5
+        # the denied request consumed nothing in any slot
+        after = await store.hit([ExactHit(key, 2, 60, 0) for key in keys[1:]], True)
+        assert [r.before for r in after] == [1] * 5
+    finally:
+        await store.close()
+
+
+@needs_redis
+async def test_cluster_probabilistic_sync(cluster: RedisCluster) -> None:
+    stores = [RedisStore(cluster.url, request_timeout=1) for _ in range(2)]
+    try:
+        reports = [BucketReport(f"b{i}", 100, 1, offered=30, admitted=20) for i in range(8)]
+        await stores[0].sync(reports, 0.25)
+        result = await stores[1].sync(reports, 0.25)
+        assert result.nodes == 2
+        assert [v.offered_total for v in result.views] == [60] * 8
+        assert all(55 <= v.tokens <= 70 for v in result.views)  # 100 - 40, plus refill
+    finally:
+        for store in stores:
+            await store.close()
+
+
+@needs_redis
+async def test_sentinel_both_modes_and_failover(sentinel: RedisSentinelSetup) -> None:
+    store = RedisStore(sentinel.url, request_timeout=1, sync_timeout=2)
+    try:
+        assert not store.cluster
+        assert (await store.hit([ExactHit("k", 3, 60, 1)], True))[0].remaining == 2
+        result = await store.sync([BucketReport("p", 100, 1, 10, 10)], 0.25)
+        assert result.nodes == 1 and result.views[0].offered_total == 10
+        old_master = sentinel.master()
+        sentinel.failover()
+        deadline = time.monotonic() + 30
+        while sentinel.master() == old_master:
+            assert time.monotonic() < deadline, "no failover"
+            await asyncio.sleep(0.2)
+        # The client asks the Sentinel again and reaches the new master.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                result = await store.sync([BucketReport("p", 100, 1, 5, 5)], 0.25)
+                if result.views[0].offered_total >= 15:
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "the store never reached the new master"
+            await asyncio.sleep(0.2)
+        assert (await store.hit([ExactHit("k", 3, 60, 0)], True))[0].before >= 1
+    finally:
+        await store.close()
