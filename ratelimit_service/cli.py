@@ -199,6 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("path", nargs="?", default=_env("--config", None))
     _add(check, "--merge-domain-config", action="store_true")
 
+    envoy = commands.add_parser(
+        "envoy-config", help="print the Envoy filter, cluster and route rate_limits for the rules"
+    )
+    _add(envoy, "--config", required=True, help="rule file, or directory of *.yaml/*.yml")
+    _add(envoy, "--domain", default=None, help="the domain to render (needed if several)")
+    envoy.add_argument("--cluster", default="ratelimit", help="Envoy cluster name")
+    envoy.add_argument("--timeout", default="0.02s", help="the filter's timeout")
+    envoy.add_argument("--service-address", default="ratelimit:8081", help="HOST:PORT")
+    _add(envoy, "--merge-domain-config", action="store_true")
+
     client = commands.add_parser("client", help="call ShouldRateLimit once")
     _add(client, "--addr", default="127.0.0.1:8081", help="service address HOST:PORT")
     _add(client, "--domain", required=True)
@@ -301,6 +311,29 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_envoy_config(args: argparse.Namespace) -> int:
+    from ratelimit_service.envoy_config import render
+
+    try:
+        text = render(
+            args.config,
+            domain=args.domain,
+            cluster=args.cluster,
+            timeout=args.timeout,
+            service_address=args.service_address,
+            merge_domains=bool(args.merge_domain_config),
+        )
+    except ConfigLoadError as exc:
+        for error in exc.errors:
+            print(error, file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"envoy-config: {exc}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    return 0
+
+
 def cmd_client(args: argparse.Namespace) -> int:
     from ratelimit_service.client import call_and_print
 
@@ -314,5 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(arguments)
     args.argv = arguments
-    handlers = {"serve": cmd_serve, "check-config": cmd_check_config, "client": cmd_client}
+    handlers = {
+        "serve": cmd_serve,
+        "check-config": cmd_check_config,
+        "client": cmd_client,
+        "envoy-config": cmd_envoy_config,
+    }
     return handlers[args.command](args)
