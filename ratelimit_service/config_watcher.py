@@ -10,12 +10,12 @@ and counted in ``config_load_error``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from ratelimit_service.background import BackgroundTask
 from ratelimit_service.config_source import config_paths
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_model import RateLimitConfig
@@ -56,7 +56,7 @@ class ConfigWatcher:
         self._stats = stats
         self.interval = interval
         self._seen = fingerprint(path)
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundTask("config-watcher", self.run)
 
     def reload(self) -> bool:
         """Load the files now; install them if they are valid. True when installed."""
@@ -89,11 +89,7 @@ class ConfigWatcher:
                 log.exception("config check failed")
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run(), name="config-watcher")
+        self._background.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._background.stop()

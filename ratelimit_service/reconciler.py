@@ -4,11 +4,11 @@ set drop ratios. It is the only place where probabilistic rules touch the store.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
+from ratelimit_service.background import BackgroundTask
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.stats import LatencyHistogram
 from ratelimit_service.storage.base import Store, StoreUnavailable
@@ -35,7 +35,7 @@ class Reconciler:
         self.last_duration = 0.0
         self.durations = LatencyHistogram()
         self.last_success: float | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundTask("reconciler", self.run)
 
     async def sync_once(self) -> int:
         """One reconciliation; returns the number of buckets synced."""
@@ -80,11 +80,7 @@ class Reconciler:
 
     def start(self) -> None:
         self.local.last_sync_ok = self._clock()
-        self._task = asyncio.get_running_loop().create_task(self.run(), name="reconciler")
+        self._background.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._background.stop()

@@ -14,6 +14,7 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from ratelimit_service.server import RateLimitService, Settings
+from ratelimit_service.testing.fleet import redis_server as redis_process
 from ratelimit_service.testing.redis import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,11 +109,5 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         if os.environ.get("CI"):
             pytest.fail("redis-server is not installed")
         pytest.skip("redis-server is not installed")
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
+    with redis_process(tmp_path) as server:
         yield server
-    finally:
-        if server.process is not None:
-            server.resume()
-        server.stop()

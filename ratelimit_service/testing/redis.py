@@ -1,4 +1,5 @@
-"""A real redis-server on a free loopback port, owned by a test or a benchmark."""
+"""Real redis-server processes on free loopback ports, owned by a test or a benchmark:
+a single server, a Redis Cluster, a master/replica pair watched by a Sentinel."""
 
 from __future__ import annotations
 
@@ -15,52 +16,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class RedisServer:
-    """start/stop/pause/resume one redis-server process; persistence off."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._directory = directory
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 10.0) -> None:
-        self.process = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self._directory),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        _wait_ping(self.port, timeout)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-            self.process = None
-
-    def pause(self) -> None:
-        """SIGSTOP: the server keeps its connections but answers nothing."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGCONT)
+def spawn_redis(port: int, directory: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """A redis-server with persistence off, its files and log in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--dir", str(directory),
+               "--logfile", str(directory / "redis.log"), *extra]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _wait_ping(port: int, timeout: float = 10.0) -> None:
+def wait_ping(port: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -80,6 +45,46 @@ def _cli(port: int, *args: str) -> str:
     return result.stdout
 
 
+class RedisServer:
+    """start/stop/pause/resume one redis-server process."""
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._directory = directory
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.process = spawn_redis(self.port, self._directory / f"redis-{self.port}")
+        wait_ping(self.port, timeout)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections but answers nothing."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+
+class _Processes:
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+        self.processes = []
+
+
 def _cluster_port() -> int:
     """A free port whose cluster bus port (port + 10000) is a valid port too."""
     while True:
@@ -88,46 +93,29 @@ def _cluster_port() -> int:
             return port
 
 
-class RedisCluster:
-    """A 3-master Redis Cluster (no replicas) on loopback, built with redis-cli."""
+class RedisCluster(_Processes):
+    """A Redis Cluster of masters only, on loopback, built with redis-cli."""
 
     def __init__(self, directory: Path, masters: int = 3) -> None:
+        super().__init__()
         self.ports = [_cluster_port() for _ in range(masters)]
         self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
         self._directory = directory
-        self.processes: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
         for port in self.ports:
-            node_dir = self._directory / f"node-{port}"
-            node_dir.mkdir(parents=True, exist_ok=True)
             self.processes.append(
-                subprocess.Popen(
-                    [
-                        "redis-server",
-                        "--port",
-                        str(port),
-                        "--bind",
-                        "127.0.0.1",
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--dir",
-                        str(node_dir),
-                        "--logfile",
-                        str(node_dir / "redis.log"),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
+                spawn_redis(
+                    port,
+                    self._directory / f"node-{port}",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
                 )
             )
         for port in self.ports:
-            _wait_ping(port)
+            wait_ping(port)
         subprocess.run(
             [
                 "redis-cli",
@@ -148,52 +136,31 @@ class RedisCluster:
                 raise RuntimeError("the cluster never became ready")
             time.sleep(0.1)
 
-    def stop(self) -> None:
-        for process in self.processes:
-            process.kill()
-            process.wait()
-        self.processes = []
 
-
-class RedisSentinelSetup:
+class RedisSentinelSetup(_Processes):
     """A master, a replica and one Sentinel watching them (quorum 1)."""
 
     MASTER = "rlmaster"
 
     def __init__(self, directory: Path) -> None:
+        super().__init__()
         self._directory = directory
         self.master_port, self.replica_port, self.sentinel_port = (free_port() for _ in "abc")
         self.url = f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{self.MASTER}"
-        self.processes: list[subprocess.Popen[bytes]] = []
-
-    def _server(self, port: int, *extra: str) -> None:
-        node_dir = self._directory / f"redis-{port}"
-        node_dir.mkdir(parents=True, exist_ok=True)
-        self.processes.append(
-            subprocess.Popen(
-                [
-                    "redis-server",
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    str(node_dir),
-                    *extra,
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-        _wait_ping(port)
 
     def start(self) -> None:
-        self._server(self.master_port)
-        self._server(self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port))
+        self.processes.append(spawn_redis(self.master_port, self._directory / "master"))
+        wait_ping(self.master_port)
+        self.processes.append(
+            spawn_redis(
+                self.replica_port,
+                self._directory / "replica",
+                "--replicaof",
+                "127.0.0.1",
+                str(self.master_port),
+            )
+        )
+        wait_ping(self.replica_port)
         config = self._directory / "sentinel.conf"
         config.write_text(
             f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self._directory}\n"
@@ -208,7 +175,7 @@ class RedisSentinelSetup:
                 stderr=subprocess.DEVNULL,
             )
         )
-        _wait_ping(self.sentinel_port)
+        wait_ping(self.sentinel_port)
 
     def master(self) -> int:
         """The port the Sentinel names as master now."""
@@ -226,9 +193,3 @@ class RedisSentinelSetup:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"failover refused: {reply.strip()}")
             time.sleep(0.2)
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.kill()
-            process.wait()
-        self.processes = []
