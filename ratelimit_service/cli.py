@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         serve,
+        "--max-request-bytes",
+        type=_positive(int),
+        default=1 << 20,
+        help="largest request accepted (gRPC answers RESOURCE_EXHAUSTED beyond)",
+    )
+    _add(
+        serve,
         "--response-headers",
         default="off",
         choices=[s.value for s in HeaderStyle],
@@ -248,6 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         watch_interval=float(args.watch_interval),
         max_descriptors=int(args.max_descriptors),
         max_entries=int(args.max_entries),
+        max_request_bytes=int(args.max_request_bytes),
         response_headers=HeaderStyle(args.response_headers),
         header_names=HeaderNames(args.header_limit, args.header_remaining, args.header_reset),
         log_format=args.log_format,

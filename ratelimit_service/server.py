@@ -57,6 +57,8 @@ class Settings:
     shutdown_grace: float = 5.0
     max_descriptors: int = 64
     max_entries: int = 32
+    max_request_bytes: int = 1 << 20
+    """Larger requests are refused by gRPC itself (RESOURCE_EXHAUSTED)."""
     response_headers: HeaderStyle = HeaderStyle.OFF
     header_names: HeaderNames = field(default_factory=HeaderNames)
     log_format: str = "text"
@@ -143,7 +145,12 @@ class RateLimitService:
     async def start(self) -> None:
         # Port sharing only for --workers; otherwise a second server on the port must fail.
         reuse = 1 if self.settings.reuse_port else 0
-        server = grpc.aio.server(options=[("grpc.so_reuseport", reuse)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", reuse),
+                ("grpc.max_receive_message_length", self.settings.max_request_bytes),
+            ]
+        )
         servicer = RateLimitServicer(
             self.limiter, self.settings.response_headers, self.settings.header_names
         )

@@ -643,3 +643,15 @@ async def test_sync_interval_longer_than_stale_after_does_not_fail_open(
     assert await codes(svc, 3, "d", [("two", "s")]) == [OK, OK, OVER]
     await asyncio.sleep(3.3)
     assert await codes(svc, 3, "d", [("two", "s")]) == [OVER] * 3
+
+
+async def test_request_larger_than_the_byte_bound_is_refused(write_config, start_service) -> None:
+    import grpc
+
+    config = write_config("domain: d\ndescriptors:\n  - key: k\n")
+    svc = await start_service(config, max_request_bytes=2048)
+    big = [("k", "v" * 1000), ("k2", "v" * 1000), ("k3", "v" * 1000)]
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await svc.call("d", big)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (await svc.call("d", [("k", "v")])).overall_code == OK  # still serving
