@@ -13,7 +13,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ratelimit_service.core.config_model import FailureMode, Mode, RateLimit, RateLimitConfig
+from ratelimit_service.core.config_model import (
+    DomainConfig,
+    FailureMode,
+    Mode,
+    RateLimit,
+    RateLimitConfig,
+)
 from ratelimit_service.core.decision import drop_replaced, hits_for, overall_code, split_hits
 from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
 from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
@@ -39,6 +45,9 @@ from ratelimit_service.stats import Stats
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
+
+MATCH_CACHE_SIZE = 10_000
+_MISSING = object()
 
 
 @dataclass(slots=True)
@@ -77,10 +86,12 @@ class RateLimiter:
         self.global_shadow = global_shadow
         self._clock = clock
         self._draw = draw
+        self._matches: dict[tuple[str, tuple[tuple[str, str], ...]], object] = {}
 
     def swap_config(self, config: RateLimitConfig) -> None:
         """Install a new config; in-flight requests finish on the one they started with."""
         self.config = config
+        self._matches = {}
 
     async def should_rate_limit(self, request: Request) -> Response:
         try:
@@ -94,7 +105,7 @@ class RateLimiter:
         if domain is None:
             self.stats.count_domain_not_found(request.domain)
             return Response(Code.OK, statuses)
-        matches = [self._match(request.domain, d) for d in request.descriptors]
+        matches = [self._match(domain, d) for d in request.descriptors]
         limits = [m.limit if m is not None else None for m in matches]
         drop_replaced(limits)
         pending: list[_Pending] = []
@@ -110,9 +121,20 @@ class RateLimiter:
             await self._decide(pending, statuses)
         return self._finish(statuses, pending)
 
-    def _match(self, domain_name: str, descriptor: Descriptor) -> Match | None:
+    def _match(self, domain: DomainConfig, descriptor: Descriptor) -> Match | None:
         if descriptor.override is None:
-            return find_limit(self.config.domains[domain_name], descriptor.entries)
+            # Matching builds key strings; most traffic repeats a few descriptors, so the
+            # result is remembered (per config, bounded: cleared when full).
+            cache_key = (domain.name, descriptor.entries)
+            cache = self._matches
+            match = cache.get(cache_key, _MISSING)
+            if match is _MISSING:
+                match = find_limit(domain, descriptor.entries)
+                if len(cache) >= MATCH_CACHE_SIZE:
+                    cache.clear()
+                cache[cache_key] = match
+            return match  # type: ignore[return-value]
+        domain_name = domain.name
         requests_per_unit, unit = descriptor.override
         assert unit is not None  # validate() rejects UNKNOWN units
         key = override_stats_key(domain_name, descriptor.entries)
