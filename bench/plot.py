@@ -1,0 +1,157 @@
+"""PNG plots for docs/benchmarks.md from the JSON files the benchmarks write.
+
+    pip install -e ".[bench]"   # matplotlib
+    python bench/plot.py        # reads bench/out/*.json, writes docs/img/*.png
+
+Each plot is drawn only when its JSON file exists: throughput.json and
+redis_delay.json (bench/throughput.py), cost_growth.json (bench/cost_growth.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = ["embedded probabilistic", "embedded exact", "redis probabilistic", "redis exact"]
+
+
+def throughput(data: dict[str, Any], out: Path) -> None:
+    rows = [r for r in data["summary"] if r["load"] == "saturate" and r["ratio"] is not None]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.38
+    for offset, count in ((-width / 2, 1), (width / 2, 5)):
+        chosen = {r["target"]: r for r in rows if r["descriptors"] == count}
+        ratios = [chosen[t]["ratio"] for t in TARGETS]
+        low = [chosen[t]["ratio"] - chosen[t]["ratio_min"] for t in TARGETS]
+        high = [chosen[t]["ratio_max"] - chosen[t]["ratio"] for t in TARGETS]
+        xs = [i + offset for i in range(len(TARGETS))]
+        bars = ax.bar(
+            xs,
+            ratios,
+            width,
+            yerr=[low, high],
+            capsize=3,
+            label=f"{count} descriptor{'s' if count > 1 else ''} per request",
+        )
+        for bar, row in zip(bars, (chosen[t] for t in TARGETS), strict=True):
+            ax.annotate(
+                f"{row['rps']:,.0f}/s",
+                (bar.get_x() + bar.get_width() / 2, 0.02),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                rotation=90,
+                color="white",
+            )
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.text(-0.45, 1.01, "null server = 1.0", ha="left", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(TARGETS)), [t.replace(" ", "\n") for t in TARGETS])
+    ax.set_ylabel("throughput / null server (same round)")
+    ax.set_ylim(0, 1.15)
+    ax.set_title("Saturated throughput, h2load -c 8 -m 8 -t 1 (median of rounds, bars: min-max)")
+    ax.legend(loc="upper right", fontsize=8, bbox_to_anchor=(1.0, 0.93))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def redis_delay(data: dict[str, Any], out: Path) -> None:
+    rows = data["summary"]
+    paths = list(data["ping_rtt"])
+    services = ["probabilistic", "exact", "exact (timeout 50 ms)"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
+    width = 0.27
+    for index, service in enumerate(services):
+        chosen = [next(r for r in rows if r["target"] == f"{service} {p}") for p in paths]
+        xs = [i + (index - 1) * width for i in range(len(paths))]
+        axes[0].bar(xs, [r["p50_ms"] for r in chosen], width, label=service)
+        axes[0].bar(
+            xs,
+            [r["p99_ms"] - r["p50_ms"] for r in chosen],
+            width,
+            bottom=[r["p50_ms"] for r in chosen],
+            alpha=0.35,
+            color=f"C{index}",
+        )
+        shares = [100 * r["failure_mode_answers"] / r["served"] for r in chosen]
+        axes[1].bar(xs, shares, width, label=service)
+    for ax in axes:
+        ax.set_xticks(
+            range(len(paths)),
+            [f"{p}\n(RTT {data['ping_rtt'][p]['p50_ms']:.1f} ms)" for p in paths],
+            fontsize=8,
+        )
+        ax.set_xlabel("Redis path (bench/redis_delay_proxy.py)")
+    axes[0].set_ylabel("latency ms: p50 (solid), p99 (light)")
+    axes[0].set_title("Latency at 1,000 req/s")
+    axes[0].legend(fontsize=8)
+    axes[1].set_ylabel("% of answers given by failure_mode (open)")
+    axes[1].set_title("Answers NOT decided by Redis")
+    axes[1].set_ylim(0, 105)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def cost_growth(data: dict[str, Any], out: Path) -> None:
+    cells = [c for c in data["cells"] if c["buckets"] > 0]
+    intervals = sorted({c["interval"] for c in cells})
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for interval in intervals:
+        chosen = sorted((c for c in cells if c["interval"] == interval), key=lambda c: c["buckets"])
+        xs = [c["buckets"] for c in chosen]
+        label = f"sync every {interval:g} s"
+        axes[0].plot(
+            xs, [c["bytes_in_per_s"] + c["bytes_out_per_s"] for c in chosen], "o-", label=label
+        )
+        axes[1].plot(xs, [c["redis_commands_per_s"] for c in chosen], "o-", label=label)
+        axes[2].plot(xs, [c["reported_per_sync"] for c in chosen], "o-", label=label)
+    axes[0].set_ylabel("Redis bytes/s (in + out) per process")
+    axes[1].set_ylabel("Redis commands/s per process (incl. inside Lua)")
+    axes[2].set_ylabel("buckets reported per sync")
+    rate = cells[0]["rate"]
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("active buckets (distinct descriptor values)")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"Probabilistic mode, one process, {rate:g} req/s of up to "
+        f"{max(c['per_request'] for c in cells)} descriptors "
+        f"(traffic caps the buckets touched per sync)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=ROOT / "bench" / "out")
+    parser.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
+    args = parser.parse_args()
+    args.img.mkdir(parents=True, exist_ok=True)
+    for name, draw in (
+        ("throughput", throughput),
+        ("redis_delay", redis_delay),
+        ("cost_growth", cost_growth),
+    ):
+        source = args.data / f"{name}.json"
+        if source.exists():
+            target = args.img / f"{name}.png"
+            draw(json.loads(source.read_text()), target)
+            print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()
