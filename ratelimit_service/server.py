@@ -174,6 +174,9 @@ class RateLimitService:
             await server.stop(0)
             self._server = None
             raise OSError(f"cannot listen on {self.settings.admin_addr} (admin): {exc}") from exc
+        warm = getattr(self.store, "warm", None)
+        if warm is not None:
+            await warm()
         self.reconciler.start()
         if self.settings.watch_interval > 0:
             self.watcher.start()

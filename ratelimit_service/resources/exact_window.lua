@@ -22,6 +22,8 @@ local commit = ARGV[1] == '1'
 local slices = tonumber(ARGV[2])
 local n = #KEYS
 
+-- One pass per key: the live total and the oldest live slice; expired slices are
+-- deleted. The live slices are kept (unsorted) only for the rare denied answer.
 local state = {}
 for i = 1, n do
   local base = 3 + 4 * (i - 1)
@@ -31,25 +33,23 @@ for i = 1, n do
   local cur = math.floor(now / width)
   local oldest = cur - slices
   local raw = redis.call('HGETALL', KEYS[i])
-  local live, stale, total = {}, {}, 0
+  local stale, total, first, live = {}, 0, nil, raw
   for j = 1, #raw, 2 do
     local index = tonumber(raw[j])
-    local count = tonumber(raw[j + 1])
     if index < oldest then
       stale[#stale + 1] = raw[j]
     else
-      live[#live + 1] = {index, count}
-      total = total + count
+      total = total + tonumber(raw[j + 1])
+      if first == nil or index < first then first = index end
     end
   end
   if #stale > 0 then redis.call('HDEL', KEYS[i], unpack(stale)) end
-  table.sort(live, function(a, b) return a[1] < b[1] end)
   local hits = tonumber(ARGV[base + 2])
   local need = hits
   if need < 1 then need = 1 end
-  state[i] = {limit = limit, window = window, width = width, cur = cur, live = live,
-              total = total, hits = hits, role = tonumber(ARGV[base + 3]),
-              ok = total + need <= limit}
+  state[i] = {limit = limit, window = window, width = width, cur = cur, oldest = oldest,
+              raw = live, first = first, total = total, hits = hits,
+              role = tonumber(ARGV[base + 3]), ok = total + need <= limit}
 end
 
 local denied = false
@@ -70,28 +70,44 @@ local function leave_after(s, index)
   return math.floor(at)
 end
 
+-- Seconds (in microseconds) until a denied request's hits would fit: walk the live
+-- slices oldest first until enough hits have left the window.
+local function wait_for_room(s)
+  local live = {}
+  for j = 1, #s.raw, 2 do
+    local index = tonumber(s.raw[j])
+    if index >= s.oldest then live[#live + 1] = {index, tonumber(s.raw[j + 1])} end
+  end
+  table.sort(live, function(a, b) return a[1] < b[1] end)
+  local need = s.hits
+  if need < 1 then need = 1 end
+  local excess = s.total + need - s.limit
+  local freed, reset = 0, 0
+  for _, slice in ipairs(live) do
+    freed = freed + slice[2]
+    reset = leave_after(s, slice[1])
+    if freed >= excess then break end
+  end
+  return reset
+end
+
 local out = {}
 for i = 1, n do
   local s = state[i]
   local before = s.total
   local after = before
+  local first = s.first
   if s.ok and commit and not denied and s.hits > 0 then
     redis.call('HINCRBY', KEYS[i], s.cur, s.hits)
     redis.call('PEXPIRE', KEYS[i], math.ceil((s.window + 2 * s.width) / 1000))
     after = before + s.hits
-    if #s.live == 0 or s.live[#s.live][1] < s.cur then s.live[#s.live + 1] = {s.cur, s.hits} end
+    if first == nil then first = s.cur end
   end
   local reset = 0
   if s.ok then
-    if #s.live > 0 then reset = leave_after(s, s.live[1][1]) end
+    if first ~= nil then reset = leave_after(s, first) end
   else
-    local excess = before + math.max(s.hits, 1) - s.limit
-    local freed = 0
-    for _, slice in ipairs(s.live) do
-      freed = freed + slice[2]
-      reset = leave_after(s, slice[1])
-      if freed >= excess then break end
-    end
+    reset = wait_for_room(s)
   end
   local remaining = s.limit - after
   if remaining < 0 then remaining = 0 end

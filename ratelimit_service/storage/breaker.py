@@ -1,7 +1,7 @@
 """A circuit breaker with jittered exponential backoff and health hysteresis.
 
-When the store fails, callers fail fast (no connection attempt) until the backoff
-expires; then one trial call goes through. So a fleet does not hammer a
+When the store fails several times in a row, callers fail fast (no connection
+attempt) until the backoff expires; then one trial call goes through. So a fleet does not hammer a
 recovering Redis, and the request path never waits on a store known to be down.
 Health changes only after several results in a row, so it does not flap.
 """
@@ -20,12 +20,14 @@ class CircuitBreaker:
         base_backoff: float = 0.05,
         max_backoff: float = 1.0,
         flip_after: int = 3,
+        open_after: int = 3,
         clock: Callable[[], float] = time.monotonic,
         draw: Callable[[], float] = random.random,
     ) -> None:
         self.base_backoff = base_backoff
         self.max_backoff = max_backoff
         self.flip_after = flip_after
+        self.open_after = open_after
         self._clock = clock
         self._draw = draw
         self._backoff = 0.0
@@ -60,6 +62,8 @@ class CircuitBreaker:
         self.failures_in_row += 1
         if self.failures_in_row >= self.flip_after:
             self.healthy = False
+        if self.failures_in_row < self.open_after and self._backoff == 0.0:
+            return  # a stray timeout does not stop traffic to a store that works
         self._backoff = min(self.max_backoff, max(self.base_backoff, self._backoff * 2))
         jitter = 0.5 + self._draw()  # 0.5x .. 1.5x
         self._open_until = self._clock() + self._backoff * jitter

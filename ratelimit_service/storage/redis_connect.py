@@ -93,7 +93,13 @@ def connect(
             max_connections=max_connections,
         )
         return client, False
-    client = aioredis.Redis.from_url(
-        url, max_connections=max_connections, health_check_interval=0, **common
+    # A blocking pool: a burst beyond max_connections waits for a free connection
+    # (bounded by the caller's deadline) instead of failing at once.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=None,
+        health_check_interval=0,
+        **common,
     )
-    return client, False
+    return aioredis.Redis.from_pool(pool), False

@@ -10,6 +10,7 @@ for the reconciler) and goes through a circuit breaker; a failure surfaces as
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import uuid
@@ -28,6 +29,8 @@ from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
 from ratelimit_service.storage.redis_connect import connect
+
+log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -52,6 +55,12 @@ def _reorder(groups: Sequence[_Group], results: Sequence[Sequence[_R]], size: in
         for index, result in zip(group.indexes, group_results, strict=True):
             ordered[index] = result
     return [item for item in ordered if item is not None]
+
+
+def _forget(task: asyncio.Future[Any]) -> None:
+    """Collect the outcome of a command nobody waits for any more."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _script(name: str) -> str:
@@ -187,12 +196,18 @@ class RedisStore:
         if not self.breaker.allow():
             raise StoreUnavailable("redis: circuit open after recent failures")
         self.calls += 1
+        # The command runs as its own task and is shielded from our deadline: when the
+        # deadline passes we answer without it, but the command finishes in the
+        # background and its connection goes back to the pool intact. Cancelling it
+        # instead would drop the connection, and the next call would pay a new
+        # connection's handshake (several round trips) inside its own deadline: under a
+        # slow Redis that spirals into every call timing out.
+        command = asyncio.ensure_future(self._run(script, keys, args))
         try:
             async with asyncio.timeout(timeout):
-                if not self._initialized:
-                    await self._initialize()
-                raw = await script(keys=keys, args=args)
+                raw = await asyncio.shield(command)
         except TimeoutError as exc:
+            command.add_done_callback(_forget)
             self.timeouts += 1
             self.breaker.failure()
             raise StoreUnavailable(f"redis: no answer within {timeout * 1000:.0f} ms") from exc
@@ -201,6 +216,24 @@ class RedisStore:
             raise StoreUnavailable(f"redis: {exc}") from exc
         self.breaker.success()
         return raw
+
+    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        if not self._initialized:
+            await self._initialize()
+        return await script(keys=keys, args=args)
+
+    async def warm(self, connections: int = 4) -> None:
+        """Open a few connections and load the scripts before traffic, outside any
+        request deadline. Failures are left for the request path to meet."""
+        try:
+            async with asyncio.timeout(self.sync_timeout * 2):
+                if not self._initialized:
+                    await self._initialize()
+                await asyncio.gather(*(self._client.ping() for _ in range(connections)))
+                for script in (self._exact, self._sync):
+                    await self._client.script_load(script.script)
+        except (TimeoutError, RedisError, OSError) as exc:
+            log.warning("redis not reachable at start-up: %s", exc)
 
     async def _initialize(self) -> None:
         """Discover the cluster once, before concurrent use: redis-py's lazy discovery
