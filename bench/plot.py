@@ -3,8 +3,10 @@
     pip install -e ".[bench]"   # matplotlib
     python bench/plot.py        # reads bench/out/*.json, writes docs/img/*.png
 
-Each plot is drawn only when its JSON file exists: throughput.json and
-redis_delay.json (bench/throughput.py), cost_growth.json (bench/cost_growth.py).
+Each plot is drawn only when its data file exists: throughput.json and
+redis_delay.json (bench/throughput.py), cost_growth.json (bench/cost_growth.py), and
+the fleet scenario CSVs overload/under/step/exact/outage.csv
+(bench/fleet_scenarios.py), drawn together as fleet_accuracy.png.
 """
 
 from __future__ import annotations
@@ -135,10 +137,46 @@ def cost_growth(data: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+FLEET_SCENARIOS = ["overload", "under", "step", "exact", "outage"]
+
+
+def fleet_accuracy(data_dir: Path, out: Path, limit: float) -> bool:
+    """Admitted and offered per second (per 250 ms bucket) against the limit, one panel
+    per fleet scenario. False when no scenario CSV exists."""
+    import csv
+
+    found = [(name, data_dir / f"{name}.csv") for name in FLEET_SCENARIOS]
+    found = [(name, path) for name, path in found if path.exists()]
+    if not found:
+        return False
+    fig, axes = plt.subplots(len(found), 1, figsize=(8, 2.2 * len(found)), sharex=True)
+    axes = axes if len(found) > 1 else [axes]
+    for ax, (name, path) in zip(axes, found, strict=True):
+        with open(path, newline="") as handle:
+            rows = [
+                (float(r["t"]), int(r["offered"]), int(r["admitted"]))
+                for r in csv.DictReader(handle)
+            ]
+        width = rows[1][0] - rows[0][0] if len(rows) > 1 else 0.25
+        ts = [r[0] for r in rows]
+        ax.plot(ts, [r[1] / width for r in rows], color="0.6", label="offered/s")
+        ax.plot(ts, [r[2] / width for r in rows], color="tab:blue", label="admitted/s")
+        ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1, label="limit")
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.set_ylabel("req/s")
+    axes[0].legend(fontsize=8, loc="upper right")
+    axes[-1].set_xlabel("seconds (per 250 ms bucket)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT / "bench" / "out")
     parser.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
+    parser.add_argument("--fleet-limit", type=float, default=400, help="as fleet_scenarios")
     args = parser.parse_args()
     args.img.mkdir(parents=True, exist_ok=True)
     for name, draw in (
@@ -151,6 +189,8 @@ def main() -> None:
             target = args.img / f"{name}.png"
             draw(json.loads(source.read_text()), target)
             print(f"wrote {target}")
+    if fleet_accuracy(args.data, args.img / "fleet_accuracy.png", args.fleet_limit):
+        print(f"wrote {args.img / 'fleet_accuracy.png'}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 
 from ratelimit_service.background import BackgroundTask
-from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.core.drop_ratio import SyncResult
+from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
 from ratelimit_service.stats import LatencyHistogram
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
@@ -44,10 +45,11 @@ class Reconciler:
         reports = self.local.take_reports(now, self.interval)
         try:
             # With nothing to report, a sync still proves the store answers (freshness).
-            result = await self.store.sync(reports, self.interval)
+            result = await self._sync_keeping_rates(reports)
         except StoreUnavailable as exc:
             self.errors += 1
             self.local.restore(reports)
+            self.local.renew()
             log.warning("sync failed, keeping last drop ratios: %s", exc)
             return 0
         now = self._clock()
@@ -61,6 +63,17 @@ class Reconciler:
         self.last_duration = time.perf_counter() - started
         self.durations.observe(self.last_duration)
         return len(reports)
+
+    async def _sync_keeping_rates(self, reports: list[BucketReport]) -> SyncResult:
+        """The store's answer; while it is late (a slow or frozen Redis can take the whole
+        sync timeout), buckets get their last credit again every interval, so they keep
+        their last rate instead of running dry."""
+        pending = asyncio.ensure_future(self.store.sync(reports, self.interval))
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=self.interval)
+            if done:
+                return pending.result()
+            self.local.renew()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -165,3 +165,26 @@ def test_redis_restart_under_load(redis_server, fleet_dir: Path) -> None:
     # reconnect within a backoff of at most 1.5 s: measure once that has passed.
     _, after = steady_rate(timeline, 8.5, 11.0)
     assert after == pytest.approx(100, rel=0.2)
+
+
+def test_frozen_redis_keeps_the_last_rate(redis_server, fleet_dir: Path) -> None:
+    """While syncs fail (Redis frozen, shorter than the staleness bound), buckets keep
+    admitting at their last rate: neither running dry (0 admitted) nor failing open."""
+    config = write_config(fleet_dir, 100, "second", "probabilistic")
+    with service_fleet(2, config, redis_server.url) as nodes:
+        ports = [n.grpc_port for n in nodes]
+
+        async def scenario() -> Timeline:
+            task = asyncio.create_task(drive(ports, [0.6, 0.4], lambda t: 200, 6, "fleet", "k=v"))
+            await asyncio.sleep(3.0)
+            redis_server.pause()
+            await asyncio.sleep(2.0)
+            redis_server.resume()
+            return await task
+
+        timeline = asyncio.run(scenario())
+    assert timeline.errors == 0
+    _, before = steady_rate(timeline, 1.5, 3.0)
+    _, frozen = steady_rate(timeline, 3.25, 5.0)
+    assert before == pytest.approx(100, rel=0.2)
+    assert 50 <= frozen <= 150

@@ -28,6 +28,7 @@ class ProbabilisticBucket:
         "admitted",
         "credit",
         "fleet_rate",
+        "grant",
         "key",
         "last_report",
         "last_used",
@@ -50,6 +51,8 @@ class ProbabilisticBucket:
         self.window_seconds = window_seconds
         self.ratio = 0.0
         self.credit = initial_credit(limit, nodes)
+        self.grant = self.credit
+        """The credit of the last sync, renewed each interval while the store is away."""
         self.offered = 0
         self.admitted = 0
         self.offered_total_seen: int | None = None
@@ -185,6 +188,13 @@ class LocalBuckets:
         for report, view in zip(reports, result.views, strict=True):
             self.apply(report.key, view, now, interval)
 
+    def renew(self) -> None:
+        """A sync failed: grant every bucket its last interval's credit again, so it
+        keeps admitting at its last rate (its last ratio) instead of running dry and
+        denying everything until the staleness bound switches to failure_mode."""
+        for bucket in self._buckets.values():
+            bucket.credit = max(bucket.credit, bucket.grant)
+
     def restore(self, reports: list[BucketReport]) -> None:
         """Put back counts of a sync that failed, so they are reported next time."""
         for report in reports:
@@ -216,6 +226,7 @@ class LocalBuckets:
             nodes=self.nodes,
         )
         bucket.ratio = result.ratio
+        bucket.grant = result.credit
         # Hits admitted while the sync was in flight are not in the view yet.
         bucket.credit = max(0.0, result.credit - bucket.admitted)
         bucket.tokens = view.tokens
