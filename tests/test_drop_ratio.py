@@ -400,7 +400,7 @@ def test_apply_unknown_key_is_ignored() -> None:
     assert local.nodes == 1
 
 
-def test_restore_puts_back_counts_of_a_failed_sync() -> None:
+def test_restore_puts_back_offered_counts_of_a_failed_sync() -> None:
     local = LocalBuckets()
     bucket = local.get("k", 100, 1, now=0.0)
     for draw in (0.9, 0.9, 0.9):
@@ -409,10 +409,24 @@ def test_restore_puts_back_counts_of_a_failed_sync() -> None:
     LocalBuckets.decide(bucket, 1, 0.9)
     gone = BucketReport("evicted", 10, 1, offered=5, admitted=5)
     local.restore([*reports, gone])
-    assert (bucket.offered, bucket.admitted) == (4, 4)
+    # offered comes back for the rate estimate; admissions of a failed sync are not
+    # charged later (only the one made after the reports were taken remains)
+    assert (bucket.offered, bucket.admitted) == (4, 1)
     assert len(local) == 1
     (report,) = local.take_reports(now=0.5, interval=0.25)
-    assert (report.offered, report.admitted) == (4, 4)
+    assert (report.offered, report.admitted) == (4, 1)
+
+
+def test_renew_gives_back_the_last_grant() -> None:
+    local = LocalBuckets()
+    bucket = local.get("k", 100, 1, now=0.0)
+    local.take_reports(now=0.25, interval=0.25)
+    local.apply("k", FleetView(tokens=0.0, offered_total=50), now=0.25, interval=0.25)
+    grant = bucket.credit
+    assert grant > 0
+    bucket.credit = 0.0  # spent
+    local.renew()
+    assert bucket.credit == grant
 
 
 def test_stale_and_fail() -> None:

@@ -86,6 +86,8 @@ class BucketReport:
     window_seconds: int
     offered: int
     admitted: int
+    since: float = 0.0
+    """Start of the period the counts cover."""
 
 
 class LocalBuckets:
@@ -169,7 +171,12 @@ class LocalBuckets:
             bucket.local_rate = smoothed_rate(bucket.local_rate, measured, self.decay)
             reports.append(
                 BucketReport(
-                    key, bucket.limit, bucket.window_seconds, bucket.offered, bucket.admitted
+                    key,
+                    bucket.limit,
+                    bucket.window_seconds,
+                    bucket.offered,
+                    bucket.admitted,
+                    bucket.last_report,
                 )
             )
             bucket.offered = 0
@@ -196,12 +203,18 @@ class LocalBuckets:
             bucket.credit = max(bucket.credit, bucket.grant)
 
     def restore(self, reports: list[BucketReport]) -> None:
-        """Put back counts of a sync that failed, so they are reported next time."""
+        """Put back the offered counts of a sync that failed, so the rate estimate sees
+        them next time. Admitted counts are not carried over: while the store is away the
+        buckets run on renewed credit at their last rate, and charging all of it at once
+        when the store returns (its token bucket capped at the limit meanwhile) would
+        come back as a debt that starves the bucket right after the recovery."""
         for report in reports:
             bucket = self._buckets.get(report.key)
             if bucket is not None:
                 bucket.offered += report.offered
-                bucket.admitted += report.admitted
+                # The next rate covers the whole period since the last good report: the
+                # restored hits spread over an outage are not one interval's worth.
+                bucket.last_report = min(bucket.last_report, report.since)
 
     def apply(self, key: str, view: FleetView, now: float, interval: float) -> None:
         """Set a bucket's ratio and credit from the fleet's totals."""
