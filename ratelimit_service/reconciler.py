@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from ratelimit_service.background import BackgroundTask
 from ratelimit_service.core.drop_ratio import SyncResult
@@ -33,6 +34,7 @@ class Reconciler:
         self._clock = clock
         self.syncs = 0
         self.errors = 0
+        self.failing = False
         self.last_duration = 0.0
         self.durations = LatencyHistogram()
         self.last_success: float | None = None
@@ -43,11 +45,16 @@ class Reconciler:
         started = time.perf_counter()
         now = self._clock()
         reports = self.local.take_reports(now, self.interval)
+        if self.failing:
+            # Calls sent while the store is away may run late, all at once, when it
+            # returns; they must not charge the hits admitted on renewed credit.
+            reports = [replace(report, admitted=0) for report in reports]
         try:
             # With nothing to report, a sync still proves the store answers (freshness).
             result = await self._sync_keeping_rates(reports)
         except StoreUnavailable as exc:
             self.errors += 1
+            self.failing = True
             self.local.restore(reports)
             self.local.renew()
             log.warning("sync failed, keeping last drop ratios: %s", exc)
@@ -58,6 +65,7 @@ class Reconciler:
         if sweep is not None and self.syncs % 40 == 0:
             sweep()
         self.syncs += 1
+        self.failing = False
         self.last_success = now
         self.local.last_sync_ok = now
         self.last_duration = time.perf_counter() - started
