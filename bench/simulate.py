@@ -68,6 +68,31 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
     return [(k * args.bucket, v[0], v[1]) for k, v in sorted(rows.items())]
 
 
+def plot(rows: list[tuple[float, int, int]], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    ts = [r[0] for r in rows]
+    ax.plot(ts, [r[1] / args.bucket for r in rows], color="0.6", label="offered/s")
+    ax.plot(ts, [r[2] / args.bucket for r in rows], color="tab:blue", label="admitted/s")
+    ax.axhline(args.limit, color="tab:red", linestyle="--", linewidth=1, label="limit")
+    ax.set_title(
+        f"simulated fleet: {args.nodes} nodes, sync {args.interval} s (seed {args.seed})",
+        fontsize=9,
+        loc="left",
+    )
+    ax.set_xlabel("virtual seconds")
+    ax.set_ylabel("req/s")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+    plt.close(fig)
+    print(f"wrote {args.plot}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=4)
@@ -80,10 +105,13 @@ def main() -> None:
     parser.add_argument("--skew", default="0.4,0.3,0.2,0.1")
     parser.add_argument("--bucket", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     args = parser.parse_args()
     rows = asyncio.run(simulate(args))
     for t, offered, admitted in rows:
         print(f"{t:7.2f} offered={offered:6d} admitted={admitted:6d}")
+    if args.plot:
+        plot(rows, args)
     steady = [r for r in rows if r[0] >= 3 and (args.step_to is None or r[0] >= args.step_at + 3)]
     if steady:
         span = len(steady) * args.bucket
