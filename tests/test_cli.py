@@ -393,3 +393,36 @@ def test_check_config_on_the_example_config() -> None:
     from_env = cli("check-config", env={"RATELIMIT_CONFIG": "config/edge.yaml"})
     assert from_env.returncode == 0, from_env.stdout
     assert from_env.stdout.strip() == "config/edge.yaml: OK (1 file)"
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_serve_on_either_event_loop(tmp_path: Path, loop: str) -> None:
+    """uvloop is the default when installed; asyncio's own loop stays available."""
+    from ratelimit_service.testing.fleet import wait_healthy
+    from ratelimit_service.testing.redis import free_port
+
+    config = tmp_path / "rules.yaml"
+    config.write_text(
+        "domain: d\ndescriptors:\n  - key: a\n"
+        "    rate_limit: {unit: minute, requests_per_unit: 1}\n"
+    )
+    grpc_port, admin_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ratelimit_service", "serve", "--config", str(config),
+         "--grpc-addr", f"127.0.0.1:{grpc_port}", "--admin-addr", f"127.0.0.1:{admin_port}",
+         "--event-loop", loop],
+    )  # fmt: skip
+    try:
+        wait_healthy(admin_port)
+        calls = [
+            subprocess.run(
+                [sys.executable, "-m", "ratelimit_service", "client", "--addr",
+                 f"127.0.0.1:{grpc_port}", "--domain", "d", "--descriptor", "a=1"],
+                capture_output=True, text=True, timeout=30,
+            ).stdout.splitlines()[0]
+            for _ in range(2)
+        ]  # fmt: skip
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    assert calls == ["overall: OK", "overall: OVER_LIMIT"]
