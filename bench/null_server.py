@@ -33,4 +33,11 @@ async def serve(port: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=18090)
-    asyncio.run(serve(parser.parse_args().port))
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop")
+    args = parser.parse_args()
+    if args.uvloop:
+        import uvloop
+
+        uvloop.run(serve(args.port))
+    else:
+        asyncio.run(serve(args.port))
