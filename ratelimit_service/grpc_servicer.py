@@ -19,7 +19,6 @@ from ratelimit_service.core.config_model import RateLimit, RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
 from ratelimit_service.core.request import (
     UINT32_MAX,
-    Code,
     Descriptor,
     InvalidRequest,
     Request,
@@ -140,6 +139,3 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         finally:
             stats.latency.observe(time.perf_counter() - started)
 
-
-def code_name(code: int) -> str:
-    return Code(code).name if code in (1, 2) else "UNKNOWN"

@@ -37,7 +37,6 @@ class Reconciler:
         self.failing = False
         self.last_duration = 0.0
         self.durations = LatencyHistogram()
-        self.last_success: float | None = None
         self._background = BackgroundTask("reconciler", self.run)
 
     async def sync_once(self) -> int:
@@ -66,7 +65,6 @@ class Reconciler:
             sweep()
         self.syncs += 1
         self.failing = False
-        self.last_success = now
         self.local.last_sync_ok = now
         self.last_duration = time.perf_counter() - started
         self.durations.observe(self.last_duration)

@@ -69,20 +69,6 @@ def test_same_slice_hits_are_merged() -> None:
     assert window.count(4.0) == 7
 
 
-def test_expiring_within() -> None:
-    window = SlidingWindow(60, 60)
-    window.add(0.5, 3)
-    window.add(10.2, 2)
-    assert window.expiring_within(30.0, 30.99) == 0
-    assert window.expiring_within(30.0, 31.0) == 3
-    assert window.expiring_within(30.0, 40.99) == 3
-    assert window.expiring_within(30.0, 41.0) == 5
-    assert window.expiring_within(30.0, 1000.0) == 5
-    assert window.expiring_within(30.0, 0.0) == 0
-    # asking does not change the count
-    assert window.count(30.0) == 5
-
-
 def test_next_drop() -> None:
     window = SlidingWindow(60, 60)
     assert window.next_drop(5.0) == 0.0

@@ -61,17 +61,6 @@ class SlidingWindow:
             slices.append([index, hits])
         self.total += hits
 
-    def expiring_within(self, now: float, seconds: float) -> int:
-        """Hits counted now that will have left the window ``seconds`` from now."""
-        self._expire(now)
-        oldest_kept_then = self._index(now + seconds) - self.slice_count
-        gone = 0
-        for index, hits in self._slices:
-            if index >= oldest_kept_then:
-                break
-            gone += hits
-        return gone
-
     def next_drop(self, now: float) -> float:
         """Seconds until the count next goes down (the oldest slice leaves); 0 if empty."""
         self._expire(now)

@@ -260,12 +260,5 @@ class RedisStore:
             "circuit_open": 1.0 if self.breaker.open else 0.0,
         }
 
-    async def ping(self) -> bool:
-        try:
-            async with asyncio.timeout(self.sync_timeout):
-                return bool(await self._client.ping())
-        except (TimeoutError, RedisError, OSError):
-            return False
-
     async def close(self) -> None:
         await self._client.aclose()
