@@ -138,4 +138,3 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
         finally:
             stats.latency.observe(time.perf_counter() - started)
-

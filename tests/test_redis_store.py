@@ -171,19 +171,22 @@ async def test_recovers_after_restart(redis_server) -> None:
 
 
 async def test_memory_per_window_key(store: RedisStore, redis_server) -> None:
-    """A busy exact key holds at most 61 slices; its memory stays small (README figure)."""
+    """A busy exact key holds at most 61 slices (plus its two bookkeeping fields, n and
+    o); its memory stays small (README figure)."""
     for _ in range(200):
         await store.hit([ExactHit("busy", 10**6, 1, 1)], True)
         await asyncio.sleep(0.005)
     raw = aioredis.Redis.from_url(redis_server.url)
     try:
         key = store._exact_key("busy", 1)
-        fields = await raw.hlen(key)
+        fields = await raw.hlen(key) - 2
         usage = await raw.memory_usage(key)
+        meta = await raw.hmget(key, "n", "o")
     finally:
         await raw.aclose()
     assert 1 <= fields <= 61
     assert usage is not None and usage < 2048
+    assert meta[0] is not None and 0 < int(meta[0]) <= 200
 
 
 async def test_a_timeout_keeps_the_connection(redis_server) -> None:
@@ -207,3 +210,36 @@ async def test_a_timeout_keeps_the_connection(redis_server) -> None:
     finally:
         await raw.aclose()
         await store.close()
+
+
+async def test_bookkeeping_follows_expiry(store: RedisStore, redis_server) -> None:
+    """The running total (n) and oldest slice (o) stay equal to the slices themselves
+    as slices expire, so decisions that read only n and o stay exact."""
+    raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    key = store._exact_key("exp", 1)
+
+    async def check() -> int:
+        fields = await raw.hgetall(key)
+        slices = {int(k): int(v) for k, v in fields.items() if k not in ("n", "o")}
+        assert int(fields["n"]) == sum(slices.values())
+        assert int(fields["o"]) == min(slices)
+        return int(fields["n"])
+
+    try:
+        for _ in range(5):
+            await store.hit([ExactHit("exp", 100, 1, 1)], True)
+        assert await check() == 5
+        await asyncio.sleep(0.4)
+        for _ in range(3):
+            await store.hit([ExactHit("exp", 100, 1, 2)], True)
+        assert await check() == 11
+        await asyncio.sleep(0.7)  # the first five have left the window; the rest have not
+        result = await store.hit([ExactHit("exp", 100, 1, 1)], True)
+        assert result[0].before == 6
+        assert await check() == 7
+        await asyncio.sleep(1.1)  # everything has left: nothing is kept
+        result = await store.hit([ExactHit("exp", 100, 1, 0)], True)
+        assert result[0].before == 0 and result[0].admitted
+        assert await raw.exists(key) == 0
+    finally:
+        await raw.aclose()

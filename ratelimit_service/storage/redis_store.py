@@ -28,7 +28,9 @@ from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
+from ratelimit_service.storage.exact_batcher import ExactBatcher, decode, encode
 from ratelimit_service.storage.redis_connect import connect
+from ratelimit_service.storage.redis_pipe import RedisPipe, supports
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +104,16 @@ class RedisStore:
         self._init_lock = asyncio.Lock()
         self.calls = 0
         self.timeouts = 0
+        self._batcher = ExactBatcher(self._send_exact, slices, request_timeout)
+        # The request path's own connection (single server only): see redis_pipe.
+        self._pipe = RedisPipe(url, connect_timeout=connect_timeout) if supports(url) else None
 
     # -- request path ------------------------------------------------------------
 
     async def hit(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
+        if not self.cluster:  # one server sees every key: batch with concurrent requests
+            keys = [self._exact_key(hit.key, hit.window_seconds) for hit in hits]
+            return await self._batcher.submit(keys, hits, commit)
         groups = self._by_slot([self._exact_key(hit.key, hit.window_seconds) for hit in hits], hits)
         if len(groups) == 1:
             return await self._hit_group(groups[0], commit)
@@ -121,19 +129,30 @@ class RedisStore:
         return _reorder(groups, committed, len(hits))
 
     async def _hit_group(self, group: _Group, commit: bool) -> list[ExactResult]:
-        args: list[Any] = [1 if commit else 0, self.slices]
-        for hit in group.hits:
-            args += (hit.limit, hit.window_seconds * 1_000_000, hit.hits, int(hit.role))
-        raw = await self._call(self._exact, group.keys, args, self.request_timeout)
-        return [
-            ExactResult(
-                admitted=bool(raw[i]),
-                before=int(raw[i + 1]),
-                remaining=int(raw[i + 2]),
-                reset_after=int(raw[i + 3]) / 1e6,
-            )
-            for i in range(0, len(raw), 4)
-        ]
+        args: list[Any] = [self.slices, 1]
+        encode(group.hits, commit, args)
+        raw = await self._send_exact(group.keys, args, self.request_timeout)
+        return decode(raw, 0, len(group.hits))
+
+    async def _send_exact(self, keys: list[str], args: list[Any], timeout: float) -> Any:
+        pipe = self._pipe
+        if pipe is None:
+            return await self._call(self._exact, keys, args, timeout)
+        if not self.breaker.allow():
+            raise StoreUnavailable("redis: circuit open after recent failures")
+        self.calls += 1
+        # No shield needed: a pipelined connection survives a caller giving up.
+        try:
+            async with asyncio.timeout(timeout):
+                raw = await pipe.evalsha(self._exact.sha, self._exact.script, keys, args)
+        except TimeoutError as exc:
+            pipe.drop_if_stuck()
+            raise self._timed_out(timeout) from exc
+        except (RedisError, OSError) as exc:
+            self.breaker.failure()
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        self.breaker.success()
+        return raw
 
     # -- reconciler --------------------------------------------------------------
 
@@ -208,14 +227,17 @@ class RedisStore:
                 raw = await asyncio.shield(command)
         except TimeoutError as exc:
             command.add_done_callback(_forget)
-            self.timeouts += 1
-            self.breaker.failure()
-            raise StoreUnavailable(f"redis: no answer within {timeout * 1000:.0f} ms") from exc
+            raise self._timed_out(timeout) from exc
         except (RedisError, OSError) as exc:
             self.breaker.failure()
             raise StoreUnavailable(f"redis: {exc}") from exc
         self.breaker.success()
         return raw
+
+    def _timed_out(self, timeout: float) -> StoreUnavailable:
+        self.timeouts += 1
+        self.breaker.failure()
+        return StoreUnavailable(f"redis: no answer within {timeout * 1000:.0f} ms")
 
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         if not self._initialized:
@@ -232,6 +254,8 @@ class RedisStore:
                 await asyncio.gather(*(self._client.ping() for _ in range(connections)))
                 for script in (self._exact, self._sync):
                     await self._client.script_load(script.script)
+                if self._pipe is not None:
+                    await self._pipe.connected()
         except (TimeoutError, RedisError, OSError) as exc:
             log.warning("redis not reachable at start-up: %s", exc)
 
@@ -258,7 +282,11 @@ class RedisStore:
             "errors": self.breaker.total_failures,
             "timeouts": self.timeouts,
             "circuit_open": 1.0 if self.breaker.open else 0.0,
+            "exact_batches": self._batcher.batches,
+            "exact_batched_requests": self._batcher.requests,
         }
 
     async def close(self) -> None:
+        if self._pipe is not None:
+            await self._pipe.close()
         await self._client.aclose()

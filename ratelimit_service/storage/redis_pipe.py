@@ -1,0 +1,208 @@
+"""One pipelined connection to one Redis server, for the exact-mode request path.
+
+redis-py's asyncio client spends about 60 µs of CPU per command (connection pool,
+per-command locking, stream reads), more than the rest of a ShouldRateLimit call.
+Redis answers the commands of one connection in order, so one connection can carry
+any number of outstanding commands: this module writes each command to the socket
+at once and resolves waiters in order as replies arrive (hiredis parses them). A
+caller that gives up early leaves nothing broken: its reply is read and dropped.
+
+Only single-server URLs (``redis://``, ``rediss://``, ``unix://``) use it; Sentinel
+and Cluster stay with redis-py, which follows failovers and slots. Reconnecting is
+lazy (the next command after a loss) and one at a time; the store's circuit breaker
+decides how often that may happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from typing import Any, cast
+
+import hiredis
+from redis.asyncio.connection import RedisSSLContext, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import parse_url as redis_parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+MAX_OUTSTANDING = 10_000
+"""Commands waiting for a reply on the connection; beyond it, new commands fail."""
+STUCK_AFTER = 3.0
+"""Seconds the oldest command may wait before the connection is presumed dead and
+dropped (a silent network partition would otherwise hold it forever)."""
+
+
+def supports(url: str) -> bool:
+    return url.split("://", 1)[0] in ("redis", "rediss", "unix")
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._reader = hiredis.Reader()
+        self._waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport; they have its methods.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        reader = self._reader
+        try:
+            reader.feed(data)
+            while (reply := reader.gets()) is not False:
+                future = self._waiting.popleft()[0]
+                if future.done():  # its caller gave up
+                    continue
+                if isinstance(reply, hiredis.ReplyError):
+                    future.set_exception(ResponseError(str(reply)))
+                else:
+                    future.set_result(reply)
+        except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
+            self._fail(RedisConnectionError(f"redis protocol error: {exc!r}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail_waiters(RedisConnectionError(f"redis connection lost: {exc or 'closed'}"))
+
+    def request(self, packed: bytes) -> asyncio.Future[Any]:
+        if self.closed or self._transport is None:
+            raise RedisConnectionError("redis connection closed")
+        if len(self._waiting) >= MAX_OUTSTANDING:
+            raise RedisConnectionError("redis: too many commands outstanding")
+        future = self._loop.create_future()
+        self._waiting.append((future, self._loop.time()))
+        self._transport.write(packed)
+        return future
+
+    def oldest_wait(self) -> float:
+        return self._loop.time() - self._waiting[0][1] if self._waiting else 0.0
+
+    def _fail(self, error: Exception) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.abort()
+        self._fail_waiters(error)
+
+    def _fail_waiters(self, error: Exception) -> None:
+        while self._waiting:
+            future = self._waiting.popleft()[0]
+            if not future.done():
+                future.set_exception(RedisConnectionError(str(error)))
+
+    def abort(self) -> None:
+        self._fail(RedisConnectionError("redis connection dropped: no reply in time"))
+
+
+class RedisPipe:
+    def __init__(self, url: str, *, connect_timeout: float) -> None:
+        self._options: dict[str, Any] = dict(redis_parse_url(url))
+        self._connect_timeout = connect_timeout
+        self._protocol: _Protocol | None = None
+        self._connecting: asyncio.Task[_Protocol] | None = None
+        self.connects = 0
+
+    async def execute(self, *args: Any) -> Any:
+        protocol = self._protocol
+        if protocol is None or protocol.closed:
+            protocol = await self.connected()
+        return await protocol.request(hiredis.pack_command(args))
+
+    async def connected(self) -> _Protocol:
+        """The open connection, opening one if needed. The attempt runs as its own
+        task, shared by every caller and shielded from their deadlines: a request's
+        few milliseconds may be too short for a TLS handshake, and cancelling
+        attempts one after the other would never connect."""
+        task = self._connecting
+        if task is None or task.done():
+            task = self._connecting = asyncio.ensure_future(self._connect())
+            task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+    async def evalsha(self, sha: str, script: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.execute("EVALSHA", sha, len(keys), *keys, *args)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            return await self.execute("EVAL", script, len(keys), *keys, *args)
+
+    def drop_if_stuck(self) -> None:
+        """Called after a timeout: a connection whose oldest command has waited far
+        too long is dropped, so the next command opens a fresh one."""
+        protocol = self._protocol
+        if protocol is not None and not protocol.closed and protocol.oldest_wait() > STUCK_AFTER:
+            protocol.abort()
+
+    async def _connect(self) -> _Protocol:
+        if self._protocol is not None and not self._protocol.closed:
+            return self._protocol
+        async with asyncio.timeout(self._connect_timeout):
+            protocol = await self._open()
+            await self._handshake(protocol)
+        self._protocol = protocol
+        self.connects += 1
+        return protocol
+
+    async def _open(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        options = self._options
+        cls = options.get("connection_class")
+        if cls is UnixDomainSocketConnection:
+            _, protocol = await loop.create_unix_connection(
+                lambda: _Protocol(loop), options["path"]
+            )
+            return protocol
+        host = options.get("host", "localhost")
+        port = int(options.get("port", 6379))
+        context = _tls_context(options) if cls is SSLConnection else None
+        _, protocol = await loop.create_connection(
+            lambda: _Protocol(loop),
+            host,
+            port,
+            ssl=context,
+            server_hostname=host if context is not None else None,
+        )
+        return protocol
+
+    async def _handshake(self, protocol: _Protocol) -> None:
+        options = self._options
+        commands: list[tuple[Any, ...]] = []
+        if options.get("password") is not None:
+            user = options.get("username")
+            commands.append(
+                ("AUTH", user, options["password"]) if user else ("AUTH", options["password"])
+            )
+        if int(options.get("db", 0)):
+            commands.append(("SELECT", int(options["db"])))
+        try:
+            await asyncio.gather(*(protocol.request(hiredis.pack_command(c)) for c in commands))
+        except BaseException:
+            protocol.abort()
+            raise
+
+    async def close(self) -> None:
+        if self._protocol is not None:
+            self._protocol.abort()
+            self._protocol = None
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Collect a failed attempt's error: callers may all have given up on it."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
+    """The TLS settings of a ``rediss://`` URL's query, with redis-py's defaults
+    (certificate and host name verified), so both clients of the store agree."""
+    names = ("keyfile", "certfile", "cert_reqs", "ca_certs", "ca_data", "ca_path", "check_hostname")
+    kwargs: dict[str, Any] = {"cert_reqs": "required", "check_hostname": True}
+    kwargs.update({name: options[f"ssl_{name}"] for name in names if f"ssl_{name}" in options})
+    if isinstance(kwargs["check_hostname"], str):
+        kwargs["check_hostname"] = kwargs["check_hostname"].lower() in ("1", "true", "yes")
+    context: ssl.SSLContext = RedisSSLContext(**kwargs).get()
+    return context

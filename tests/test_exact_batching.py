@@ -1,0 +1,88 @@
+"""Concurrent exact-mode requests share one script call, and decide exactly as
+separate calls would (real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ratelimit_service.core.exact import ExactHit, HitRole
+from ratelimit_service.storage import exact_batcher
+from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.redis_store import RedisStore
+
+
+@pytest.fixture
+async def store(redis_server):
+    store = RedisStore(redis_server.url, request_timeout=0.5)
+    yield store
+    await store.close()
+
+
+async def test_concurrent_requests_share_one_call_and_admit_the_limit(store: RedisStore) -> None:
+    results = await asyncio.gather(*(store.hit([ExactHit("k", 7, 60, 1)], True) for _ in range(20)))
+    assert store.stats()["exact_batches"] == 1
+    assert store.stats()["exact_batched_requests"] == 20
+    assert [r[0].admitted for r in results] == [True] * 7 + [False] * 13
+    # Decided in submission order, each seeing what the ones before it consumed.
+    assert [r[0].before for r in results] == list(range(7)) + [7] * 13
+    assert [r[0].remaining for r in results[:7]] == [6, 5, 4, 3, 2, 1, 0]
+    after = await store.hit([ExactHit("k", 7, 60, 0)], True)
+    assert after[0].before == 7
+
+
+async def test_batch_mixes_keys_roles_and_check_only(store: RedisStore) -> None:
+    await store.hit([ExactHit("full", 1, 60, 1)], True)
+    calls_before = store.stats()["exact_batches"]
+    denied, check, shadow, plain = await asyncio.gather(
+        store.hit([ExactHit("roomy", 5, 60, 1), ExactHit("full", 1, 60, 1)], True),
+        store.hit([ExactHit("roomy", 5, 60, 3)], False),
+        store.hit([ExactHit("full", 1, 60, 1, HitRole.SHADOW), ExactHit("roomy", 5, 60, 2)], True),
+        store.hit([ExactHit("other", 2, 1, 2)], True),
+    )
+    assert store.stats()["exact_batches"] == calls_before + 1
+    assert [r.admitted for r in denied] == [True, False]
+    assert check[0].admitted and check[0].before == 0  # the denied request took nothing
+    assert [r.admitted for r in shadow] == [False, True]
+    assert shadow[1].before == 0 and shadow[1].remaining == 3  # check-only consumed nothing
+    assert plain[0].admitted and plain[0].remaining == 0
+    roomy = await store.hit([ExactHit("roomy", 5, 60, 0)], True)
+    assert roomy[0].before == 2
+
+
+async def test_large_bursts_are_split_into_bounded_calls(store: RedisStore) -> None:
+    size = exact_batcher.MAX_BATCH_DESCRIPTORS
+    hits = [ExactHit(f"k{i % 3}", 1000, 60, 1) for i in range(5)]
+    results = await asyncio.gather(*(store.hit(hits, True) for _ in range(size)))
+    per_batch = -(-size // 5)  # a batch is sent once it holds `size` descriptors or more
+    assert store.stats()["exact_batches"] == -(-size // per_batch)
+    assert all(r.admitted for result in results for r in result)
+    totals = await store.hit([ExactHit(f"k{i}", 1000, 60, 0) for i in range(3)], True)
+    assert [t.before for t in totals] == [2 * size, 2 * size, size]
+
+
+async def test_a_cancelled_caller_does_not_disturb_the_batch(store: RedisStore) -> None:
+    first = asyncio.ensure_future(store.hit([ExactHit("c", 5, 60, 1)], True))
+    second = asyncio.ensure_future(store.hit([ExactHit("c", 5, 60, 1)], True))
+    await asyncio.sleep(0)  # both submitted into one batch
+    first.cancel()
+    result = await second
+    assert result[0].admitted
+    # The cancelled request was already in the batch, so Redis still decided it.
+    assert (await store.hit([ExactHit("c", 5, 60, 0)], True))[0].before == 2
+
+
+async def test_every_waiter_hears_a_failure(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.2)
+    try:
+        redis_server.pause()
+        outcomes = await asyncio.gather(
+            *(store.hit([ExactHit("p", 5, 60, 1)], True) for _ in range(5)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(o, StoreUnavailable) for o in outcomes)
+        assert len({id(o) for o in outcomes}) == 5  # one exception object each
+    finally:
+        redis_server.resume()
+        await store.close()
