@@ -22,7 +22,8 @@ async def store(redis_server):
 
 async def test_concurrent_requests_share_one_call_and_admit_the_limit(store: RedisStore) -> None:
     results = await asyncio.gather(*(store.hit([ExactHit("k", 7, 60, 1)], True) for _ in range(20)))
-    assert store.stats()["exact_batches"] == 1
+    # The first finds the line idle and goes alone; the 19 that queue behind it share one call.
+    assert store.stats()["exact_batches"] == 2
     assert store.stats()["exact_batched_requests"] == 20
     assert [r[0].admitted for r in results] == [True] * 7 + [False] * 13
     # Decided in submission order, each seeing what the ones before it consumed.
@@ -35,13 +36,15 @@ async def test_concurrent_requests_share_one_call_and_admit_the_limit(store: Red
 async def test_batch_mixes_keys_roles_and_check_only(store: RedisStore) -> None:
     await store.hit([ExactHit("full", 1, 60, 1)], True)
     calls_before = store.stats()["exact_batches"]
-    denied, check, shadow, plain = await asyncio.gather(
+    first, denied, check, shadow, plain = await asyncio.gather(
+        store.hit([ExactHit("first", 1, 60, 1)], True),  # goes alone; the rest queue
         store.hit([ExactHit("roomy", 5, 60, 1), ExactHit("full", 1, 60, 1)], True),
         store.hit([ExactHit("roomy", 5, 60, 3)], False),
         store.hit([ExactHit("full", 1, 60, 1, HitRole.SHADOW), ExactHit("roomy", 5, 60, 2)], True),
         store.hit([ExactHit("other", 2, 1, 2)], True),
     )
-    assert store.stats()["exact_batches"] == calls_before + 1
+    assert store.stats()["exact_batches"] == calls_before + 2
+    assert first[0].admitted
     assert [r.admitted for r in denied] == [True, False]
     assert check[0].admitted and check[0].before == 0  # the denied request took nothing
     assert [r.admitted for r in shadow] == [False, True]
@@ -55,22 +58,23 @@ async def test_large_bursts_are_split_into_bounded_calls(store: RedisStore) -> N
     size = exact_batcher.MAX_BATCH_DESCRIPTORS
     hits = [ExactHit(f"k{i % 3}", 1000, 60, 1) for i in range(5)]
     results = await asyncio.gather(*(store.hit(hits, True) for _ in range(size)))
-    per_batch = -(-size // 5)  # a batch is sent once it holds `size` descriptors or more
-    assert store.stats()["exact_batches"] == -(-size // per_batch)
+    # The first request goes alone; then a batch leaves whenever it holds `size`
+    # descriptors or more (52 requests of 5), and the rest when the line is free.
+    per_batch = -(-size // 5)
+    assert store.stats()["exact_batches"] == 1 + -(-(size - 1) // per_batch)
     assert all(r.admitted for result in results for r in result)
     totals = await store.hit([ExactHit(f"k{i}", 1000, 60, 0) for i in range(3)], True)
     assert [t.before for t in totals] == [2 * size, 2 * size, size]
 
 
 async def test_a_cancelled_caller_does_not_disturb_the_batch(store: RedisStore) -> None:
-    first = asyncio.ensure_future(store.hit([ExactHit("c", 5, 60, 1)], True))
-    second = asyncio.ensure_future(store.hit([ExactHit("c", 5, 60, 1)], True))
-    await asyncio.sleep(0)  # both submitted into one batch
-    first.cancel()
-    result = await second
-    assert result[0].admitted
+    tasks = [asyncio.ensure_future(store.hit([ExactHit("c", 5, 60, 1)], True)) for _ in range(3)]
+    await asyncio.sleep(0)  # all submitted: the first is sent, the other two share a batch
+    tasks[1].cancel()
+    assert (await tasks[0])[0].admitted
+    assert (await tasks[2])[0].admitted
     # The cancelled request was already in the batch, so Redis still decided it.
-    assert (await store.hit([ExactHit("c", 5, 60, 0)], True))[0].before == 2
+    assert (await store.hit([ExactHit("c", 5, 60, 0)], True))[0].before == 3
 
 
 async def test_every_waiter_hears_a_failure(redis_server) -> None:

@@ -175,6 +175,9 @@ async def test_redis_over_tls(pki) -> None:
         untrusted = RedisStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['other'].cert}")
         with pytest.raises(StoreUnavailable):
             await untrusted.sync([], 0.25)
+        with pytest.raises(StoreUnavailable):  # the request path's own connection, too
+            await untrusted.hit([ExactHit("k", 2, 60, 1)], True)
+        assert untrusted._pipe is not None and untrusted._pipe.connects == 0
         await untrusted.close()
     finally:
         process.kill()

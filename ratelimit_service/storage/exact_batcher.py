@@ -1,21 +1,24 @@
-"""Coalesces the exact-mode calls of concurrent requests into one script call.
+"""Group commit for exact mode: concurrent requests share one script call.
 
-Each call costs a full redis-py command (tens of microseconds of Python) plus a Lua
-call start-up, and under load that, not Redis, is what limits throughput. So calls
-go out one at a time (group commit): requests that arrive while a call is in flight
-are queued and all sent, as one EVALSHA of exact_window.lua, as soon as it returns.
-The script decides them one after the other, so the outcome is the same as separate
-calls. Nothing waits for a batch to fill: with nothing in flight a request goes out
-on the next event-loop turn, so a lightly loaded service keeps its latency, and a
-busy one sends bigger batches instead of more calls.
+Each script call costs a command round trip, a write and a read system call and a
+Lua start-up, whatever it carries. So one call is in flight at a time: a request
+that finds the line idle goes out at once (no added latency), and requests that
+arrive while a call is in flight wait for it and then all go together, as one
+EVALSHA of exact_window.lua. The script decides them one after the other, so the
+outcome is the same as separate calls; under load the batches grow instead of the
+number of calls.
+
+The batcher is written with callbacks, not tasks: at one request per batch (a lightly
+loaded service) a task and a chain of coroutines per call cost more CPU than the
+rest of the exact-mode path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from ratelimit_service.core.exact import ExactHit, ExactResult
 from ratelimit_service.storage.base import StoreUnavailable
@@ -23,13 +26,24 @@ from ratelimit_service.storage.base import StoreUnavailable
 log = logging.getLogger(__name__)
 
 MAX_BATCH_DESCRIPTORS = 256
-"""Descriptors per script call: bounds how long one Lua call holds Redis."""
-MAX_IN_FLIGHT = 1
-"""Script calls in flight at once; the rest of the requests queue for the next."""
+"""Descriptors per script call: bounds how long one Lua call holds Redis. A full
+batch goes out at once, even while another call is in flight."""
 
-Send = Callable[[list[str], list[Any], float], Awaitable[Sequence[Any]]]
-"""Runs the script on (keys, argv) within a timeout; returns its flat reply, or raises
-StoreUnavailable."""
+
+class Channel(Protocol):
+    """How the batcher reaches Redis (implemented by the Redis store)."""
+
+    def start(self, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """Send one script call now; a future of its flat reply (never raises)."""
+        ...
+
+    def settle(self, reply: asyncio.Future[Any]) -> Any:
+        """The finished reply's value, after accounting; or raise StoreUnavailable."""
+        ...
+
+    def expire(self, timeout: float) -> StoreUnavailable:
+        """Account a call that did not answer in time; the error its waiters get."""
+        ...
 
 
 def encode(hits: Sequence[ExactHit], commit: bool, into: list[Any]) -> None:
@@ -53,23 +67,24 @@ def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
 
 
 class _Batch:
-    __slots__ = ("args", "keys", "opened", "waiters")
+    __slots__ = ("args", "done", "keys", "opened", "timer", "waiters")
 
     def __init__(self, slices: int, opened: float) -> None:
         self.opened = opened
         self.keys: list[str] = []
         self.args: list[Any] = [slices, 0]
         self.waiters: list[tuple[asyncio.Future[list[ExactResult]], int]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.done = False
 
 
 class ExactBatcher:
-    def __init__(self, send: Send, slices: int, timeout: float) -> None:
-        self._send = send
+    def __init__(self, channel: Channel, slices: int, timeout: float) -> None:
+        self._channel = channel
         self._slices = slices
         self._timeout = timeout
         self._open: _Batch | None = None
-        self._scheduled = False
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._in_flight = 0
         self.batches = 0
         self.requests = 0
 
@@ -85,62 +100,64 @@ class ExactBatcher:
         batch.keys += keys
         batch.args[1] += 1
         encode(hits, commit, batch.args)
-        if len(batch.keys) >= MAX_BATCH_DESCRIPTORS:
-            self._send_open()  # full: it goes now, even past MAX_IN_FLIGHT
-        elif not self._scheduled and len(self._inflight) < MAX_IN_FLIGHT:
-            self._scheduled = True
-            loop.call_soon(self._flush_scheduled)
+        if self._in_flight == 0 or len(batch.keys) >= MAX_BATCH_DESCRIPTORS:
+            self._send(loop)
         return future
 
-    def _flush_scheduled(self) -> None:
-        self._scheduled = False
-        if len(self._inflight) < MAX_IN_FLIGHT:
-            self._send_open()
-
-    def _send_open(self) -> None:
+    def _send(self, loop: asyncio.AbstractEventLoop) -> None:
         batch = self._open
         if batch is None:
             return
         self._open = None
+        self._in_flight += 1
         self.batches += 1
         self.requests += len(batch.waiters)
-        task = asyncio.ensure_future(self._run(batch))
-        self._inflight.add(task)  # keep a reference until it ends
-        task.add_done_callback(self._finished)
-
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self._inflight.discard(task)
-        if len(self._inflight) < MAX_IN_FLIGHT:
-            self._send_open()  # what queued meanwhile goes out at once
-
-    async def _run(self, batch: _Batch) -> None:
-        # The deadline runs from when the batch opened: time spent queued behind a
+        # The deadline runs from when the batch opened: time spent queued behind the
         # call in flight counts, so no request waits longer than the timeout.
-        left = self._timeout - (asyncio.get_running_loop().time() - batch.opened)
-        if left <= 0:
-            self._fail(batch, f"redis: no answer within {self._timeout * 1000:.0f} ms")
+        batch.timer = loop.call_at(batch.opened + self._timeout, self._expire, batch)
+        reply = self._channel.start(batch.keys, batch.args)
+        reply.add_done_callback(lambda reply: self._delivered(batch, reply))
+
+    def _delivered(self, batch: _Batch, reply: asyncio.Future[Any]) -> None:
+        if batch.done:  # it expired; the late reply is dropped
+            if not reply.cancelled():
+                reply.exception()
             return
+        self._close(batch)
         try:
-            raw = await self._send(batch.keys, batch.args, left)
+            raw = self._channel.settle(reply)
             results = [decode(raw, start, count) for start, count in _spans(batch)]
         except StoreUnavailable as exc:
-            self._fail(batch, str(exc))
-            return
+            _fail(batch, str(exc))
         except Exception as exc:  # a bug or a malformed reply: fail the batch, loudly
             log.exception("exact batch failed")
-            self._fail(batch, f"redis: unexpected {type(exc).__name__}")
-            return
-        for (future, _), result in zip(batch.waiters, results, strict=True):
-            if not future.done():  # a caller that gave up (cancelled) is skipped
-                future.set_result(result)
+            _fail(batch, f"redis: unexpected {type(exc).__name__}")
+        else:
+            for (future, _), result in zip(batch.waiters, results, strict=True):
+                if not future.done():  # a caller that gave up (cancelled) is skipped
+                    future.set_result(result)
+        self._send(asyncio.get_running_loop())  # what queued meanwhile goes out now
 
-    @staticmethod
-    def _fail(batch: _Batch, reason: str) -> None:
-        # One exception object per waiter: a shared one would collect every
-        # waiter's traceback.
-        for future, _ in batch.waiters:
-            if not future.done():
-                future.set_exception(StoreUnavailable(reason))
+    def _expire(self, batch: _Batch) -> None:
+        if batch.done:
+            return
+        self._close(batch)
+        _fail(batch, str(self._channel.expire(self._timeout)))
+        self._send(asyncio.get_running_loop())
+
+    def _close(self, batch: _Batch) -> None:
+        batch.done = True
+        if batch.timer is not None:
+            batch.timer.cancel()
+        self._in_flight -= 1
+
+
+def _fail(batch: _Batch, reason: str) -> None:
+    # One exception object per waiter: a shared one would collect every waiter's
+    # traceback.
+    for future, _ in batch.waiters:
+        if not future.done():
+            future.set_exception(StoreUnavailable(reason))
 
 
 def _spans(batch: _Batch) -> list[tuple[int, int]]:

@@ -41,7 +41,8 @@ class _Protocol(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._reader = hiredis.Reader()
-        self._waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
+        # (waiter, sent at, the script and EVALSHA command to retry as EVAL on NOSCRIPT)
+        self._waiting: deque[tuple[asyncio.Future[Any], float, _Retry | None]] = deque()
         self._transport: asyncio.Transport | None = None
         self.closed = False
 
@@ -54,12 +55,15 @@ class _Protocol(asyncio.Protocol):
         try:
             reader.feed(data)
             while (reply := reader.gets()) is not False:
-                future = self._waiting.popleft()[0]
-                if future.done():  # its caller gave up
-                    continue
+                future, _, retry = self._waiting.popleft()
                 if isinstance(reply, hiredis.ReplyError):
-                    future.set_exception(ResponseError(str(reply)))
-                else:
+                    if retry is not None and str(reply).startswith("NOSCRIPT"):
+                        # Redis lost the script (restart, SCRIPT FLUSH): send it whole.
+                        # The EVAL goes to the back of the line, so order still holds.
+                        self._write(future, _pack_eval(retry), None)
+                    elif not future.done():
+                        future.set_exception(ResponseError(str(reply)))
+                elif not future.done():  # else its caller gave up
                     future.set_result(reply)
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
             self._fail(RedisConnectionError(f"redis protocol error: {exc!r}"))
@@ -68,15 +72,22 @@ class _Protocol(asyncio.Protocol):
         self.closed = True
         self._fail_waiters(RedisConnectionError(f"redis connection lost: {exc or 'closed'}"))
 
-    def request(self, packed: bytes) -> asyncio.Future[Any]:
-        if self.closed or self._transport is None:
-            raise RedisConnectionError("redis connection closed")
-        if len(self._waiting) >= MAX_OUTSTANDING:
-            raise RedisConnectionError("redis: too many commands outstanding")
+    def request(self, packed: bytes, retry: _Retry | None = None) -> asyncio.Future[Any]:
+        """A future of the reply; an error reply comes as ResponseError, a lost
+        connection as ConnectionError."""
         future = self._loop.create_future()
-        self._waiting.append((future, self._loop.time()))
-        self._transport.write(packed)
+        if self.closed or self._transport is None:
+            future.set_exception(RedisConnectionError("redis connection closed"))
+        elif len(self._waiting) >= MAX_OUTSTANDING:
+            future.set_exception(RedisConnectionError("redis: too many commands outstanding"))
+        else:
+            self._write(future, packed, retry)
         return future
+
+    def _write(self, future: asyncio.Future[Any], packed: bytes, retry: _Retry | None) -> None:
+        assert self._transport is not None
+        self._waiting.append((future, self._loop.time(), retry))
+        self._transport.write(packed)
 
     def oldest_wait(self) -> float:
         return self._loop.time() - self._waiting[0][1] if self._waiting else 0.0
@@ -123,12 +134,20 @@ class RedisPipe:
         return await asyncio.shield(task)
 
     async def evalsha(self, sha: str, script: str, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return await self.execute("EVALSHA", sha, len(keys), *keys, *args)
-        except ResponseError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-            return await self.execute("EVAL", script, len(keys), *keys, *args)
+        protocol = self._protocol
+        if protocol is None or protocol.closed:
+            protocol = await self.connected()
+        return await _evalsha(protocol, sha, script, keys, args)
+
+    def evalsha_now(
+        self, sha: str, script: str, keys: list[str], args: list[Any]
+    ) -> asyncio.Future[Any] | None:
+        """Like :meth:`evalsha` but without a coroutine: the reply's future, or None
+        when there is no open connection (use :meth:`evalsha` then)."""
+        protocol = self._protocol
+        if protocol is None or protocol.closed:
+            return None
+        return _evalsha(protocol, sha, script, keys, args)
 
     def drop_if_stuck(self) -> None:
         """Called after a timeout: a connection whose oldest command has waited far
@@ -188,6 +207,23 @@ class RedisPipe:
         if self._protocol is not None:
             self._protocol.abort()
             self._protocol = None
+
+
+_Retry = tuple[str, tuple[Any, ...]]
+"""A script's source and the EVALSHA command that runs it."""
+
+
+def _evalsha(
+    protocol: _Protocol, sha: str, script: str, keys: list[str], args: list[Any]
+) -> asyncio.Future[Any]:
+    command = ("EVALSHA", sha, len(keys), *keys, *args)
+    return protocol.request(hiredis.pack_command(command), (script, command))
+
+
+def _pack_eval(retry: _Retry) -> bytes:
+    script, command = retry
+    packed: bytes = hiredis.pack_command(("EVAL", script, *command[2:]))
+    return packed
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

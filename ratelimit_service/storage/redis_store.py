@@ -104,7 +104,7 @@ class RedisStore:
         self._init_lock = asyncio.Lock()
         self.calls = 0
         self.timeouts = 0
-        self._batcher = ExactBatcher(self._send_exact, slices, request_timeout)
+        self._batcher = ExactBatcher(self, slices, request_timeout)
         # The request path's own connection (single server only): see redis_pipe.
         self._pipe = RedisPipe(url, connect_timeout=connect_timeout) if supports(url) else None
 
@@ -135,24 +135,43 @@ class RedisStore:
         return decode(raw, 0, len(group.hits))
 
     async def _send_exact(self, keys: list[str], args: list[Any], timeout: float) -> Any:
-        pipe = self._pipe
-        if pipe is None:
-            return await self._call(self._exact, keys, args, timeout)
+        return await self._call(self._exact, keys, args, timeout)
+
+    # The batcher's channel (see exact_batcher.Channel): callbacks, no coroutines, on
+    # the pipelined connection when there is one.
+
+    def start(self, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         if not self.breaker.allow():
-            raise StoreUnavailable("redis: circuit open after recent failures")
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(StoreUnavailable("redis: circuit open after recent failures"))
+            return failed
         self.calls += 1
-        # No shield needed: a pipelined connection survives a caller giving up.
-        try:
-            async with asyncio.timeout(timeout):
-                raw = await pipe.evalsha(self._exact.sha, self._exact.script, keys, args)
-        except TimeoutError as exc:
-            pipe.drop_if_stuck()
-            raise self._timed_out(timeout) from exc
-        except (RedisError, OSError) as exc:
+        pipe, script = self._pipe, self._exact
+        if pipe is None:  # Sentinel: redis-py, left to finish even past the deadline
+            return asyncio.ensure_future(self._run(script, keys, args))
+        reply = pipe.evalsha_now(script.sha, script.script, keys, args)
+        if reply is None:  # not connected yet: connect first
+            return asyncio.ensure_future(pipe.evalsha(script.sha, script.script, keys, args))
+        return reply
+
+    def settle(self, reply: asyncio.Future[Any]) -> Any:
+        if reply.cancelled():  # only at shutdown
+            raise StoreUnavailable("redis: call cancelled")
+        error = reply.exception()
+        if error is None:
+            self.breaker.success()
+            return reply.result()
+        if isinstance(error, StoreUnavailable):  # the circuit was open: nothing was sent
+            raise error
+        if isinstance(error, RedisError | OSError):
             self.breaker.failure()
-            raise StoreUnavailable(f"redis: {exc}") from exc
-        self.breaker.success()
-        return raw
+            raise StoreUnavailable(f"redis: {error}") from error
+        raise error
+
+    def expire(self, timeout: float) -> StoreUnavailable:
+        if self._pipe is not None:
+            self._pipe.drop_if_stuck()
+        return self._timed_out(timeout)
 
     # -- reconciler --------------------------------------------------------------
 

@@ -1,0 +1,126 @@
+"""The pipelined request-path connection against real redis-servers: database
+selection, Unix sockets, a lost or stuck connection, and deadlines in the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from ratelimit_service.core.exact import ExactHit
+from ratelimit_service.storage import redis_pipe
+from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.testing.redis import spawn_redis
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
+
+HIT = [ExactHit("k", 5, 60, 1)]
+
+
+async def test_selects_the_database_in_the_url(redis_server) -> None:
+    store = RedisStore(redis_server.url.rsplit("/", 1)[0] + "/3", request_timeout=1)
+    try:
+        assert (await store.hit(HIT, True))[0].admitted
+        assert store._pipe is not None and store._pipe.connects == 1
+        for db, expected in ((0, 0), (3, 1)):
+            raw = aioredis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + f"/{db}")
+            assert await raw.exists(store._exact_key("k", 60)) == expected
+            await raw.aclose()
+    finally:
+        await store.close()
+
+
+async def test_unix_socket(tmp_path: Path) -> None:
+    sock = tmp_path / "redis.sock"
+    port = 0  # no TCP listener at all
+    process = spawn_redis(port, tmp_path / "unix", "--unixsocket", str(sock))
+    try:
+        for _ in range(100):
+            if sock.exists():
+                break
+            await asyncio.sleep(0.05)
+        store = RedisStore(f"unix://{sock}?db=0", request_timeout=1)
+        results = [(await store.hit(HIT, True))[0].remaining for _ in range(3)]
+        assert results == [4, 3, 2]
+        await store.close()
+    finally:
+        process.kill()
+        process.wait()
+
+
+async def test_waiters_hear_a_lost_connection_and_the_next_call_reconnects(
+    redis_server,
+) -> None:
+    store = RedisStore(redis_server.url, request_timeout=2.0)
+    try:
+        await store.hit(HIT, True)
+        redis_server.pause()
+        pending = [asyncio.ensure_future(store.hit(HIT, True)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        redis_server.stop()  # killed while paused: the connection is reset
+        outcomes = await asyncio.gather(*pending, return_exceptions=True)
+        assert all(isinstance(o, StoreUnavailable) for o in outcomes)
+        assert time.monotonic() - started < 1.0  # told at once, not at the 2 s deadline
+        redis_server.start()
+        for _ in range(50):  # the breaker lets a trial through within its backoff
+            try:
+                result = await store.hit(HIT, True)
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(0.05)
+        else:
+            pytest.fail("never reconnected")
+        assert result[0].before == 0  # a fresh server
+        assert store._pipe is not None and store._pipe.connects == 2
+    finally:
+        await store.close()
+
+
+async def test_a_stuck_connection_is_replaced(redis_server, monkeypatch) -> None:
+    monkeypatch.setattr(redis_pipe, "STUCK_AFTER", 0.05)
+    store = RedisStore(redis_server.url, request_timeout=0.1)
+    try:
+        await store.hit(HIT, True)
+        redis_server.pause()  # a silent peer: no reset, no reply
+        with pytest.raises(StoreUnavailable, match="no answer"):
+            await store.hit(HIT, True)
+        redis_server.resume()
+        for _ in range(50):
+            try:
+                result = await store.hit(HIT, True)
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(0.05)
+        else:
+            pytest.fail("never recovered")
+        assert store._pipe is not None and store._pipe.connects == 2  # dropped, reopened
+        # The hit sent on the dropped connection may or may not have landed before the
+        # pause; nothing else was lost or doubled.
+        assert result[0].before in (1, 2)
+    finally:
+        await store.close()
+
+
+async def test_a_queued_request_waits_no_longer_than_the_timeout(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.2)
+    try:
+        await store.hit(HIT, True)
+        redis_server.pause()
+        first = asyncio.ensure_future(store.hit(HIT, True))  # in flight, never answered
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.hit(HIT, True)  # queued behind it for 0.1 s, then sent
+        waited = time.monotonic() - started
+        assert 0.15 < waited < 0.3  # its own 0.2 s, not 0.1 + 0.2
+        with pytest.raises(StoreUnavailable):
+            await first
+    finally:
+        redis_server.resume()
+        await store.close()
