@@ -1,36 +1,30 @@
-"""envoy.service.ratelimit.v3.RateLimitService over grpc.aio: protobuf in, core types out.
+"""envoy.service.ratelimit.v3.RateLimitService over grpc.aio: bytes in, core types,
+bytes out.
 
-This module is the only one that touches the Envoy wire types (upb-backed classes
-from xds-protos); everything it does is translation.
+This module and rls_wire are the only ones that touch the Envoy wire types
+(upb-backed classes from xds-protos); everything they do is translation.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from envoy.service.ratelimit.v3 import rls_pb2
+from google.protobuf.message import DecodeError
 
 from ratelimit_service.core.config_model import RateLimit, RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
-from ratelimit_service.core.request import (
-    UINT32_MAX,
-    Descriptor,
-    InvalidRequest,
-    Request,
-    Response,
-)
+from ratelimit_service.core.request import Descriptor, InvalidRequest, Request
 from ratelimit_service.core.units import unit_from_wire
 from ratelimit_service.limiter import RateLimiter
+from ratelimit_service.rls_wire import RequestCache, encode_response, limit_bytes
 
 log = logging.getLogger(__name__)
 
-_RateLimit = rls_pb2.RateLimitResponse.RateLimit
-_Status = rls_pb2.RateLimitResponse.DescriptorStatus
+RLS_SERVICE = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
 
 
 def request_from_proto(message: Any) -> Request:
@@ -51,58 +45,38 @@ def request_from_proto(message: Any) -> Request:
     return Request(message.domain, descriptors, message.hits_addend)
 
 
-class _LimitProtos:
-    """``current_limit`` messages built once per configured limit, not per response.
-    Limits from per-request overrides are built each time (they are not kept)."""
+class _LimitBytes:
+    """``current_limit`` bytes serialized once per configured limit, not per response.
+    Limits from per-request overrides are serialized each time (they are not kept)."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[RateLimit, Any]] = {}
+        self._by_id: dict[int, tuple[RateLimit, bytes]] = {}
 
-    def get(self, limit: RateLimit) -> Any:
+    def get(self, limit: RateLimit) -> bytes:
         entry = self._by_id.get(id(limit))
         if entry is not None and entry[0] is limit:
             return entry[1]
-        return _limit_proto(limit)
+        return limit_bytes(limit)
 
     def install(self, config: RateLimitConfig) -> None:
-        self._by_id = {id(limit): (limit, _limit_proto(limit)) for limit in config.limits()}
+        self._by_id = {id(limit): (limit, limit_bytes(limit)) for limit in config.limits()}
 
 
-_NO_CACHE = _LimitProtos()
+class _MalformedRequest(InvalidRequest):
+    """Bytes that are not a RateLimitRequest."""
 
 
-def _limit_proto(limit: RateLimit) -> Any:
-    return _RateLimit(
-        name=limit.name, requests_per_unit=limit.requests_per_unit, unit=int(limit.unit)
-    )
+def _parse(raw: bytes) -> Request:
+    try:
+        message = rls_pb2.RateLimitRequest.FromString(raw)
+    except DecodeError as exc:
+        raise _MalformedRequest(f"malformed RateLimitRequest: {exc}") from exc
+    return request_from_proto(message)
 
 
-def response_to_proto(
-    response: Response,
-    headers: list[tuple[str, str]] | None = None,
-    limit_protos: _LimitProtos | None = None,
-) -> Any:
-    protos = limit_protos or _NO_CACHE
-    statuses = []
-    for status in response.statuses:
-        out = _Status(code=int(status.code), limit_remaining=min(status.remaining, UINT32_MAX))
-        limit = status.limit
-        if limit is not None:
-            out.current_limit.CopyFrom(protos.get(limit))
-            reset = status.reset_after or 0.0
-            seconds = math.floor(reset)
-            out.duration_until_reset.seconds = seconds
-            out.duration_until_reset.nanos = int((reset - seconds) * 1e9)
-        statuses.append(out)
-    message = rls_pb2.RateLimitResponse(overall_code=int(response.overall), statuses=statuses)
-    if headers:
-        message.response_headers_to_add.extend(
-            base_pb2.HeaderValue(key=key, value=value) for key, value in headers
-        )
-    return message
+class RateLimitServicer:
+    """ShouldRateLimit on raw bytes (see rls_wire): install with :meth:`handler`."""
 
-
-class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(
         self,
         limiter: RateLimiter,
@@ -112,29 +86,38 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         self.limiter = limiter
         self.header_style = header_style
         self.header_names = header_names or HeaderNames()
-        self._limit_protos = _LimitProtos()
-        self._protos_for: RateLimitConfig | None = None
+        self._limit_bytes = _LimitBytes()
+        self._bytes_for: RateLimitConfig | None = None
+        self._requests = RequestCache(_parse)
 
-    async def ShouldRateLimit(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The RLS service with bytes in and out: no (de)serializer runs in grpc."""
+        method = grpc.unary_unary_rpc_method_handler(self.should_rate_limit)
+        return grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": method})
+
+    async def should_rate_limit(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         started = time.perf_counter()
         stats = self.limiter.stats
         stats.total_requests += 1
         try:
             config = self.limiter.config
-            if config is not self._protos_for:  # a reload: rebuild the prebuilt limits
-                self._limit_protos.install(config)
-                self._protos_for = config
-            response = await self.limiter.should_rate_limit(request_from_proto(request))
+            if config is not self._bytes_for:  # a reload: rebuild the prebuilt limits
+                self._limit_bytes.install(config)
+                self._bytes_for = config
+            response = await self.limiter.should_rate_limit(self._requests.get(raw))
             headers = None
             if self.header_style is not HeaderStyle.OFF:
                 headers = rate_limit_headers(
                     response.statuses, self.header_style, self.header_names
                 )
-            return response_to_proto(response, headers, self._limit_protos)
+            return encode_response(response, headers, self._limit_bytes.get)
         except InvalidRequest as exc:
+            if isinstance(exc, _MalformedRequest):  # the limiter counts the other kinds
+                stats.service_error += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception:
             log.exception("ShouldRateLimit failed")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
         finally:
             stats.latency.observe(time.perf_counter() - started)
+        raise AssertionError("context.abort() returned")  # it always raises

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, generate_latest
@@ -24,7 +23,7 @@ from ratelimit_service.core.config_model import Mode, RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
-from ratelimit_service.grpc_servicer import RateLimitServicer
+from ratelimit_service.grpc_servicer import RLS_SERVICE, RateLimitServicer
 from ratelimit_service.limiter import RateLimiter
 from ratelimit_service.reconciler import Reconciler
 from ratelimit_service.state_metrics import bucket_metrics, reconciler_metrics, store_metrics
@@ -36,7 +35,6 @@ from ratelimit_service.tls import CertificateReloader
 
 log = logging.getLogger(__name__)
 
-RLS_SERVICE = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
 HEALTH_NAMES = ("", RLS_SERVICE, "ratelimit")
 
 
@@ -154,7 +152,7 @@ class RateLimitService:
         servicer = RateLimitServicer(
             self.limiter, self.settings.response_headers, self.settings.header_names
         )
-        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)
+        server.add_generic_rpc_handlers((servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (RLS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server

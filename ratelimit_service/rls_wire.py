@@ -1,0 +1,138 @@
+"""ShouldRateLimit bytes in and out, without protobuf objects where they cost most.
+
+The servicer receives the raw request bytes (no deserializer) and returns bytes (no
+serializer), because at a few thousand requests per second per process the protobuf
+objects themselves are a visible share of the CPU:
+
+- **Requests**: most traffic repeats a few descriptor sets, and equal bytes are an
+  equal request. Parsed, converted and validated requests are kept by their bytes
+  (small requests only, a bounded number), so a repeat costs one dict lookup.
+- **Responses** are written directly in the protobuf wire format: each limit's
+  ``current_limit`` is serialized once, and the rest is a handful of varints. This
+  takes half the time of building upb messages and serializing them. Field numbers
+  come from the message descriptors, not from constants typed here, and the test
+  suite parses what this module writes with the protobuf runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ratelimit.v3 import rls_pb2
+
+from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.request import UINT32_MAX, DescriptorStatus, Request, Response
+
+_VARINT = 0
+_LENGTH_DELIMITED = 2
+
+
+def _tag(message: Any, field: str, wire_type: int) -> bytes:
+    number = message.DESCRIPTOR.fields_by_name[field].number
+    return bytes([(number << 3) | wire_type])  # every field number here is < 16
+
+
+_RESPONSE = rls_pb2.RateLimitResponse
+_OVERALL = _tag(_RESPONSE, "overall_code", _VARINT)
+_STATUSES = _tag(_RESPONSE, "statuses", _LENGTH_DELIMITED)
+_HEADERS = _tag(_RESPONSE, "response_headers_to_add", _LENGTH_DELIMITED)
+_CODE = _tag(_RESPONSE.DescriptorStatus, "code", _VARINT)
+_CURRENT_LIMIT = _tag(_RESPONSE.DescriptorStatus, "current_limit", _LENGTH_DELIMITED)
+_REMAINING = _tag(_RESPONSE.DescriptorStatus, "limit_remaining", _VARINT)
+_RESET = _tag(_RESPONSE.DescriptorStatus, "duration_until_reset", _LENGTH_DELIMITED)
+_SECONDS = b"\x08"  # google.protobuf.Duration.seconds = 1, varint
+_NANOS = b"\x10"  # google.protobuf.Duration.nanos = 2, varint
+_HEADER_KEY = _tag(base_pb2.HeaderValue, "key", _LENGTH_DELIMITED)
+_HEADER_VALUE = _tag(base_pb2.HeaderValue, "value", _LENGTH_DELIMITED)
+
+MAX_CACHED_REQUEST_BYTES = 512
+"""Requests up to this size are kept by their bytes; larger ones are parsed each time."""
+MAX_CACHED_REQUESTS = 10_000
+"""Kept requests at most (cleared when full): at most about 5 MB of keys."""
+
+
+def _varint(out: bytearray, value: int) -> None:
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def _length_delimited(out: bytearray, tag: bytes, payload: bytes | bytearray) -> None:
+    out += tag
+    _varint(out, len(payload))
+    out += payload
+
+
+def limit_bytes(limit: RateLimit) -> bytes:
+    """``current_limit`` of a status, serialized (by the protobuf runtime: once per limit)."""
+    message = _RESPONSE.RateLimit(
+        name=limit.name, requests_per_unit=limit.requests_per_unit, unit=int(limit.unit)
+    )
+    data: bytes = message.SerializeToString()
+    return data
+
+
+def encode_response(
+    response: Response,
+    headers: Sequence[tuple[str, str]] | None,
+    limit_bytes_of: Callable[[RateLimit], bytes] = limit_bytes,
+) -> bytes:
+    out = bytearray(_OVERALL)
+    _varint(out, int(response.overall))
+    for status in response.statuses:
+        _length_delimited(out, _STATUSES, _status(status, limit_bytes_of))
+    for key, value in headers or ():
+        header = bytearray()
+        _length_delimited(header, _HEADER_KEY, key.encode())
+        _length_delimited(header, _HEADER_VALUE, value.encode())
+        _length_delimited(out, _HEADERS, header)
+    return bytes(out)
+
+
+def _status(status: DescriptorStatus, limit_bytes_of: Callable[[RateLimit], bytes]) -> bytearray:
+    body = bytearray(_CODE)
+    _varint(body, int(status.code))
+    limit = status.limit
+    if limit is not None:
+        _length_delimited(body, _CURRENT_LIMIT, limit_bytes_of(limit))
+    remaining = min(status.remaining, UINT32_MAX)
+    if remaining:
+        body += _REMAINING
+        _varint(body, remaining)
+    if limit is not None:
+        reset = status.reset_after or 0.0
+        seconds = math.floor(reset)
+        nanos = int((reset - seconds) * 1e9)
+        duration = bytearray()
+        if seconds:
+            duration += _SECONDS
+            _varint(duration, seconds)
+        if nanos:
+            duration += _NANOS
+            _varint(duration, nanos)
+        _length_delimited(body, _RESET, duration)
+    return body
+
+
+class RequestCache:
+    """Converted requests by their bytes (see the module docstring). ``convert`` turns
+    bytes into a validated Request or raises; only successes are kept."""
+
+    def __init__(self, convert: Callable[[bytes], Request]) -> None:
+        self._convert = convert
+        self._kept: dict[bytes, Request] = {}
+
+    def get(self, raw: bytes) -> Request:
+        request = self._kept.get(raw)
+        if request is not None:
+            return request
+        request = self._convert(raw)
+        if len(raw) <= MAX_CACHED_REQUEST_BYTES:
+            if len(self._kept) >= MAX_CACHED_REQUESTS:
+                self._kept.clear()
+            self._kept[raw] = request
+        return request

@@ -1,0 +1,132 @@
+"""The hand-written response encoding and the request cache, checked against the
+protobuf runtime (and, for malformed bytes, through a real gRPC server)."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ratelimit.v3 import rls_pb2
+
+from ratelimit_service import rls_wire
+from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.request import (
+    UINT32_MAX,
+    Code,
+    Descriptor,
+    DescriptorStatus,
+    Request,
+    Response,
+)
+from ratelimit_service.core.units import Unit
+from ratelimit_service.grpc_servicer import RLS_SERVICE
+
+R = rls_pb2.RateLimitResponse
+
+
+def reference(response: Response, headers: list[tuple[str, str]]) -> rls_pb2.RateLimitResponse:
+    """The same response built with protobuf objects, field by field."""
+    message = R(overall_code=int(response.overall))
+    for status in response.statuses:
+        out = message.statuses.add(code=int(status.code))
+        out.limit_remaining = min(status.remaining, UINT32_MAX)
+        if status.limit is not None:
+            limit = status.limit
+            out.current_limit.name = limit.name
+            out.current_limit.requests_per_unit = limit.requests_per_unit
+            out.current_limit.unit = int(limit.unit)
+            reset = status.reset_after or 0.0
+            out.duration_until_reset.seconds = int(reset)
+            out.duration_until_reset.nanos = int((reset - int(reset)) * 1e9)
+    for key, value in headers:
+        message.response_headers_to_add.append(base_pb2.HeaderValue(key=key, value=value))
+    return message
+
+
+def random_response(rng: random.Random) -> tuple[Response, list[tuple[str, str]]]:
+    limits = [
+        RateLimit(requests_per_unit=rng.choice([0, 1, 127, 128, 300, 2**31, UINT32_MAX]),
+                  unit=rng.choice(list(Unit)), name=rng.choice(["", "n", "ünï-" * 40]))
+        for _ in range(3)
+    ]  # fmt: skip
+    statuses = []
+    for _ in range(rng.randint(0, 6)):
+        limit = rng.choice([None, *limits])
+        statuses.append(
+            DescriptorStatus(
+                code=rng.choice(list(Code)),
+                limit=limit,
+                remaining=rng.choice([0, 1, 127, 128, 16383, 16384, UINT32_MAX, UINT32_MAX + 5]),
+                reset_after=rng.choice([None, 0.0, 0.5, 1.0, 59.999999, 3600.25, 86400 * 400.0]),
+            )
+        )
+    headers = [(f"h{i}", rng.choice(["", "1", "ä" * 200])) for i in range(rng.randint(0, 3))]
+    return Response(rng.choice(list(Code)), statuses), headers
+
+
+def test_encoding_parses_to_the_same_message() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        response, headers = random_response(rng)
+        encoded = rls_wire.encode_response(response, headers)
+        assert R.FromString(encoded) == reference(response, headers)
+
+
+def test_encoding_is_byte_identical_for_a_typical_answer() -> None:
+    limit = RateLimit(requests_per_unit=100, unit=Unit.MINUTE, name="per-ip")
+    response = Response(Code.OK, [DescriptorStatus(Code.OK, limit, 42, 12.5)])
+    assert rls_wire.encode_response(response, None) == reference(response, []).SerializeToString()
+
+
+def test_request_cache_keeps_small_requests_by_their_bytes(monkeypatch) -> None:
+    converted: list[bytes] = []
+
+    def convert(raw: bytes) -> Request:
+        converted.append(raw)
+        return Request("d", [Descriptor((("k", raw.decode()),))])
+
+    cache = rls_wire.RequestCache(convert)
+    first = cache.get(b"a")
+    assert cache.get(b"a") is first and converted == [b"a"]
+    big = b"x" * (rls_wire.MAX_CACHED_REQUEST_BYTES + 1)
+    cache.get(big)
+    cache.get(big)
+    assert converted.count(big) == 2  # large requests are not kept
+    monkeypatch.setattr(rls_wire, "MAX_CACHED_REQUESTS", 3)
+    for key in (b"b", b"c", b"d"):
+        cache.get(key)
+    assert len(cache._kept) <= 3  # bounded: cleared when full
+    cache.get(b"a")
+    assert converted.count(b"a") == 2
+
+
+def test_a_failed_conversion_is_not_kept() -> None:
+    calls = 0
+
+    def convert(raw: bytes) -> Request:
+        nonlocal calls
+        calls += 1
+        raise ValueError("bad")
+
+    cache = rls_wire.RequestCache(convert)
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            cache.get(b"bad")
+    assert calls == 2
+
+
+async def test_malformed_bytes_get_invalid_argument(start_service, write_config) -> None:
+    directory = write_config("domain: d\ndescriptors:\n  - key: k\n")
+    svc = await start_service(directory)
+    call = svc.channel.unary_unary(f"/{RLS_SERVICE}/ShouldRateLimit")  # bytes in and out
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await call(b"\xff\xff\xff")
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed RateLimitRequest" in (error.value.details() or "")
+    assert svc.service.limiter.stats.service_error == 1
+    good = rls_pb2.RateLimitRequest(domain="d")
+    good.descriptors.add().entries.add(key="k", value="v")
+    answer = R.FromString(await call(good.SerializeToString()))
+    assert answer.overall_code == R.OK  # and the service goes on serving
