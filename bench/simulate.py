@@ -62,7 +62,8 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
         bucket = node.get("k", args.limit, 1, at)
         row = rows.setdefault(int(at / args.bucket), [0, 0])
         row[0] += 1
-        row[1] += node.decide(bucket, 1, rng.random())
+        draw = bucket.next_draw() if args.draw == "sequence" else rng.random()
+        row[1] += node.decide(bucket, 1, draw)
         rate = rate_at(at) * shares[i]
         heapq.heappush(events, (at + rng.expovariate(max(rate, 1e-9)), 1, i))
     return [(k * args.bucket, v[0], v[1]) for k, v in sorted(rows.items())]
@@ -105,6 +106,13 @@ def main() -> None:
     parser.add_argument("--skew", default="0.4,0.3,0.2,0.1")
     parser.add_argument("--bucket", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--draw",
+        choices=["sequence", "random"],
+        default="sequence",
+        help="numbers compared with the drop ratio: each bucket's golden-ratio sequence "
+        "(what the service does) or independent random numbers (the seed design)",
+    )
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     args = parser.parse_args()
     rows = asyncio.run(simulate(args))

@@ -8,7 +8,6 @@ given back, so a denied request consumes no quota anywhere.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,8 +74,11 @@ class RateLimiter:
         default_mode: Mode = Mode.PROBABILISTIC,
         global_shadow: bool = False,
         clock: Callable[[], float] = time.time,
-        draw: Callable[[], float] = random.random,
+        draw: Callable[[], float] | None = None,
     ) -> None:
+        """``draw``: numbers in [0, 1) to compare with drop ratios. None (the default):
+        each bucket's own evenly spread sequence (ProbabilisticBucket.next_draw), which
+        scatters far less than random numbers; tests inject fixed values."""
         self.config = config
         self.store = store
         self.stats = stats if stats is not None else Stats()
@@ -173,7 +175,8 @@ class RateLimiter:
                     bucket, item.hits, limit.failure_mode is FailureMode.OPEN
                 )
             else:
-                item.admitted = local.decide(bucket, item.hits, self._draw())
+                draw = bucket.next_draw() if self._draw is None else self._draw()
+                item.admitted = local.decide(bucket, item.hits, draw)
             status = statuses[item.index]
             status.remaining = bucket.remaining()
             status.reset_after = bucket.reset_estimate(now)

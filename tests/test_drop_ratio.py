@@ -244,6 +244,29 @@ def test_decide_uses_the_injected_draw() -> None:
     assert bucket.credit == 98.0
 
 
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 2 / 3, 0.93])
+def test_draw_sequence_drops_the_ratio_evenly(ratio: float) -> None:
+    """Among any n consecutive decisions the dropped share is the ratio to within about
+    1/n (independent random draws scatter by sqrt(n)); also on every k-th decision."""
+    bucket = LocalBuckets().get("k", 10**9, 60, now=0.37)
+    draws = [bucket.next_draw() for _ in range(3000)]
+    assert all(0.0 <= d < 1.0 for d in draws)
+    dropped = [d < ratio for d in draws]
+    for n in (10, 100, 1000):
+        for start in range(0, 3000 - n, 97):
+            assert abs(sum(dropped[start : start + n]) - ratio * n) <= 3
+    for k in range(2, 8):
+        every_kth = dropped[::k]
+        assert abs(sum(every_kth) - ratio * len(every_kth)) <= 3
+
+
+def test_buckets_start_their_sequences_at_different_points() -> None:
+    local = LocalBuckets()
+    first = local.get("a", 100, 60, now=10.25).next_draw()
+    second = local.get("b", 100, 60, now=10.5).next_draw()
+    assert first != second
+
+
 def test_credit_caps_admissions() -> None:
     local = LocalBuckets()
     bucket = local.get("k", 100, 60, now=0.0)

@@ -544,3 +544,17 @@ async def test_reload_keeps_probabilistic_counts() -> None:
     assert limit is not None and limit.requests_per_unit == 4
     (bucket,) = h.limiter.local.buckets()
     assert (bucket.limit, bucket.admitted) == (4, 3)
+
+
+async def test_default_draws_follow_each_buckets_sequence() -> None:
+    """Without an injected draw, a bucket at ratio 0.5 admits every other request
+    or so: 50 of 100 to within 2, where random draws land outside 48..52 more often
+    than not (62 %)."""
+    clock = Clock()
+    limiter = RateLimiter(config(), EmbeddedStore(clock=clock), clock=clock)
+    request = Request("d", [_parse("p5=a")])
+    await limiter.should_rate_limit(request)
+    bucket = limiter.local.buckets()[0]
+    bucket.ratio, bucket.credit = 0.5, 1e9
+    codes = [(await limiter.should_rate_limit(request)).overall for _ in range(100)]
+    assert abs(codes.count(Code.OK) - 50) <= 2

@@ -20,6 +20,9 @@ from ratelimit_service.core.drop_ratio import (
     smoothed_rate,
 )
 
+GOLDEN_RATIO = 0.6180339887498949
+"""The fractional part of the golden ratio: the step of the buckets' draw sequences."""
+
 
 class ProbabilisticBucket:
     """One counter identity (descriptor values + window) in probabilistic mode."""
@@ -36,6 +39,7 @@ class ProbabilisticBucket:
         "local_rate",
         "offered",
         "offered_total_seen",
+        "phase",
         "ratio",
         "rule",
         "synced_at",
@@ -62,6 +66,24 @@ class ProbabilisticBucket:
         self.synced_at = now
         self.last_report = now
         self.last_used = now
+        self.phase = now % 1.0
+        """Position in the bucket's draw sequence (see :meth:`next_draw`)."""
+
+    def next_draw(self) -> float:
+        """The next number of this bucket's golden-ratio (Weyl) sequence, in [0, 1).
+
+        Drawn against the drop ratio instead of independent random numbers: the
+        sequence is spread evenly, so among any n consecutive decisions of a bucket
+        the share dropped is the ratio to within about 1/n, where independent draws
+        scatter by sqrt(n) (binomially). At 100 admissions per sync interval that is
+        the difference between about 1 % and 8 % of noise on the admitted count. It is
+        also even over any regular subsequence (every k-th request: k times the golden
+        ratio is irrational), so a client's share does not depend on when it sends."""
+        phase = self.phase + GOLDEN_RATIO
+        if phase >= 1.0:
+            phase -= 1.0
+        self.phase = phase
+        return phase
 
     def remaining(self) -> int:
         """Best estimate of what the fleet may still admit now: the token bucket at the
