@@ -14,10 +14,26 @@ from ratelimit_service.storage.redis_store import RedisStore
 
 
 @pytest.fixture
-async def store(redis_server):
+async def store(redis_server, monkeypatch):
+    """One call in flight at a time, so every test knows which requests share a call."""
+    monkeypatch.setattr(exact_batcher, "MAX_IN_FLIGHT", 1)
     store = RedisStore(redis_server.url, request_timeout=0.5)
     yield store
     await store.close()
+
+
+async def test_a_few_calls_go_out_at_once_then_requests_queue(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.5)
+    try:
+        slots = exact_batcher.MAX_IN_FLIGHT
+        results = await asyncio.gather(
+            *(store.hit([ExactHit("k", 100, 60, 1)], True) for _ in range(slots + 10))
+        )
+        # One call per free slot, then the ten that queued behind them share one.
+        assert store.stats()["exact_batches"] == slots + 1
+        assert sorted(r[0].before for r in results) == list(range(slots + 10))
+    finally:
+        await store.close()
 
 
 async def test_concurrent_requests_share_one_call_and_admit_the_limit(store: RedisStore) -> None:

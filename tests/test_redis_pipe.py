@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ratelimit_service.core.exact import ExactHit
-from ratelimit_service.storage import redis_pipe
+from ratelimit_service.storage import exact_batcher, redis_pipe
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.redis import spawn_redis
@@ -107,7 +107,8 @@ async def test_a_stuck_connection_is_replaced(redis_server, monkeypatch) -> None
         await store.close()
 
 
-async def test_a_queued_request_waits_no_longer_than_the_timeout(redis_server) -> None:
+async def test_a_queued_request_waits_no_longer_than_the_timeout(redis_server, monkeypatch) -> None:
+    monkeypatch.setattr(exact_batcher, "MAX_IN_FLIGHT", 1)  # the second request queues
     store = RedisStore(redis_server.url, request_timeout=0.2)
     try:
         await store.hit(HIT, True)

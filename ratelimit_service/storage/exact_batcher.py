@@ -1,12 +1,14 @@
 """Group commit for exact mode: concurrent requests share one script call.
 
-Each script call costs a command round trip, a write and a read system call and a
-Lua start-up, whatever it carries. So one call is in flight at a time: a request
-that finds the line idle goes out at once (no added latency), and requests that
-arrive while a call is in flight wait for it and then all go together, as one
-EVALSHA of exact_window.lua. The script decides them one after the other, so the
-outcome is the same as separate calls; under load the batches grow instead of the
-number of calls.
+Each script call costs a write and a read system call and a Lua start-up, whatever
+it carries. So only a few calls are in flight at a time (MAX_IN_FLIGHT, on one
+pipelined connection): a request that finds a free slot goes out at once (no added
+latency), and requests that arrive while every slot is busy wait for the first to
+come back and then all go together, as one EVALSHA of exact_window.lua. The script
+decides them one after the other, so the outcome is the same as separate calls;
+under load the batches grow instead of the number of calls. More than one slot
+keeps a slow Redis (milliseconds away) from adding a whole round trip of queueing
+to every request.
 
 The batcher is written with callbacks, not tasks: at one request per batch (a lightly
 loaded service) a task and a chain of coroutines per call cost more CPU than the
@@ -25,6 +27,8 @@ from ratelimit_service.storage.base import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
+MAX_IN_FLIGHT = 4
+"""Script calls outstanding at once; further requests queue into the next batch."""
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis. A full
 batch goes out at once, even while another call is in flight."""
@@ -100,7 +104,7 @@ class ExactBatcher:
         batch.keys += keys
         batch.args[1] += 1
         encode(hits, commit, batch.args)
-        if self._in_flight == 0 or len(batch.keys) >= MAX_BATCH_DESCRIPTORS:
+        if self._in_flight < MAX_IN_FLIGHT or len(batch.keys) >= MAX_BATCH_DESCRIPTORS:
             self._send(loop)
         return future
 
