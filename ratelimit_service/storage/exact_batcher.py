@@ -6,9 +6,10 @@ pipelined connection): a request that finds a free slot goes out at once (no add
 latency), and requests that arrive while every slot is busy wait for the first to
 come back and then all go together, as one EVALSHA of exact_window.lua. The script
 decides them one after the other, so the outcome is the same as separate calls;
-under load the batches grow instead of the number of calls. More than one slot
-keeps a slow Redis (milliseconds away) from adding a whole round trip of queueing
-to every request.
+under load the batches grow instead of the number of calls. Many slots keep a slow
+Redis (milliseconds away) from adding a round trip of queueing to requests: with 4
+slots, a Redis 5 ms away at 1,000 requests/s pushed queued requests past a 10 ms
+deadline (44 % answered by failure_mode in bench/throughput.py --suite redis-delay).
 
 The batcher is written with callbacks, not tasks: at one request per batch (a lightly
 loaded service) a task and a chain of coroutines per call cost more CPU than the
@@ -27,7 +28,7 @@ from ratelimit_service.storage.base import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-MAX_IN_FLIGHT = 4
+MAX_IN_FLIGHT = 32
 """Script calls outstanding at once; further requests queue into the next batch."""
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis. A full
