@@ -17,6 +17,12 @@ from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
+LATE_AFTER = 0.2
+"""A sync is late once it has taken this share of the interval (a sync on a healthy
+Redis takes milliseconds): the buckets' credit, granted for one interval, is renewed
+then rather than a whole interval later, which left a gap of almost no admissions
+each time Redis froze."""
+
 
 class Reconciler:
     def __init__(
@@ -44,7 +50,8 @@ class Reconciler:
         started = time.perf_counter()
         now = self._clock()
         reports = self.local.take_reports(now, self.interval)
-        if self.failing:
+        sent_while_failing = self.failing
+        if sent_while_failing:
             # Calls sent while the store is away may run late, all at once, when it
             # returns; they must not charge the hits admitted on renewed credit.
             reports = [replace(report, admitted=0) for report in reports]
@@ -59,6 +66,11 @@ class Reconciler:
             log.warning("sync failed, keeping last drop ratios: %s", exc)
             return 0
         now = self._clock()
+        if sent_while_failing:
+            # This answer may come long after it was asked for (a frozen Redis that
+            # resumed); the hits admitted meanwhile ran on renewed credit, which is not
+            # charged, so they must not eat the new credit either.
+            self.local.forgive(reports)
         self.local.apply_all(reports, result, now, self.interval)
         sweep = getattr(self.store, "sweep", None)
         if sweep is not None and self.syncs % 40 == 0:
@@ -75,11 +87,13 @@ class Reconciler:
         sync timeout), buckets get their last credit again every interval, so they keep
         their last rate instead of running dry."""
         pending = asyncio.ensure_future(self.store.sync(reports, self.interval))
+        wait = self.interval * LATE_AFTER
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=self.interval)
+            done, _ = await asyncio.wait({pending}, timeout=wait)
             if done:
                 return pending.result()
             self.local.renew()
+            wait = self.interval
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -224,6 +224,14 @@ class LocalBuckets:
         for bucket in self._buckets.values():
             bucket.credit = max(bucket.credit, bucket.grant)
 
+    def forgive(self, reports: list[BucketReport]) -> None:
+        """Drop the admitted counts gathered since ``reports`` were taken: they were made
+        on renewed credit while the store was away, which is never charged."""
+        for report in reports:
+            bucket = self._buckets.get(report.key)
+            if bucket is not None:
+                bucket.admitted = 0
+
     def restore(self, reports: list[BucketReport]) -> None:
         """Put back the offered counts of a sync that failed, so the rate estimate sees
         them next time. Admitted counts are not carried over: while the store is away the

@@ -1,0 +1,77 @@
+"""The reconciler against a store whose syncs can be held back or failed: credit is
+renewed soon after a sync runs late, and a late answer to a sync sent while the store
+was away does not charge what was admitted on renewed credit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from ratelimit_service.core.drop_ratio import SyncResult
+from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
+from ratelimit_service.reconciler import LATE_AFTER, Reconciler
+from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.embedded import EmbeddedStore
+
+
+class GatedStore(EmbeddedStore):
+    """The embedded store, whose syncs wait for ``gate`` or fail while ``down``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.down = False
+
+    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+        await self.gate.wait()
+        if self.down:
+            raise StoreUnavailable("down")
+        return await super().sync(reports, interval)
+
+
+async def _overloaded_bucket(local: LocalBuckets, reconciler: Reconciler) -> None:
+    bucket = local.get("k", 100, 1, now=time.time())  # the reconciler's clock
+    for _ in range(200):
+        local.decide(bucket, 1, 0.99)
+    await reconciler.sync_once()
+
+
+async def test_credit_is_renewed_soon_after_a_sync_runs_late() -> None:
+    local, store = LocalBuckets(), GatedStore()
+    reconciler = Reconciler(local, store, interval=0.2)
+    await _overloaded_bucket(local, reconciler)
+    bucket = local.buckets()[0]
+    grant = bucket.grant
+    assert grant > 0
+    bucket.credit = 0.0  # spent
+    store.gate.clear()  # the next sync hangs
+    pending = asyncio.ensure_future(reconciler.sync_once())
+    await asyncio.sleep(0.2 * LATE_AFTER + 0.03)  # well before a whole interval
+    assert bucket.credit == grant
+    store.gate.set()
+    await pending
+
+
+async def test_a_late_answer_to_a_failing_sync_does_not_charge_renewed_admissions() -> None:
+    local, store = LocalBuckets(), GatedStore()
+    reconciler = Reconciler(local, store, interval=0.2)
+    await _overloaded_bucket(local, reconciler)
+    bucket = local.buckets()[0]
+    for _ in range(10):  # traffic, so the next syncs carry a report for the bucket
+        local.decide(bucket, 1, 0.99)
+    store.down = True
+    assert await reconciler.sync_once() == 0
+    assert reconciler.failing
+    store.down, store.gate = False, asyncio.Event()  # back, but answering late
+    pending = asyncio.ensure_future(reconciler.sync_once())
+    await asyncio.sleep(0.01)
+    for _ in range(30):  # admitted on renewed credit while the answer is outstanding
+        local.decide(bucket, 1, 0.99)
+    assert bucket.admitted > 0
+    store.gate.set()
+    assert await pending == 1
+    assert not reconciler.failing
+    assert bucket.admitted == 0
+    assert bucket.credit == bucket.grant  # not reduced by the forgiven admissions
