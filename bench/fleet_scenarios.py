@@ -24,6 +24,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from simulate import reaction_time as rows_reaction_time
+
 from ratelimit_service.testing.fleet import (
     Timeline,
     drive,
@@ -77,18 +79,8 @@ def window_rate(timeline: Timeline, start: float, end: float) -> tuple[float, fl
 def reaction_time(
     timeline: Timeline, step_at: float, limit: float, tolerance: float, hold: float = 2.0
 ) -> float:
-    """Seconds after the step until the admitted rate (0.5 s moving average) is within
-    +-tolerance of the limit and stays there for ``hold`` seconds."""
-    rows = timeline.rows()
-    per_second = [r[2] / timeline.bucket for r in rows]
-    moving = [(per_second[i] + per_second[i - 1]) / 2 for i in range(1, len(rows))]
-    ends = [rows[i][0] + timeline.bucket for i in range(1, len(rows))]
-    points = [(t, v) for t, v in zip(ends, moving, strict=True) if t > step_at]
-    for start, (t0, _) in enumerate(points):
-        window = [v for t, v in points[start:] if t < t0 + hold]
-        if all(abs(v - limit) <= tolerance * limit for v in window):
-            return t0 - step_at
-    return float("inf")
+    """See simulate.reaction_time (the simulator measures the same way)."""
+    return rows_reaction_time(timeline.rows(), timeline.bucket, step_at, limit, tolerance, hold)
 
 
 def max_in_any_window(timeline: Timeline, window: float = 1.0) -> int:

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import heapq
 import random
+import statistics
 
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.storage.embedded import EmbeddedStore
@@ -69,6 +70,50 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
     return [(k * args.bucket, v[0], v[1]) for k, v in sorted(rows.items())]
 
 
+def reaction_time(
+    rows: list[tuple[float, int, int]],
+    bucket: float,
+    step_at: float,
+    limit: float,
+    tolerance: float,
+    hold: float = 2.0,
+) -> float:
+    """Seconds after the step until the admitted rate (0.5 s moving average) is within
+    +-tolerance of the limit and stays there for ``hold`` seconds. ``rows`` are
+    (start, offered, admitted) per ``bucket`` seconds."""
+    per_second = [r[2] / bucket for r in rows]
+    moving = [(per_second[i] + per_second[i - 1]) / 2 for i in range(1, len(rows))]
+    ends = [rows[i][0] + bucket for i in range(1, len(rows))]
+    points = [(t, v) for t, v in zip(ends, moving, strict=True) if t > step_at]
+    for start, (t0, _) in enumerate(points):
+        window = [v for t, v in points[start:] if t < t0 + hold]
+        if all(abs(v - limit) <= tolerance * limit for v in window):
+            return t0 - step_at
+    return float("inf")
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """--seeds N: the same run for seeds 1..N; the spread of the step reaction and of
+    the admitted count per bucket once steady."""
+    reactions, scatter = [], []
+    for seed in range(1, args.seeds + 1):
+        rows = asyncio.run(simulate(argparse.Namespace(**{**vars(args), "seed": seed})))
+        settle = args.step_at + 2 if args.step_to is not None else 3.0
+        steady = [r[2] for r in rows if r[0] >= settle]
+        per_bucket = args.limit * args.bucket
+        scatter.append(statistics.pstdev(steady) / per_bucket)
+        if args.step_to is not None:
+            reactions.append(reaction_time(rows, args.bucket, args.step_at, args.limit, 0.10))
+    print(f"seeds 1..{args.seeds}: admitted per {args.bucket:g} s once steady scatters by "
+          f"{statistics.mean(scatter):.3f}x of the limit (sd, mean over seeds)")  # fmt: skip
+    if reactions:
+        reactions.sort()
+        within = sum(r <= 1.0 for r in reactions)
+        print(f"step reaction (+-10 %): median {statistics.median(reactions):.2f} s, "
+              f"90th percentile {reactions[int(0.9 * len(reactions))]:.2f} s, "
+              f"<= 1 s in {within} of {len(reactions)} seeds")  # fmt: skip
+
+
 def plot(rows: list[tuple[float, int, int]], args: argparse.Namespace) -> None:
     import matplotlib
 
@@ -114,7 +159,11 @@ def main() -> None:
         "(what the service does) or independent random numbers (the seed design)",
     )
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
+    parser.add_argument("--seeds", type=int, default=0, help="sweep seeds 1..N (summary only)")
     args = parser.parse_args()
+    if args.seeds:
+        sweep(args)
+        return
     rows = asyncio.run(simulate(args))
     for t, offered, admitted in rows:
         print(f"{t:7.2f} offered={offered:6d} admitted={admitted:6d}")
