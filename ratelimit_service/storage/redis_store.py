@@ -1,5 +1,7 @@
-"""The Redis store: exact sliding windows in one Lua call per request, and the fleet
-totals of probabilistic mode in one round trip per sync.
+"""The Redis store: exact sliding windows in one Lua call per request (concurrent
+requests share calls: exact_batcher; on a single server over the request path's own
+pipelined connection: redis_pipe), and the fleet totals of probabilistic mode in one
+round trip per sync (redis-py).
 
 Time is Redis's (``TIME`` inside the scripts), so service clocks need not agree.
 Every call is bounded (``request_timeout`` on the request path, ``sync_timeout``
