@@ -116,12 +116,6 @@ class RedisPipe:
         self._connecting: asyncio.Task[_Protocol] | None = None
         self.connects = 0
 
-    async def execute(self, *args: Any) -> Any:
-        protocol = self._protocol
-        if protocol is None or protocol.closed:
-            protocol = await self.connected()
-        return await protocol.request(hiredis.pack_command(args))
-
     async def connected(self) -> _Protocol:
         """The open connection, opening one if needed. The attempt runs as its own
         task, shared by every caller and shielded from their deadlines: a request's
@@ -134,10 +128,11 @@ class RedisPipe:
         return await asyncio.shield(task)
 
     async def evalsha(self, sha: str, script: str, keys: list[str], args: list[Any]) -> Any:
-        protocol = self._protocol
-        if protocol is None or protocol.closed:
-            protocol = await self.connected()
-        return await _evalsha(protocol, sha, script, keys, args)
+        """The script's reply, connecting first if needed."""
+        reply = self.evalsha_now(sha, script, keys, args)
+        if reply is None:
+            reply = _evalsha(await self.connected(), sha, script, keys, args)
+        return await reply
 
     def evalsha_now(
         self, sha: str, script: str, keys: list[str], args: list[Any]

@@ -133,11 +133,8 @@ class RedisStore:
     async def _hit_group(self, group: _Group, commit: bool) -> list[ExactResult]:
         args: list[Any] = [self.slices, 1]
         encode(group.hits, commit, args)
-        raw = await self._send_exact(group.keys, args, self.request_timeout)
+        raw = await self._call(self._exact, group.keys, args, self.request_timeout)
         return decode(raw, 0, len(group.hits))
-
-    async def _send_exact(self, keys: list[str], args: list[Any], timeout: float) -> Any:
-        return await self._call(self._exact, keys, args, timeout)
 
     # The batcher's channel (see exact_batcher.Channel): callbacks, no coroutines, on
     # the pipelined connection when there is one.
