@@ -24,7 +24,13 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.request import UINT32_MAX, DescriptorStatus, Request, Response
+from ratelimit_service.core.request import (
+    UINT32_MAX,
+    Code,
+    DescriptorStatus,
+    Request,
+    Response,
+)
 
 _VARINT = 0
 _LENGTH_DELIMITED = 2
@@ -54,26 +60,36 @@ MAX_CACHED_REQUESTS = 10_000
 """Kept requests at most (cleared when full): at most about 5 MB of keys."""
 
 
-def _varint(out: bytearray, value: int) -> None:
+_SMALL = tuple(bytes([value]) for value in range(0x80))
+"""One-byte varints: codes, small counts and most whole seconds."""
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL[value]
+    out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
     out.append(value)
+    return bytes(out)
 
 
-def _length_delimited(out: bytearray, tag: bytes, payload: bytes | bytearray) -> None:
-    out += tag
-    _varint(out, len(payload))
-    out += payload
+def _field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field: tag, length, payload."""
+    return tag + _varint(len(payload)) + payload
 
 
 def limit_bytes(limit: RateLimit) -> bytes:
-    """``current_limit`` of a status, serialized (by the protobuf runtime: once per limit)."""
+    """A status's whole ``current_limit`` field (tag, length and the message serialized
+    by the protobuf runtime): built once per limit."""
     message = _RESPONSE.RateLimit(
         name=limit.name, requests_per_unit=limit.requests_per_unit, unit=int(limit.unit)
     )
-    data: bytes = message.SerializeToString()
-    return data
+    return _field(_CURRENT_LIMIT, message.SerializeToString())
+
+
+_CODES = {code: _CODE + _varint(int(code)) for code in Code}
 
 
 def encode_response(
@@ -81,41 +97,36 @@ def encode_response(
     headers: Sequence[tuple[str, str]] | None,
     limit_bytes_of: Callable[[RateLimit], bytes] = limit_bytes,
 ) -> bytes:
-    out = bytearray(_OVERALL)
-    _varint(out, int(response.overall))
+    """The response's wire bytes, built as a list of parts joined once (bytes
+    concatenation of a few parts is cheaper than growing a bytearray field by field)."""
+    parts = [_OVERALL, _varint(int(response.overall))]
     for status in response.statuses:
-        _length_delimited(out, _STATUSES, _status(status, limit_bytes_of))
+        body = _status(status, limit_bytes_of)
+        parts += (_STATUSES, _varint(len(body)), body)
     for key, value in headers or ():
-        header = bytearray()
-        _length_delimited(header, _HEADER_KEY, key.encode())
-        _length_delimited(header, _HEADER_VALUE, value.encode())
-        _length_delimited(out, _HEADERS, header)
-    return bytes(out)
+        header = _field(_HEADER_KEY, key.encode()) + _field(_HEADER_VALUE, value.encode())
+        parts.append(_field(_HEADERS, header))
+    return b"".join(parts)
 
 
-def _status(status: DescriptorStatus, limit_bytes_of: Callable[[RateLimit], bytes]) -> bytearray:
-    body = bytearray(_CODE)
-    _varint(body, int(status.code))
+def _status(status: DescriptorStatus, limit_bytes_of: Callable[[RateLimit], bytes]) -> bytes:
+    code = _CODES[status.code]
     limit = status.limit
-    if limit is not None:
-        _length_delimited(body, _CURRENT_LIMIT, limit_bytes_of(limit))
-    remaining = min(status.remaining, UINT32_MAX)
-    if remaining:
-        body += _REMAINING
-        _varint(body, remaining)
-    if limit is not None:
-        reset = status.reset_after or 0.0
-        seconds = math.floor(reset)
-        nanos = int((reset - seconds) * 1e9)
-        duration = bytearray()
-        if seconds:
-            duration += _SECONDS
-            _varint(duration, seconds)
-        if nanos:
-            duration += _NANOS
-            _varint(duration, nanos)
-        _length_delimited(body, _RESET, duration)
-    return body
+    remaining = status.remaining
+    if remaining > UINT32_MAX:
+        remaining = UINT32_MAX
+    tail = _REMAINING + _varint(remaining) if remaining else b""
+    if limit is None:
+        return code + tail
+    reset = status.reset_after or 0.0
+    seconds = math.floor(reset)
+    nanos = int((reset - seconds) * 1e9)
+    duration = b""
+    if seconds:
+        duration = _SECONDS + _varint(seconds)
+    if nanos:
+        duration += _NANOS + _varint(nanos)
+    return code + limit_bytes_of(limit) + tail + _RESET + _SMALL[len(duration)] + duration
 
 
 class RequestCache:

@@ -171,22 +171,25 @@ async def test_recovers_after_restart(redis_server) -> None:
 
 
 async def test_memory_per_window_key(store: RedisStore, redis_server) -> None:
-    """A busy exact key holds at most 61 slices (plus its two bookkeeping fields, n and
-    o); its memory stays small (README figure)."""
+    """A busy exact key holds at most 61 slices (plus its three bookkeeping fields: n,
+    o and c); its memory stays small (README figure)."""
     for _ in range(200):
         await store.hit([ExactHit("busy", 10**6, 1, 1)], True)
         await asyncio.sleep(0.005)
     raw = aioredis.Redis.from_url(redis_server.url)
     try:
         key = store._exact_key("busy", 1)
-        fields = await raw.hlen(key) - 2
+        fields = await raw.hlen(key) - 3
         usage = await raw.memory_usage(key)
-        meta = await raw.hmget(key, "n", "o")
+        meta = await raw.hmget(key, "n", "o", "c")
+        ttl_ms = await raw.pttl(key)
     finally:
         await raw.aclose()
     assert 1 <= fields <= 61
     assert usage is not None and usage < 2048
     assert meta[0] is not None and 0 < int(meta[0]) <= 200
+    assert meta[2] is not None and int(meta[1]) <= int(meta[2])  # oldest <= newest slice
+    assert 0 < ttl_ms <= 1000 + 2 * 1000 // store.slices + 1  # window + 2 slice widths
 
 
 async def test_a_timeout_keeps_the_connection(redis_server) -> None:
@@ -213,16 +216,23 @@ async def test_a_timeout_keeps_the_connection(redis_server) -> None:
 
 
 async def test_bookkeeping_follows_expiry(store: RedisStore, redis_server) -> None:
-    """The running total (n) and oldest slice (o) stay equal to the slices themselves
-    as slices expire, so decisions that read only n and o stay exact."""
+    """The running total (n), oldest slice (o) and newest slice (c) stay equal to the
+    slices themselves as slices expire, so decisions that read only them stay exact."""
     raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     key = store._exact_key("exp", 1)
 
     async def check() -> int:
         fields = await raw.hgetall(key)
-        slices = {int(k): int(v) for k, v in fields.items() if k not in ("n", "o")}
+        slices = {int(k): int(v) for k, v in fields.items() if k not in ("n", "o", "c")}
         assert int(fields["n"]) == sum(slices.values())
         assert int(fields["o"]) == min(slices)
+        assert int(fields["c"]) == max(slices)
+        # The expiry, renewed only when a slice opens, outlives the newest slice.
+        seconds, micros = await raw.time()
+        now_us = seconds * 1_000_000 + micros
+        width_us = 1_000_000 / store.slices
+        leaves_at_us = (int(fields["c"]) + store.slices + 1) * width_us
+        assert await raw.pttl(key) * 1000 >= leaves_at_us - now_us - 2000
         return int(fields["n"])
 
     try:

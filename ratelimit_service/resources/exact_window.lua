@@ -10,7 +10,7 @@
 -- same as R separate calls, with one round trip and one script call instead of R.
 --
 -- KEYS     the window hashes of every descriptor of every request, in request order
---          (fields: slice index -> hits, plus the bookkeeping fields n and o below)
+--          (fields: slice index -> hits, plus the bookkeeping fields n, o and c below)
 -- ARGV[1]  S, slices per window
 -- ARGV[2]  R, requests in the batch
 -- then, per request: commit (1 = consume if admitted, 0 = check only), n (its
@@ -26,11 +26,13 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local slices = tonumber(ARGV[1])
 local requests = tonumber(ARGV[2])
 
--- A key also holds two bookkeeping fields: n, the hits in its live slices, and o, the
--- index of its oldest live slice. While o is inside the window nothing has expired
--- and the decision needs only those two fields (HMGET), not every slice: the slices
--- are read (HGETALL) only when one has expired, at most once per slice width, or
--- when a denied hit needs its wait.
+-- A key also holds three bookkeeping fields: n, the hits in its live slices, o, the
+-- index of its oldest live slice, and c, the index of its newest. While o is inside
+-- the window nothing has expired and the decision needs only these fields (HMGET),
+-- not every slice: the slices are read (HGETALL) only when one has expired, at most
+-- once per slice width, or when a denied hit needs its wait. The key's expiry is set
+-- only when a hit opens a new slice (c grows): set then to outlive that slice by a
+-- slice width, it outlives every older one too, so the other hits skip a PEXPIRE.
 --
 -- Each key is read once per batch and then kept in `windows`, updated as hits are
 -- consumed: a batch often repeats the same few keys.
@@ -63,9 +65,9 @@ local function load(key, window)
   local width = window / slices
   local cur = math.floor(now / width)
   w = {key = key, width = width, window = window, cur = cur, oldest = cur - slices,
-       live = nil, changed = false, committed = false}
-  local meta = redis.call('HMGET', key, 'n', 'o')
-  w.total, w.first = tonumber(meta[1]), tonumber(meta[2])
+       live = nil, changed = false, extend = false}
+  local meta = redis.call('HMGET', key, 'n', 'o', 'c')
+  w.total, w.first, w.newest = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3])
   if w.total == nil or (w.first ~= nil and w.first < w.oldest) then
     read_slices(w)  -- a slice expired (or no bookkeeping yet): recount
     w.changed = true
@@ -136,7 +138,10 @@ for _ = 1, requests do
       if w.live ~= nil then w.live[w.cur] = (w.live[w.cur] or 0) + h.hits end
       w.total = w.total + h.hits
       if w.first == nil then w.first = w.cur end
-      w.changed, w.committed = true, true
+      w.changed = true
+      if w.newest == nil or w.newest < w.cur then
+        w.newest, w.extend = w.cur, true  -- a new slice: the key must outlive it
+      end
     end
   end
   for i = 1, n do
@@ -166,8 +171,12 @@ for _, w in pairs(windows) do
     if w.first == nil then
       redis.call('DEL', w.key)  -- every slice expired: nothing left to keep
     else
-      redis.call('HSET', w.key, 'n', w.total, 'o', w.first)
-      if w.committed then
+      if w.newest == nil then
+        redis.call('HSET', w.key, 'n', w.total, 'o', w.first)
+      else
+        redis.call('HSET', w.key, 'n', w.total, 'o', w.first, 'c', w.newest)
+      end
+      if w.extend then
         redis.call('PEXPIRE', w.key, math.ceil((w.window + 2 * w.width) / 1000))
       end
     end
