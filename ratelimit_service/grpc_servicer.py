@@ -101,8 +101,9 @@ class RateLimitServicer:
         stats.total_requests += 1
         try:
             config = self.limiter.config
-            if config is not self._bytes_for:  # a reload: rebuild the prebuilt limits
-                self._limit_bytes.install(config)
+            if config is not self._bytes_for:  # a reload: rebuild the prebuilt limits,
+                self._limit_bytes.install(config)  # and forget requests planned under the
+                self._requests.clear()  # old config (their plans would keep it alive)
                 self._bytes_for = config
             response = await self.limiter.should_rate_limit(self._requests.get(raw))
             headers = None

@@ -49,6 +49,19 @@ MATCH_CACHE_SIZE = 10_000
 _MISSING = object()
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A validated request's matches under one config: what stays the same each time
+    the same request comes back (see Request.plan)."""
+
+    limiter: RateLimiter
+    config: RateLimitConfig
+    domain_found: bool
+    steps: tuple[tuple[int, RateLimit, Match, int], ...]
+    """(descriptor index, limit, match, hits) of each descriptor with a finite limit."""
+    unlimited: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class _Pending:
     """A descriptor with a limit, on its way through the decision."""
@@ -96,6 +109,21 @@ class RateLimiter:
         self._matches = {}
 
     async def should_rate_limit(self, request: Request) -> Response:
+        plan = request.plan
+        if not (isinstance(plan, _Plan) and plan.config is self.config and plan.limiter is self):
+            plan = self._plan(request)
+        statuses = [DescriptorStatus(Code.OK) for _ in request.descriptors]
+        if not plan.domain_found:
+            self.stats.count_domain_not_found(request.domain)
+            return Response(Code.OK, statuses)
+        for index in plan.unlimited:
+            statuses[index].remaining = UINT32_MAX
+        pending = [_Pending(*step) for step in plan.steps]
+        if pending:
+            await self._decide(pending, statuses)
+        return self._finish(statuses, pending)
+
+    def _plan(self, request: Request) -> _Plan:
         try:
             validate(request, self.bounds)
         except ValueError:
@@ -103,25 +131,23 @@ class RateLimiter:
             raise
         config = self.config
         domain = config.domains.get(request.domain)
-        statuses = [DescriptorStatus(Code.OK) for _ in request.descriptors]
-        if domain is None:
-            self.stats.count_domain_not_found(request.domain)
-            return Response(Code.OK, statuses)
-        matches = [self._match(domain, d) for d in request.descriptors]
-        limits = [m.limit if m is not None else None for m in matches]
-        drop_replaced(limits)
-        pending: list[_Pending] = []
-        for index, descriptor in enumerate(request.descriptors):
-            limit, match = limits[index], matches[index]
-            if limit is None or match is None:
-                continue
-            if limit.unlimited:
-                statuses[index].remaining = UINT32_MAX
-                continue
-            pending.append(_Pending(index, limit, match, hits_for(descriptor, request.hits_addend)))
-        if pending:
-            await self._decide(pending, statuses)
-        return self._finish(statuses, pending)
+        steps: list[tuple[int, RateLimit, Match, int]] = []
+        unlimited: list[int] = []
+        if domain is not None:
+            matches = [self._match(domain, d) for d in request.descriptors]
+            limits = [m.limit if m is not None else None for m in matches]
+            drop_replaced(limits)
+            for index, descriptor in enumerate(request.descriptors):
+                limit, match = limits[index], matches[index]
+                if limit is None or match is None:
+                    continue
+                if limit.unlimited:
+                    unlimited.append(index)
+                    continue
+                steps.append((index, limit, match, hits_for(descriptor, request.hits_addend)))
+        plan = _Plan(self, config, domain is not None, tuple(steps), tuple(unlimited))
+        request.plan = plan
+        return plan
 
     def _match(self, domain: DomainConfig, descriptor: Descriptor) -> Match | None:
         if descriptor.override is None:

@@ -137,6 +137,9 @@ class RequestCache:
         self._convert = convert
         self._kept: dict[bytes, Request] = {}
 
+    def clear(self) -> None:
+        self._kept.clear()
+
     def get(self, raw: bytes) -> Request:
         request = self._kept.get(raw)
         if request is not None:

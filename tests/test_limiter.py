@@ -546,6 +546,32 @@ async def test_reload_keeps_probabilistic_counts() -> None:
     assert (bucket.limit, bucket.admitted) == (4, 3)
 
 
+async def test_a_reused_request_follows_a_reload() -> None:
+    """The servicer passes the same Request object for equal bytes, and the limiter
+    keeps its matches on it: a reload must still apply to it at once."""
+    h = Harness()
+    request = Request("d", [_parse("prob=1")])
+    first = await h.limiter.should_rate_limit(request)
+    assert first.statuses[0].limit is not None
+    assert first.statuses[0].limit.requests_per_unit == 3
+    h.limiter.swap_config(config(CONFIG.replace("requests_per_unit: 3}", "requests_per_unit: 4}")))
+    again = await h.limiter.should_rate_limit(request)
+    assert again.statuses[0].limit is not None
+    assert again.statuses[0].limit.requests_per_unit == 4
+    h.limiter.swap_config(config(CONFIG.replace("prob", "renamed")))
+    unmatched = await h.limiter.should_rate_limit(request)
+    assert unmatched.statuses[0].limit is None
+
+
+async def test_an_invalid_request_stays_invalid_when_reused() -> None:
+    h = Harness()
+    request = Request("d", [Descriptor(())])
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="descriptor 0 has no entries"):
+            await h.limiter.should_rate_limit(request)
+    assert h.stats.service_error == 2
+
+
 async def test_default_draws_follow_each_buckets_sequence() -> None:
     """Without an injected draw, a bucket at ratio 0.5 admits every other request
     or so: 50 of 100 to within 2, where random draws land outside 48..52 more often

@@ -36,6 +36,9 @@ class Request:
     domain: str
     descriptors: list[Descriptor]
     hits_addend: int = 0
+    plan: object = field(default=None, compare=False, repr=False)
+    """What the limiter worked out for this request under one config (validation,
+    matching), kept here because the servicer reuses a request for equal bytes."""
 
 
 @dataclass(slots=True)
