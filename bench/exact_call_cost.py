@@ -66,7 +66,8 @@ async def main(url: str) -> None:
     await store.close()
 
 
-if __name__ == "__main__":
+def run_against_redis(main: Callable[[str], Awaitable[None]]) -> None:
+    """Run ``main(url)`` on uvloop against a redis-server started on a free port."""
     with tempfile.TemporaryDirectory() as directory:
         server = RedisServer(Path(directory))
         server.start()
@@ -74,3 +75,7 @@ if __name__ == "__main__":
             uvloop.run(main(server.url))
         finally:
             server.stop()
+
+
+if __name__ == "__main__":
+    run_against_redis(main)

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-import uvloop
+from exact_call_cost import run_against_redis
 from grpc_body import framed
 from throughput import CONFIG
 
@@ -31,7 +29,6 @@ from ratelimit_service.limiter import RateLimiter
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.redis import RedisServer
 
 CALLS = 40_000
 CALLERS = 16
@@ -77,10 +74,4 @@ async def main(redis_url: str) -> None:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as directory:
-        server = RedisServer(Path(directory))
-        server.start()
-        try:
-            uvloop.run(main(server.url))
-        finally:
-            server.stop()
+    run_against_redis(main)
