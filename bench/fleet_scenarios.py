@@ -36,6 +36,7 @@ from ratelimit_service.testing.fleet import (
 from ratelimit_service.testing.redis import RedisServer
 
 SKEW = [0.4, 0.3, 0.2, 0.1]
+SCENARIOS = ("overload", "under", "step", "exact", "outage")
 
 
 def run(
@@ -104,71 +105,83 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--limit", type=int, default=400)
     parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument(
+        "--only", default=",".join(SCENARIOS), help="comma-separated scenarios to run"
+    )
     args = parser.parse_args()
+    unknown = set(args.only.split(",")) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: {SCENARIOS}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     limit, seconds, nodes = args.limit, args.seconds, args.nodes
     lines = ["| scenario | target | measured |", "|---|---|---|"]
 
-    print("overload ...", flush=True)
-    t = run("overload", "probabilistic", limit, lambda _: 2 * limit, seconds, nodes, out)
-    offered, admitted = window_rate(t, 3, seconds)
-    per_bucket = [r[2] / t.bucket / limit for r in t.rows() if r[0] >= 3]
-    lines.append(
-        f"| overload 2x, {nodes} nodes, skewed | admitted within +-5% of {limit}/s | "
-        f"{admitted:.1f}/s = {admitted / limit:.3f}x (offered {offered:.0f}/s; per 250 ms: "
-        f"sd {statistics.pstdev(per_bucket):.3f}x), errors {t.errors} |"
-    )
+    if "overload" in args.only.split(","):
+        print("overload ...", flush=True)
+        t = run("overload", "probabilistic", limit, lambda _: 2 * limit, seconds, nodes, out)
+        offered, admitted = window_rate(t, 3, seconds)
+        per_bucket = [r[2] / t.bucket / limit for r in t.rows() if r[0] >= 3]
+        lines.append(
+            f"| overload 2x, {nodes} nodes, skewed | admitted within +-5% of {limit}/s | "
+            f"{admitted:.1f}/s = {admitted / limit:.3f}x (offered {offered:.0f}/s; per 250 ms: "
+            f"sd {statistics.pstdev(per_bucket):.3f}x), errors {t.errors} |"
+        )
 
-    print("under ...", flush=True)
-    t = run("under", "probabilistic", limit, lambda _: 0.7 * limit, seconds, nodes, out)
-    offered, admitted = window_rate(t, 0, seconds)
-    lines.append(
-        f"| 0.7x the limit | >= 99.5% admitted | {100 * admitted / offered:.2f}% admitted |"
-    )
+    if "under" in args.only.split(","):
+        print("under ...", flush=True)
+        t = run("under", "probabilistic", limit, lambda _: 0.7 * limit, seconds, nodes, out)
+        offered, admitted = window_rate(t, 0, seconds)
+        lines.append(
+            f"| 0.7x the limit | >= 99.5% admitted | {100 * admitted / offered:.2f}% admitted |"
+        )
 
-    print("step ...", flush=True)
-    step_at = seconds / 2
-    t = run(
-        "step",
-        "probabilistic",
-        limit,
-        lambda s: 0.5 * limit if s < step_at else 3 * limit,
-        seconds,
-        nodes,
-        out,
-    )
-    reaction = reaction_time(t, step_at, limit, 0.10)
-    _, after = window_rate(t, step_at + 2, seconds)
-    lines.append(
-        f"| step 0.5x -> 3x | within +-10% in <= 1 s | {reaction:.2f} s "
-        f"(then {after / limit:.3f}x) |"
-    )
+    if "step" in args.only.split(","):
+        print("step ...", flush=True)
+        step_at = seconds / 2
+        t = run(
+            "step",
+            "probabilistic",
+            limit,
+            lambda s: 0.5 * limit if s < step_at else 3 * limit,
+            seconds,
+            nodes,
+            out,
+        )
+        reaction = reaction_time(t, step_at, limit, 0.10)
+        _, after = window_rate(t, step_at + 2, seconds)
+        lines.append(
+            f"| step 0.5x -> 3x | within +-10% in <= 1 s | {reaction:.2f} s "
+            f"(then {after / limit:.3f}x) |"
+        )
 
-    print("exact ...", flush=True)
-    t = run("exact", "exact", limit, lambda _: 2 * limit, seconds, nodes, out)
-    _, admitted = window_rate(t, 2, seconds)
-    lines.append(
-        f"| exact, 2x the limit | never over the limit in any 1 s window | max in any 1 s "
-        f"window: {max_in_any_window(t)} (limit {limit}); mean {admitted:.1f}/s; "
-        f"p99 latency {p99(t.latencies) * 1000:.2f} ms |"
-    )
+    if "exact" in args.only.split(","):
+        print("exact ...", flush=True)
+        t = run("exact", "exact", limit, lambda _: 2 * limit, seconds, nodes, out)
+        _, admitted = window_rate(t, 2, seconds)
+        lines.append(
+            f"| exact, 2x the limit | never over the limit in any 1 s window | max in any 1 s "
+            f"window: {max_in_any_window(t)} (limit {limit}); mean {admitted:.1f}/s; "
+            f"p99 latency {p99(t.latencies) * 1000:.2f} ms |"
+        )
 
-    print("outage ...", flush=True)
+    if "outage" in args.only.split(","):
+        print("outage ...", flush=True)
 
-    async def freeze(redis: RedisServer) -> None:
-        await asyncio.sleep(seconds / 3)
-        redis.pause()
-        await asyncio.sleep(3)
-        redis.resume()
+        async def freeze(redis: RedisServer) -> None:
+            await asyncio.sleep(seconds / 3)
+            redis.pause()
+            await asyncio.sleep(3)
+            redis.resume()
 
-    started = time.monotonic()
-    t = run("outage", "probabilistic", limit, lambda _: 2 * limit, seconds, nodes, out, freeze)
-    lines.append(
-        f"| Redis SIGSTOPped 3 s, probabilistic | 0 errors, no latency spike | errors "
-        f"{t.errors}, p99 latency {p99(t.latencies) * 1000:.2f} ms over the run "
-        f"({time.monotonic() - started:.0f} s) |"
-    )
+        started = time.monotonic()
+        t = run("outage", "probabilistic", limit, lambda _: 2 * limit, seconds, nodes, out, freeze)
+        lines.append(
+            f"| Redis SIGSTOPped 3 s, probabilistic | 0 errors, no latency spike | errors "
+            f"{t.errors}, p99 latency {p99(t.latencies) * 1000:.2f} ms over the run "
+            f"({time.monotonic() - started:.0f} s) |"
+        )
+
     print("\n".join(lines))
 
 

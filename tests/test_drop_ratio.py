@@ -1,8 +1,9 @@
 """Probabilistic mode: the controller's math, the local buckets, and a closed-loop simulation.
 
-The fleet state of a probabilistic bucket is a token bucket (capacity ``limit``, refilled
-at ``limit / T``); each sync hands the fleet the budget
-``TOKEN_SPEND * tokens + limit * interval / T`` (half the stored tokens per interval).
+The fleet state of a probabilistic bucket is a token bucket (capacity: the limit less
+half a second of refill; refilled at ``limit / T``); each sync hands the fleet the budget
+``TOKEN_SPEND * tokens + limit * interval / T`` (half the stored tokens per interval) and
+aims the ratio ``RATIO_SLACK`` above it, so the credit does the limiting.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from ratelimit_service.core.drop_ratio import (
+    RATIO_SLACK,
     FleetView,
     SyncResult,
     control,
+    capacity,
+    fleet_estimate,
     initial_credit,
     refill,
     smoothed_rate,
@@ -41,7 +45,9 @@ from ratelimit_service.storage.embedded import EmbeddedStore
 def test_steady_state_ratio_is_seed_formula(
     limit: int, window: int, interval: float, offered_rate: float
 ) -> None:
-    """Sustained overload empties the bucket: the budget is one interval's refill."""
+    """Sustained overload empties the bucket: the budget is one interval's refill, which
+    the credit enforces; the ratio is the seed's formula for a limit RATIO_SLACK higher
+    (it only spreads the admissions over the interval)."""
     result = control(
         limit=limit,
         window_seconds=window,
@@ -50,8 +56,8 @@ def test_steady_state_ratio_is_seed_formula(
         local_rate=offered_rate,
         interval=interval,
     )
-    seed = (offered_rate - limit / window) / offered_rate
-    assert result.ratio == pytest.approx(seed)
+    aimed = (1 + RATIO_SLACK) * limit / window
+    assert result.ratio == pytest.approx(max(0.0, (offered_rate - aimed) / offered_rate))
     assert result.credit == pytest.approx(limit * interval / window)
 
 
@@ -85,7 +91,7 @@ def test_full_bucket_budget_is_half_the_tokens_plus_refill() -> None:
         local_rate=1000.0,
         interval=0.25,
     )
-    assert result.ratio == pytest.approx(0.7)
+    assert result.ratio == pytest.approx(1 - 75.0 * (1 + RATIO_SLACK) / 250.0)
     assert result.credit == pytest.approx(75.0)
 
 
@@ -116,6 +122,13 @@ def test_credit_split_by_local_share(
     assert result.credit == pytest.approx(42.5 * share)  # 0.5 * 35 + 25
 
 
+def test_debt_is_repaid_half_per_interval() -> None:
+    result = control(
+        limit=100, window_seconds=1, tokens=-20.0, fleet_rate=0.0, local_rate=0.0, interval=0.25
+    )
+    assert result.credit == pytest.approx(15.0)  # 25 refilled, 10 repaid
+
+
 def test_debt_gives_no_budget() -> None:
     result = control(
         limit=100, window_seconds=1, tokens=-50.0, fleet_rate=50.0, local_rate=50.0, interval=0.25
@@ -133,7 +146,8 @@ def test_debt_gives_no_budget() -> None:
     [
         (0.0, 0.5, 100, 1, 50.0),
         (0.0, 30.0, 5, 60, 2.5),
-        (90.0, 1.0, 100, 1, 100.0),  # capped at the limit
+        (40.0, 1.0, 100, 1, 50.0),  # capped at the capacity: half a per-second limit
+        (0.0, 600.0, 600, 60, 595.0),  # a per-minute limit less half a second of refill
         (-100.0, 0.25, 100, 1, -75.0),
         (10.0, -5.0, 100, 1, 10.0),  # the clock went back: no refill, no drain
         (10.0, 0.0, 100, 1, 10.0),
@@ -157,9 +171,40 @@ def test_take(tokens: float, admitted: int, limit: int, expected: float) -> None
 
 
 def test_initial_credit() -> None:
-    assert initial_credit(100, 4) == 25.0
-    assert initial_credit(100, 1) == 100.0
-    assert initial_credit(100, 0) == 100.0
+    """An equal share of a full bucket."""
+    assert initial_credit(100, 1, 4) == 12.5
+    assert initial_credit(100, 60, 1) == 100.0
+    assert initial_credit(100, 1, 0) == 50.0
+
+
+@pytest.mark.parametrize(
+    ("limit", "window", "expected"),
+    [
+        (100, 1, 50.0),  # half a second of refill is half the limit
+        (1, 1, 1.0),  # rounded up to a whole hit
+        (5, 60, 5.0),  # 5 per minute still allows 5 at once
+        (6000, 60, 5950.0),
+        (3600, 3600, 3600.0),
+    ],
+)
+def test_capacity(limit: int, window: int, expected: float) -> None:
+    assert capacity(limit, window) == expected
+
+
+@pytest.mark.parametrize(
+    ("fleet", "local", "before", "expected"),
+    [
+        (1000.0, 100.0, None, 1000.0),  # no history: as measured
+        (1000.0, 100.0, 100.0, 1000.0),  # steady
+        (1000.0, 100.0, 200.0, 1000.0),  # falling: as measured (no correction)
+        (100.0, 300.0, 100.0, 300.0),  # never below this node's own rate
+        # this node rose 50 -> 150 (3x; 1.5x its two-interval average): the others'
+        # 300 are scaled by 1.5 as well
+        (450.0, 150.0, 50.0, 600.0),
+    ],
+)
+def test_fleet_estimate(fleet: float, local: float, before: float | None, expected: float) -> None:
+    assert fleet_estimate(fleet, local, before) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -199,20 +244,20 @@ async def test_embedded_store_sync_is_a_token_bucket() -> None:
     report = BucketReport("k", limit=100, window_seconds=1, offered=80, admitted=60)
     result = await store.sync([report], 0.25)
     assert result.nodes == 1
-    assert result.views == [FleetView(tokens=40.0, offered_total=80)]
-    clock[0] = 100.25  # refilled by 25, then 70 taken
-    report = BucketReport("k", limit=100, window_seconds=1, offered=90, admitted=70)
+    assert result.views == [FleetView(tokens=-10.0, offered_total=80)]  # 50 stored
+    clock[0] = 100.25  # refilled by 25, then 10 taken
+    report = BucketReport("k", limit=100, window_seconds=1, offered=90, admitted=10)
     (view,) = (await store.sync([report], 0.25)).views
-    assert view.tokens == pytest.approx(-5.0)
+    assert view.tokens == pytest.approx(5.0)
     assert view.offered_total == 170
-    clock[0] = 110.0  # long idle: full again, never above the limit
+    clock[0] = 110.0  # long idle: full again, never above the capacity
     report = BucketReport("k", limit=100, window_seconds=1, offered=0, admitted=0)
     (view,) = (await store.sync([report], 0.25)).views
-    assert view.tokens == pytest.approx(100.0)
+    assert view.tokens == pytest.approx(50.0)
     # another window length is another bucket
     other = BucketReport("k", limit=100, window_seconds=60, offered=1, admitted=1)
     (view,) = (await store.sync([other], 0.25)).views
-    assert (view.tokens, view.offered_total) == (99.0, 1)
+    assert (view.tokens, view.offered_total) == (99.0, 1)  # capacity 100 (ceil of 99.17)
     assert store.stats()["fleet_keys"] == 2
     assert (await store.sync([], 0.25)).views == []
 
@@ -358,12 +403,12 @@ def test_apply_sets_ratio_credit_and_tokens() -> None:
     local.take_reports(now=0.25, interval=0.25)  # local rate 200/s
     local.apply("k", FleetView(tokens=0.0, offered_total=50), now=0.25, interval=0.25)
     assert bucket.fleet_rate == pytest.approx(200.0)  # first sync: the local estimate
-    assert bucket.ratio == pytest.approx(0.5)  # budget 25 for 50 expected
+    assert bucket.ratio == pytest.approx(0.25)  # budget 25 for 50 expected, aimed at 37.5
     assert bucket.credit == pytest.approx(25.0)
     assert bucket.tokens == 0.0
     assert bucket.remaining() == 0
-    # an empty bucket of 100/s is full again 1 s after the sync
-    assert bucket.reset_estimate(0.35) == pytest.approx(0.9)
+    # an empty bucket of 100/s is full again (50 stored) 0.5 s after the sync
+    assert bucket.reset_estimate(0.35) == pytest.approx(0.4)
     assert bucket.reset_estimate(5.0) == 0.0
     # the next sync measures the fleet rate from offered_total
     for _ in range(25):
@@ -376,7 +421,7 @@ def test_apply_sets_ratio_credit_and_tokens() -> None:
     # fleet 400/s, local smoothed 150/s: the credit is this node's share of the budget
     assert bucket.local_rate == pytest.approx(150.0)
     assert bucket.credit == pytest.approx(25.0 * 150.0 / 400.0)
-    assert bucket.ratio == pytest.approx(1.0 - 25.0 / 100.0)
+    assert bucket.ratio == pytest.approx(1.0 - 25.0 * (1 + RATIO_SLACK) / 100.0)
 
 
 def test_remaining_and_reset_estimate_use_tokens() -> None:
@@ -410,9 +455,10 @@ def test_apply_subtracts_hits_admitted_during_the_sync() -> None:
     local.take_reports(now=0.25, interval=0.25)
     for _ in range(3):  # admitted after the report was taken, before the view came back
         LocalBuckets.decide(bucket, 1, 0.9)
-    local.apply("k", FleetView(tokens=-15.0, offered_total=1), now=0.26, interval=0.25)
+    # budget 25 - 30 / 2 = 10 (a debt is repaid half per interval), less the 3 in flight
+    local.apply("k", FleetView(tokens=-30.0, offered_total=1), now=0.26, interval=0.25)
     assert bucket.credit == pytest.approx(10.0 - 3.0)
-    local.apply("k", FleetView(tokens=-24.0, offered_total=1), now=0.27, interval=0.25)
+    local.apply("k", FleetView(tokens=-48.0, offered_total=1), now=0.27, interval=0.25)
     assert bucket.credit == 0.0  # never negative
 
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from ratelimit_service.core.drop_ratio import (
     FleetView,
     SyncResult,
+    capacity,
     control,
+    fleet_estimate,
     initial_credit,
     smoothed_rate,
 )
@@ -36,6 +38,7 @@ class ProbabilisticBucket:
         "last_report",
         "last_used",
         "limit",
+        "local_before",
         "local_rate",
         "offered",
         "offered_total_seen",
@@ -54,7 +57,7 @@ class ProbabilisticBucket:
         self.limit = limit
         self.window_seconds = window_seconds
         self.ratio = 0.0
-        self.credit = initial_credit(limit, nodes)
+        self.credit = initial_credit(limit, window_seconds, nodes)
         self.grant = self.credit
         """The credit of the last sync, renewed each interval while the store is away."""
         self.offered = 0
@@ -62,7 +65,9 @@ class ProbabilisticBucket:
         self.offered_total_seen: int | None = None
         self.fleet_rate: float | None = None
         self.local_rate: float | None = None
-        self.tokens = float(limit)
+        self.local_before: float | None = None
+        """The local rate one sync earlier (see :func:`fleet_estimate`)."""
+        self.tokens = capacity(limit, window_seconds)
         self.synced_at = now
         self.last_report = now
         self.last_used = now
@@ -92,7 +97,7 @@ class ProbabilisticBucket:
 
     def reset_estimate(self, now: float) -> float:
         """Seconds until the bucket would be full again with no more traffic."""
-        missing = self.limit - self.tokens + self.admitted
+        missing = capacity(self.limit, self.window_seconds) - self.tokens + self.admitted
         if missing <= 0 or self.limit == 0:
             return 0.0
         refill_time = missing * self.window_seconds / self.limit
@@ -190,6 +195,7 @@ class LocalBuckets:
             # show an absurd rate, and the fast-attack estimate would believe it.
             elapsed = max(now - bucket.last_report, interval)
             measured = bucket.offered / elapsed
+            bucket.local_before = bucket.local_rate
             bucket.local_rate = smoothed_rate(bucket.local_rate, measured, self.decay)
             reports.append(
                 BucketReport(
@@ -263,7 +269,7 @@ class LocalBuckets:
             limit=bucket.limit,
             window_seconds=bucket.window_seconds,
             tokens=view.tokens,
-            fleet_rate=max(bucket.fleet_rate, local_rate),
+            fleet_rate=fleet_estimate(bucket.fleet_rate, local_rate, bucket.local_before),
             local_rate=local_rate,
             interval=interval,
             nodes=self.nodes,

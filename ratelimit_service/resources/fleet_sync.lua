@@ -1,7 +1,8 @@
 -- fleet_sync.lua: fold one process's probabilistic counts into the fleet totals.
 --
 -- Each bucket is a hash with the fleet token bucket (same arithmetic as
--- core/drop_ratio.py refill/take): 'tk' tokens, 'ts' when they were last updated
+-- core/drop_ratio.py refill/take; the capacity comes from drop_ratio.capacity, which
+-- is less than the limit): 'tk' tokens, 'ts' when they were last updated
 -- (microseconds), 'o' the monotonic count of offered hits. A sorted set of node ids
 -- scored by last sync time gives the number of live nodes.
 --
@@ -10,7 +11,8 @@
 -- KEYS      with a heartbeat, KEYS[1] is the node registry (sorted set); the other keys
 --           are the fleet hashes of the buckets, in order
 -- ARGV[2]   node time-to-live in microseconds (a node silent longer is not counted)
--- ARGV[3 + 4*(i-1) ...] for bucket i: window_us, limit, admitted delta, offered delta
+-- ARGV[3 + 5*(i-1) ...] for bucket i: window_us, limit, capacity, admitted delta,
+--           offered delta
 -- Returns   {live nodes (-1 without heartbeat), then 2 integers per bucket:
 --            tokens in thousandths, offered total}
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
@@ -31,21 +33,22 @@ end
 
 for i = 1, #KEYS - first + 1 do
   local key = KEYS[first + i - 1]
-  local base = 3 + 4 * (i - 1)
+  local base = 3 + 5 * (i - 1)
   local window = tonumber(ARGV[base])
   local limit = tonumber(ARGV[base + 1])
-  local admitted = tonumber(ARGV[base + 2])
-  local offered = tonumber(ARGV[base + 3])
+  local capacity = tonumber(ARGV[base + 2])
+  local admitted = tonumber(ARGV[base + 3])
+  local offered = tonumber(ARGV[base + 4])
   local state = redis.call('HMGET', key, 'tk', 'ts')
   local tokens = tonumber(state[1])
   local stamp = tonumber(state[2])
   if tokens == nil or stamp == nil then
-    tokens = limit
+    tokens = capacity
   else
     local elapsed = now - stamp
     if elapsed < 0 then elapsed = 0 end
     tokens = tokens + elapsed * limit / window
-    if tokens > limit then tokens = limit end
+    if tokens > capacity then tokens = capacity end
   end
   tokens = tokens - admitted
   if tokens < -limit then tokens = -limit end

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from ratelimit_service.core.drop_ratio import FleetView, SyncResult, refill, take
+from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity, refill, take
 from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.lru import LruMap
@@ -25,7 +25,7 @@ class _FleetBucket:
     def __init__(self, report: BucketReport, now: float) -> None:
         self.limit = report.limit
         self.window_seconds = report.window_seconds
-        self.tokens = float(report.limit)
+        self.tokens = capacity(report.limit, report.window_seconds)
         self.offered_total = 0
         self.touched = now
 

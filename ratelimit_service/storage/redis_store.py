@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from redis.crc import key_slot
 from redis.exceptions import RedisError
 
-from ratelimit_service.core.drop_ratio import FleetView, SyncResult
+from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity
 from ratelimit_service.core.exact import ExactHit, ExactResult, request_denied
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.window import DEFAULT_SLICES
@@ -204,6 +204,7 @@ class RedisStore:
             args += (
                 report.window_seconds * 1_000_000,
                 report.limit,
+                int(capacity(report.limit, report.window_seconds)),
                 report.admitted,
                 report.offered,
             )
