@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 TOKEN_SPEND = 0.5
 """Share of the stored tokens (or of a debt) the fleet may spend (repay) in one
-interval. Each node sees the others' admissions up to one interval late, so handing out all the tokens at once
-lets a burst overshoot them and the debt then starves the bucket; spending half per
-interval (a geometric drain) cut the undershoot after a 0.5x -> 3x step from 0.31x to
-0.76x of the limit in the fleet simulation, for a burst spread over a few intervals."""
+interval. Each node sees the others' admissions up to one interval late, so handing
+out all the tokens at once lets a burst overshoot them and the debt then starves the
+bucket; spending half per interval (a geometric drain) cut the undershoot after a
+0.5x -> 3x step from 0.31x to 0.76x of the limit in the fleet simulation."""
 
 
 BURST_HOLD = 0.5
