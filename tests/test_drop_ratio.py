@@ -634,9 +634,10 @@ def count_between(times: list[float], start: float, end: float) -> int:
 
 
 def token_bucket_bound(limit: int, window: float, length: float) -> float:
-    """The most a token bucket (capacity limit, refill limit/T) admits in ``length``
-    seconds, when each sync hands out one interval's refill in advance."""
-    return limit + limit * (length + INTERVAL) / window
+    """The most the fleet token bucket (refill limit/T) admits in ``length`` seconds:
+    its capacity, plus the refill, plus one interval's refill a sync hands out in
+    advance."""
+    return capacity(limit, window) + limit * (length + INTERVAL) / window
 
 
 PATTERNS = ["poisson", "even"]
