@@ -16,7 +16,6 @@ objects themselves are a visible share of the CPU:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +66,8 @@ _SMALL = tuple(bytes([value]) for value in range(0x80))
 def _varint(value: int) -> bytes:
     if value < 0x80:
         return _SMALL[value]
+    if value < 0x4000:
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -119,14 +120,34 @@ def _status(status: DescriptorStatus, limit_bytes_of: Callable[[RateLimit], byte
     if limit is None:
         return code + tail
     reset = status.reset_after or 0.0
-    seconds = math.floor(reset)
-    nanos = int((reset - seconds) * 1e9)
-    duration = b""
+    # Whole milliseconds, rounded up (a client that waits that long finds room):
+    # the same few thousand values recur, so their bytes are kept.
+    millis = int(reset * 1000.0)
+    if millis < reset * 1000.0:
+        millis += 1
+    duration = _DURATIONS.get(millis)
+    if duration is None:
+        duration = _duration_field(millis)
+    return code + limit_bytes_of(limit) + tail + duration
+
+
+_DURATIONS: dict[int, bytes] = {}
+MAX_CACHED_DURATIONS = 65_536
+
+
+def _duration_field(millis: int) -> bytes:
+    """The whole ``duration_until_reset`` field for ``millis``, kept for reuse."""
+    seconds, rest = divmod(millis, 1000)
+    payload = b""
     if seconds:
-        duration = _SECONDS + _varint(seconds)
-    if nanos:
-        duration += _NANOS + _varint(nanos)
-    return code + limit_bytes_of(limit) + tail + _RESET + _SMALL[len(duration)] + duration
+        payload = _SECONDS + _varint(seconds)
+    if rest:
+        payload += _NANOS + _varint(rest * 1_000_000)
+    field = _RESET + _SMALL[len(payload)] + payload
+    if len(_DURATIONS) >= MAX_CACHED_DURATIONS:
+        _DURATIONS.clear()
+    _DURATIONS[millis] = field
+    return field
 
 
 class RequestCache:

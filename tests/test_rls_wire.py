@@ -3,6 +3,7 @@ protobuf runtime (and, for malformed bytes, through a real gRPC server)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import grpc
@@ -37,9 +38,9 @@ def reference(response: Response, headers: list[tuple[str, str]]) -> rls_pb2.Rat
             out.current_limit.name = limit.name
             out.current_limit.requests_per_unit = limit.requests_per_unit
             out.current_limit.unit = int(limit.unit)
-            reset = status.reset_after or 0.0
-            out.duration_until_reset.seconds = int(reset)
-            out.duration_until_reset.nanos = int((reset - int(reset)) * 1e9)
+            millis = math.ceil((status.reset_after or 0.0) * 1000)  # whole ms, rounded up
+            out.duration_until_reset.seconds = millis // 1000
+            out.duration_until_reset.nanos = millis % 1000 * 1_000_000
     for key, value in headers:
         message.response_headers_to_add.append(base_pb2.HeaderValue(key=key, value=value))
     return message
@@ -59,7 +60,9 @@ def random_response(rng: random.Random) -> tuple[Response, list[tuple[str, str]]
                 code=rng.choice(list(Code)),
                 limit=limit,
                 remaining=rng.choice([0, 1, 127, 128, 16383, 16384, UINT32_MAX, UINT32_MAX + 5]),
-                reset_after=rng.choice([None, 0.0, 0.5, 1.0, 59.999999, 3600.25, 86400 * 400.0]),
+                reset_after=rng.choice(
+                    [None, 0.0, 0.0004, 0.5, 1.0, 1.0001, 59.999999, 3600.25, 86400 * 400.0]
+                ),
             )
         )
     headers = [(f"h{i}", rng.choice(["", "1", "ä" * 200])) for i in range(rng.randint(0, 3))]

@@ -31,6 +31,7 @@ class ProbabilisticBucket:
 
     __slots__ = (
         "admitted",
+        "capacity",
         "credit",
         "fleet_rate",
         "grant",
@@ -56,6 +57,8 @@ class ProbabilisticBucket:
         """Stats key of the rule that owns the bucket (for per-rule metrics)."""
         self.limit = limit
         self.window_seconds = window_seconds
+        self.capacity = capacity(limit, window_seconds)
+        """What the fleet bucket holds when full (kept: the request path reads it)."""
         self.ratio = 0.0
         self.credit = initial_credit(limit, window_seconds, nodes)
         self.grant = self.credit
@@ -67,7 +70,7 @@ class ProbabilisticBucket:
         self.local_rate: float | None = None
         self.local_before: float | None = None
         """The local rate one sync earlier (see :func:`fleet_estimate`)."""
-        self.tokens = capacity(limit, window_seconds)
+        self.tokens = self.capacity
         self.synced_at = now
         self.last_report = now
         self.last_used = now
@@ -97,7 +100,7 @@ class ProbabilisticBucket:
 
     def reset_estimate(self, now: float) -> float:
         """Seconds until the bucket would be full again with no more traffic."""
-        missing = capacity(self.limit, self.window_seconds) - self.tokens + self.admitted
+        missing = self.capacity - self.tokens + self.admitted
         if missing <= 0 or self.limit == 0:
             return 0.0
         refill_time = missing * self.window_seconds / self.limit
@@ -159,6 +162,7 @@ class LocalBuckets:
             self._buckets.move_to_end(key)
             if bucket.limit != limit:
                 bucket.limit = limit  # a reload changed the limit; keep the counts
+                bucket.capacity = capacity(limit, window_seconds)
         bucket.last_used = now
         return bucket
 
