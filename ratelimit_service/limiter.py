@@ -120,7 +120,11 @@ class RateLimiter:
             statuses[index].remaining = UINT32_MAX
         pending = [_Pending(*step) for step in plan.steps]
         if pending:
-            await self._decide(pending, statuses)
+            # Local decisions run without a coroutine of their own: most requests
+            # never wait, and each coroutine costs the request path about 0.3 µs.
+            exact = self._decide_local(pending, statuses)
+            if exact is not None:
+                await self._decide_exact(*exact, statuses)
         return self._finish(statuses, pending)
 
     def _plan(self, request: Request) -> _Plan:
@@ -175,7 +179,11 @@ class RateLimiter:
         bucket = with_window(override_bucket_key(domain_name, descriptor.entries), limit)
         return Match(limit, key, bucket)
 
-    async def _decide(self, pending: list[_Pending], statuses: list[DescriptorStatus]) -> None:
+    def _decide_local(
+        self, pending: list[_Pending], statuses: list[DescriptorStatus]
+    ) -> tuple[list[_Pending], bool, bool] | None:
+        """Decide the probabilistic descriptors; return the exact ones still to decide,
+        whether to commit them and whether a quota is already met (None: none left)."""
         now = self._clock()
         local = self.local
         exact: list[_Pending] = []
@@ -212,18 +220,19 @@ class RateLimiter:
                 quota_ok = quota_ok or item.admitted
             elif role is HitRole.ENFORCE and not item.admitted:
                 denied = True
-        if exact:
-            exact_quota = any(_role(item.limit) is HitRole.QUOTA for item in exact)
-            if quota_seen and not quota_ok and not exact_quota:
-                denied = True  # every quota descriptor is over: the request is denied
-            await self._decide_exact(exact, statuses, commit=not denied, quota_met=quota_ok)
+        if not exact:
+            return None
+        exact_quota = any(_role(item.limit) is HitRole.QUOTA for item in exact)
+        if quota_seen and not quota_ok and not exact_quota:
+            denied = True  # every quota descriptor is over: the request is denied
+        return exact, not denied, quota_ok
 
     async def _decide_exact(
         self,
         exact: list[_Pending],
-        statuses: list[DescriptorStatus],
         commit: bool,
         quota_met: bool,
+        statuses: list[DescriptorStatus],
     ) -> None:
         """``quota_met``: a probabilistic quota descriptor already lets the request
         through, so exact quota hits can no longer deny it (they still consume)."""
