@@ -49,6 +49,7 @@ def run(
     out: Path,
     during: Callable[[RedisServer], Awaitable[None]] | None = None,
 ) -> Timeline:
+    print(f"{name} ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp, redis_server(Path(tmp)) as redis:
         config = write_config(Path(tmp), limit, "second", mode)
         extra = ["--redis-timeout", "0.05"] if mode == "exact" else []
@@ -109,7 +110,8 @@ def main() -> None:
         "--only", default=",".join(SCENARIOS), help="comma-separated scenarios to run"
     )
     args = parser.parse_args()
-    unknown = set(args.only.split(",")) - set(SCENARIOS)
+    wanted = set(args.only.split(","))
+    unknown = wanted - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: {SCENARIOS}")
     out = Path(args.out)
@@ -117,8 +119,7 @@ def main() -> None:
     limit, seconds, nodes = args.limit, args.seconds, args.nodes
     lines = ["| scenario | target | measured |", "|---|---|---|"]
 
-    if "overload" in args.only.split(","):
-        print("overload ...", flush=True)
+    if "overload" in wanted:
         t = run("overload", "probabilistic", limit, lambda _: 2 * limit, seconds, nodes, out)
         offered, admitted = window_rate(t, 3, seconds)
         per_bucket = [r[2] / t.bucket / limit for r in t.rows() if r[0] >= 3]
@@ -128,16 +129,14 @@ def main() -> None:
             f"sd {statistics.pstdev(per_bucket):.3f}x), errors {t.errors} |"
         )
 
-    if "under" in args.only.split(","):
-        print("under ...", flush=True)
+    if "under" in wanted:
         t = run("under", "probabilistic", limit, lambda _: 0.7 * limit, seconds, nodes, out)
         offered, admitted = window_rate(t, 0, seconds)
         lines.append(
             f"| 0.7x the limit | >= 99.5% admitted | {100 * admitted / offered:.2f}% admitted |"
         )
 
-    if "step" in args.only.split(","):
-        print("step ...", flush=True)
+    if "step" in wanted:
         step_at = seconds / 2
         t = run(
             "step",
@@ -155,8 +154,7 @@ def main() -> None:
             f"(then {after / limit:.3f}x) |"
         )
 
-    if "exact" in args.only.split(","):
-        print("exact ...", flush=True)
+    if "exact" in wanted:
         t = run("exact", "exact", limit, lambda _: 2 * limit, seconds, nodes, out)
         _, admitted = window_rate(t, 2, seconds)
         lines.append(
@@ -165,8 +163,7 @@ def main() -> None:
             f"p99 latency {p99(t.latencies) * 1000:.2f} ms |"
         )
 
-    if "outage" in args.only.split(","):
-        print("outage ...", flush=True)
+    if "outage" in wanted:
 
         async def freeze(redis: RedisServer) -> None:
             await asyncio.sleep(seconds / 3)

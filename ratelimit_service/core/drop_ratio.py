@@ -10,9 +10,10 @@ holding up to :func:`capacity`: the limit less half a second of refill). That gi
   of it for a per-minute one); under sustained overload the bucket is empty, the
   budget is ``limit * interval / T`` and the ratio is the seed's formula. Admissions
   flow smoothly at the limit rate (a sliding window, as in exact mode, instead
-  re-admits a burst each time an old burst leaves the window). No 1 s window of a
-  per-second rule sees more than 1.5x the limit (the Go service's fixed window
-  allows 2x across its edge), and a step in load is back at the limit within a
+  re-admits a burst each time an old burst leaves the window). A 1 s window of a
+  per-second rule sees at most 1.5x the limit, plus the one interval's refill a
+  sync hands out in advance (the Go service's fixed window allows 2x across its
+  edge), and a step in load is back at the limit within a
   second, where a full-limit burst alone would keep it above for half a second.
 * **Burst guard.** A node may admit at most its share of the budget (its *credit*)
   until the next sync, and the stored tokens are spent at most half per interval
