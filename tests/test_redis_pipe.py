@@ -122,3 +122,30 @@ async def test_a_queued_request_waits_no_longer_than_the_timeout(redis_server, m
     finally:
         redis_server.resume()
         await store.close()
+
+
+async def test_calls_in_flight_each_fail_at_their_own_deadline(redis_server) -> None:
+    """One timer serves every call in flight: each must still fail at its own
+    deadline, the older one first, not when the newest one's runs out."""
+    store = RedisStore(redis_server.url, request_timeout=0.3)
+    loop = asyncio.get_running_loop()
+    failed_at: dict[str, float] = {}
+
+    async def timed(name: str) -> None:
+        with pytest.raises(StoreUnavailable, match="no answer"):
+            await store.hit(HIT, True)
+        failed_at[name] = loop.time()
+
+    try:
+        await store.hit(HIT, True)  # connected
+        redis_server.pause()
+        started = loop.time()
+        older = asyncio.ensure_future(timed("older"))
+        await asyncio.sleep(0.15)
+        newer = asyncio.ensure_future(timed("newer"))
+        await asyncio.gather(older, newer)
+        assert 0.25 < failed_at["older"] - started < 0.4
+        assert 0.4 < failed_at["newer"] - started < 0.55
+    finally:
+        redis_server.resume()
+        await store.close()

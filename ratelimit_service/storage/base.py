@@ -7,7 +7,7 @@ process's probabilistic counts into the fleet totals and returns them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
 from ratelimit_service.core.drop_ratio import SyncResult
@@ -22,9 +22,10 @@ class StoreUnavailable(Exception):
 class Store(Protocol):
     name: str
 
-    async def hit(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
+    def hit(self, hits: Sequence[ExactHit], commit: bool) -> Awaitable[list[ExactResult]]:
         """Decide ``hits`` (index-aligned results); consume only if ``commit`` and the
-        request is not denied."""
+        request is not denied. Any awaitable will do (an ``async def``, or a future
+        a store resolves itself: no coroutine layer on the request path)."""
         ...
 
     async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:

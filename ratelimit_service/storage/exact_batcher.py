@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ratelimit_service.core.exact import ExactHit, ExactResult
@@ -38,12 +39,13 @@ batch goes out at once, even while another call is in flight."""
 class Channel(Protocol):
     """How the batcher reaches Redis (implemented by the Redis store)."""
 
-    def start(self, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
-        """Send one script call now; a future of its flat reply (never raises)."""
+    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
+        """Send one script call now; ``deliver`` gets its flat reply, or the exception
+        it failed with, exactly once (perhaps before ``start`` returns)."""
         ...
 
-    def settle(self, reply: asyncio.Future[Any]) -> Any:
-        """The finished reply's value, after accounting; or raise StoreUnavailable."""
+    def settle(self, reply: Any) -> Any:
+        """A delivered reply's value, after accounting; or raise StoreUnavailable."""
         ...
 
     def expire(self, timeout: float) -> StoreUnavailable:
@@ -72,14 +74,13 @@ def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
 
 
 class _Batch:
-    __slots__ = ("args", "done", "keys", "opened", "timer", "waiters")
+    __slots__ = ("args", "deadline", "done", "keys", "waiters")
 
-    def __init__(self, slices: int, opened: float) -> None:
-        self.opened = opened
+    def __init__(self, slices: int, deadline: float) -> None:
+        self.deadline = deadline
         self.keys: list[str] = []
         self.args: list[Any] = [slices, 0]
         self.waiters: list[tuple[asyncio.Future[list[ExactResult]], int]] = []
-        self.timer: asyncio.TimerHandle | None = None
         self.done = False
 
 
@@ -90,6 +91,11 @@ class ExactBatcher:
         self._timeout = timeout
         self._open: _Batch | None = None
         self._in_flight = 0
+        # Batches sent and not yet answered or expired, oldest first (deadlines grow
+        # in this order), and one timer for the oldest deadline: a timer per call
+        # would cost more than the rest of the batcher.
+        self._flying: deque[_Batch] = deque()
+        self._timer: asyncio.TimerHandle | None = None
         self.batches = 0
         self.requests = 0
 
@@ -99,7 +105,9 @@ class ExactBatcher:
         loop = asyncio.get_running_loop()
         batch = self._open
         if batch is None:
-            batch = self._open = _Batch(self._slices, loop.time())
+            # The deadline runs from when the batch opened: time spent queued behind
+            # the calls in flight counts, so no request waits longer than the timeout.
+            batch = self._open = _Batch(self._slices, loop.time() + self._timeout)
         future: asyncio.Future[list[ExactResult]] = loop.create_future()
         batch.waiters.append((future, len(hits)))
         batch.keys += keys
@@ -117,16 +125,13 @@ class ExactBatcher:
         self._in_flight += 1
         self.batches += 1
         self.requests += len(batch.waiters)
-        # The deadline runs from when the batch opened: time spent queued behind the
-        # call in flight counts, so no request waits longer than the timeout.
-        batch.timer = loop.call_at(batch.opened + self._timeout, self._expire, batch)
-        reply = self._channel.start(batch.keys, batch.args)
-        reply.add_done_callback(lambda reply: self._delivered(batch, reply))
+        self._flying.append(batch)
+        if self._timer is None:
+            self._timer = loop.call_at(self._flying[0].deadline, self._check_deadlines)
+        self._channel.start(batch.keys, batch.args, lambda reply: self._delivered(batch, reply))
 
-    def _delivered(self, batch: _Batch, reply: asyncio.Future[Any]) -> None:
+    def _delivered(self, batch: _Batch, reply: Any) -> None:
         if batch.done:  # it expired; the late reply is dropped
-            if not reply.cancelled():
-                reply.exception()
             return
         self._close(batch)
         try:
@@ -143,18 +148,27 @@ class ExactBatcher:
                     future.set_result(result)
         self._send(asyncio.get_running_loop())  # what queued meanwhile goes out now
 
-    def _expire(self, batch: _Batch) -> None:
-        if batch.done:
-            return
-        self._close(batch)
-        _fail(batch, str(self._channel.expire(self._timeout)))
-        self._send(asyncio.get_running_loop())
+    def _check_deadlines(self) -> None:
+        """Fail every call past its deadline, then wait for the next deadline."""
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        flying = self._flying
+        now = loop.time()
+        while flying and (flying[0].done or flying[0].deadline <= now):
+            batch = flying.popleft()
+            if not batch.done:
+                self._close(batch)
+                _fail(batch, str(self._channel.expire(self._timeout)))
+        self._send(loop)  # what queued behind the expired calls goes out now
+        if flying and self._timer is None:
+            self._timer = loop.call_at(flying[0].deadline, self._check_deadlines)
 
     def _close(self, batch: _Batch) -> None:
         batch.done = True
-        if batch.timer is not None:
-            batch.timer.cancel()
         self._in_flight -= 1
+        flying = self._flying
+        while flying and flying[0].done:  # keep the line short; the timer skips the rest
+            flying.popleft()
 
 
 def _fail(batch: _Batch, reason: str) -> None:

@@ -4,8 +4,10 @@ redis-py's asyncio client spends about 60 µs of CPU per command (connection poo
 per-command locking, stream reads), more than the rest of a ShouldRateLimit call.
 Redis answers the commands of one connection in order, so one connection can carry
 any number of outstanding commands: this module writes each command to the socket
-at once and resolves waiters in order as replies arrive (hiredis parses them). A
-caller that gives up early leaves nothing broken: its reply is read and dropped.
+at once and, as replies arrive (hiredis parses them), hands each to the callback its
+command came with, in order. The request path needs no future per command, and the
+reply reaches the batcher in the same loop turn that read it. A caller that gives up
+early leaves nothing broken: its reply is read and dropped.
 
 Only single-server URLs (``redis://``, ``rediss://``, ``unix://``) use it; Sentinel
 and Cluster stay with redis-py, which follows failovers and slots. Reconnecting is
@@ -16,8 +18,11 @@ decides how often that may happen.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import Any, cast
 
 import hiredis
@@ -25,6 +30,8 @@ from redis.asyncio.connection import RedisSSLContext, SSLConnection, UnixDomainS
 from redis.asyncio.connection import parse_url as redis_parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+
+log = logging.getLogger(__name__)
 
 MAX_OUTSTANDING = 10_000
 """Commands waiting for a reply on the connection; beyond it, new commands fail."""
@@ -37,12 +44,19 @@ def supports(url: str) -> bool:
     return url.split("://", 1)[0] in ("redis", "rediss", "unix")
 
 
+Deliver = Callable[[Any], None]
+"""Receives a command's reply exactly once: the reply's value, or the exception it
+failed with (ResponseError for an error reply, ConnectionError for a lost connection).
+It runs inside the protocol's reading, so it must be quick and must not raise."""
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._reader = hiredis.Reader()
-        # (waiter, sent at, the script and EVALSHA command to retry as EVAL on NOSCRIPT)
-        self._waiting: deque[tuple[asyncio.Future[Any], float, _Retry | None]] = deque()
+        # (whom to deliver to, sent at, the script and EVALSHA command to retry as EVAL
+        # on NOSCRIPT)
+        self._waiting: deque[tuple[Deliver, float, _Retry | None]] = deque()
         self._transport: asyncio.Transport | None = None
         self.closed = False
 
@@ -51,42 +65,48 @@ class _Protocol(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        reader = self._reader
+        reader, waiting = self._reader, self._waiting
         try:
             reader.feed(data)
             while (reply := reader.gets()) is not False:
-                future, _, retry = self._waiting.popleft()
+                if not waiting:
+                    raise hiredis.ProtocolError("a reply nobody asked for")
+                deliver, _, retry = waiting.popleft()
                 if isinstance(reply, hiredis.ReplyError):
                     if retry is not None and str(reply).startswith("NOSCRIPT"):
                         # Redis lost the script (restart, SCRIPT FLUSH): send it whole.
                         # The EVAL goes to the back of the line, so order still holds.
-                        self._write(future, _pack_eval(retry), None)
-                    elif not future.done():
-                        future.set_exception(ResponseError(str(reply)))
-                elif not future.done():  # else its caller gave up
-                    future.set_result(reply)
-        except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
+                        self._write(deliver, _pack_eval(retry), None)
+                        continue
+                    reply = ResponseError(str(reply))
+                try:
+                    deliver(reply)
+                except Exception:  # a bug in a caller: keep the connection in step
+                    log.exception("redis reply callback failed")
+        except hiredis.ProtocolError as exc:
             self._fail(RedisConnectionError(f"redis protocol error: {exc!r}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._fail_waiters(RedisConnectionError(f"redis connection lost: {exc or 'closed'}"))
 
-    def request(self, packed: bytes, retry: _Retry | None = None) -> asyncio.Future[Any]:
-        """A future of the reply; an error reply comes as ResponseError, a lost
-        connection as ConnectionError."""
-        future = self._loop.create_future()
+    def request(self, packed: bytes, deliver: Deliver, retry: _Retry | None = None) -> None:
+        """Send a command; ``deliver`` gets its reply (at once if it cannot be sent)."""
         if self.closed or self._transport is None:
-            future.set_exception(RedisConnectionError("redis connection closed"))
+            deliver(RedisConnectionError("redis connection closed"))
         elif len(self._waiting) >= MAX_OUTSTANDING:
-            future.set_exception(RedisConnectionError("redis: too many commands outstanding"))
+            deliver(RedisConnectionError("redis: too many commands outstanding"))
         else:
-            self._write(future, packed, retry)
+            self._write(deliver, packed, retry)
+
+    def request_future(self, packed: bytes) -> asyncio.Future[Any]:
+        future = self._loop.create_future()
+        self.request(packed, functools.partial(_resolve, future))
         return future
 
-    def _write(self, future: asyncio.Future[Any], packed: bytes, retry: _Retry | None) -> None:
+    def _write(self, deliver: Deliver, packed: bytes, retry: _Retry | None) -> None:
         assert self._transport is not None
-        self._waiting.append((future, self._loop.time(), retry))
+        self._waiting.append((deliver, self._loop.time(), retry))
         self._transport.write(packed)
 
     def oldest_wait(self) -> float:
@@ -100,12 +120,23 @@ class _Protocol(asyncio.Protocol):
 
     def _fail_waiters(self, error: Exception) -> None:
         while self._waiting:
-            future = self._waiting.popleft()[0]
-            if not future.done():
-                future.set_exception(RedisConnectionError(str(error)))
+            deliver = self._waiting.popleft()[0]
+            try:
+                deliver(RedisConnectionError(str(error)))
+            except Exception:
+                log.exception("redis reply callback failed")
 
     def abort(self) -> None:
         self._fail(RedisConnectionError("redis connection dropped: no reply in time"))
+
+
+def _resolve(future: asyncio.Future[Any], reply: Any) -> None:
+    if future.done():  # its caller gave up
+        return
+    if isinstance(reply, Exception):
+        future.set_exception(reply)
+    else:
+        future.set_result(reply)
 
 
 class RedisPipe:
@@ -129,20 +160,22 @@ class RedisPipe:
 
     async def evalsha(self, sha: str, script: str, keys: list[str], args: list[Any]) -> Any:
         """The script's reply, connecting first if needed."""
-        reply = self.evalsha_now(sha, script, keys, args)
-        if reply is None:
-            reply = _evalsha(await self.connected(), sha, script, keys, args)
-        return await reply
+        protocol = await self.connected()
+        future = protocol._loop.create_future()
+        _evalsha(protocol, sha, script, keys, args, functools.partial(_resolve, future))
+        return await future
 
     def evalsha_now(
-        self, sha: str, script: str, keys: list[str], args: list[Any]
-    ) -> asyncio.Future[Any] | None:
-        """Like :meth:`evalsha` but without a coroutine: the reply's future, or None
-        when there is no open connection (use :meth:`evalsha` then)."""
+        self, sha: str, script: str, keys: list[str], args: list[Any], deliver: Deliver
+    ) -> bool:
+        """Like :meth:`evalsha` but with neither a coroutine nor a future: ``deliver``
+        gets the reply. False, and nothing sent, when there is no open connection (use
+        :meth:`evalsha` then)."""
         protocol = self._protocol
         if protocol is None or protocol.closed:
-            return None
-        return _evalsha(protocol, sha, script, keys, args)
+            return False
+        _evalsha(protocol, sha, script, keys, args, deliver)
+        return True
 
     def drop_if_stuck(self) -> None:
         """Called after a timeout: a connection whose oldest command has waited far
@@ -193,7 +226,9 @@ class RedisPipe:
         if int(options.get("db", 0)):
             commands.append(("SELECT", int(options["db"])))
         try:
-            await asyncio.gather(*(protocol.request(hiredis.pack_command(c)) for c in commands))
+            await asyncio.gather(
+                *(protocol.request_future(hiredis.pack_command(c)) for c in commands)
+            )
         except BaseException:
             protocol.abort()
             raise
@@ -209,10 +244,10 @@ _Retry = tuple[str, tuple[Any, ...]]
 
 
 def _evalsha(
-    protocol: _Protocol, sha: str, script: str, keys: list[str], args: list[Any]
-) -> asyncio.Future[Any]:
+    protocol: _Protocol, sha: str, script: str, keys: list[str], args: list[Any], deliver: Deliver
+) -> None:
     command = ("EVALSHA", sha, len(keys), *keys, *args)
-    return protocol.request(hiredis.pack_command(command), (script, command))
+    protocol.request(hiredis.pack_command(command), deliver, (script, command))
 
 
 def _pack_eval(retry: _Retry) -> bytes:

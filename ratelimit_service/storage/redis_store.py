@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -67,6 +67,13 @@ def _forget(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+def _outcome(done: asyncio.Future[Any]) -> Any:
+    """A finished call's reply, or the exception it ended with."""
+    if done.cancelled():  # only at shutdown
+        return StoreUnavailable("redis: call cancelled")
+    return done.exception() or done.result()
+
+
 def _script(name: str) -> str:
     return resources.files("ratelimit_service.resources").joinpath(name).read_text()
 
@@ -112,10 +119,13 @@ class RedisStore:
 
     # -- request path ------------------------------------------------------------
 
-    async def hit(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
+    def hit(self, hits: Sequence[ExactHit], commit: bool) -> Awaitable[list[ExactResult]]:
         if not self.cluster:  # one server sees every key: batch with concurrent requests
             keys = [self._exact_key(hit.key, hit.window_seconds) for hit in hits]
-            return await self._batcher.submit(keys, hits, commit)
+            return self._batcher.submit(keys, hits, commit)
+        return self._hit_cluster(hits, commit)
+
+    async def _hit_cluster(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
         groups = self._by_slot([self._exact_key(hit.key, hit.window_seconds) for hit in hits], hits)
         if len(groups) == 1:
             return await self._hit_group(groups[0], commit)
@@ -139,33 +149,30 @@ class RedisStore:
     # The batcher's channel (see exact_batcher.Channel): callbacks, no coroutines, on
     # the pipelined connection when there is one.
 
-    def start(self, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
         if not self.breaker.allow():
-            failed = asyncio.get_running_loop().create_future()
-            failed.set_exception(StoreUnavailable("redis: circuit open after recent failures"))
-            return failed
+            deliver(StoreUnavailable("redis: circuit open after recent failures"))
+            return
         self.calls += 1
         pipe, script = self._pipe, self._exact
+        if pipe is not None and pipe.evalsha_now(script.sha, script.script, keys, args, deliver):
+            return
         if pipe is None:  # Sentinel: redis-py, left to finish even past the deadline
-            return asyncio.ensure_future(self._run(script, keys, args))
-        reply = pipe.evalsha_now(script.sha, script.script, keys, args)
-        if reply is None:  # not connected yet: connect first
-            return asyncio.ensure_future(pipe.evalsha(script.sha, script.script, keys, args))
-        return reply
+            call = asyncio.ensure_future(self._run(script, keys, args))
+        else:  # not connected yet: connect first
+            call = asyncio.ensure_future(pipe.evalsha(script.sha, script.script, keys, args))
+        call.add_done_callback(lambda done: deliver(_outcome(done)))
 
-    def settle(self, reply: asyncio.Future[Any]) -> Any:
-        if reply.cancelled():  # only at shutdown
-            raise StoreUnavailable("redis: call cancelled")
-        error = reply.exception()
-        if error is None:
+    def settle(self, reply: Any) -> Any:
+        if not isinstance(reply, BaseException):
             self.breaker.success()
-            return reply.result()
-        if isinstance(error, StoreUnavailable):  # the circuit was open: nothing was sent
-            raise error
-        if isinstance(error, RedisError | OSError):
+            return reply
+        if isinstance(reply, StoreUnavailable):  # the circuit was open: nothing was sent
+            raise reply
+        if isinstance(reply, RedisError | OSError):
             self.breaker.failure()
-            raise StoreUnavailable(f"redis: {error}") from error
-        raise error
+            raise StoreUnavailable(f"redis: {reply}") from reply
+        raise reply
 
     def expire(self, timeout: float) -> StoreUnavailable:
         if self._pipe is not None:
