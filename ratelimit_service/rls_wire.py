@@ -64,10 +64,33 @@ _SMALL = tuple(bytes([value]) for value in range(0x80))
 
 
 def _varint(value: int) -> bytes:
+    # Unrolled up to five bytes (every uint32: limit_remaining of a large limit is
+    # written on every response); a loop costs twice as much.
     if value < 0x80:
         return _SMALL[value]
     if value < 0x4000:
         return bytes(((value & 0x7F) | 0x80, value >> 7))
+    if value < 0x200000:
+        return bytes(((value & 0x7F) | 0x80, ((value >> 7) & 0x7F) | 0x80, value >> 14))
+    if value < 0x10000000:
+        return bytes(
+            (
+                (value & 0x7F) | 0x80,
+                ((value >> 7) & 0x7F) | 0x80,
+                ((value >> 14) & 0x7F) | 0x80,
+                value >> 21,
+            )
+        )
+    if value < 0x800000000:
+        return bytes(
+            (
+                (value & 0x7F) | 0x80,
+                ((value >> 7) & 0x7F) | 0x80,
+                ((value >> 14) & 0x7F) | 0x80,
+                ((value >> 21) & 0x7F) | 0x80,
+                value >> 28,
+            )
+        )
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
