@@ -47,6 +47,40 @@ log = logging.getLogger(__name__)
 
 MATCH_CACHE_SIZE = 10_000
 _MISSING = object()
+_PLACEHOLDER = DescriptorStatus(Code.OK)
+"""Fills a request's status list until every descriptor's own status is in."""
+
+
+class _Step:
+    """A descriptor with a finite limit, as planned: what stays the same each time
+    the same request comes back, read off once instead of per request."""
+
+    __slots__ = (
+        "bucket_key",
+        "exact",
+        "fail_open",
+        "hits",
+        "index",
+        "limit",
+        "match",
+        "requests_per_unit",
+        "role",
+        "stats_key",
+        "window_seconds",
+    )
+
+    def __init__(self, index: int, limit: RateLimit, match: Match, hits: int) -> None:
+        self.index = index
+        self.limit = limit
+        self.match = match
+        self.hits = hits
+        self.exact = limit.mode is Mode.EXACT
+        self.role = _role(limit)
+        self.fail_open = limit.failure_mode is FailureMode.OPEN
+        self.bucket_key = match.bucket_key
+        self.stats_key = match.stats_key
+        self.requests_per_unit = limit.requests_per_unit
+        self.window_seconds = limit.window_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,25 +91,18 @@ class _Plan:
     limiter: RateLimiter
     config: RateLimitConfig
     domain_found: bool
-    steps: tuple[tuple[int, RateLimit, Match, int], ...]
-    """(descriptor index, limit, match, hits) of each descriptor with a finite limit."""
+    local: tuple[_Step, ...]
+    """The probabilistic steps, decided in the process."""
+    exact: tuple[_Step, ...]
+    """The exact steps, decided by the store in one call."""
+    exact_quota: bool
+    """Whether some exact step is in quota mode."""
     unlimited: tuple[int, ...]
+    unmatched: tuple[int, ...]
+    """Descriptors no rule matches (or replaced by another's)."""
     exact_hits: tuple[ExactHit, ...]
-    """What the store gets for the exact-mode steps, in order, when no probabilistic
-    quota descriptor has let the request through (see _exact_hits)."""
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A descriptor with a limit, on its way through the decision."""
-
-    index: int
-    limit: RateLimit
-    match: Match
-    hits: int
-    bucket: ProbabilisticBucket | None = None
-    before: int = 0
-    admitted: bool = True
+    """What the store gets for the exact steps, in order, when no probabilistic quota
+    descriptor has let the request through (see _exact_hits)."""
 
 
 class RateLimiter:
@@ -115,28 +142,30 @@ class RateLimiter:
         plan = request.plan
         if not (isinstance(plan, _Plan) and plan.config is self.config and plan.limiter is self):
             plan = self._plan(request)
-        statuses = [DescriptorStatus(Code.OK) for _ in request.descriptors]
         if not plan.domain_found:
             self.stats.count_domain_not_found(request.domain)
-            return Response(Code.OK, statuses)
+            return Response(Code.OK, [DescriptorStatus(Code.OK) for _ in request.descriptors])
+        # Each descriptor with a finite limit gets its status below.
+        statuses: list[DescriptorStatus] = [_PLACEHOLDER] * len(request.descriptors)
         for index in plan.unlimited:
-            statuses[index].remaining = UINT32_MAX
-        pending = [_Pending(*step) for step in plan.steps]
-        if pending:
-            # No coroutine below this one: most requests never wait, and each
-            # coroutine layer costs the request path about 0.3 µs.
-            exact = self._decide_local(pending, statuses)
-            if exact is not None:
-                items, commit, quota_met = exact
-                hits = plan.exact_hits if not quota_met else _exact_hits(items, quota_met)
-                try:
-                    results = await self.store.hit(hits, commit)
-                except StoreUnavailable as exc:
-                    self.stats.store_error += 1
-                    log.debug("exact store unavailable: %s", exc)
-                    results = [_failure_result(item.limit) for item in items]
-                _record_exact(items, results, statuses)
-        return self._finish(statuses, pending)
+            statuses[index] = DescriptorStatus(Code.OK, None, UINT32_MAX)
+        for index in plan.unmatched:
+            statuses[index] = DescriptorStatus(Code.OK)
+        taken: list[tuple[ProbabilisticBucket, int]] = []
+        # No coroutine below this one: most requests never wait, and each coroutine
+        # layer costs the request path about 0.3 µs.
+        commit, quota_met = self._decide_local(plan.local, plan.exact_quota, statuses, taken)
+        exact = plan.exact
+        if exact:
+            hits = plan.exact_hits if not quota_met else _exact_hits(exact, quota_met)
+            try:
+                results = await self.store.hit(hits, commit)
+            except StoreUnavailable as exc:
+                self.stats.store_error += 1
+                log.debug("exact store unavailable: %s", exc)
+                results = [_failure_result(step.limit) for step in exact]
+            self._record_exact(exact, results, statuses)
+        return self._finish(statuses, taken)
 
     def _plan(self, request: Request) -> _Plan:
         try:
@@ -146,8 +175,9 @@ class RateLimiter:
             raise
         config = self.config
         domain = config.domains.get(request.domain)
-        steps: list[tuple[int, RateLimit, Match, int]] = []
+        steps: list[_Step] = []
         unlimited: list[int] = []
+        unmatched: list[int] = []
         if domain is not None:
             matches = [self._match(domain, d) for d in request.descriptors]
             limits = [m.limit if m is not None else None for m in matches]
@@ -155,18 +185,23 @@ class RateLimiter:
             for index, descriptor in enumerate(request.descriptors):
                 limit, match = limits[index], matches[index]
                 if limit is None or match is None:
+                    unmatched.append(index)
                     continue
                 if limit.unlimited:
                     unlimited.append(index)
                     continue
-                steps.append((index, limit, match, hits_for(descriptor, request.hits_addend)))
-        exact = [_Pending(*step) for step in steps if step[1].mode is Mode.EXACT]
+                hits = hits_for(descriptor, request.hits_addend)
+                steps.append(_Step(index, limit, match, hits))
+        exact = tuple(step for step in steps if step.exact)
         plan = _Plan(
             self,
             config,
             domain is not None,
-            tuple(steps),
+            tuple(step for step in steps if not step.exact),
+            exact,
+            any(step.role is HitRole.QUOTA for step in exact),
             tuple(unlimited),
+            tuple(unmatched),
             tuple(_exact_hits(exact, quota_met=False)),
         )
         request.plan = plan
@@ -199,116 +234,94 @@ class RateLimiter:
         return Match(limit, key, bucket)
 
     def _decide_local(
-        self, pending: list[_Pending], statuses: list[DescriptorStatus]
-    ) -> tuple[list[_Pending], bool, bool] | None:
-        """Decide the probabilistic descriptors; return the exact ones still to decide,
-        whether to commit them and whether a quota is already met (None: none left)."""
+        self,
+        steps: tuple[_Step, ...],
+        exact_quota: bool,
+        statuses: list[DescriptorStatus],
+        taken: list[tuple[ProbabilisticBucket, int]],
+    ) -> tuple[bool, bool]:
+        """Decide and account the probabilistic descriptors; note in ``taken`` the
+        hits they admitted (given back if the request is denied). Returns whether
+        exact descriptors may consume (nothing denied so far) and whether a
+        probabilistic quota descriptor already lets the request through."""
+        if not steps:
+            return True, False
         now = self._clock()
         local = self.local
-        exact: list[_Pending] = []
-        denied = False
-        quota_seen = quota_ok = False  # probabilistic quota-mode descriptors
+        draw = self._draw
         stale = local.stale(now)
-        for item in pending:
-            limit = item.limit
-            if limit.mode is Mode.EXACT:
-                exact.append(item)
-                continue
+        denied = quota_seen = quota_ok = False
+        for step in steps:
             bucket = local.get(
-                item.match.bucket_key,
-                limit.requests_per_unit,
-                limit.window_seconds,
-                now,
-                limit.stats_key,
+                step.bucket_key, step.requests_per_unit, step.window_seconds, now, step.stats_key
             )
-            item.bucket = bucket
-            item.before = max(0, limit.requests_per_unit - bucket.remaining())
+            limit = step.requests_per_unit
+            hits = step.hits
+            left = int(bucket.tokens) - bucket.admitted  # as bucket.remaining(), inlined
+            before = limit - left if left > 0 else limit
+            if before < 0:
+                before = 0
             if stale:
-                item.admitted = local.fail(
-                    bucket, item.hits, limit.failure_mode is FailureMode.OPEN
-                )
+                admitted = local.fail(bucket, hits, step.fail_open)
             else:
-                draw = bucket.next_draw() if self._draw is None else self._draw()
-                item.admitted = local.decide(bucket, item.hits, draw)
-            status = statuses[item.index]
-            status.remaining = bucket.remaining()
-            status.reset_after = bucket.reset_estimate(now)
-            role = _role(limit)
+                admitted = local.decide(
+                    bucket, hits, bucket.next_draw() if draw is None else draw()
+                )
+                if admitted and hits:
+                    taken.append((bucket, hits))
+            left = int(bucket.tokens) - bucket.admitted
+            status = DescriptorStatus(
+                Code.OK, step.limit, left if left > 0 else 0, bucket.reset_estimate(now)
+            )
+            statuses[step.index] = status
+            self._account(step, before, admitted, status)
+            role = step.role
             if role is HitRole.QUOTA:
                 quota_seen = True
-                quota_ok = quota_ok or item.admitted
-            elif role is HitRole.ENFORCE and not item.admitted:
+                quota_ok = quota_ok or admitted
+            elif role is HitRole.ENFORCE and not admitted:
                 denied = True
-        if not exact:
-            return None
-        exact_quota = any(_role(item.limit) is HitRole.QUOTA for item in exact)
         if quota_seen and not quota_ok and not exact_quota:
             denied = True  # every quota descriptor is over: the request is denied
-        return exact, not denied, quota_ok
+        return not denied, quota_ok
 
-    def _finish(self, statuses: list[DescriptorStatus], pending: list[_Pending]) -> Response:
-        stats = self.stats
-        for item in pending:
-            limit = item.limit
-            status = statuses[item.index]
-            status.limit = limit
-            rule = stats.rule(item.match.stats_key)
-            rule.total_hits += item.hits
-            over, near, within = split_hits(
-                limit.requests_per_unit, item.before, item.hits, item.admitted
-            )
-            rule.near_limit += near
-            rule.within_limit += within
-            if item.admitted:
-                continue
-            rule.over_limit += over
-            if limit.shadow_mode:
-                rule.shadow_mode += item.hits  # would have been denied; reported OK
-            else:
-                status.code = Code.OVER_LIMIT
-                status.remaining = 0
+    def _record_exact(
+        self, steps: tuple[_Step, ...], results: list[ExactResult], statuses: list[DescriptorStatus]
+    ) -> None:
+        for step, result in zip(steps, results, strict=True):
+            status = DescriptorStatus(Code.OK, step.limit, result.remaining, result.reset_after)
+            statuses[step.index] = status
+            self._account(step, result.before, result.admitted, status)
+
+    def _account(self, step: _Step, before: int, admitted: bool, status: DescriptorStatus) -> None:
+        """Count the descriptor's hits in its rule's stats; deny it unless in shadow."""
+        rule = self.stats.rule(step.stats_key)
+        hits = step.hits
+        rule.total_hits += hits
+        over, near, within = split_hits(step.requests_per_unit, before, hits, admitted)
+        rule.near_limit += near
+        rule.within_limit += within
+        if admitted:
+            return
+        rule.over_limit += over
+        if step.role is HitRole.SHADOW:
+            rule.shadow_mode += hits  # would have been denied; reported OK
+        else:
+            status.code = Code.OVER_LIMIT
+            status.remaining = 0
+
+    def _finish(
+        self, statuses: list[DescriptorStatus], taken: list[tuple[ProbabilisticBucket, int]]
+    ) -> Response:
         overall = overall_code(statuses)
         if overall is Code.OVER_LIMIT:
-            self._refund(pending)
+            for bucket, hits in taken:  # a denied request consumes no quota
+                bucket.credit += hits
+                bucket.admitted -= hits
             if self.global_shadow:
-                stats.global_shadow_mode += 1
+                self.stats.global_shadow_mode += 1
                 overall = Code.OK
         return Response(overall, statuses)
-
-    @staticmethod
-    def _refund(pending: list[_Pending]) -> None:
-        """Give back probabilistic hits of a denied request."""
-        for item in pending:
-            bucket = item.bucket
-            if bucket is not None and item.admitted and item.hits:
-                bucket.credit += item.hits
-                bucket.admitted -= item.hits
-
-
-def _exact_hits(exact: list[_Pending], quota_met: bool) -> list[ExactHit]:
-    """``quota_met``: a probabilistic quota descriptor already lets the request
-    through, so exact quota hits can no longer deny it (they still consume)."""
-    return [
-        ExactHit(
-            key=item.match.bucket_key,
-            limit=item.limit.requests_per_unit,
-            window_seconds=item.limit.window_seconds,
-            hits=item.hits,
-            role=_exact_role(item.limit, quota_met),
-        )
-        for item in exact
-    ]
-
-
-def _record_exact(
-    exact: list[_Pending], results: list[ExactResult], statuses: list[DescriptorStatus]
-) -> None:
-    for item, result in zip(exact, results, strict=True):
-        item.before = result.before
-        item.admitted = result.admitted
-        status = statuses[item.index]
-        status.remaining = result.remaining
-        status.reset_after = result.reset_after
 
 
 def _role(limit: RateLimit) -> HitRole:
@@ -319,9 +332,19 @@ def _role(limit: RateLimit) -> HitRole:
     return HitRole.ENFORCE
 
 
-def _exact_role(limit: RateLimit, quota_met: bool) -> HitRole:
-    role = _role(limit)
-    return HitRole.SHADOW if quota_met and role is HitRole.QUOTA else role
+def _exact_hits(exact: tuple[_Step, ...], quota_met: bool) -> list[ExactHit]:
+    """``quota_met``: a probabilistic quota descriptor already lets the request
+    through, so exact quota hits can no longer deny it (they still consume)."""
+    return [
+        ExactHit(
+            key=step.bucket_key,
+            limit=step.requests_per_unit,
+            window_seconds=step.window_seconds,
+            hits=step.hits,
+            role=HitRole.SHADOW if quota_met and step.role is HitRole.QUOTA else step.role,
+        )
+        for step in exact
+    ]
 
 
 def _failure_result(limit: RateLimit) -> ExactResult:

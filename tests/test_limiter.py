@@ -464,6 +464,21 @@ async def test_stale_sync_applies_failure_mode_to_probabilistic_rules() -> None:
     assert await overall(h, "pclosed=1", times=6) == [OK] * 5 + [OVER]
 
 
+async def test_a_denied_request_gives_back_only_what_it_was_charged() -> None:
+    """Hits let through by the failure policy were never charged: a request denied
+    by another descriptor must not credit them back (that would mint credit)."""
+    h = Harness()
+    h.limiter.local.last_sync_ok = h.clock.now - 10.0  # stale
+    for _ in range(3):
+        await h.call("ex=1")  # the exact limit (3 per minute) is now spent
+    assert await h.codes("p5=1", "ex=1") == [OVER, OK, OVER]
+    p5 = _bucket(h, "p5")
+    assert (p5.offered, p5.admitted, p5.credit) == (1, 0, 5.0)
+    h.limiter.local.last_sync_ok = h.clock.now  # fresh: a charged hit is given back
+    assert await h.codes("p5=1", "ex=1") == [OVER, OK, OVER]
+    assert (p5.offered, p5.admitted, p5.credit) == (2, 0, 5.0)
+
+
 # --------------------------------------------------------------------------- stats
 
 

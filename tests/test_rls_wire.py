@@ -60,9 +60,21 @@ def random_response(rng: random.Random) -> tuple[Response, list[tuple[str, str]]
                 code=rng.choice(list(Code)),
                 limit=limit,
                 remaining=rng.choice(  # every varint length, each side of its boundary
-                    [0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**28 - 1, 2**28,
-                     UINT32_MAX, UINT32_MAX + 5]
-                ),  # fmt: skip
+                    [
+                        0,
+                        1,
+                        127,
+                        128,
+                        16383,
+                        16384,
+                        2**21 - 1,
+                        2**21,
+                        2**28 - 1,
+                        2**28,
+                        UINT32_MAX,
+                        UINT32_MAX + 5,
+                    ]
+                ),
                 reset_after=rng.choice(
                     [None, 0.0, 0.0004, 0.5, 1.0, 1.0001, 59.999999, 3600.25, 86400 * 400.0]
                 ),
