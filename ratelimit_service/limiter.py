@@ -40,7 +40,7 @@ from ratelimit_service.core.request import (
     validate,
 )
 from ratelimit_service.core.units import Unit
-from ratelimit_service.stats import Stats
+from ratelimit_service.stats import RuleStats, Stats
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class _Step:
         "match",
         "requests_per_unit",
         "role",
+        "rule_stats",
         "stats_key",
         "window_seconds",
     )
@@ -81,6 +82,8 @@ class _Step:
         self.stats_key = match.stats_key
         self.requests_per_unit = limit.requests_per_unit
         self.window_seconds = limit.window_seconds
+        self.rule_stats: RuleStats | None = None
+        """The rule's counters, once they are known to be its own (not _overflow)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +298,11 @@ class RateLimiter:
 
     def _account(self, step: _Step, before: int, admitted: bool, status: DescriptorStatus) -> None:
         """Count the descriptor's hits in its rule's stats; deny it unless in shadow."""
-        rule = self.stats.rule(step.stats_key)
+        rule = step.rule_stats
+        if rule is None:
+            rule = self.stats.rule(step.stats_key)
+            if self.stats.rules.get(step.stats_key) is rule:
+                step.rule_stats = rule
         hits = step.hits
         rule.total_hits += hits
         over, near, within = split_hits(step.requests_per_unit, before, hits, admitted)

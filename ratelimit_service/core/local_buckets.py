@@ -103,8 +103,8 @@ class ProbabilisticBucket:
         missing = self.capacity - self.tokens + self.admitted
         if missing <= 0 or self.limit == 0:
             return 0.0
-        refill_time = missing * self.window_seconds / self.limit
-        return max(0.0, refill_time - (now - self.synced_at))
+        left = missing * self.window_seconds / self.limit - (now - self.synced_at)
+        return left if left > 0.0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +171,7 @@ class LocalBuckets:
         """Admit ``hits`` or not; ``draw`` is uniform in [0, 1). Hits of 0 only ask
         whether one more hit would be admitted."""
         bucket.offered += hits
-        if bucket.credit < max(hits, 1) or draw < bucket.ratio:
+        if bucket.credit < (hits if hits > 1 else 1) or draw < bucket.ratio:
             return False
         bucket.credit -= hits
         bucket.admitted += hits
