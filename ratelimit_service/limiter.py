@@ -267,9 +267,7 @@ class RateLimiter:
             if stale:
                 admitted = local.fail(bucket, hits, step.fail_open)
             else:
-                admitted = local.decide(
-                    bucket, hits, bucket.next_draw() if draw is None else draw()
-                )
+                admitted = bucket.take(hits, None if draw is None else draw())
                 if admitted and hits:
                     taken.append((bucket, hits))
             left = int(bucket.tokens) - bucket.admitted

@@ -93,6 +93,19 @@ class ProbabilisticBucket:
         self.phase = phase
         return phase
 
+    def take(self, hits: int, draw: float | None) -> bool:
+        """Offer ``hits``; admit them or not. ``draw`` is uniform in [0, 1); None: the
+        bucket's own sequence (:meth:`next_draw`). Hits of 0 only ask whether one more
+        hit would be admitted."""
+        if draw is None:
+            draw = self.next_draw()
+        self.offered += hits
+        if self.credit < (hits if hits > 1 else 1) or draw < self.ratio:
+            return False
+        self.credit -= hits
+        self.admitted += hits
+        return True
+
     def remaining(self) -> int:
         """Best estimate of what the fleet may still admit now: the token bucket at the
         last sync, less what this process admitted since."""
@@ -168,14 +181,8 @@ class LocalBuckets:
 
     @staticmethod
     def decide(bucket: ProbabilisticBucket, hits: int, draw: float) -> bool:
-        """Admit ``hits`` or not; ``draw`` is uniform in [0, 1). Hits of 0 only ask
-        whether one more hit would be admitted."""
-        bucket.offered += hits
-        if bucket.credit < (hits if hits > 1 else 1) or draw < bucket.ratio:
-            return False
-        bucket.credit -= hits
-        bucket.admitted += hits
-        return True
+        """Admit ``hits`` or not, against a given draw (see ProbabilisticBucket.take)."""
+        return bucket.take(hits, draw)
 
     @staticmethod
     def fail(bucket: ProbabilisticBucket, hits: int, admit: bool) -> bool:
