@@ -1,0 +1,116 @@
+"""Two or more revisions of the service side by side with the null server, under h2load.
+
+    python bench/ab_revisions.py --rev 52b0834 --rev HEAD --mode exact --redis
+    python bench/ab_revisions.py --rev HEAD~1 --rev HEAD --descriptors 1,5 --rounds 5
+
+A change to the request path usually moves throughput by a few percent, less than
+the noise between two invocations of bench/throughput.py. So this script measures
+the revisions in one run, in rotated rounds (noise falls on all alike): each
+revision's ``ratelimit_service`` package is taken from git (``git archive``) into a
+temporary directory and served from there (``PYTHONPATH``), on the same config as
+bench/throughput.py, beside the null server. It prints, per revision and descriptor
+count, the median saturated req/s, its ratio to the null server, the p99 as a
+multiple of the null server's and the server's CPU per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+from io import BytesIO
+from pathlib import Path
+
+import throughput as tp
+
+from ratelimit_service.testing.redis import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def export(rev: str, into: Path) -> Path:
+    """The revision's ``ratelimit_service`` package under ``into/<rev>``."""
+    archive = subprocess.run(
+        ["git", "archive", rev, "ratelimit_service"], cwd=REPO, capture_output=True, check=True
+    ).stdout
+    target = into / rev.replace("/", "_").replace("~", "-").replace("^", "-")
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+            tar.extractall(target, filter="data")
+        else:
+            tar.extractall(target)
+    return target
+
+
+def start_revision(
+    processes: tp.Processes, name: str, source: Path, config: Path, flags: list[str]
+) -> tp.Server:
+    grpc_port, admin_port = free_port(), free_port()
+    process = processes.start(
+        name.replace("/", "_"),
+        ["env", f"PYTHONPATH={source}", sys.executable, "-m", "ratelimit_service", "serve",
+         "--config", str(config), "--grpc-addr", f"127.0.0.1:{grpc_port}",
+         "--admin-addr", f"127.0.0.1:{admin_port}", *flags],
+    )  # fmt: skip
+    tp.wait_healthy(admin_port)
+    return tp.Server(name, grpc_port, admin_port, process.pid)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rev", action="append", required=True, help="a git revision")
+    parser.add_argument("--mode", choices=["probabilistic", "exact"], default="probabilistic")
+    parser.add_argument("--redis", action="store_true", help="serve on a redis-server")
+    parser.add_argument("--descriptors", default="1", help="comma-separated, e.g. 1,5")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=3)
+    args = parser.parse_args()
+    counts = [int(n) for n in args.descriptors.split(",")]
+    progress = tp.Progress()
+    results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    with tp.lab() as (directory, processes, redis_servers):
+        config = directory / "config"
+        config.mkdir()
+        (config / "bench.yaml").write_text(tp.CONFIG)
+        flags = ["--mode", args.mode]
+        if args.redis:
+            flags += ["--redis-url", tp.start_redis(directory, redis_servers).url]
+        progress(f"starting the null server and {len(args.rev)} revisions ({' '.join(flags)})")
+        servers = [tp.start_null(processes)]
+        for rev in args.rev:
+            source = export(rev, directory / "src")
+            servers.append(start_revision(processes, rev, source, config, flags))
+        bodies = tp.write_bodies(directory, counts)
+        log = directory / "h2load.log"
+        tp.warm_up(servers, bodies, log)
+        for round_ in range(args.rounds):
+            shift = round_ % len(servers)
+            for server in servers[shift:] + servers[:shift]:
+                for count, body in bodies.items():
+                    progress(f"round {round_ + 1}/{args.rounds}: {server.name}, {count} descr.")
+                    before = tp.cpu_seconds(server.pid)
+                    h2 = tp.run_h2load(server.port, body, "saturate", args.seconds, log)
+                    cpu = (tp.cpu_seconds(server.pid) - before) / max(h2.done, 1) * 1e6
+                    results.setdefault((server.name, count), []).append((h2.rps, h2.p99_us, cpu))
+    print("\n| revision | descr. | req/s | ratio to null | p99 ÷ null's | CPU µs/req | rounds |")
+    print("|---|---|---|---|---|---|---|")
+    for count in counts:
+        null = results[("null server", count)]
+        null_rps = statistics.median(r[0] for r in null)
+        null_p99 = statistics.median(r[1] for r in null)
+        for server in servers:
+            runs = results[(server.name, count)]
+            rps = statistics.median(r[0] for r in runs)
+            p99 = statistics.median(r[1] for r in runs)
+            cpu = statistics.median(r[2] for r in runs)
+            each = ", ".join(f"{r[0]:,.0f}" for r in runs)
+            print(f"| {server.name} | {count} | {rps:,.0f} | {rps / null_rps:.3f} "
+                  f"| {p99 / null_p99:.2f} | {cpu:.0f} | {each} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    main()
