@@ -149,3 +149,43 @@ async def test_calls_in_flight_each_fail_at_their_own_deadline(redis_server) -> 
     finally:
         redis_server.resume()
         await store.close()
+
+
+async def test_an_answered_call_s_deadline_does_not_let_a_queued_call_past_the_cap(
+    redis_server, monkeypatch
+) -> None:
+    """The deadline timer stays armed after its call is answered; when it fires with
+    nothing expired, the queued batch must keep waiting for a free slot."""
+    monkeypatch.setattr(exact_batcher, "MAX_IN_FLIGHT", 1)
+    store = RedisStore(redis_server.url, request_timeout=0.3)
+    try:
+        await store.hit(HIT, True)  # answered at once; its timer fires 0.3 s from now
+        await asyncio.sleep(0.1)
+        redis_server.pause()
+        in_flight = asyncio.ensure_future(store.hit(HIT, True))  # stuck until 0.4 s
+        queued = asyncio.ensure_future(store.hit(HIT, True))  # waits for the slot
+        await asyncio.sleep(0.25)  # past the first call's deadline, not the second's
+        assert store.calls == 2  # the queued batch has not gone out
+        for pending in (in_flight, queued):
+            with pytest.raises(StoreUnavailable):
+                await pending
+    finally:
+        redis_server.resume()
+        await store.close()
+
+
+async def test_calls_expiring_together_all_count_as_timeouts(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.2)
+    try:
+        await store.hit(HIT, True)
+        redis_server.pause()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, time.sleep, 3.3)  # block the loop past every deadline
+        calls = [asyncio.ensure_future(store.hit(HIT, True)) for _ in range(3)]
+        for call in calls:
+            with pytest.raises(StoreUnavailable, match="no answer"):
+                await call
+        assert store.stats()["timeouts"] == 3
+    finally:
+        redis_server.resume()
+        await store.close()

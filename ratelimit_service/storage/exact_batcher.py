@@ -154,12 +154,18 @@ class ExactBatcher:
         loop = asyncio.get_running_loop()
         flying = self._flying
         now = loop.time()
+        expired: list[_Batch] = []
         while flying and (flying[0].done or flying[0].deadline <= now):
             batch = flying.popleft()
             if not batch.done:
                 self._close(batch)
-                _fail(batch, str(self._channel.expire(self._timeout)))
-        self._send(loop)  # what queued behind the expired calls goes out now
+                expired.append(batch)
+        # All are closed before any is accounted: accounting may drop a stuck
+        # connection, which would otherwise fail the others as "connection lost".
+        for batch in expired:
+            _fail(batch, str(self._channel.expire(self._timeout)))
+        if self._in_flight < MAX_IN_FLIGHT:  # the timer of an answered call frees nothing
+            self._send(loop)  # what queued behind the expired calls goes out now
         if flying and self._timer is None:
             self._timer = loop.call_at(flying[0].deadline, self._check_deadlines)
 
