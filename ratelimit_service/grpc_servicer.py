@@ -85,6 +85,7 @@ class RateLimitServicer:
     ) -> None:
         self.limiter = limiter
         self.header_style = header_style
+        self._headers = header_style is not HeaderStyle.OFF
         self.header_names = header_names or HeaderNames()
         self._limit_bytes = _LimitBytes()
         self._bytes_for: RateLimitConfig | None = None
@@ -107,7 +108,7 @@ class RateLimitServicer:
                 self._bytes_for = config
             response = await self.limiter.should_rate_limit(self._requests.get(raw))
             headers = None
-            if self.header_style is not HeaderStyle.OFF:
+            if self._headers:
                 headers = rate_limit_headers(
                     response.statuses, self.header_style, self.header_names
                 )

@@ -47,7 +47,11 @@ log = logging.getLogger(__name__)
 
 MATCH_CACHE_SIZE = 10_000
 _MISSING = object()
-_PLACEHOLDER = DescriptorStatus(Code.OK)
+# Enum members read through the class cost ~50 ns each (3.11); the request path reads
+# these module constants instead.
+_OK = Code.OK
+_OVER = Code.OVER_LIMIT
+_PLACEHOLDER = DescriptorStatus(_OK)
 """Fills a request's status list until every descriptor's own status is in."""
 
 
@@ -57,12 +61,14 @@ class _Step:
 
     __slots__ = (
         "bucket_key",
+        "enforce",
         "exact",
         "fail_open",
         "hits",
         "index",
         "limit",
         "match",
+        "quota",
         "requests_per_unit",
         "role",
         "rule_stats",
@@ -77,6 +83,8 @@ class _Step:
         self.hits = hits
         self.exact = limit.mode is Mode.EXACT
         self.role = _role(limit)
+        self.enforce = self.role is HitRole.ENFORCE
+        self.quota = self.role is HitRole.QUOTA
         self.fail_open = limit.failure_mode is FailureMode.OPEN
         self.bucket_key = match.bucket_key
         self.stats_key = match.stats_key
@@ -151,9 +159,9 @@ class RateLimiter:
         # Each descriptor with a finite limit gets its status below.
         statuses: list[DescriptorStatus] = [_PLACEHOLDER] * len(request.descriptors)
         for index in plan.unlimited:
-            statuses[index] = DescriptorStatus(Code.OK, None, UINT32_MAX)
+            statuses[index] = DescriptorStatus(_OK, None, UINT32_MAX)
         for index in plan.unmatched:
-            statuses[index] = DescriptorStatus(Code.OK)
+            statuses[index] = DescriptorStatus(_OK)
         taken: list[tuple[ProbabilisticBucket, int]] = []
         # No coroutine below this one: most requests never wait, and each coroutine
         # layer costs the request path about 0.3 µs.
@@ -272,15 +280,14 @@ class RateLimiter:
                     taken.append((bucket, hits))
             left = int(bucket.tokens) - bucket.admitted
             status = DescriptorStatus(
-                Code.OK, step.limit, left if left > 0 else 0, bucket.reset_estimate(now)
+                _OK, step.limit, left if left > 0 else 0, bucket.reset_estimate(now)
             )
             statuses[step.index] = status
             self._account(step, before, admitted, status)
-            role = step.role
-            if role is HitRole.QUOTA:
+            if step.quota:
                 quota_seen = True
                 quota_ok = quota_ok or admitted
-            elif role is HitRole.ENFORCE and not admitted:
+            elif step.enforce and not admitted:
                 denied = True
         if quota_seen and not quota_ok and not exact_quota:
             denied = True  # every quota descriptor is over: the request is denied
@@ -290,7 +297,7 @@ class RateLimiter:
         self, steps: tuple[_Step, ...], results: list[ExactResult], statuses: list[DescriptorStatus]
     ) -> None:
         for step, result in zip(steps, results, strict=True):
-            status = DescriptorStatus(Code.OK, step.limit, result.remaining, result.reset_after)
+            status = DescriptorStatus(_OK, step.limit, result.remaining, result.reset_after)
             statuses[step.index] = status
             self._account(step, result.before, result.admitted, status)
 
@@ -309,23 +316,23 @@ class RateLimiter:
         if admitted:
             return
         rule.over_limit += over
-        if step.role is HitRole.SHADOW:
+        if not step.quota and not step.enforce:  # shadow
             rule.shadow_mode += hits  # would have been denied; reported OK
         else:
-            status.code = Code.OVER_LIMIT
+            status.code = _OVER
             status.remaining = 0
 
     def _finish(
         self, statuses: list[DescriptorStatus], taken: list[tuple[ProbabilisticBucket, int]]
     ) -> Response:
         overall = overall_code(statuses)
-        if overall is Code.OVER_LIMIT:
+        if overall is _OVER:
             for bucket, hits in taken:  # a denied request consumes no quota
                 bucket.credit += hits
                 bucket.admitted -= hits
             if self.global_shadow:
                 self.stats.global_shadow_mode += 1
-                overall = Code.OK
+                overall = _OK
         return Response(overall, statuses)
 
 

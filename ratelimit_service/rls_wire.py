@@ -113,6 +113,7 @@ def limit_bytes(limit: RateLimit) -> bytes:
 
 
 _CODES = {code: _CODE + _varint(int(code)) for code in Code}
+_OVERALL_CODES = {code: _varint(int(code)) for code in Code}
 
 
 def encode_response(
@@ -123,7 +124,7 @@ def encode_response(
     """The response's wire bytes, built as a list of parts joined once (bytes
     concatenation of a few parts is cheaper than growing a bytearray field by field).
     One loop without calls where it can: this runs per descriptor of every answer."""
-    parts = [_OVERALL, _varint(int(response.overall))]
+    parts = [_OVERALL, _OVERALL_CODES[response.overall]]
     small, codes, durations = _SMALL, _CODES, _DURATIONS
     for status in response.statuses:
         remaining = status.remaining

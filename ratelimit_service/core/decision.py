@@ -9,6 +9,10 @@ from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus
 
 NEAR_LIMIT_RATIO = 0.8
 
+_OK = Code.OK
+_OVER = Code.OVER_LIMIT
+"""Read per descriptor: module constants, not enum members through the class."""
+
 
 def hits_for(descriptor: Descriptor, request_hits: int) -> int:
     """Per-descriptor ``hits_addend`` wins, and 0 there means check only; the request's
@@ -56,8 +60,8 @@ def overall_code(statuses: Sequence[DescriptorStatus]) -> Code:
         limit = status.limit
         if limit is not None and limit.quota_mode:
             quota_seen = True
-            if status.code is not Code.OVER_LIMIT:
+            if status.code is not _OVER:
                 quota_all_over = False
-        elif status.code is Code.OVER_LIMIT:
-            return Code.OVER_LIMIT
-    return Code.OVER_LIMIT if quota_seen and quota_all_over else Code.OK
+        elif status.code is _OVER:
+            return _OVER
+    return _OVER if quota_seen and quota_all_over else _OK
