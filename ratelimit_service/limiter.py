@@ -19,7 +19,13 @@ from ratelimit_service.core.config_model import (
     RateLimit,
     RateLimitConfig,
 )
-from ratelimit_service.core.decision import drop_replaced, hits_for, overall_code, split_hits
+from ratelimit_service.core.decision import (
+    drop_replaced,
+    hits_for,
+    near_hits,
+    near_threshold,
+    overall_code,
+)
 from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
 from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
 from ratelimit_service.core.matching import (
@@ -68,6 +74,7 @@ class _Step:
         "index",
         "limit",
         "match",
+        "near",
         "quota",
         "requests_per_unit",
         "role",
@@ -90,6 +97,7 @@ class _Step:
         self.stats_key = match.stats_key
         self.requests_per_unit = limit.requests_per_unit
         self.window_seconds = limit.window_seconds
+        self.near = near_threshold(limit.requests_per_unit)
         self.rule_stats: RuleStats | None = None
         """The rule's counters, once they are known to be its own (not _overflow)."""
 
@@ -310,12 +318,12 @@ class RateLimiter:
                 step.rule_stats = rule
         hits = step.hits
         rule.total_hits += hits
-        over, near, within = split_hits(step.requests_per_unit, before, hits, admitted)
-        rule.near_limit += near
-        rule.within_limit += within
-        if admitted:
+        if admitted:  # split_hits, without a call or a tuple when far from the limit
+            rule.within_limit += hits
+            if before + hits > step.near:
+                rule.near_limit += near_hits(step.near, before, hits)
             return
-        rule.over_limit += over
+        rule.over_limit += hits
         if not step.quota and not step.enforce:  # shadow
             rule.shadow_mode += hits  # would have been denied; reported OK
         else:

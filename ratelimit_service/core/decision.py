@@ -44,12 +44,20 @@ def split_hits(limit: int, before: int, hits: int, admitted: bool) -> tuple[int,
     """
     if not admitted:
         return hits, 0, 0
-    near_threshold = int(limit * NEAR_LIMIT_RATIO)
+    return 0, near_hits(near_threshold(limit), before, hits), hits
+
+
+def near_threshold(limit: int) -> int:
+    """Hits in the window past which admitted hits count as near the limit."""
+    return int(limit * NEAR_LIMIT_RATIO)
+
+
+def near_hits(threshold: int, before: int, hits: int) -> int:
+    """How many of ``hits``, admitted on top of ``before``, are past ``threshold``."""
     after = before + hits
-    near = 0
-    if after > near_threshold:
-        near = hits if before >= near_threshold else after - near_threshold
-    return 0, near, hits
+    if after <= threshold:
+        return 0
+    return hits if before >= threshold else after - threshold
 
 
 def overall_code(statuses: Sequence[DescriptorStatus]) -> Code:
