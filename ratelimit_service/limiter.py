@@ -318,7 +318,7 @@ class RateLimiter:
                 step.rule_stats = rule
         hits = step.hits
         rule.total_hits += hits
-        if admitted:  # split_hits, without a call or a tuple when far from the limit
+        if admitted:  # no call unless the hits come near the limit
             rule.within_limit += hits
             if before + hits > step.near:
                 rule.near_limit += near_hits(step.near, before, hits)

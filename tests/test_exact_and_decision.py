@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.decision import drop_replaced, hits_for, overall_code, split_hits
+from ratelimit_service.core.decision import (
+    drop_replaced,
+    hits_for,
+    near_hits,
+    near_threshold,
+    overall_code,
+)
 from ratelimit_service.core.exact import ExactHit, HitRole, evaluate, fits, request_denied
 from ratelimit_service.core.request import (
     UINT32_MAX,
@@ -262,33 +268,31 @@ def test_drop_replaced_mutual_and_no_replaces() -> None:
     assert plain == before
 
 
-# --------------------------------------------------------------------------- split_hits
+# --------------------------------------------------------------------------- near-limit hits
 
 
 @pytest.mark.parametrize(
-    ("limit", "before", "hits", "admitted", "expected"),
+    ("limit", "before", "hits", "near"),
     [
-        (10, 0, 5, True, (0, 0, 5)),
-        (10, 5, 3, True, (0, 0, 3)),  # after = 8 = threshold: not near
-        (10, 7, 2, True, (0, 1, 2)),  # crosses the threshold
-        (10, 8, 2, True, (0, 2, 2)),
-        (10, 9, 1, True, (0, 1, 1)),
-        (10, 0, 10, True, (0, 2, 10)),
-        (10, 9, 0, True, (0, 0, 0)),  # check-only
-        (10, 10, 3, False, (3, 0, 0)),
-        (10, 0, 11, False, (11, 0, 0)),
-        (100, 79, 2, True, (0, 1, 2)),
-        (100, 80, 1, True, (0, 1, 1)),
-        (100, 78, 2, True, (0, 0, 2)),
-        (1, 0, 1, True, (0, 1, 1)),  # threshold int(0.8) = 0
-        (5, 3, 1, True, (0, 0, 1)),  # threshold 4
-        (5, 4, 1, True, (0, 1, 1)),
+        (10, 0, 5, 0),
+        (10, 5, 3, 0),  # after = 8 = threshold: not near
+        (10, 7, 2, 1),  # crosses the threshold
+        (10, 8, 2, 2),
+        (10, 9, 1, 1),
+        (10, 0, 10, 2),
+        (10, 9, 0, 0),  # check-only
+        (100, 79, 2, 1),
+        (100, 80, 1, 1),
+        (100, 78, 2, 0),
+        (1, 0, 1, 1),  # threshold int(0.8) = 0
+        (5, 3, 1, 0),  # threshold 4
+        (5, 4, 1, 1),
     ],
 )
-def test_split_hits(
-    limit: int, before: int, hits: int, admitted: bool, expected: tuple[int, int, int]
-) -> None:
-    assert split_hits(limit, before, hits, admitted) == expected
+def test_near_hits(limit: int, before: int, hits: int, near: int) -> None:
+    """Admitted hits past 80 % of the limit count as near, as envoyproxy/ratelimit
+    counts them (denied hits are all over_limit: see the limiter's stats tests)."""
+    assert near_hits(near_threshold(limit), before, hits) == near
 
 
 # --------------------------------------------------------------------------- overall_code

@@ -35,20 +35,10 @@ def drop_replaced(limits: list[RateLimit | None]) -> None:
             limits[index] = None
 
 
-def split_hits(limit: int, before: int, hits: int, admitted: bool) -> tuple[int, int, int]:
-    """Split ``hits`` into (over_limit, near_limit, within_limit) counts.
-
-    Hits past the limit are over; hits between 80 % of the limit and the limit are
-    near (and also within), as envoyproxy/ratelimit accounts them. Denied hits are
-    all over, since we do not let them consume the window.
-    """
-    if not admitted:
-        return hits, 0, 0
-    return 0, near_hits(near_threshold(limit), before, hits), hits
-
-
 def near_threshold(limit: int) -> int:
-    """Hits in the window past which admitted hits count as near the limit."""
+    """Hits in the window past which admitted hits count as near the limit (80 %, as
+    envoyproxy/ratelimit counts them; denied hits are all over the limit, since they
+    do not consume the window)."""
     return int(limit * NEAR_LIMIT_RATIO)
 
 
