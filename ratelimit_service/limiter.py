@@ -73,7 +73,6 @@ class _Step:
         "hits",
         "index",
         "limit",
-        "match",
         "near",
         "quota",
         "requests_per_unit",
@@ -86,7 +85,6 @@ class _Step:
     def __init__(self, index: int, limit: RateLimit, match: Match, hits: int) -> None:
         self.index = index
         self.limit = limit
-        self.match = match
         self.hits = hits
         self.exact = limit.mode is Mode.EXACT
         self.role = _role(limit)

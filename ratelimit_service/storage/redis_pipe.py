@@ -161,7 +161,7 @@ class RedisPipe:
     async def evalsha(self, sha: str, script: str, keys: list[str], args: list[Any]) -> Any:
         """The script's reply, connecting first if needed."""
         protocol = await self.connected()
-        future = protocol._loop.create_future()
+        future = asyncio.get_running_loop().create_future()
         _evalsha(protocol, sha, script, keys, args, functools.partial(_resolve, future))
         return await future
 
