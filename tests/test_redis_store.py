@@ -109,6 +109,23 @@ async def test_fleet_sync_token_bucket(store: RedisStore) -> None:
     assert debt.views[0].tokens == -100.0  # debt is bounded by one window
 
 
+async def test_fleet_sync_stamps_keep_every_microsecond(store: RedisStore, redis_server) -> None:
+    """The bucket's time stamp and the node registry's scores are written as whole
+    microseconds (16 digits), not as Lua's 14-digit rendering of a number."""
+    await store.sync([BucketReport("b", 100, 1, offered=1, admitted=1)], 0.25)
+    raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        stamp = await raw.hget(store._fleet_key("b", 1), "ts")
+        scores = await raw.zrange(store.prefix + "nodes", 0, -1, withscores=True)
+        seconds, micros = await raw.time()
+    finally:
+        await raw.aclose()
+    assert stamp is not None and stamp.isdigit() and len(stamp) == 16
+    now_us = seconds * 1_000_000 + micros
+    assert 0 <= now_us - int(stamp) < 5_000_000
+    assert [abs(score - int(stamp)) for _, score in scores] == [0]
+
+
 async def test_nodes_are_counted_by_heartbeat(redis_server) -> None:
     stores = [RedisStore(redis_server.url) for _ in range(3)]
     try:

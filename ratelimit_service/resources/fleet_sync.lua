@@ -17,17 +17,22 @@
 --            tokens in thousandths, offered total}
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
-local t = redis.call('TIME')
+local call, tonumber, format = redis.call, tonumber, string.format
+local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local node_ttl = tonumber(ARGV[2])
+-- Numbers go to redis.call as strings formatted here: Redis's own conversion of a Lua
+-- number costs more than the command, and tostring() keeps only 14 digits (the
+-- microsecond clock has 16).
+local stamp_text = format('%d', now)
 
 local first = 1
 local out = {-1}
 if ARGV[1] ~= '' then
-  redis.call('ZADD', KEYS[1], now, ARGV[1])
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - node_ttl)
-  redis.call('PEXPIRE', KEYS[1], math.ceil(node_ttl / 1000) + 1000)
-  out[1] = redis.call('ZCARD', KEYS[1])
+  call('ZADD', KEYS[1], stamp_text, ARGV[1])
+  call('ZREMRANGEBYSCORE', KEYS[1], '-inf', format('%d', now - node_ttl))
+  call('PEXPIRE', KEYS[1], format('%d', math.ceil(node_ttl / 1000) + 1000))
+  out[1] = call('ZCARD', KEYS[1])
   first = 2
 end
 
@@ -38,8 +43,7 @@ for i = 1, #KEYS - first + 1 do
   local limit = tonumber(ARGV[base + 1])
   local capacity = tonumber(ARGV[base + 2])
   local admitted = tonumber(ARGV[base + 3])
-  local offered = tonumber(ARGV[base + 4])
-  local state = redis.call('HMGET', key, 'tk', 'ts')
+  local state = call('HMGET', key, 'tk', 'ts')
   local tokens = tonumber(state[1])
   local stamp = tonumber(state[2])
   if tokens == nil or stamp == nil then
@@ -52,10 +56,10 @@ for i = 1, #KEYS - first + 1 do
   end
   tokens = tokens - admitted
   if tokens < -limit then tokens = -limit end
-  redis.call('HSET', key, 'tk', tostring(tokens), 'ts', tostring(now))
-  local offered_total = redis.call('HINCRBY', key, 'o', offered)
+  call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text)
+  local offered_total = call('HINCRBY', key, 'o', ARGV[base + 4])
   -- Kept one window past full refill plus a minute: after that it is a full bucket.
-  redis.call('PEXPIRE', key, math.ceil(window / 1000) * 2 + 60000)
+  call('PEXPIRE', key, format('%d', math.ceil(window / 1000) * 2 + 60000))
   out[#out + 1] = math.floor(tokens * 1000)
   out[#out + 1] = offered_total
 end
