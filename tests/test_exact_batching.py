@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis.asyncio as aioredis
 
-from ratelimit_service.core.exact import ExactHit, HitRole
+from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
@@ -106,3 +107,50 @@ async def test_every_waiter_hears_a_failure(redis_server) -> None:
     finally:
         redis_server.resume()
         await store.close()
+
+
+async def test_hits_held_back_in_a_call_count_when_slices_are_read(
+    store: RedisStore, redis_server
+) -> None:
+    """The script writes a call's hits at its end. A denied hit reads the key's slices
+    to work out its wait, and a recount reads them after a slice expired: both must
+    see the hits the same call already took, and the bookkeeping must come out equal
+    to the slices."""
+    raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    key = store._exact_key("w", 1)
+    decoy = [ExactHit("decoy", 100, 1, 1)]  # goes alone, so the rest share one call
+
+    async def bookkeeping_total() -> int:
+        fields = await raw.hgetall(key)
+        slices = {int(k): int(v) for k, v in fields.items() if k not in ("n", "o", "c")}
+        assert int(fields["n"]) == sum(slices.values())
+        assert int(fields["o"]) == min(slices) and int(fields["c"]) == max(slices)
+        return int(fields["n"])
+
+    async def burst(count: int) -> list[ExactResult]:
+        hit = [ExactHit("w", 5, 1, 1)]
+        results = await asyncio.gather(
+            store.hit(decoy, True), *(store.hit(hit, True) for _ in range(count))
+        )
+        return [r[0] for r in results[1:]]
+
+    try:
+        await store.hit([ExactHit("w", 5, 1, 3)], True)
+        await asyncio.sleep(0.5)
+        calls = store.stats()["exact_batches"]
+        results = await burst(6)  # two fit; the four denied read the slices
+        assert store.stats()["exact_batches"] == calls + 2
+        assert [r.admitted for r in results] == [True, True] + [False] * 4
+        assert [r.before for r in results] == [3, 4, 5, 5, 5, 5]
+        for denied in results[2:]:
+            assert denied.remaining == 0  # the call's own two hits are counted
+            assert 0.3 < denied.reset_after <= 0.55  # when the first three leave
+        assert await bookkeeping_total() == 5
+        await asyncio.sleep(0.55)  # the first three have left: the next call recounts
+        results = await burst(5)
+        assert [r.before for r in results] == [2, 3, 4, 5, 5]
+        assert [r.admitted for r in results] == [True, True, True, False, False]
+        assert [r.remaining for r in results] == [2, 1, 0, 0, 0]
+        assert await bookkeeping_total() == 5
+    finally:
+        await raw.aclose()
