@@ -144,7 +144,7 @@ async def test_hits_held_back_in_a_call_count_when_slices_are_read(
         assert [r.before for r in results] == [3, 4, 5, 5, 5, 5]
         for denied in results[2:]:
             assert denied.remaining == 0  # the call's own two hits are counted
-            assert 0.3 < denied.reset_after <= 0.55  # when the first three leave
+            assert 0.2 < denied.reset_after <= 0.55  # when the first three leave
         assert await bookkeeping_total() == 5
         await asyncio.sleep(0.55)  # the first three have left: the next call recounts
         results = await burst(5)
