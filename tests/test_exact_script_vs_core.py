@@ -2,22 +2,27 @@
 
 exact_window.lua re-implements core/exact.py and core/window.py for Redis. Random
 traffic (shared keys, repeated keys within a request, every role, check-only
-requests, hits of 0) goes to both, the script's side batched several requests to a
-call; every descriptor's admitted, before and remaining must agree. Windows are an
-hour long, so nothing leaves them while the test runs and both see the same counts.
+requests, hits of 0) goes to both. The first test sends it through the store, batched
+several requests to a call, on hour-long windows (nothing leaves them while it runs).
+The second runs the script on a clock the test sets, so slices expire between calls,
+and compares reset times too, and the bookkeeping fields after every call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import pytest
+import redis.asyncio as aioredis
 
-from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
+from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, evaluate
+from ratelimit_service.core.window import SlidingWindow
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.storage.exact_batcher import encode
+from ratelimit_service.storage.redis_store import RedisStore, _script
 
 WINDOW = 3600
 ROLES = [HitRole.ENFORCE, HitRole.ENFORCE, HitRole.SHADOW, HitRole.QUOTA]
@@ -70,3 +75,104 @@ async def test_script_agrees_with_core(redis_server, monkeypatch, seed: int) -> 
         assert compared > 300 and denied > 50  # the traffic did reach the limits
     finally:
         await redis.close()
+
+
+CLOCK = "test:clock"
+
+
+def script_on_test_clock() -> str:
+    """The script with Redis's TIME replaced by a hash the test writes."""
+    source = _script("exact_window.lua")
+    time_call = "local t = call('TIME')"
+    assert source.count(time_call) == 1
+    return source.replace(time_call, f"local t = call('HMGET', '{CLOCK}', 's', 'us')")
+
+
+async def check_bookkeeping(client: aioredis.Redis, now_us: int, slices: int) -> None:
+    """n, o and c agree with the slices; every key has an expiry past its newest slice."""
+    for key in await client.keys("w:*"):
+        fields = await client.hgetall(key)
+        live = {int(k): int(v) for k, v in fields.items() if k not in (b"n", b"o", b"c")}
+        assert live and all(hits > 0 for hits in live.values()), (key, fields)
+        assert int(fields[b"n"]) == sum(live.values()), (key, fields)
+        assert int(fields[b"o"]) == min(live) and int(fields[b"c"]) == max(live), (key, fields)
+        window_us = int(key.split(b":")[1]) * 1_000_000
+        width = window_us / slices
+        leaves_at = (max(live) + slices + 1) * width
+        assert await client.pttl(key) * 1000 >= leaves_at - now_us - 1000, key
+
+
+def window(
+    models: dict[tuple[str, int], SlidingWindow], hit: ExactHit, slices: int
+) -> SlidingWindow:
+    return models.setdefault(
+        (hit.key, hit.window_seconds), SlidingWindow(hit.window_seconds, slices)
+    )
+
+
+@pytest.mark.parametrize("slices", [1, 3, 60])
+async def test_script_agrees_with_core_as_slices_expire(redis_server, slices: int) -> None:
+    rng = random.Random(slices)
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock()
+    models: dict[tuple[str, int], SlidingWindow] = {}
+    now_us = 1_700_000_000_000_000 + rng.randrange(10**9)
+    seen = {"denied": 0, "expired": 0}
+    try:
+        for _ in range(150):
+            step = rng.choice([0, rng.randrange(200_000), rng.randrange(3_000_000)])
+            now_us += rng.choice([step, step, rng.randrange(8_000_000)])
+            await client.hset(CLOCK, mapping={"s": now_us // 10**6, "us": now_us % 10**6})
+            requests = [
+                ([ExactHit(rng.choice("ab"), rng.randint(0, 8), rng.choice([1, 2, 3]),
+                           rng.choice([0, 1, 1, 2, 3, 5]), rng.choice(ROLES))
+                  for _ in range(rng.randint(1, 4))], rng.random() < 0.8)
+                for _ in range(rng.randint(1, 5))
+            ]  # fmt: skip
+            keys: list[str] = []
+            args: list[object] = [slices, len(requests)]
+            for hits, commit in requests:
+                keys += [f"w:{hit.window_seconds}:{hit.key}" for hit in hits]
+                encode(hits, commit, args)
+            live_before = sum(m.total for m in models.values())
+            raw = await client.eval(source, len(keys), *keys, *args)
+            got = iter(zip(*[iter(raw)] * 4, strict=True))
+            for hits, commit in requests:
+                windows = [window(models, hit, slices) for hit in hits]
+                for want in evaluate(hits, windows, now_us / 1e6, commit):
+                    admitted, before, remaining, reset_us = next(got)
+                    assert (bool(admitted), before, remaining) == (
+                        want.admitted, want.before, want.remaining
+                    ), (hits, commit)  # fmt: skip
+                    assert math.isclose(reset_us / 1e6, want.reset_after, abs_tol=3e-6)
+                    seen["denied"] += not want.admitted
+            seen["expired"] += live_before > sum(m.count(now_us / 1e6) for m in models.values())
+            await check_bookkeeping(client, now_us, slices)
+        assert seen["denied"] > 50 and seen["expired"] > 10  # both paths were exercised
+    finally:
+        await client.aclose()
+
+
+async def test_bookkeeping_survives_a_clock_that_steps_back(redis_server) -> None:
+    """Redis's clock going back (a failover to a host that runs behind) puts a hit in a
+    slice older than o; a later call that reads the slices deletes it as expired. The
+    running total must lose it too, even when the same call adds hits."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock()
+    start = 1_700_000_000
+
+    async def call(at: int, *requests: tuple[int, int, int]) -> None:
+        """Each request: (limit, hits, commit), one descriptor on key w:60:k."""
+        await client.hset(CLOCK, mapping={"s": at, "us": 0})
+        args: list[object] = [60, len(requests)]
+        for limit, hits, commit in requests:
+            encode([ExactHit("k", limit, 60, hits)], bool(commit), args)
+        await client.eval(source, len(requests), *["w:60:k"] * len(requests), *args)
+
+    try:
+        await call(start, (10, 2, 1))
+        await call(start - 3, (10, 1, 1))  # lands before o: counted in n, not in o
+        await call(start + 58, (3, 0, 1), (10, 1, 1))  # a denied check reads the slices
+        await check_bookkeeping(client, (start + 58) * 10**6, 60)
+    finally:
+        await client.aclose()
