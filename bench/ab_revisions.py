@@ -2,13 +2,15 @@
 
     python bench/ab_revisions.py --rev 52b0834 --rev HEAD --mode exact --redis
     python bench/ab_revisions.py --rev HEAD~1 --rev HEAD --descriptors 1,5 --rounds 5
+    python bench/ab_revisions.py --rev HEAD --tree /tmp/build   # holds ratelimit_service/
 
 A change to the request path usually moves throughput by a few percent, less than
 the noise between two invocations of bench/throughput.py. So this script measures
 the revisions in one run, in rotated rounds (noise falls on all alike): each
 revision's ``ratelimit_service`` package is taken from git (``git archive``) into a
-temporary directory and served from there (``PYTHONPATH``), on the same config as
-bench/throughput.py, beside the null server. It prints, per revision and descriptor
+temporary directory (or a directory given with ``--tree`` is used as it is: say, a
+build with compiled modules) and served from there (``PYTHONPATH``), on the same
+config as bench/throughput.py, beside the null server. It prints, per revision and descriptor
 count, the median saturated req/s, its ratio to the null server, the p99 as a
 multiple of the null server's and the server's CPU per request.
 """
@@ -61,7 +63,10 @@ def start_revision(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rev", action="append", required=True, help="a git revision")
+    parser.add_argument("--rev", action="append", default=[], help="a git revision")
+    parser.add_argument(
+        "--tree", action="append", default=[], help="a directory holding ratelimit_service/"
+    )
     parser.add_argument("--mode", choices=["probabilistic", "exact"], default="probabilistic")
     parser.add_argument("--redis", action="store_true", help="serve on a redis-server")
     parser.add_argument("--descriptors", default="1", help="comma-separated, e.g. 1,5")
@@ -78,11 +83,14 @@ def main() -> None:
         flags = ["--mode", args.mode]
         if args.redis:
             flags += ["--redis-url", tp.start_redis(directory, redis_servers).url]
-        progress(f"starting the null server and {len(args.rev)} revisions ({' '.join(flags)})")
+        sources = [(rev, export(rev, directory / "src")) for rev in args.rev]
+        sources += [(tree, Path(tree).resolve()) for tree in args.tree]
+        if not sources:
+            parser.error("give at least one --rev or --tree")
+        progress(f"starting the null server and {len(sources)} services ({' '.join(flags)})")
         servers = [tp.start_null(processes)]
-        for rev in args.rev:
-            source = export(rev, directory / "src")
-            servers.append(start_revision(processes, rev, source, config, flags))
+        for name, source in sources:
+            servers.append(start_revision(processes, name, source, config, flags))
         bodies = tp.write_bodies(directory, counts)
         log = directory / "h2load.log"
         tp.warm_up(servers, bodies, log)
