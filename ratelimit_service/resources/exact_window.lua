@@ -36,11 +36,12 @@ local requests = tonumber(ARGV[2])
 -- slice width, it outlives every older one too, so the other hits skip a PEXPIRE.
 --
 -- Each key is read once per batch and then kept in `windows`, updated as hits are
--- consumed: a batch often repeats the same few keys. Writes wait until the end, one
+-- consumed: a batch often repeats the same few keys. Writes wait until the end: one
 -- HINCRBY of the slice and one of n per key (n, o and c are rewritten whole when the
--- call has read the slices), with numbers formatted here: Redis turns a Lua number argument into a
--- string with a printf of its own, which costs more than the command itself
--- (measured: an HSET of three numbers 1.1-1.6 us, of the same as strings 0.5 us).
+-- call has read the slices), with numbers formatted here, since Redis turns a Lua
+-- number argument into a string with a printf of its own, which costs more than the
+-- command itself (measured: an HSET of three numbers 1.1-1.6 us, of three strings
+-- 0.5 us).
 local windows = {}
 
 -- Every live slice, {index -> hits}; expired slices are deleted on the way.
@@ -49,7 +50,7 @@ local function read_slices(w)
   local stale, live, total, first = {}, {}, 0, nil
   for j = 1, #raw, 2 do
     local index = tonumber(raw[j])
-    if index ~= nil then  -- not n or o
+    if index ~= nil then  -- not n, o or c
       if index < w.oldest then
         stale[#stale + 1] = raw[j]
       else
