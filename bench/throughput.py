@@ -3,6 +3,7 @@
     python bench/throughput.py                      # suite "throughput", about 4 minutes
     python bench/throughput.py --suite redis-delay  # exact vs probabilistic behind a slow Redis
     python bench/throughput.py --quick              # one round of short runs, to try it out
+    python bench/throughput.py --pin                # servers on CPU 0, h2load and Redis on CPU 1
 
 Suite "throughput": starts the null server (bench/null_server.py, the ceiling) and one
 fresh service per target -- embedded probabilistic, embedded exact, Redis probabilistic,
@@ -22,6 +23,11 @@ services: exact (default --redis-timeout, 10 ms), exact with --redis-timeout 0.0
 probabilistic; each driven at a fixed 1,000 requests/s (``h2load -c 4 -m 8 --rps
 250``). It also times the first command on a new connection of the service's own
 Redis client on each path, and counts the connections Redis accepts during each run.
+
+With --pin (throughput suite, 2 CPUs or more) every server under test, the null
+server included, runs on CPU 0 and h2load and redis-server on CPU 1: each server has a
+core to itself, as where Redis runs on other machines, instead of sharing both cores
+with the load generator and Redis. Its results go to throughput_pinned.json.
 
 Percentiles come from h2load's --log-file (per-request latency). After every run the
 service's /metrics must have counted between h2load's "done" and "started" requests,
@@ -47,7 +53,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,11 +104,13 @@ class Processes:
         self.logs = logs
         self.running: list[subprocess.Popen[bytes]] = []
 
-    def start(self, name: str, command: Sequence[str]) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, command: Sequence[str], cpus: frozenset[int] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (kept open by the child)
         process = subprocess.Popen(
             list(command), stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=on_cpus(cpus),
         )  # fmt: skip
         log.close()
         self.running.append(process)
@@ -142,10 +150,22 @@ def lab(keep_logs: bool = False) -> Iterator[tuple[Path, Processes, list[RedisSe
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def start_redis(directory: Path, redis_servers: list[RedisServer]) -> RedisServer:
+def on_cpus(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """For preexec_fn: the child (and every thread it starts) runs only on ``cpus``."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def start_redis(
+    directory: Path, redis_servers: list[RedisServer], cpus: frozenset[int] | None = None
+) -> RedisServer:
     redis = RedisServer(directory)
     redis_servers.append(redis)
     redis.start()
+    if cpus is not None and redis.process is not None:
+        for thread in os.listdir(f"/proc/{redis.process.pid}/task"):
+            os.sched_setaffinity(int(thread), cpus)
     return redis
 
 
@@ -158,7 +178,11 @@ class Server:
 
 
 def start_service(
-    processes: Processes, name: str, config: Path, extra: Sequence[str] = ()
+    processes: Processes,
+    name: str,
+    config: Path,
+    extra: Sequence[str] = (),
+    cpus: frozenset[int] | None = None,
 ) -> Server:
     grpc_port, admin_port = free_port(), free_port()
     process = processes.start(
@@ -166,15 +190,16 @@ def start_service(
         [sys.executable, "-m", "ratelimit_service", "serve", "--config", str(config),
          "--grpc-addr", f"127.0.0.1:{grpc_port}", "--admin-addr", f"127.0.0.1:{admin_port}",
          *extra],
+        cpus,
     )  # fmt: skip
     wait_healthy(admin_port)
     return Server(name, grpc_port, admin_port, process.pid)
 
 
-def start_null(processes: Processes) -> Server:
+def start_null(processes: Processes, cpus: frozenset[int] | None = None) -> Server:
     port = free_port()
     process = processes.start(
-        "null", [sys.executable, str(BENCH / "null_server.py"), "--port", str(port)]
+        "null", [sys.executable, str(BENCH / "null_server.py"), "--port", str(port)], cpus
     )
     wait_port(port)
     return Server("null server", port, None, process.pid)
@@ -229,14 +254,18 @@ class H2load:
     command: str
 
 
-def run_h2load(port: int, body: Path, load: str, seconds: float, log: Path) -> H2load:
+def run_h2load(
+    port: int, body: Path, load: str, seconds: float, log: Path, cpus: frozenset[int] | None = None
+) -> H2load:
     log.unlink(missing_ok=True)  # h2load appends to its log file
     command = [
         "h2load", *LOADS[load], "-D", f"{seconds:g}", "--log-file", str(log),
         "-H", "content-type: application/grpc", "-H", "te: trailers",
         "-d", str(body), f"http://127.0.0.1:{port}{ROUTE}",
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=seconds + 60, preexec_fn=on_cpus(cpus)
+    )
     out = result.stdout
     finished = re.search(r"finished in [\d.]+m?s, ([\d.]+) req/s", out)
     counts = re.search(
@@ -326,10 +355,11 @@ class RedisSample:
 def measure(
     suite: str, server: Server, descriptors: int, load: str, round_: int,
     body: Path, seconds: float, log: Path, redis_server: RedisServer | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> Run:  # fmt: skip
     before = scrape(server.admin_port) if server.admin_port else {}
     redis_before, cpu_before = RedisSample.take(redis_server), cpu_seconds(server.pid)
-    h2 = run_h2load(server.port, body, load, seconds, log)
+    h2 = run_h2load(server.port, body, load, seconds, log, cpus)
     cpu_after, redis_after = cpu_seconds(server.pid), RedisSample.take(redis_server)
     run = Run(suite, server.name, descriptors, load, round_, h2)
     run.new_redis_connections = redis_after.connections - redis_before.connections
@@ -367,10 +397,15 @@ def write_bodies(directory: Path, counts: Sequence[int]) -> dict[int, Path]:
     return bodies
 
 
-def warm_up(servers: Sequence[Server], bodies: dict[int, Path], log: Path) -> None:
+def warm_up(
+    servers: Sequence[Server],
+    bodies: dict[int, Path],
+    log: Path,
+    cpus: frozenset[int] | None = None,
+) -> None:
     for server in servers:
         for body in bodies.values():
-            run_h2load(server.port, body, "saturate", 1, log)
+            run_h2load(server.port, body, "saturate", 1, log, cpus)
 
 
 # -- suite: throughput -------------------------------------------------------------------
@@ -383,19 +418,23 @@ def suite_throughput(args: argparse.Namespace, progress: Progress) -> list[Run]:
         config.write_text(CONFIG)
         bodies = write_bodies(directory, [1, 5])
         log = directory / "h2load.tsv"
+        # --pin: the servers under test on CPU 0; h2load and Redis on CPU 1.
+        mine, tools = (frozenset({0}), frozenset({1})) if args.pin else (None, None)
         progress("starting redis-server, the null server and 4 services")
-        server_redis = start_redis(directory, redis_servers)
+        server_redis = start_redis(directory, redis_servers, tools)
+        url = server_redis.url
         servers = [
-            start_null(processes),
-            start_service(processes, "embedded probabilistic", config, ["--mode", "probabilistic"]),
-            start_service(processes, "embedded exact", config, ["--mode", "exact"]),
+            start_null(processes, mine),
+            start_service(processes, "embedded probabilistic", config,
+                          ["--mode", "probabilistic"], mine),
+            start_service(processes, "embedded exact", config, ["--mode", "exact"], mine),
             start_service(processes, "redis probabilistic", config,
-                          ["--mode", "probabilistic", "--redis-url", server_redis.url]),
+                          ["--mode", "probabilistic", "--redis-url", url], mine),
             start_service(processes, "redis exact", config,
-                          ["--mode", "exact", "--redis-url", server_redis.url]),
+                          ["--mode", "exact", "--redis-url", url], mine),
         ]  # fmt: skip
         progress("warming up (1 s per target and body, not measured)")
-        warm_up(servers, bodies, log)
+        warm_up(servers, bodies, log, tools)
         loads = ["saturate", "one-by-one"]
         total = args.rounds * len(bodies) * len(servers) * len(loads)
         for round_ in range(1, args.rounds + 1):
@@ -406,7 +445,7 @@ def suite_throughput(args: argparse.Namespace, progress: Progress) -> list[Run]:
                         progress(f"run {len(runs) + 1}/{total}: round {round_}, {server.name}, "
                                  f"{count} descriptor(s), {load}, {seconds:g} s")  # fmt: skip
                         run = measure("throughput", server, count, load, round_, body,
-                                      seconds, log, server_redis)  # fmt: skip
+                                      seconds, log, server_redis, tools)  # fmt: skip
                         runs.append(run)
                         report(progress, run)
     return runs
@@ -608,10 +647,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, 2 s runs")
     parser.add_argument("--out", type=Path, default=BENCH / "out")
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument(
+        "--pin", action="store_true", help="servers on CPU 0, h2load and redis-server on CPU 1"
+    )
     args = parser.parse_args()
     args.delays = [float(x) for x in args.delays.split(",") if x]
     if args.quick:
         args.rounds, args.seconds, args.latency_seconds = 1, 2.0, 2.0
+    if args.pin and (args.suite != "throughput" or len(os.sched_getaffinity(0)) < 2):
+        raise SystemExit("--pin needs the throughput suite and two CPUs")
     for tool in ("h2load", "redis-server"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed")
@@ -626,7 +670,7 @@ def main() -> None:
         extra["ping_rtt"] = rtts
     rows = summarize(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"{args.suite.replace('-', '_')}.json"
+    out = args.out / f"{args.suite.replace('-', '_')}{'_pinned' if args.pin else ''}.json"
     out.write_text(json.dumps({
         "machine": info, "argv": sys.argv[1:], "summary": rows,
         "runs": [asdict(run) for run in runs], **extra,
