@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -271,6 +272,19 @@ def test_signal_stops_serve_cleanly(tmp_path: Path, sig: signal.Signals) -> None
         assert "Traceback" not in served.output()
         assert refused(served.admin_url.removeprefix("http://"))
         assert refused(served.grpc_addr)
+
+
+def test_serve_freezes_start_up_objects(tmp_path: Path) -> None:
+    """A full garbage collection under traffic would scan everything built at start-up
+    (about 10 ms, stalling every request in flight); serve freezes it once it is up."""
+    with serve(tmp_path, "--config", "config/", "--log-level", "INFO") as served:
+        deadline = time.monotonic() + 10
+        found = None
+        while found is None and time.monotonic() < deadline:
+            found = re.search(r"frozen for the garbage collector: (\d+)", served.output())
+            time.sleep(0.05)
+        assert found is not None, served.output()
+        assert int(found.group(1)) > 10_000  # modules, config, listeners
 
 
 def test_flags_from_environment(tmp_path: Path) -> None:
