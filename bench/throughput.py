@@ -438,8 +438,11 @@ def suite_throughput(args: argparse.Namespace, progress: Progress) -> list[Run]:
         loads = ["saturate", "one-by-one"]
         total = args.rounds * len(bodies) * len(servers) * len(loads)
         for round_ in range(1, args.rounds + 1):
+            # Each round starts one target further on, so no target always runs
+            # right after the same one (or first, when the machine is coldest).
+            shift = (round_ - 1) % len(servers)
             for count, body in bodies.items():
-                for server in servers:
+                for server in servers[shift:] + servers[:shift]:
                     for load in loads:
                         seconds = args.seconds if load == "saturate" else args.latency_seconds
                         progress(f"run {len(runs) + 1}/{total}: round {round_}, {server.name}, "
