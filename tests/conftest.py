@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import textwrap
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +20,17 @@ from ratelimit_service.testing.redis import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 COMPAT = REPO.parent / "shared" / "compat" / "envoy-ratelimit"
+
+
+def window_slices(fields: Mapping[Any, Any]) -> dict[int, int]:
+    """An exact window hash (HGETALL, bytes or str) as {slice index: hits}, after
+    checking its bookkeeping: n is the sum of the slices, o the oldest, c the newest."""
+    text = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in fields.items()}
+    slices = {int(k): v for k, v in text.items() if k not in ("n", "o", "c")}
+    assert slices, fields
+    assert text["n"] == sum(slices.values()), fields
+    assert text["o"] == min(slices) and text["c"] == max(slices), fields
+    return slices
 
 
 @pytest.fixture
