@@ -47,15 +47,37 @@ def export(rev: str, into: Path) -> Path:
     return target
 
 
+def served_from(source: Path) -> list[str]:
+    """The command prefix that imports ``ratelimit_service`` from ``source``, checked.
+
+    PYTHONSAFEPATH keeps ``python -m`` from putting the working directory first on
+    the path: without it, run from the repository, every revision would import the
+    working tree's package (as this script did until the seventh session)."""
+    prefix = ["env", "PYTHONSAFEPATH=1", f"PYTHONPATH={source}", sys.executable]
+    where = subprocess.run(
+        [*prefix, "-c", "import ratelimit_service; print(ratelimit_service.__file__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    if not Path(where).resolve().is_relative_to(source.resolve()):
+        raise SystemExit(f"{source}: python imports ratelimit_service from {where} instead")
+    return prefix
+
+
 def start_revision(
-    processes: tp.Processes, name: str, source: Path, config: Path, flags: list[str]
+    processes: tp.Processes,
+    name: str,
+    source: Path,
+    config: Path,
+    flags: list[str],
+    cpus: frozenset[int] | None = None,
 ) -> tp.Server:
     grpc_port, admin_port = free_port(), free_port()
     process = processes.start(
         name.replace("/", "_"),
-        ["env", f"PYTHONPATH={source}", sys.executable, "-m", "ratelimit_service", "serve",
+        [*served_from(source), "-m", "ratelimit_service", "serve",
          "--config", str(config), "--grpc-addr", f"127.0.0.1:{grpc_port}",
          "--admin-addr", f"127.0.0.1:{admin_port}", *flags],
+        cpus,
     )  # fmt: skip
     tp.wait_healthy(admin_port)
     return tp.Server(name, grpc_port, admin_port, process.pid)
@@ -72,8 +94,13 @@ def main() -> None:
     parser.add_argument("--descriptors", default="1", help="comma-separated, e.g. 1,5")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=3)
+    parser.add_argument(
+        "--pin", action="store_true",
+        help="servers on CPU 0, h2load and redis-server on CPU 1 (as bench/throughput.py --pin)",
+    )  # fmt: skip
     args = parser.parse_args()
     counts = [int(n) for n in args.descriptors.split(",")]
+    servers_on, load_on = tp.pinning(args.pin)
     progress = tp.Progress()
     results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     with tp.lab() as (directory, processes, redis_servers):
@@ -82,25 +109,25 @@ def main() -> None:
         (config / "bench.yaml").write_text(tp.CONFIG)
         flags = ["--mode", args.mode]
         if args.redis:
-            flags += ["--redis-url", tp.start_redis(directory, redis_servers).url]
+            flags += ["--redis-url", tp.start_redis(directory, redis_servers, load_on).url]
         sources = [(rev, export(rev, directory / "src")) for rev in args.rev]
         sources += [(tree, Path(tree).resolve()) for tree in args.tree]
         if not sources:
             parser.error("give at least one --rev or --tree")
         progress(f"starting the null server and {len(sources)} services ({' '.join(flags)})")
-        servers = [tp.start_null(processes)]
+        servers = [tp.start_null(processes, servers_on)]
         for name, source in sources:
-            servers.append(start_revision(processes, name, source, config, flags))
+            servers.append(start_revision(processes, name, source, config, flags, servers_on))
         bodies = tp.write_bodies(directory, counts)
         log = directory / "h2load.log"
-        tp.warm_up(servers, bodies, log)
+        tp.warm_up(servers, bodies, log, load_on)
         for round_ in range(args.rounds):
             shift = round_ % len(servers)
             for server in servers[shift:] + servers[:shift]:
                 for count, body in bodies.items():
                     progress(f"round {round_ + 1}/{args.rounds}: {server.name}, {count} descr.")
                     before = tp.cpu_seconds(server.pid)
-                    h2 = tp.run_h2load(server.port, body, "saturate", args.seconds, log)
+                    h2 = tp.run_h2load(server.port, body, "saturate", args.seconds, log, load_on)
                     cpu = (tp.cpu_seconds(server.pid) - before) / max(h2.done, 1) * 1e6
                     results.setdefault((server.name, count), []).append((h2.rps, h2.p99_us, cpu))
     print("\n| revision | descr. | req/s | ratio to null | p99 ÷ null's | CPU µs/req | rounds |")

@@ -196,6 +196,16 @@ def start_service(
     return Server(name, grpc_port, admin_port, process.pid)
 
 
+def pinning(pin: bool) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """(CPUs of the servers under test, CPUs of h2load and Redis): CPU 0 and CPU 1 with
+    --pin, anywhere without."""
+    if not pin:
+        return None, None
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--pin needs two CPUs")
+    return frozenset({0}), frozenset({1})
+
+
 def start_null(processes: Processes, cpus: frozenset[int] | None = None) -> Server:
     port = free_port()
     process = processes.start(
@@ -419,7 +429,7 @@ def suite_throughput(args: argparse.Namespace, progress: Progress) -> list[Run]:
         bodies = write_bodies(directory, [1, 5])
         log = directory / "h2load.tsv"
         # --pin: the servers under test on CPU 0; h2load and Redis on CPU 1.
-        mine, tools = (frozenset({0}), frozenset({1})) if args.pin else (None, None)
+        mine, tools = pinning(args.pin)
         progress("starting redis-server, the null server and 4 services")
         server_redis = start_redis(directory, redis_servers, tools)
         url = server_redis.url
