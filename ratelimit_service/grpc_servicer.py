@@ -15,12 +15,12 @@ import grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.message import DecodeError
 
-from ratelimit_service.core.config_model import RateLimit, RateLimitConfig
+from ratelimit_service.core.config_model import RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
 from ratelimit_service.core.request import Descriptor, InvalidRequest, Request
 from ratelimit_service.core.units import unit_from_wire
 from ratelimit_service.limiter import RateLimiter
-from ratelimit_service.rls_wire import RequestCache, encode_response, limit_bytes
+from ratelimit_service.rls_wire import LimitHeads, RequestCache, encode_response
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +43,6 @@ def request_from_proto(message: Any) -> Request:
         hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else None
         descriptors.append(Descriptor(entries, override, hits))
     return Request(message.domain, descriptors, message.hits_addend)
-
-
-class _LimitBytes:
-    """``current_limit`` bytes serialized once per configured limit, not per response.
-    Limits from per-request overrides are serialized each time (they are not kept)."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, tuple[RateLimit, bytes]] = {}
-
-    def get(self, limit: RateLimit) -> bytes:
-        entry = self._by_id.get(id(limit))
-        if entry is not None and entry[0] is limit:
-            return entry[1]
-        return limit_bytes(limit)
-
-    def install(self, config: RateLimitConfig) -> None:
-        self._by_id = {id(limit): (limit, limit_bytes(limit)) for limit in config.limits()}
 
 
 class _MalformedRequest(InvalidRequest):
@@ -87,7 +70,7 @@ class RateLimitServicer:
         self.header_style = header_style
         self._headers = header_style is not HeaderStyle.OFF
         self.header_names = header_names or HeaderNames()
-        self._limit_bytes = _LimitBytes()
+        self._heads = LimitHeads()
         self._bytes_for: RateLimitConfig | None = None
         self._requests = RequestCache(_parse)
 
@@ -103,16 +86,21 @@ class RateLimitServicer:
         try:
             config = self.limiter.config
             if config is not self._bytes_for:  # a reload: rebuild the prebuilt limits,
-                self._limit_bytes.install(config)  # and forget requests planned under the
-                self._requests.clear()  # old config (their plans would keep it alive)
+                self._heads = LimitHeads(config.limits())  # and forget requests planned
+                self._requests.clear()  # under the old config (their plans keep it alive)
                 self._bytes_for = config
-            response = await self.limiter.should_rate_limit(self._requests.get(raw))
+            request = self._requests.find(raw)
+            if request is None:
+                request = self._requests.get(raw)
+            response = self.limiter.decide_locally(request)
+            if response is None:
+                response = await self.limiter.should_rate_limit(request)
             headers = None
             if self._headers:
                 headers = rate_limit_headers(
                     response.statuses, self.header_style, self.header_names
                 )
-            return encode_response(response, headers, self._limit_bytes.get)
+            return encode_response(response, headers, self._heads)
         except InvalidRequest as exc:
             if isinstance(exc, _MalformedRequest):  # the limiter counts the other kinds
                 stats.service_error += 1

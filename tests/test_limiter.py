@@ -537,6 +537,20 @@ async def test_local_buckets_bounded_under_a_flood() -> None:
     assert local.evicted_overflow == 900
 
 
+async def test_a_bucket_in_use_is_not_the_one_evicted() -> None:
+    """The request path finds known buckets without LocalBuckets.get(); it must still
+    mark them used, or a busy bucket would be evicted (and lose its state) first."""
+    local = LocalBuckets(max_buckets=2)
+    h = Harness(local=local)
+    for key in ("prob=a", "prob=b", "prob=a", "prob=c"):
+        assert (await h.call(key)).overall is OK
+    kept = sorted(bucket.key.split("\x1f")[1] for bucket in local.buckets())
+    assert kept == ["prob\x1ea", "prob\x1ec"]
+    h.clock.now += 5.0
+    await h.call("prob=a")
+    assert {bucket.last_used for bucket in local.buckets()} == {h.clock.now - 5.0, h.clock.now}
+
+
 async def test_exact_windows_bounded_under_a_flood() -> None:
     h = Harness(max_keys=100)
     for index in range(1000):
@@ -599,3 +613,49 @@ async def test_default_draws_follow_each_buckets_sequence() -> None:
     bucket.ratio, bucket.credit = 0.5, 1e9
     codes = [(await limiter.should_rate_limit(request)).overall for _ in range(100)]
     assert abs(codes.count(Code.OK) - 50) <= 2
+
+
+# --------------------------------------------------------------------------- the local fast path
+
+
+async def test_statuses_agree_with_the_buckets_own_estimates() -> None:
+    """The limiter inlines ProbabilisticBucket.remaining() and reset_estimate(): after
+    each decision its status must say what the bucket says."""
+    h = Harness()
+    await h.call("p5=1")
+    bucket = _bucket(h, "p5")
+    cases = [(5.0, 0, 0.0), (5.0, 3, 1.0), (2.5, 1, 4.0), (0.0, 2, 30.0), (4.0, 0, 100.0)]
+    resets: list[float | None] = []
+    for tokens, admitted, since_sync in cases:
+        bucket.tokens, bucket.admitted, bucket.credit = tokens, admitted, 10.0
+        bucket.synced_at = h.clock.now - since_sync
+        status = (await h.call("p5=1")).statuses[0]
+        assert status.remaining == bucket.remaining()
+        assert status.reset_after == pytest.approx(bucket.reset_estimate(h.clock.now))
+        resets.append(status.reset_after)
+    assert len(set(resets)) >= 3  # the cases reach the formula, not only its zero
+
+
+async def test_decide_locally_answers_only_requests_without_the_store() -> None:
+    h = Harness()
+    twin = Harness()
+    local_only = ["prob=1", "p5=2"], ["p5=2", "shadow=1"], ["pq=1"], ["p0=1"]
+    for descriptors in local_only:
+        for _ in range(3):
+            built = [_parse(text) for text in descriptors]
+            response = h.limiter.decide_locally(Request("d", built))
+            expected = await twin.call(*descriptors)
+            assert response == expected
+    for needs_more in (["ex=1"], ["prob=1", "ex=1"], ["prob=1", "nomatch=1"], ["unl=1"]):
+        request = Request("d", [_parse(text) for text in needs_more])
+        assert h.limiter.decide_locally(request) is None
+    assert h.limiter.decide_locally(Request("elsewhere", [_parse("prob=1")])) is None
+    counted = {key: vars_of(rule) for key, rule in h.stats.rules.items()}
+    assert counted == {key: vars_of(rule) for key, rule in twin.stats.rules.items()}
+    assert counted["d.p0"]["over_limit"] == 3
+    assert (counted["d.p5"]["within_limit"], counted["d.p5"]["over_limit"]) == (5, 1)
+    assert counted["d.shadow"]["shadow_mode"] == 2
+
+
+def vars_of(rule: object) -> dict[str, int]:
+    return {name: getattr(rule, name) for name in rule.__slots__}  # type: ignore[attr-defined]

@@ -92,6 +92,32 @@ def test_encoding_parses_to_the_same_message() -> None:
         assert R.FromString(encoded) == reference(response, headers)
 
 
+def test_encoding_with_prebuilt_heads_parses_to_the_same_message(monkeypatch) -> None:
+    """Heads prebuilt for some limits (a config's), serialized on the spot for the
+    others (per-request overrides); the high-part cache small enough to be cleared."""
+    monkeypatch.setattr(rls_wire, "MAX_CACHED_HIGHS", 4)
+    monkeypatch.setattr(rls_wire, "_HIGHS", {})
+    rng = random.Random(11)
+    for _ in range(1000):
+        response, headers = random_response(rng)
+        limits = [status.limit for status in response.statuses if status.limit is not None]
+        heads = rls_wire.LimitHeads(limits[: rng.randint(0, len(limits))])
+        encoded = rls_wire.encode_response(response, headers, heads)
+        assert R.FromString(encoded) == reference(response, headers)
+        assert len(rls_wire._HIGHS) <= 4
+
+
+def test_limit_heads_are_found_by_identity_only() -> None:
+    limit = RateLimit(requests_per_unit=5, unit=Unit.SECOND, name="a")
+    equal = RateLimit(requests_per_unit=5, unit=Unit.SECOND, name="a")
+    heads = rls_wire.LimitHeads([limit])
+    assert id(limit) in heads.by_code[Code.OK] and id(equal) not in heads.by_code[Code.OK]
+    renamed = RateLimit(requests_per_unit=5, unit=Unit.SECOND, name="b")
+    response = Response(Code.OK, [DescriptorStatus(Code.OK, renamed, 1, 1.0)])
+    expected = reference(response, [])
+    assert R.FromString(rls_wire.encode_response(response, None, heads)) == expected
+
+
 def test_encoding_is_byte_identical_for_a_typical_answer() -> None:
     limit = RateLimit(requests_per_unit=100, unit=Unit.MINUTE, name="per-ip")
     response = Response(Code.OK, [DescriptorStatus(Code.OK, limit, 42, 12.5)])
