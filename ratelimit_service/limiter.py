@@ -351,7 +351,15 @@ class RateLimiter:
         for step, result in zip(steps, results, strict=True):
             status = DescriptorStatus(_OK, step.limit, result.remaining, result.reset_after)
             statuses[step.index] = status
-            self._account(step, result.before, result.admitted, status)
+            rule = step.rule_stats
+            if result.admitted and rule is not None:  # self._account(), as in _decide_local
+                hits, before = step.hits, result.before
+                rule.total_hits += hits
+                rule.within_limit += hits
+                if before + hits > step.near:
+                    rule.near_limit += near_hits(step.near, before, hits)
+            else:
+                self._account(step, result.before, result.admitted, status)
 
     def _account(self, step: _Step, before: int, admitted: bool, status: DescriptorStatus) -> None:
         """Count the descriptor's hits in its rule's stats; deny it unless in shadow."""

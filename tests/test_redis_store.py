@@ -11,6 +11,7 @@ from conftest import window_slices
 
 from ratelimit_service.core.exact import ExactHit, HitRole
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.storage import redis_store
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
 
@@ -29,6 +30,26 @@ async def test_exact_admits_exactly_the_limit(store: RedisStore) -> None:
     assert [r[0].before for r in results] == [0, 1, 2, 3, 3]
     # Denied: the wait is until the first hit leaves a 60 s window (plus at most a slice).
     assert 59.0 < results[-1][0].reset_after <= 61.1
+
+
+async def test_prepared_hits_are_kept_per_tuple_and_bounded(store: RedisStore, monkeypatch) -> None:
+    """A plan's hits tuple comes back for every repeat of a request: its keys and
+    arguments are prepared once. Lists (hits made for one request) are not kept."""
+    monkeypatch.setattr(redis_store, "MAX_PREPARED", 2)
+    planned = (ExactHit("a", 3, 60, 1), ExactHit("b", 10, 60, 2))
+    results = [await store.hit(planned, True) for _ in range(3)]
+    assert [[r.admitted for r in each] for each in results] == [[True, True]] * 3
+    assert [(each[0].before, each[1].before) for each in results] == [(0, 0), (1, 2), (2, 4)]
+    assert store._prepared[id(planned)][1] == ("rl:e:60:a", "rl:e:60:b")
+    await store.hit([ExactHit("c", 3, 60, 1)], True)
+    assert len(store._prepared) == 1  # the list was not kept
+    others = [(ExactHit(f"k{i}", 3, 60, 1),) for i in range(3)]
+    for hits in others:
+        await store.hit(hits, True)
+    assert len(store._prepared) <= 2
+    # an equal tuple elsewhere is a different entry, and answers the same
+    fourth = await store.hit((ExactHit("a", 3, 60, 1), ExactHit("b", 10, 60, 2)), True)
+    assert [r.admitted for r in fourth] == [False, True] and fourth[1].before == 6
 
 
 async def test_hits_addend_and_check_only(store: RedisStore) -> None:

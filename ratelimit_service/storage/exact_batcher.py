@@ -56,8 +56,16 @@ class Channel(Protocol):
 def encode(hits: Sequence[ExactHit], commit: bool, into: list[Any]) -> None:
     """One request's part of the script's ARGV (see the header of exact_window.lua)."""
     into += (1 if commit else 0, len(hits))
+    into += hit_args(hits)
+
+
+def hit_args(hits: Sequence[ExactHit]) -> tuple[Any, ...]:
+    """The per-descriptor part of a request's ARGV: the same for the same hits, so
+    callers may keep it (RedisStore does, per request plan)."""
+    args: list[Any] = []
     for hit in hits:
-        into += (hit.limit, hit.window_seconds * 1_000_000, hit.hits, int(hit.role))
+        args += (hit.limit, hit.window_seconds * 1_000_000, hit.hits, int(hit.role))
+    return tuple(args)
 
 
 def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
@@ -100,8 +108,9 @@ class ExactBatcher:
         self.requests = 0
 
     def submit(
-        self, keys: list[str], hits: Sequence[ExactHit], commit: bool
+        self, keys: Sequence[str], args: tuple[Any, ...], commit: bool
     ) -> asyncio.Future[list[ExactResult]]:
+        """One request: its keys and its hits' ARGV part (:func:`hit_args`)."""
         loop = asyncio.get_running_loop()
         batch = self._open
         if batch is None:
@@ -109,10 +118,11 @@ class ExactBatcher:
             # the calls in flight counts, so no request waits longer than the timeout.
             batch = self._open = _Batch(self._slices, loop.time() + self._timeout)
         future: asyncio.Future[list[ExactResult]] = loop.create_future()
-        batch.waiters.append((future, len(hits)))
+        batch.waiters.append((future, len(keys)))
         batch.keys += keys
         batch.args[1] += 1
-        encode(hits, commit, batch.args)
+        batch.args += (1 if commit else 0, len(keys))
+        batch.args += args
         if self._in_flight < MAX_IN_FLIGHT or len(batch.keys) >= MAX_BATCH_DESCRIPTORS:
             self._send(loop)
         return future
@@ -136,7 +146,10 @@ class ExactBatcher:
         self._close(batch)
         try:
             raw = self._channel.settle(reply)
-            results = [decode(raw, start, count) for start, count in _spans(batch)]
+            results, start = [], 0
+            for _, count in batch.waiters:
+                results.append(decode(raw, start, count))
+                start += count
         except StoreUnavailable as exc:
             _fail(batch, str(exc))
         except Exception as exc:  # a bug or a malformed reply: fail the batch, loudly
@@ -183,11 +196,3 @@ def _fail(batch: _Batch, reason: str) -> None:
     for future, _ in batch.waiters:
         if not future.done():
             future.set_exception(StoreUnavailable(reason))
-
-
-def _spans(batch: _Batch) -> list[tuple[int, int]]:
-    spans, start = [], 0
-    for _, count in batch.waiters:
-        spans.append((start, count))
-        start += count
-    return spans

@@ -30,7 +30,7 @@ from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
-from ratelimit_service.storage.exact_batcher import ExactBatcher, decode, encode
+from ratelimit_service.storage.exact_batcher import ExactBatcher, decode, encode, hit_args
 from ratelimit_service.storage.redis_connect import connect
 from ratelimit_service.storage.redis_pipe import RedisPipe, supports
 
@@ -78,6 +78,12 @@ def _script(name: str) -> str:
     return resources.files("ratelimit_service.resources").joinpath(name).read_text()
 
 
+_Prepared = tuple[Sequence[ExactHit], tuple[str, ...], tuple[Any, ...]]
+"""Hits, their Redis keys, their ARGV part (see RedisStore._prepare)."""
+MAX_PREPARED = 10_000
+"""Hits kept prepared at most (cleared when full), as many as the servicer keeps requests."""
+
+
 class RedisStore:
     name = "redis"
 
@@ -114,6 +120,7 @@ class RedisStore:
         self.calls = 0
         self.timeouts = 0
         self._batcher = ExactBatcher(self, slices, request_timeout)
+        self._prepared: dict[int, _Prepared] = {}
         # The request path's own connection (single server only): see redis_pipe.
         self._pipe = RedisPipe(url, connect_timeout=connect_timeout) if supports(url) else None
 
@@ -121,9 +128,24 @@ class RedisStore:
 
     def hit(self, hits: Sequence[ExactHit], commit: bool) -> Awaitable[list[ExactResult]]:
         if not self.cluster:  # one server sees every key: batch with concurrent requests
-            keys = [self._exact_key(hit.key, hit.window_seconds) for hit in hits]
-            return self._batcher.submit(keys, hits, commit)
+            prepared = self._prepared.get(id(hits))
+            if prepared is None or prepared[0] is not hits:
+                prepared = self._prepare(hits)
+            return self._batcher.submit(prepared[1], prepared[2], commit)
         return self._hit_cluster(hits, commit)
+
+    def _prepare(self, hits: Sequence[ExactHit]) -> _Prepared:
+        """Keys and ARGV of a request's hits. The limiter passes the same tuple each
+        time a request comes back under one config (its plan's), so tuples are kept,
+        by id (the entry holds the tuple: its id cannot be reused meanwhile). Lists
+        are hits made for one request: not kept."""
+        keys = tuple([self._exact_key(hit.key, hit.window_seconds) for hit in hits])
+        prepared = (hits, keys, hit_args(hits))
+        if isinstance(hits, tuple):
+            if len(self._prepared) >= MAX_PREPARED:
+                self._prepared.clear()
+            self._prepared[id(hits)] = prepared
+        return prepared
 
     async def _hit_cluster(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
         groups = self._by_slot([self._exact_key(hit.key, hit.window_seconds) for hit in hits], hits)
