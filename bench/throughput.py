@@ -645,7 +645,19 @@ def machine() -> dict[str, str]:
         "h2load": h2load_version.stdout.strip(),
         "redis": redis_version.stdout.split(" sha=")[0].strip(),
         "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "commit": commit(),
     }
+
+
+def commit() -> str:
+    """The commit the services ran, with "+changes" when the working tree differs."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=BENCH, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--", "../ratelimit_service") else "")
 
 
 def main() -> None:
