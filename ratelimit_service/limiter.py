@@ -177,7 +177,9 @@ class RateLimiter:
         taken: list[tuple[ProbabilisticBucket, int]] = []
         # No coroutine below this one: most requests never wait, and each coroutine
         # layer costs the request path about 0.3 µs.
-        commit, quota_met = self._decide_local(plan.local, plan.exact_quota, statuses, taken)
+        commit, quota_met = True, False
+        if plan.local:
+            commit, quota_met = self._decide_local(plan.local, plan.exact_quota, statuses, taken)
         exact = plan.exact
         if exact:
             hits = plan.exact_hits if not quota_met else _exact_hits(exact, quota_met)

@@ -19,6 +19,7 @@ rest of the exact-mode path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -70,15 +71,12 @@ def hit_args(hits: Sequence[ExactHit]) -> tuple[Any, ...]:
 
 def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
     """``count`` results from the script's flat reply, beginning at descriptor ``start``."""
-    return [
-        ExactResult(
-            admitted=bool(raw[i]),
-            before=int(raw[i + 1]),
-            remaining=int(raw[i + 2]),
-            reset_after=int(raw[i + 3]) / 1e6,
+    results = []  # a loop, not a comprehension: one call fewer per reply (3.11)
+    for i in range(4 * start, 4 * (start + count), 4):
+        results.append(
+            ExactResult(bool(raw[i]), int(raw[i + 1]), int(raw[i + 2]), int(raw[i + 3]) / 1e6)
         )
-        for i in range(4 * start, 4 * (start + count), 4)
-    ]
+    return results
 
 
 class _Batch:
@@ -138,7 +136,7 @@ class ExactBatcher:
         self._flying.append(batch)
         if self._timer is None:
             self._timer = loop.call_at(self._flying[0].deadline, self._check_deadlines)
-        self._channel.start(batch.keys, batch.args, lambda reply: self._delivered(batch, reply))
+        self._channel.start(batch.keys, batch.args, functools.partial(self._delivered, batch))
 
     def _delivered(self, batch: _Batch, reply: Any) -> None:
         if batch.done:  # it expired; the late reply is dropped

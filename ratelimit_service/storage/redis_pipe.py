@@ -96,8 +96,9 @@ class _Protocol(asyncio.Protocol):
             deliver(RedisConnectionError("redis connection closed"))
         elif len(self._waiting) >= MAX_OUTSTANDING:
             deliver(RedisConnectionError("redis: too many commands outstanding"))
-        else:
-            self._write(deliver, packed, retry)
+        else:  # self._write(), inlined: this runs for every exact batch
+            self._waiting.append((deliver, self._loop.time(), retry))
+            self._transport.write(packed)
 
     def request_future(self, packed: bytes) -> asyncio.Future[Any]:
         future = self._loop.create_future()
