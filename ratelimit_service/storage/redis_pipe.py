@@ -175,7 +175,8 @@ class RedisPipe:
         protocol = self._protocol
         if protocol is None or protocol.closed:
             return False
-        _evalsha(protocol, sha, script, keys, args, deliver)
+        command = ("EVALSHA", sha, len(keys), *keys, *args)  # as _evalsha(), inlined
+        protocol.request(hiredis.pack_command(command), deliver, (script, command))
         return True
 
     def drop_if_stuck(self) -> None:

@@ -172,7 +172,8 @@ class RedisStore:
     # the pipelined connection when there is one.
 
     def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
-        if not self.breaker.allow():
+        breaker = self.breaker
+        if not breaker.calm and not breaker.allow():
             deliver(StoreUnavailable("redis: circuit open after recent failures"))
             return
         self.calls += 1
@@ -187,7 +188,8 @@ class RedisStore:
 
     def settle(self, reply: Any) -> Any:
         if not isinstance(reply, BaseException):
-            self.breaker.success()
+            if not self.breaker.calm:
+                self.breaker.success()
             return reply
         if isinstance(reply, StoreUnavailable):  # the circuit was open: nothing was sent
             raise reply
