@@ -8,6 +8,12 @@ for each mode on the embedded store and for exact mode on a redis-server started
 free port, and RedisStore.hit alone for scale. Prints the best of 3 passes of 40,000
 calls each, in process CPU µs per call (all threads, Redis excluded). The rest of a
 request's cost under h2load is grpc.aio's, which the null server pays too.
+
+These are warm-cache figures: in the serving process grpc's own work between two
+requests evicts the interpreter's caches, and the same handler costs about three
+times as much CPU per request (docs/benchmarks.md, seventh session). Use this script
+to compare versions of the code, and bench/ab_revisions.py --pin to see what a change
+is worth in the server.
 """
 
 from __future__ import annotations
