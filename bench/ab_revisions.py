@@ -130,8 +130,11 @@ def main() -> None:
                     h2 = tp.run_h2load(server.port, body, "saturate", args.seconds, log, load_on)
                     cpu = (tp.cpu_seconds(server.pid) - before) / max(h2.done, 1) * 1e6
                     results.setdefault((server.name, count), []).append((h2.rps, h2.p99_us, cpu))
-    print("\n| revision | descr. | req/s | ratio to null | p99 ÷ null's | CPU µs/req | rounds |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| revision | descr. | req/s | ratio to null | per-round ratios, min-max "
+        "| p99 ÷ null's | CPU µs/req | rounds |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for count in counts:
         null = results[("null server", count)]
         null_rps = statistics.median(r[0] for r in null)
@@ -142,7 +145,11 @@ def main() -> None:
             p99 = statistics.median(r[1] for r in runs)
             cpu = statistics.median(r[2] for r in runs)
             each = ", ".join(f"{r[0]:,.0f}" for r in runs)
+            # Each round's ratio to the null server's run of the same round: the
+            # spread says how far the median ratio can be trusted.
+            paired = [r[0] / n[0] for r, n in zip(runs, null, strict=True)]
             print(f"| {server.name} | {count} | {rps:,.0f} | {rps / null_rps:.3f} "
+                  f"| {min(paired):.3f}-{max(paired):.3f} "
                   f"| {p99 / null_p99:.2f} | {cpu:.0f} | {each} |")  # fmt: skip
 
 
