@@ -11,9 +11,9 @@ objects themselves are a visible share of the CPU:
   status head (``code`` and ``current_limit``) is serialized once per config, and the
   rest is a handful of varints. This takes half the time of building upb messages
   and serializing them. The loop calls no Python function for a typical status: in
-  the server a frame costs about three times what it costs in a benchmark loop. Field numbers
-  come from the message descriptors, not from constants typed here, and the test
-  suite parses what this module writes with the protobuf runtime.
+  the server a call costs about three times what it costs in a benchmark loop. Field
+  numbers come from the message descriptors, not from constants typed here, and the
+  test suite parses what this module writes with the protobuf runtime.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The circuit breaker on an injected clock: backoff, trial calls, health hysteresis,
-and the ``calm`` flag the request path reads instead of calling it."""
+"""The circuit breaker on an injected clock: backoff, trial calls, health hysteresis."""
 
 from __future__ import annotations
 
@@ -19,14 +18,14 @@ def breaker(clock: Clock) -> CircuitBreaker:
     return CircuitBreaker(base_backoff=0.05, max_backoff=0.2, clock=clock, draw=lambda: 0.5)
 
 
-def test_a_stray_failure_does_not_stop_calls_but_ends_calm() -> None:
+def test_a_stray_failure_does_not_stop_calls() -> None:
     clock = Clock()
     b = breaker(clock)
-    assert b.calm and b.allow()
+    assert b.allow() and b.healthy
     b.failure()
-    assert not b.calm and b.allow() and b.healthy  # one failure: calls go on
+    assert b.allow() and b.healthy and b.failures_in_row == 1  # one failure: calls go on
     b.success()
-    assert b.calm and b.failures_in_row == 0
+    assert b.failures_in_row == 0 and not b.open
 
 
 def test_opens_after_failures_in_a_row_then_lets_one_trial_through() -> None:
@@ -34,7 +33,7 @@ def test_opens_after_failures_in_a_row_then_lets_one_trial_through() -> None:
     b = breaker(clock)
     for _ in range(3):
         b.failure()
-    assert b.open and not b.healthy and not b.calm
+    assert b.open and not b.healthy
     assert not b.allow()  # within the backoff
     clock.now += 0.06
     assert b.allow()  # the trial
@@ -46,7 +45,7 @@ def test_opens_after_failures_in_a_row_then_lets_one_trial_through() -> None:
     assert b.allow()
 
 
-def test_health_and_calm_come_back_only_after_successes_in_a_row() -> None:
+def test_health_comes_back_only_after_successes_in_a_row() -> None:
     clock = Clock()
     b = breaker(clock)
     for _ in range(3):
@@ -55,23 +54,8 @@ def test_health_and_calm_come_back_only_after_successes_in_a_row() -> None:
     assert b.allow()
     b.success()
     assert not b.open and b.allow()  # calls flow again at once
-    assert not b.healthy and not b.calm  # health flips after 3 successes in a row
+    assert not b.healthy  # health flips after 3 successes in a row
     b.success()
-    assert not b.calm
+    assert not b.healthy
     b.success()
-    assert b.healthy and b.calm
-
-
-def test_calm_implies_allowed_after_any_sequence() -> None:
-    clock = Clock()
-    b = breaker(clock)
-    outcomes = [True, False, True, False, False, False, True, True, True, True, False, True]
-    for ok in outcomes:
-        clock.now += 0.3  # past any backoff
-        if b.allow() and ok:
-            b.success()
-        elif not ok:
-            b.failure()
-        if b.calm:
-            assert b.allow() and b.healthy and b.failures_in_row == 0 and not b.open
-    assert b.calm
+    assert b.healthy

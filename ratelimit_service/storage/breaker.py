@@ -37,9 +37,6 @@ class CircuitBreaker:
         self.successes_in_row = 0
         self.healthy = True
         self.total_failures = 0
-        self.calm = True
-        """Healthy with no failure pending: allow() is True and success() would change
-        nothing that matters, so the request path may skip both calls."""
 
     def allow(self) -> bool:
         """Whether a call may go to the store now."""
@@ -57,10 +54,8 @@ class CircuitBreaker:
         self.successes_in_row += 1
         if not self.healthy and self.successes_in_row >= self.flip_after:
             self.healthy = True
-        self.calm = self.healthy
 
     def failure(self) -> None:
-        self.calm = False
         self.total_failures += 1
         self._trial_running = False
         self.successes_in_row = 0

@@ -96,9 +96,8 @@ class _Protocol(asyncio.Protocol):
             deliver(RedisConnectionError("redis connection closed"))
         elif len(self._waiting) >= MAX_OUTSTANDING:
             deliver(RedisConnectionError("redis: too many commands outstanding"))
-        else:  # self._write(), inlined: this runs for every exact batch
-            self._waiting.append((deliver, self._loop.time(), retry))
-            self._transport.write(packed)
+        else:
+            self._write(deliver, packed, retry)
 
     def request_future(self, packed: bytes) -> asyncio.Future[Any]:
         future = self._loop.create_future()
@@ -175,8 +174,7 @@ class RedisPipe:
         protocol = self._protocol
         if protocol is None or protocol.closed:
             return False
-        command = ("EVALSHA", sha, len(keys), *keys, *args)  # as _evalsha(), inlined
-        protocol.request(hiredis.pack_command(command), deliver, (script, command))
+        _evalsha(protocol, sha, script, keys, args, deliver)
         return True
 
     def drop_if_stuck(self) -> None:

@@ -172,8 +172,7 @@ class RedisStore:
     # the pipelined connection when there is one.
 
     def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
-        breaker = self.breaker
-        if not breaker.calm and not breaker.allow():
+        if not self.breaker.allow():
             deliver(StoreUnavailable("redis: circuit open after recent failures"))
             return
         self.calls += 1
@@ -188,8 +187,7 @@ class RedisStore:
 
     def settle(self, reply: Any) -> Any:
         if not isinstance(reply, BaseException):
-            if not self.breaker.calm:
-                self.breaker.success()
+            self.breaker.success()
             return reply
         if isinstance(reply, StoreUnavailable):  # the circuit was open: nothing was sent
             raise reply
