@@ -40,6 +40,13 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def _not_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
     """Add a flag whose default comes from RATELIMIT_<FLAG>; required flags become optional
     when the environment supplies them. Values from the environment are checked like
@@ -98,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(float),
         default=0.010,
         help="seconds an exact decision may wait for Redis before its failure_mode applies",
+    )
+    _add(
+        serve,
+        "--exact-batch-hold",
+        type=_not_negative,
+        default=0.001,
+        help="while the event loop is saturated, seconds exact decisions wait to share one"
+        " Redis call (0: never wait; at most a quarter of --redis-timeout)",
     )
     _add(
         serve,
@@ -254,6 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sync_interval=float(args.sync_interval),
         redis_url=args.redis_url or None,
         redis_timeout=float(args.redis_timeout),
+        exact_batch_hold=float(args.exact_batch_hold),
         stale_after=float(args.stale_after),
         max_buckets=int(args.max_buckets),
         max_stats_keys=int(args.max_stats_keys),

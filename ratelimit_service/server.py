@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
 from ratelimit_service.admin_http import AdminServer
+from ratelimit_service.background import BackgroundTask
 from ratelimit_service.config_source import read_config_files
 from ratelimit_service.config_watcher import ConfigWatcher
 from ratelimit_service.core.config_loader import load_config
@@ -26,6 +27,7 @@ from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.grpc_servicer import RLS_SERVICE, RateLimitServicer
 from ratelimit_service.limiter import RateLimiter
+from ratelimit_service.loop_load import LoopLoad
 from ratelimit_service.reconciler import Reconciler
 from ratelimit_service.state_metrics import bucket_metrics, reconciler_metrics, store_metrics
 from ratelimit_service.stats import Stats, StatsCollector
@@ -48,6 +50,8 @@ class Settings:
     sync_interval: float = 0.25
     redis_url: str | None = None
     redis_timeout: float = 0.010
+    exact_batch_hold: float = 0.001
+    """While the event loop is saturated, exact Redis calls wait this long to batch."""
     stale_after: float = 3.0
     max_buckets: int = 100_000
     max_stats_keys: int = 10_000
@@ -85,6 +89,7 @@ def make_store(settings: Settings) -> Store:
         return RedisStore(
             settings.redis_url,
             request_timeout=settings.redis_timeout,
+            batch_hold=settings.exact_batch_hold,
             node_ttl=max(2.0, 5 * settings.sync_interval),
         )
     return EmbeddedStore(max_keys=settings.max_buckets)
@@ -122,6 +127,12 @@ class RateLimitService:
             install=self.limiter.swap_config,
             stats=self.stats,
             interval=settings.watch_interval or 1.0,
+        )
+        # Exact batching on Redis follows the event loop's load (see loop_load).
+        on_saturation = getattr(self.store, "loop_saturated", None)
+        self.loop_load = LoopLoad(on_saturation) if on_saturation is not None else None
+        self._loop_load_task = (
+            BackgroundTask("loop-load", self.loop_load.run) if self.loop_load else None
         )
         self.health = health.aio.HealthServicer()
         self.admin = AdminServer(
@@ -177,6 +188,8 @@ class RateLimitService:
         if warm is not None:
             await warm()
         self.reconciler.start()
+        if self._loop_load_task is not None:
+            self._loop_load_task.start()
         if self.settings.watch_interval > 0:
             self.watcher.start()
         for name in HEALTH_NAMES:
@@ -208,6 +221,8 @@ class RateLimitService:
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace)
         await self.reconciler.stop()
+        if self._loop_load_task is not None:
+            await self._loop_load_task.stop()
         await self.watcher.stop()
         await self.admin.stop()
         await self.store.close()

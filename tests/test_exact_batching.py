@@ -4,6 +4,8 @@ separate calls would (real redis-server)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -151,3 +153,102 @@ async def test_hits_held_back_in_a_call_count_when_slices_are_read(
         assert await bookkeeping_total() == 5
     finally:
         await raw.aclose()
+
+
+# -- holding while the event loop is saturated ------------------------------------
+
+
+async def spread_over_turns(calls: list[Awaitable[list[ExactResult]]]) -> list[Any]:
+    """Start each call in its own loop turn, as grpc.aio starts RPCs under load."""
+    tasks = []
+    for call in calls:
+        tasks.append(asyncio.ensure_future(call))
+        await asyncio.sleep(0)
+    return await asyncio.gather(*tasks)
+
+
+async def test_requests_in_separate_turns_go_alone_when_not_held(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.5)
+    try:
+        results = await spread_over_turns(
+            [store.hit([ExactHit("t", 9, 60, 1)], True) for _ in range(6)]
+        )
+        assert store.stats()["exact_batch_hold_seconds"] == 0
+        # A call slot was free each time: every request went at once, in its own call.
+        assert store.stats()["exact_batches"] == 6
+        assert sorted(r[0].before for r in results) == list(range(6))
+    finally:
+        await store.close()
+
+
+async def test_saturated_loop_holds_calls_so_requests_share_them(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.5, batch_hold=0.05)
+    try:
+        store.loop_saturated(True)
+        assert store.stats()["exact_batch_hold_seconds"] == 0.05
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        results = await spread_over_turns(
+            [store.hit([ExactHit("h", 3, 60, 1)], True) for _ in range(5)]
+        )
+        waited = loop.time() - started
+        assert store.stats()["exact_batches"] == 1  # one call for the five
+        assert [r[0].admitted for r in results] == [True] * 3 + [False] * 2
+        assert [r[0].before for r in results] == [0, 1, 2, 3, 3]
+        assert waited >= 0.04  # the batch left when its hold was over, not before
+
+        store.loop_saturated(False)
+        assert store.stats()["exact_batch_hold_seconds"] == 0
+        started = loop.time()
+        again = await store.hit([ExactHit("h", 3, 60, 0)], True)
+        assert loop.time() - started < 0.04  # not held any more
+        assert again[0].before == 3
+    finally:
+        await store.close()
+
+
+async def test_the_hold_stays_well_inside_the_timeout(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.02, batch_hold=1.0)
+    try:
+        assert store.batch_hold == 0.005
+        store.loop_saturated(True)
+        results = await spread_over_turns(
+            [store.hit([ExactHit("q", 10, 60, 1)], True) for _ in range(3)]
+        )
+        assert [r[0].before for r in results] == [0, 1, 2]  # answered, not timed out
+    finally:
+        await store.close()
+
+
+async def test_a_full_batch_does_not_wait_for_its_hold(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=5.0, batch_hold=2.0)
+    try:
+        store.loop_saturated(True)
+        size = exact_batcher.MAX_BATCH_DESCRIPTORS
+        started = asyncio.get_running_loop().time()
+        results = await asyncio.gather(
+            *(store.hit([ExactHit("f", 10 * size, 60, 1)], True) for _ in range(size))
+        )
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert store.stats()["exact_batches"] == 1
+        assert sorted(r[0].before for r in results) == list(range(size))
+    finally:
+        await store.close()
+
+
+async def test_a_batch_queued_for_a_free_slot_is_not_held_when_holding_starts(
+    store: RedisStore,
+) -> None:
+    """A batch that opened while nothing was held waits only for a call slot, even if
+    holding is switched on before the slot frees."""
+    store.batch_hold = 2.0
+    first = asyncio.ensure_future(store.hit([ExactHit("s", 10, 60, 1)], True))
+    await asyncio.sleep(0)  # sent: the only slot is busy
+    queued = asyncio.ensure_future(store.hit([ExactHit("s", 10, 60, 1)], True))
+    await asyncio.sleep(0)
+    store.loop_saturated(True)
+    joined = asyncio.ensure_future(store.hit([ExactHit("s", 10, 60, 1)], True))
+    done, _ = await asyncio.wait([first, queued, joined], timeout=1.0)
+    assert len(done) == 3  # not held for 2 s behind the first call
+    assert store.stats()["exact_batches"] == 2
+    assert sorted(t.result()[0].before for t in (first, queued, joined)) == [0, 1, 2]

@@ -11,6 +11,14 @@ Redis (milliseconds away) from adding a round trip of queueing to requests: with
 slots, a Redis 5 ms away at 1,000 requests/s pushed queued requests past a 10 ms
 deadline (44 % answered by failure_mode in bench/throughput.py --suite redis-delay).
 
+While the event loop is saturated (``hold`` > 0, set by the store from
+loop_load.LoopLoad) the batcher works the other way: a batch opens with the first
+request and leaves ``hold`` seconds later, or sooner if it is full. Saturated, grpc.aio
+starts about one RPC per loop turn and Redis answers before the next one starts, so
+sending at once would mean one request per call however high the load; held for a
+millisecond, calls carry several requests and each costs the process and Redis far
+less per request. Not saturated, nothing is held: no added latency.
+
 The batcher is written with callbacks, not tasks: at one request per batch (a lightly
 loaded service) a task and a chain of coroutines per call cost more CPU than the
 rest of the exact-mode path.
@@ -80,10 +88,12 @@ def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
 
 
 class _Batch:
-    __slots__ = ("args", "deadline", "done", "keys", "waiters")
+    __slots__ = ("args", "deadline", "done", "due", "keys", "waiters")
 
     def __init__(self, slices: int, deadline: float) -> None:
         self.deadline = deadline
+        self.due = False
+        """Not held (any more): it goes as soon as a call slot is free."""
         self.keys: list[str] = []
         self.args: list[Any] = [slices, 0]
         self.waiters: list[tuple[asyncio.Future[list[ExactResult]], int]] = []
@@ -102,6 +112,8 @@ class ExactBatcher:
         # would cost more than the rest of the batcher.
         self._flying: deque[_Batch] = deque()
         self._timer: asyncio.TimerHandle | None = None
+        self.hold = 0.0
+        """Seconds a batch waits for company before it leaves; 0: send at once."""
         self.batches = 0
         self.requests = 0
 
@@ -115,15 +127,33 @@ class ExactBatcher:
             # The deadline runs from when the batch opened: time spent queued behind
             # the calls in flight counts, so no request waits longer than the timeout.
             batch = self._open = _Batch(self._slices, loop.time() + self._timeout)
+            if self.hold:
+                loop.call_later(self.hold, self._release, batch)
+            else:
+                batch.due = True
         future: asyncio.Future[list[ExactResult]] = loop.create_future()
         batch.waiters.append((future, len(keys)))
         batch.keys += keys
         batch.args[1] += 1
         batch.args += (1 if commit else 0, len(keys))
         batch.args += args
-        if self._in_flight < MAX_IN_FLIGHT or len(batch.keys) >= MAX_BATCH_DESCRIPTORS:
+        full = len(batch.keys) >= MAX_BATCH_DESCRIPTORS
+        if full or (batch.due and self._in_flight < MAX_IN_FLIGHT):
             self._send(loop)
         return future
+
+    def _release(self, batch: _Batch) -> None:
+        """A held batch's time is up: it goes now, or when a call slot frees."""
+        if self._open is batch:
+            batch.due = True
+            if self._in_flight < MAX_IN_FLIGHT:
+                self._send(asyncio.get_running_loop())
+
+    def _send_queued(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A call slot has freed: the open batch goes, unless its hold is not over."""
+        batch = self._open
+        if batch is not None and batch.due:
+            self._send(loop)
 
     def _send(self, loop: asyncio.AbstractEventLoop) -> None:
         batch = self._open
@@ -157,7 +187,7 @@ class ExactBatcher:
             for (future, _), result in zip(batch.waiters, results, strict=True):
                 if not future.done():  # a caller that gave up (cancelled) is skipped
                     future.set_result(result)
-        self._send(asyncio.get_running_loop())  # what queued meanwhile goes out now
+        self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
 
     def _check_deadlines(self) -> None:
         """Fail every call past its deadline, then wait for the next deadline."""
@@ -176,7 +206,7 @@ class ExactBatcher:
         for batch in expired:
             _fail(batch, str(self._channel.expire(self._timeout)))
         if self._in_flight < MAX_IN_FLIGHT:  # the timer of an answered call frees nothing
-            self._send(loop)  # what queued behind the expired calls goes out now
+            self._send_queued(loop)  # what queued behind the expired calls goes out now
         if flying and self._timer is None:
             self._timer = loop.call_at(flying[0].deadline, self._check_deadlines)
 

@@ -98,6 +98,7 @@ class RedisStore:
         slices: int = DEFAULT_SLICES,
         node_ttl: float = 5.0,
         max_connections: int = 64,
+        batch_hold: float = 0.001,
     ) -> None:
         self.url = url
         self.request_timeout = request_timeout
@@ -120,6 +121,8 @@ class RedisStore:
         self.calls = 0
         self.timeouts = 0
         self._batcher = ExactBatcher(self, slices, request_timeout)
+        # Held batches count against the timeout: keep the hold well inside it.
+        self.batch_hold = min(batch_hold, request_timeout / 4)
         self._prepared: dict[int, _Prepared] = {}
         # The request path's own connection (single server only): see redis_pipe.
         self._pipe = RedisPipe(url, connect_timeout=connect_timeout) if supports(url) else None
@@ -324,6 +327,11 @@ class RedisStore:
     def healthy(self) -> bool:
         return self.breaker.healthy
 
+    def loop_saturated(self, saturated: bool) -> None:
+        """While the event loop is saturated, exact calls are held to batch requests
+        (see exact_batcher and loop_load)."""
+        self._batcher.hold = self.batch_hold if saturated else 0.0
+
     def stats(self) -> dict[str, float]:
         return {
             "calls": self.calls,
@@ -332,6 +340,7 @@ class RedisStore:
             "circuit_open": 1.0 if self.breaker.open else 0.0,
             "exact_batches": self._batcher.batches,
             "exact_batched_requests": self._batcher.requests,
+            "exact_batch_hold_seconds": self._batcher.hold,
         }
 
     async def close(self) -> None:

@@ -1,0 +1,109 @@
+"""The event loop's saturation signal: hysteresis on measured demand, the kernel's
+per-thread figures, and the service turning exact batching on and off with it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from ratelimit_service.core.config_model import Mode
+from ratelimit_service.loop_load import LoopLoad, Saturation, read_schedstat
+
+
+def test_saturation_needs_high_demand_to_start_and_low_demand_to_stop() -> None:
+    saturation = Saturation(busy_above=0.85, idle_below=0.6)
+    readings = [
+        (0.0, 0.0, False),  # the first reading only sets the baseline
+        (1.0, 0.5, False),  # 0.5 CPU
+        (2.0, 1.34, False),  # 0.84: not yet
+        (3.0, 2.3, True),  # 0.96
+        (4.0, 3.0, True),  # 0.70: batching lowered it, still saturated
+        (5.0, 3.61, True),  # 0.61
+        (6.0, 4.1, False),  # 0.49: idle
+        (7.0, 4.8, False),  # 0.70: not enough to start again
+    ]
+    for wall, busy_seconds, expected in readings:
+        assert saturation.update(wall, busy_seconds) is expected, (wall, busy_seconds)
+    assert saturation.demand == pytest.approx(0.7)
+
+
+def test_a_reading_without_elapsed_time_changes_nothing() -> None:
+    saturation = Saturation()
+    saturation.update(1.0, 0.0)
+    assert saturation.update(2.0, 1.0) is True
+    assert saturation.update(2.0, 1.0) is True  # same instant: no new demand figure
+    assert saturation.update(1.5, 1.0) is True  # a clock that stepped back: ignored
+    assert saturation.demand == 1.0
+
+
+def test_thresholds_must_be_ordered() -> None:
+    with pytest.raises(ValueError):
+        Saturation(busy_above=0.5, idle_below=0.7)
+    with pytest.raises(ValueError):
+        Saturation(busy_above=0.5, idle_below=0.0)
+
+
+def test_schedstat_is_read_as_seconds_run_plus_waited(tmp_path: Path) -> None:
+    stat = tmp_path / "schedstat"
+    stat.write_text("1500000000 250000000 42\n")
+    assert read_schedstat(str(stat)) == 1.75
+    stat.write_text("garbage\n")
+    assert read_schedstat(str(stat)) is None
+    assert read_schedstat(str(tmp_path / "missing")) is None
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_loop_load_reports_a_busy_thread_and_then_an_idle_one() -> None:
+    changes: list[bool] = []
+    load = LoopLoad(changes.append)
+    load.sample()
+    _spin(0.3)  # this thread wants a whole CPU
+    load.sample()
+    assert changes == [True]
+    assert load.saturation.demand > 0.85
+    time.sleep(0.3)  # and now none
+    load.sample()
+    assert changes == [True, False]
+    assert load.saturation.demand < 0.6
+    assert load.changes == 2
+
+
+async def test_service_holds_exact_calls_while_its_loop_is_saturated(
+    start_service, write_config, redis_server
+) -> None:
+    config = write_config(
+        """
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit: {unit: minute, requests_per_unit: 100}
+        """
+    )
+    running = await start_service(
+        config, redis_url=redis_server.url, mode=Mode.EXACT, exact_batch_hold=0.002
+    )
+    store = running.service.store
+    assert store.stats()["exact_batch_hold_seconds"] == 0
+    # Keep the loop's thread busy for a second, a few milliseconds at a time, so the
+    # service's own sampling task (every 0.25 s) runs in between and sees it.
+    loop = asyncio.get_running_loop()
+    saturated_at = None
+    end = loop.time() + 1.5
+    while loop.time() < end and saturated_at is None:
+        _spin(0.005)
+        await asyncio.sleep(0)
+        if store.stats()["exact_batch_hold_seconds"] == 0.002:
+            saturated_at = loop.time()
+    assert saturated_at is not None, "the saturated loop was not noticed"
+    response = await running.call("d", [("k", "v")])
+    assert response.overall_code == 1  # OK: decided through a held call
+    await asyncio.sleep(0.8)  # idle: the hold goes away
+    assert store.stats()["exact_batch_hold_seconds"] == 0
