@@ -72,17 +72,19 @@ class Saturation:
 
 
 class LoopLoad:
-    """Samples the loop thread's demand every ``interval`` and reports each change of
-    state to ``on_change`` (True: saturated). Runs as a task on the loop it measures:
-    the sample is taken on that loop's own thread."""
+    """Samples the loop thread's demand every ``interval`` and reports the state to
+    ``report`` (True: saturated) after every sample, not only on changes: the batcher
+    may drop its hold on its own (exact_batcher.LONE_BATCHES) and gets it back from the
+    next report. Runs as a task on the loop it measures: the sample is taken on that
+    loop's own thread."""
 
     def __init__(
         self,
-        on_change: Callable[[bool], None],
+        report: Callable[[bool], None],
         interval: float = INTERVAL,
         saturation: Saturation | None = None,
     ) -> None:
-        self.on_change = on_change
+        self.report = report
         self.interval = interval
         self.saturation = saturation or Saturation()
         self.changes = 0
@@ -101,7 +103,7 @@ class LoopLoad:
                 self.saturation.demand,
                 "holds calls" if now else "sends at once",
             )
-            self.on_change(now)
+        self.report(now)
 
     async def run(self) -> None:
         while True:

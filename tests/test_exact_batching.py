@@ -252,3 +252,30 @@ async def test_a_batch_queued_for_a_free_slot_is_not_held_when_holding_starts(
     assert len(done) == 3  # not held for 2 s behind the first call
     assert store.stats()["exact_batches"] == 2
     assert sorted(t.result()[0].before for t in (first, queued, joined)) == [0, 1, 2]
+
+
+async def test_holding_stops_when_held_calls_leave_alone(redis_server) -> None:
+    """Saturated in the sensor's last sample, but requests now come one at a time
+    (the load has just dropped): after LONE_BATCHES held calls with nobody to share
+    them, calls go at once again, until the sensor reports saturation again."""
+    store = RedisStore(redis_server.url, request_timeout=0.5, batch_hold=0.03)
+    try:
+        store.loop_saturated(True)
+        loop = asyncio.get_running_loop()
+        waits = []
+        for _ in range(exact_batcher.LONE_BATCHES + 2):
+            started = loop.time()
+            await store.hit([ExactHit("l", 100, 60, 1)], True)
+            waits.append(loop.time() - started)
+        lone = exact_batcher.LONE_BATCHES
+        assert all(wait >= 0.025 for wait in waits[:lone])
+        assert all(wait < 0.025 for wait in waits[lone:])
+        assert store.stats()["exact_batch_hold_seconds"] == 0
+        store.loop_saturated(True)  # the next report
+        assert store.stats()["exact_batch_hold_seconds"] == 0.03
+        # A shared held call resets the count: one lone call after it keeps the hold.
+        await spread_over_turns([store.hit([ExactHit("l", 100, 60, 1)], True) for _ in range(3)])
+        await store.hit([ExactHit("l", 100, 60, 1)], True)
+        assert store.stats()["exact_batch_hold_seconds"] == 0.03
+    finally:
+        await store.close()

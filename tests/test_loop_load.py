@@ -62,16 +62,18 @@ def _spin(seconds: float) -> None:
 
 
 def test_loop_load_reports_a_busy_thread_and_then_an_idle_one() -> None:
-    changes: list[bool] = []
-    load = LoopLoad(changes.append)
+    reports: list[bool] = []
+    load = LoopLoad(reports.append)
     load.sample()
     _spin(0.3)  # this thread wants a whole CPU
     load.sample()
-    assert changes == [True]
+    _spin(0.3)
+    load.sample()
+    assert reports == [False, True, True]  # every sample is reported
     assert load.saturation.demand > 0.85
     time.sleep(0.3)  # and now none
     load.sample()
-    assert changes == [True, False]
+    assert reports == [False, True, True, False]
     assert load.saturation.demand < 0.6
     assert load.changes == 2
 

@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 32
 """Script calls outstanding at once; further requests queue into the next batch."""
+LONE_BATCHES = 2
+"""Held batches in a row that left with one request each, after which holding stops
+until the load sensor next finds the loop saturated: nobody came to share the call, so
+the hold only delayed it (as when the load has just dropped)."""
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis. A full
 batch goes out at once, even while another call is in flight."""
@@ -114,6 +118,7 @@ class ExactBatcher:
         self._timer: asyncio.TimerHandle | None = None
         self.hold = 0.0
         """Seconds a batch waits for company before it leaves; 0: send at once."""
+        self._lone = 0
         self.batches = 0
         self.requests = 0
 
@@ -146,6 +151,12 @@ class ExactBatcher:
         """A held batch's time is up: it goes now, or when a call slot frees."""
         if self._open is batch:
             batch.due = True
+            if len(batch.waiters) > 1:
+                self._lone = 0
+            else:
+                self._lone += 1
+                if self._lone >= LONE_BATCHES:
+                    self.hold = 0.0
             if self._in_flight < MAX_IN_FLIGHT:
                 self._send(asyncio.get_running_loop())
 
