@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -42,8 +43,8 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 
 def _not_negative(text: str) -> float:
     value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number, 0 or more, got {text}")
     return value
 
 

@@ -36,13 +36,27 @@ INTERVAL = 0.25
 
 
 def read_schedstat(path: str = SCHEDSTAT) -> float | None:
-    """Seconds the calling thread has run or waited to run; None where not available."""
+    """Seconds the calling thread has run or waited to run; None where not available
+    (no file, or zeros: a kernel that keeps no such accounting)."""
     try:
         with open(path, "rb") as file:
             run_ns, wait_ns, _ = file.read().split()
+        seconds = (int(run_ns) + int(wait_ns)) / 1e9
     except (OSError, ValueError):
         return None
-    return (int(run_ns) + int(wait_ns)) / 1e9
+    return seconds or None
+
+
+def _busy_clock() -> Callable[[], float]:
+    """The calling thread's busy seconds: scheduler statistics where the kernel keeps
+    them, CPU time otherwise. Chosen once: the two cannot be mixed in one difference."""
+    if read_schedstat() is None:
+        return time.thread_time
+
+    def schedstat() -> float:
+        return read_schedstat() or 0.0
+
+    return schedstat
 
 
 class Saturation:
@@ -88,13 +102,11 @@ class LoopLoad:
         self.interval = interval
         self.saturation = saturation or Saturation()
         self.changes = 0
+        self._busy_seconds = _busy_clock()
 
     def sample(self) -> None:
-        busy_seconds = read_schedstat()
-        if busy_seconds is None:
-            busy_seconds = time.thread_time()
         was = self.saturation.busy
-        now = self.saturation.update(time.monotonic(), busy_seconds)
+        now = self.saturation.update(time.monotonic(), self._busy_seconds())
         if now != was:
             self.changes += 1
             log.info(

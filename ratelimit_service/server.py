@@ -129,8 +129,9 @@ class RateLimitService:
             interval=settings.watch_interval or 1.0,
         )
         # Exact batching on Redis follows the event loop's load (see loop_load).
-        on_saturation = getattr(self.store, "loop_saturated", None)
-        self.loop_load = LoopLoad(on_saturation) if on_saturation is not None else None
+        self.loop_load: LoopLoad | None = None
+        if isinstance(self.store, RedisStore) and self.store.holds_exact_batches:
+            self.loop_load = LoopLoad(self.store.loop_saturated)
         self._loop_load_task = (
             BackgroundTask("loop-load", self.loop_load.run) if self.loop_load else None
         )

@@ -362,10 +362,13 @@ def test_missing_config_exits_1(tmp_path: Path) -> None:
         (["--mode", "fast"], {}, "--mode"),
         ([], {"RATELIMIT_MODE": "fast"}, "--mode"),
         (["--log-level", "chatty"], {}, "--log-level"),
+        (["--exact-batch-hold", "-0.001"], {}, "--exact-batch-hold"),
+        (["--exact-batch-hold", "nan"], {}, "--exact-batch-hold"),
+        ([], {"RATELIMIT_EXACT_BATCH_HOLD": "inf"}, "--exact-batch-hold"),
     ],
     ids=[
         "sync-0", "sync-negative", "sync-text", "env-sync-0", "max-buckets-0", "mode",
-        "env-mode", "log-level",
+        "env-mode", "log-level", "hold-negative", "hold-nan", "env-hold-inf",
     ],
 )  # fmt: skip
 def test_invalid_serve_flags_are_usage_errors(

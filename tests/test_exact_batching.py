@@ -4,7 +4,7 @@ separate calls would (real redis-server)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -158,82 +158,80 @@ async def test_hits_held_back_in_a_call_count_when_slices_are_read(
 # -- holding while the event loop is saturated ------------------------------------
 
 
-async def spread_over_turns(calls: list[Awaitable[list[ExactResult]]]) -> list[Any]:
-    """Start each call in its own loop turn, as grpc.aio starts RPCs under load."""
-    tasks = []
-    for call in calls:
-        tasks.append(asyncio.ensure_future(call))
+async def spread_over_turns(
+    store: RedisStore, hits: list[ExactHit], count: int
+) -> list[list[ExactResult]]:
+    """Submit ``count`` requests one loop turn apart, as grpc.aio starts RPCs under load."""
+    calls: list[Awaitable[list[ExactResult]]] = []
+    for _ in range(count):
+        calls.append(store.hit(hits, True))
         await asyncio.sleep(0)
-    return await asyncio.gather(*tasks)
+    return list(await asyncio.gather(*calls))
 
 
-async def test_requests_in_separate_turns_go_alone_when_not_held(redis_server) -> None:
-    store = RedisStore(redis_server.url, request_timeout=0.5)
-    try:
-        results = await spread_over_turns(
-            [store.hit([ExactHit("t", 9, 60, 1)], True) for _ in range(6)]
-        )
-        assert store.stats()["exact_batch_hold_seconds"] == 0
-        # A call slot was free each time: every request went at once, in its own call.
-        assert store.stats()["exact_batches"] == 6
-        assert sorted(r[0].before for r in results) == list(range(6))
-    finally:
+@pytest.fixture
+async def make_store(redis_server) -> AsyncIterator[Callable[..., RedisStore]]:
+    """RedisStores on the test's redis-server, closed at the end."""
+    stores: list[RedisStore] = []
+
+    def make(**options: Any) -> RedisStore:
+        stores.append(RedisStore(redis_server.url, **options))
+        return stores[-1]
+
+    yield make
+    for store in stores:
         await store.close()
 
 
-async def test_saturated_loop_holds_calls_so_requests_share_them(redis_server) -> None:
-    store = RedisStore(redis_server.url, request_timeout=0.5, batch_hold=0.05)
-    try:
-        store.loop_saturated(True)
-        assert store.stats()["exact_batch_hold_seconds"] == 0.05
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        results = await spread_over_turns(
-            [store.hit([ExactHit("h", 3, 60, 1)], True) for _ in range(5)]
-        )
-        waited = loop.time() - started
-        assert store.stats()["exact_batches"] == 1  # one call for the five
-        assert [r[0].admitted for r in results] == [True] * 3 + [False] * 2
-        assert [r[0].before for r in results] == [0, 1, 2, 3, 3]
-        assert waited >= 0.04  # the batch left when its hold was over, not before
-
-        store.loop_saturated(False)
-        assert store.stats()["exact_batch_hold_seconds"] == 0
-        started = loop.time()
-        again = await store.hit([ExactHit("h", 3, 60, 0)], True)
-        assert loop.time() - started < 0.04  # not held any more
-        assert again[0].before == 3
-    finally:
-        await store.close()
+async def test_requests_in_separate_turns_go_alone_when_not_held(make_store) -> None:
+    store = make_store(request_timeout=0.5)
+    results = await spread_over_turns(store, [ExactHit("t", 9, 60, 1)], 6)
+    assert store.stats()["exact_batch_hold_seconds"] == 0
+    # A call slot was free each time: every request went at once, in its own call.
+    assert store.stats()["exact_batches"] == 6
+    assert sorted(r[0].before for r in results) == list(range(6))
 
 
-async def test_the_hold_stays_well_inside_the_timeout(redis_server) -> None:
-    store = RedisStore(redis_server.url, request_timeout=0.02, batch_hold=1.0)
-    try:
-        assert store.batch_hold == 0.005
-        store.loop_saturated(True)
-        results = await spread_over_turns(
-            [store.hit([ExactHit("q", 10, 60, 1)], True) for _ in range(3)]
-        )
-        assert [r[0].before for r in results] == [0, 1, 2]  # answered, not timed out
-    finally:
-        await store.close()
+async def test_saturated_loop_holds_calls_so_requests_share_them(make_store) -> None:
+    store = make_store(request_timeout=1.0, batch_hold=0.2)
+    store.loop_saturated(True)
+    assert store.stats()["exact_batch_hold_seconds"] == 0.2
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    results = await spread_over_turns(store, [ExactHit("h", 3, 60, 1)], 5)
+    waited = loop.time() - started
+    assert store.stats()["exact_batches"] == 1  # one call for the five
+    assert [r[0].admitted for r in results] == [True] * 3 + [False] * 2
+    assert [r[0].before for r in results] == [0, 1, 2, 3, 3]
+    assert waited >= 0.19  # the batch left when its hold was over, not before
+
+    store.loop_saturated(False)
+    assert store.stats()["exact_batch_hold_seconds"] == 0
+    started = loop.time()
+    again = await store.hit([ExactHit("h", 3, 60, 0)], True)
+    assert loop.time() - started < 0.1  # not held any more
+    assert again[0].before == 3
 
 
-async def test_a_full_batch_does_not_wait_for_its_hold(redis_server) -> None:
-    store = RedisStore(redis_server.url, request_timeout=5.0, batch_hold=2.0)
-    try:
-        store.loop_saturated(True)
-        size = exact_batcher.MAX_BATCH_DESCRIPTORS
-        started = asyncio.get_running_loop().time()
-        results = await asyncio.gather(
-            *(store.hit([ExactHit("f", 10 * size, 60, 1)], True) for _ in range(size))
-        )
-        assert asyncio.get_running_loop().time() - started < 1.0
-        assert store.stats()["exact_batches"] == 1
-        assert sorted(r[0].before for r in results) == list(range(size))
-    finally:
-        await store.close()
+async def test_the_hold_stays_well_inside_the_timeout(make_store) -> None:
+    store = make_store(request_timeout=0.02, batch_hold=1.0)
+    assert store.batch_hold == 0.005
+    store.loop_saturated(True)
+    results = await spread_over_turns(store, [ExactHit("q", 10, 60, 1)], 3)
+    assert [r[0].before for r in results] == [0, 1, 2]  # answered, not timed out
+
+
+async def test_a_full_batch_does_not_wait_for_its_hold(make_store) -> None:
+    store = make_store(request_timeout=5.0, batch_hold=2.0)
+    store.loop_saturated(True)
+    size = exact_batcher.MAX_BATCH_DESCRIPTORS
+    started = asyncio.get_running_loop().time()
+    results = await asyncio.gather(
+        *(store.hit([ExactHit("f", 10 * size, 60, 1)], True) for _ in range(size))
+    )
+    assert asyncio.get_running_loop().time() - started < 1.0
+    assert store.stats()["exact_batches"] == 1
+    assert sorted(r[0].before for r in results) == list(range(size))
 
 
 async def test_a_batch_queued_for_a_free_slot_is_not_held_when_holding_starts(
@@ -254,28 +252,60 @@ async def test_a_batch_queued_for_a_free_slot_is_not_held_when_holding_starts(
     assert sorted(t.result()[0].before for t in (first, queued, joined)) == [0, 1, 2]
 
 
-async def test_holding_stops_when_held_calls_leave_alone(redis_server) -> None:
+async def test_holding_stops_when_held_calls_leave_alone(make_store) -> None:
     """Saturated in the sensor's last sample, but requests now come one at a time
     (the load has just dropped): after LONE_BATCHES held calls with nobody to share
     them, calls go at once again, until the sensor reports saturation again."""
-    store = RedisStore(redis_server.url, request_timeout=0.5, batch_hold=0.03)
+    store = make_store(request_timeout=1.0, batch_hold=0.2)
+    hit = [ExactHit("l", 100, 60, 1)]
+    loop = asyncio.get_running_loop()
+
+    async def timed() -> float:
+        started = loop.time()
+        await store.hit(hit, True)
+        return loop.time() - started
+
+    lone = exact_batcher.LONE_BATCHES
+    store.loop_saturated(True)
+    waits = [await timed() for _ in range(lone + 2)]
+    assert all(wait >= 0.19 for wait in waits[:lone]), waits
+    assert all(wait < 0.1 for wait in waits[lone:]), waits
+    assert store.stats()["exact_batch_hold_seconds"] == 0
+    # The next report brings the hold back, with a fresh count of lone calls.
+    store.loop_saturated(True)
+    assert store.stats()["exact_batch_hold_seconds"] == 0.2
+    for _ in range(lone - 1):
+        assert await timed() >= 0.19
+    assert store.stats()["exact_batch_hold_seconds"] == 0.2
+    # A shared held call starts the count again too.
+    await spread_over_turns(store, hit, 3)
+    for _ in range(lone - 1):
+        await timed()
+    assert store.stats()["exact_batch_hold_seconds"] == 0.2
+    await timed()
+    assert store.stats()["exact_batch_hold_seconds"] == 0
+
+
+async def test_closing_the_store_fails_a_held_batch_instead_of_sending_it(
+    make_store, redis_server
+) -> None:
+    store = make_store(request_timeout=1.0, batch_hold=0.1)
+    store.loop_saturated(True)
+    held = store.hit([ExactHit("gone", 5, 60, 1)], True)
+    await store.close()
+    with pytest.raises(StoreUnavailable, match="closed"):
+        await held
+    await asyncio.sleep(0.2)  # past the hold: nothing was sent after all
+    raw = aioredis.Redis.from_url(redis_server.url)
     try:
-        store.loop_saturated(True)
-        loop = asyncio.get_running_loop()
-        waits = []
-        for _ in range(exact_batcher.LONE_BATCHES + 2):
-            started = loop.time()
-            await store.hit([ExactHit("l", 100, 60, 1)], True)
-            waits.append(loop.time() - started)
-        lone = exact_batcher.LONE_BATCHES
-        assert all(wait >= 0.025 for wait in waits[:lone])
-        assert all(wait < 0.025 for wait in waits[lone:])
-        assert store.stats()["exact_batch_hold_seconds"] == 0
-        store.loop_saturated(True)  # the next report
-        assert store.stats()["exact_batch_hold_seconds"] == 0.03
-        # A shared held call resets the count: one lone call after it keeps the hold.
-        await spread_over_turns([store.hit([ExactHit("l", 100, 60, 1)], True) for _ in range(3)])
-        await store.hit([ExactHit("l", 100, 60, 1)], True)
-        assert store.stats()["exact_batch_hold_seconds"] == 0.03
+        assert await raw.exists(store._exact_key("gone", 60)) == 0
     finally:
-        await store.close()
+        await raw.aclose()
+
+
+async def test_no_hold_without_a_single_server_or_with_a_hold_of_zero(make_store) -> None:
+    assert make_store().holds_exact_batches
+    store = make_store(batch_hold=0.0)
+    assert not store.holds_exact_batches
+    store.loop_saturated(True)
+    assert store.stats()["exact_batch_hold_seconds"] == 0

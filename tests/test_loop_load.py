@@ -61,6 +61,9 @@ def _spin(seconds: float) -> None:
         pass
 
 
+@pytest.mark.skipif(
+    read_schedstat() is None, reason="no per-thread scheduler statistics: CPU time only"
+)
 def test_loop_load_reports_a_busy_thread_and_then_an_idle_one() -> None:
     reports: list[bool] = []
     load = LoopLoad(reports.append)
@@ -105,7 +108,11 @@ async def test_service_holds_exact_calls_while_its_loop_is_saturated(
         if store.stats()["exact_batch_hold_seconds"] == 0.002:
             saturated_at = loop.time()
     assert saturated_at is not None, "the saturated loop was not noticed"
+    batches = store.stats()["exact_batches"]
+    loop_started = loop.time()
     response = await running.call("d", [("k", "v")])
-    assert response.overall_code == 1  # OK: decided through a held call
+    assert response.overall_code == 1  # OK
+    assert store.stats()["exact_batches"] == batches + 1
+    assert loop.time() - loop_started >= 0.002  # its call was held
     await asyncio.sleep(0.8)  # idle: the hold goes away
     assert store.stats()["exact_batch_hold_seconds"] == 0

@@ -92,10 +92,12 @@ def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
 
 
 class _Batch:
-    __slots__ = ("args", "deadline", "done", "due", "keys", "waiters")
+    __slots__ = ("args", "deadline", "done", "due", "keys", "release", "waiters")
 
     def __init__(self, slices: int, deadline: float) -> None:
         self.deadline = deadline
+        self.release: asyncio.TimerHandle | None = None
+        """The end of its hold, while held."""
         self.due = False
         """Not held (any more): it goes as soon as a call slot is free."""
         self.keys: list[str] = []
@@ -117,7 +119,8 @@ class ExactBatcher:
         self._flying: deque[_Batch] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self.hold = 0.0
-        """Seconds a batch waits for company before it leaves; 0: send at once."""
+        """Seconds a batch waits for company before it leaves; 0: send at once (see
+        set_hold)."""
         self._lone = 0
         self.batches = 0
         self.requests = 0
@@ -133,7 +136,7 @@ class ExactBatcher:
             # the calls in flight counts, so no request waits longer than the timeout.
             batch = self._open = _Batch(self._slices, loop.time() + self._timeout)
             if self.hold:
-                loop.call_later(self.hold, self._release, batch)
+                batch.release = loop.call_later(self.hold, self._release, batch)
             else:
                 batch.due = True
         future: asyncio.Future[list[ExactResult]] = loop.create_future()
@@ -147,8 +150,25 @@ class ExactBatcher:
             self._send(loop)
         return future
 
+    def set_hold(self, seconds: float) -> None:
+        """Hold new batches this long from now on (0: not at all); the count of lone
+        held batches starts again."""
+        self.hold = seconds
+        self._lone = 0
+
+    def close(self) -> None:
+        """Fail the batch not sent yet and stop holding: nothing goes out after the
+        store has closed its connection (a held batch would reopen it)."""
+        self.hold = 0.0
+        batch, self._open = self._open, None
+        if batch is not None:
+            if batch.release is not None:
+                batch.release.cancel()
+            _fail(batch, "redis: store closed")
+
     def _release(self, batch: _Batch) -> None:
         """A held batch's time is up: it goes now, or when a call slot frees."""
+        batch.release = None
         if self._open is batch:
             batch.due = True
             if len(batch.waiters) > 1:

@@ -327,10 +327,17 @@ class RedisStore:
     def healthy(self) -> bool:
         return self.breaker.healthy
 
+    @property
+    def holds_exact_batches(self) -> bool:
+        """Whether loop_saturated does anything: exact calls are batched on a single
+        server only (a Cluster spreads keys over nodes), and a hold of 0 turns it off."""
+        return not self.cluster and self.batch_hold > 0
+
     def loop_saturated(self, saturated: bool) -> None:
         """While the event loop is saturated, exact calls are held to batch requests
         (see exact_batcher and loop_load)."""
-        self._batcher.hold = self.batch_hold if saturated else 0.0
+        if self.holds_exact_batches:
+            self._batcher.set_hold(self.batch_hold if saturated else 0.0)
 
     def stats(self) -> dict[str, float]:
         return {
@@ -344,6 +351,7 @@ class RedisStore:
         }
 
     async def close(self) -> None:
+        self._batcher.close()
         if self._pipe is not None:
             await self._pipe.close()
         await self._client.aclose()
