@@ -2,16 +2,18 @@
 
     python bench/exact_batching.py                       # about 1 minute
     python bench/exact_batching.py --holds 0,0.001,0.002 --loads saturate --seconds 8
+    python bench/exact_batching.py --loads 4000/s,5200/s,6000/s   # open loop, 8 clients
 
 Starts a redis-server and, per hold value, one service in exact mode on it (the
 config of bench/throughput.py: limits never reached), then drives it with h2load
-under each load (bench/throughput.py's loads) and five descriptors per request
+under each load (bench/throughput.py's loads, or ``N/s``: ``h2load -c 8 -m 8
+--rps N/8``, an open-loop rate in bursts) and five descriptors per request
 (``--descriptors``). For every run it prints req/s, p99, the requests per script
 call (the store's own counters), the CPU per request of the service (all threads)
 and of redis-server, the script's time per request (Redis's commandstats), and the
 demand of the service's event-loop thread: CPU run plus CPU waited for, from
-``/proc/<pid>/task/<tid>/schedstat`` (what loop_load.py samples), and whether the
-service held its calls (``exact_batch_hold_seconds``) at the end of the run.
+``/proc/<pid>/task/<tid>/schedstat`` (what loop_load.py samples), and the share of
+script calls that were held (``exact_held_batches``).
 
 Runs one after the other, not rotated: a quick look at mechanisms, not a
 comparison (bench/ab_revisions.py is for that).
@@ -63,12 +65,13 @@ def measure(
         before, "exact_batched_requests"
     )
     script_us = script1.get("usec", 0) - script0.get("usec", 0)
-    held = store_stat(after, "exact_batch_hold_seconds")
+    held = store_stat(after, "exact_held_batches") - store_stat(before, "exact_held_batches")
     return (
-        f"| {load} | {h2.rps:,.0f} | {h2.p99_us / 1000:.2f} | {requests / max(calls, 1):.2f} | "
+        f"| {load} | {h2.rps:,.0f} | {h2.p50_us / 1000:.2f} | {h2.p99_us / 1000:.2f} | "
+        f"{requests / max(calls, 1):.2f} | {held / max(calls, 1):.0%} | "
         f"{1e6 * (cpu_seconds(server.pid) - cpu0) / done:.0f} | "
         f"{1e6 * (cpu_seconds(redis_pid) - redis0) / done:.0f} | {script_us / done:.1f} | "
-        f"{demand:.2f} | {'yes' if held else 'no'} |"
+        f"{demand:.2f} |"
     )
 
 
@@ -76,9 +79,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--holds", default="0,0.001", help="--exact-batch-hold values")
     parser.add_argument("--loads", default="saturate,one-by-one,1000/s")
-    parser.add_argument("--descriptors", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--descriptors", type=int, default=5)
     args = parser.parse_args()
+    for load in args.loads.split(","):
+        if load not in tp.LOADS:
+            rate = int(load.removesuffix("/s"))
+            tp.LOADS[load] = ["-c", "8", "-m", "8", "-t", "1", "--rps", str(max(1, rate // 8))]
     progress = tp.Progress()
     with tp.lab() as (directory, processes, redis_servers):
         redis_server = tp.start_redis(directory, redis_servers)
@@ -90,8 +97,8 @@ def main() -> None:
         body = directory / "body"
         body.write_bytes(framed("bench", [f"k=v{i}" for i in range(1, args.descriptors + 1)]))
         print(
-            "| load | req/s | p99 ms | requests per call | service CPU µs/req | "
-            "Redis CPU µs/req | script µs/req | loop thread demand (CPU) | holding |"
+            "| load | req/s | p50 ms | p99 ms | requests per call | calls held | "
+            "service CPU µs/req | Redis CPU µs/req | script µs/req | loop thread demand (CPU) |"
         )
         for hold in args.holds.split(","):
             server = tp.start_service(
@@ -99,7 +106,7 @@ def main() -> None:
                 ["--mode", "exact", "--redis-url", redis_server.url, "--exact-batch-hold", hold],
             )  # fmt: skip
             tp.run_h2load(server.port, body, "saturate", 1, directory / "warm.log")
-            print(f"| **--exact-batch-hold {hold}** | | | | | | | | |", flush=True)
+            print(f"| **--exact-batch-hold {hold}** | | | | | | | | | |", flush=True)
             for load in args.loads.split(","):
                 progress(f"hold {hold}, {load}, {args.seconds:g} s")
                 row = measure(

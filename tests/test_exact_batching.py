@@ -189,6 +189,7 @@ async def test_requests_in_separate_turns_go_alone_when_not_held(make_store) -> 
     assert store.stats()["exact_batch_hold_seconds"] == 0
     # A call slot was free each time: every request went at once, in its own call.
     assert store.stats()["exact_batches"] == 6
+    assert store.stats()["exact_held_batches"] == 0
     assert sorted(r[0].before for r in results) == list(range(6))
 
 
@@ -201,6 +202,7 @@ async def test_saturated_loop_holds_calls_so_requests_share_them(make_store) -> 
     results = await spread_over_turns(store, [ExactHit("h", 3, 60, 1)], 5)
     waited = loop.time() - started
     assert store.stats()["exact_batches"] == 1  # one call for the five
+    assert store.stats()["exact_held_batches"] == 1
     assert [r[0].admitted for r in results] == [True] * 3 + [False] * 2
     assert [r[0].before for r in results] == [0, 1, 2, 3, 3]
     assert waited >= 0.19  # the batch left when its hold was over, not before

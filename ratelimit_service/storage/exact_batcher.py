@@ -124,6 +124,8 @@ class ExactBatcher:
         self._lone = 0
         self.batches = 0
         self.requests = 0
+        self.held = 0
+        """Batches that opened with a hold (sent when it ended, or when full)."""
 
     def submit(
         self, keys: Sequence[str], args: tuple[Any, ...], commit: bool
@@ -137,6 +139,7 @@ class ExactBatcher:
             batch = self._open = _Batch(self._slices, loop.time() + self._timeout)
             if self.hold:
                 batch.release = loop.call_later(self.hold, self._release, batch)
+                self.held += 1
             else:
                 batch.due = True
         future: asyncio.Future[list[ExactResult]] = loop.create_future()

@@ -347,6 +347,7 @@ class RedisStore:
             "circuit_open": 1.0 if self.breaker.open else 0.0,
             "exact_batches": self._batcher.batches,
             "exact_batched_requests": self._batcher.requests,
+            "exact_held_batches": self._batcher.held,
             "exact_batch_hold_seconds": self._batcher.hold,
         }
 
