@@ -4,7 +4,7 @@ grpc.aio starts about one RPC per turn of the event loop, and Redis answers a sc
 call before the next RPC starts, so on its own the exact batcher sends one request per
 call even at full load; each call then costs the process a write, a wake-up and a read
 and costs Redis a command and a script start. Holding calls for a millisecond packs
-several requests into one and lowers the CPU per request by a fifth (see
+several requests into one and lowers the CPU per request by a fifth to a quarter (see
 docs/benchmarks.md), but a millisecond added to every request is a poor trade while
 the process has CPU to spare. So the hold is on only while the loop's thread wants a
 whole CPU: then requests queue anyway, and batching shortens the queue.
