@@ -129,12 +129,10 @@ class RateLimitService:
             interval=settings.watch_interval or 1.0,
         )
         # Exact batching on Redis follows the event loop's load (see loop_load).
-        self.loop_load: LoopLoad | None = None
+        self._loop_load_task: BackgroundTask | None = None
         if isinstance(self.store, RedisStore) and self.store.holds_exact_batches:
-            self.loop_load = LoopLoad(self.store.loop_saturated)
-        self._loop_load_task = (
-            BackgroundTask("loop-load", self.loop_load.run) if self.loop_load else None
-        )
+            sensor = LoopLoad(self.store.loop_saturated)
+            self._loop_load_task = BackgroundTask("loop-load", sensor.run)
         self.health = health.aio.HealthServicer()
         self.admin = AdminServer(
             {

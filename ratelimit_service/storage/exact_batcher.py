@@ -172,16 +172,14 @@ class ExactBatcher:
     def _release(self, batch: _Batch) -> None:
         """A held batch's time is up: it goes now, or when a call slot frees."""
         batch.release = None
-        if self._open is batch:
-            batch.due = True
-            if len(batch.waiters) > 1:
-                self._lone = 0
-            else:
-                self._lone += 1
-                if self._lone >= LONE_BATCHES:
-                    self.hold = 0.0
-            if self._in_flight < MAX_IN_FLIGHT:
-                self._send(asyncio.get_running_loop())
+        if self._open is not batch:  # it left full, or the store closed
+            return
+        batch.due = True
+        self._lone = 0 if len(batch.waiters) > 1 else self._lone + 1
+        if self._lone >= LONE_BATCHES:
+            self.hold = 0.0
+        if self._in_flight < MAX_IN_FLIGHT:
+            self._send(asyncio.get_running_loop())
 
     def _send_queued(self, loop: asyncio.AbstractEventLoop) -> None:
         """A call slot has freed: the open batch goes, unless its hold is not over."""
