@@ -16,7 +16,7 @@ demand of the service's event-loop thread: CPU run plus CPU waited for, from
 script calls that were held (``exact_held_batches``).
 
 Runs one after the other, not rotated: a quick look at mechanisms, not a
-comparison (bench/ab_revisions.py is for that).
+comparison between code versions.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from pathlib import Path
 
 import redis
 import throughput as tp
-from grpc_body import framed
 
 
 def cpu_seconds(pid: int) -> float:
@@ -95,7 +94,7 @@ def main() -> None:
         config.mkdir()
         (config / "bench.yaml").write_text(tp.CONFIG)
         body = directory / "body"
-        body.write_bytes(framed("bench", [f"k=v{i}" for i in range(1, args.descriptors + 1)]))
+        body.write_bytes(tp.framed("bench", [f"k=v{i}" for i in range(1, args.descriptors + 1)]))
         print(
             "| load | req/s | p50 ms | p99 ms | requests per call | calls held | "
             "service CPU µs/req | Redis CPU µs/req | script µs/req | loop thread demand (CPU) |"

@@ -48,6 +48,7 @@ import re
 import shutil
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -59,9 +60,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from grpc_body import framed
 from redis_delay_proxy import ping_rtts
 
+from ratelimit_service.client import build_request
 from ratelimit_service.storage.redis_connect import connect
 from ratelimit_service.testing.fleet import wait_healthy, wait_port
 from ratelimit_service.testing.redis import RedisServer, free_port
@@ -396,6 +397,12 @@ def measure(
     if run.invalid or run.over_limit:
         run.problems.append(f"{run.invalid} invalid, {run.over_limit} over limit")
     return run
+
+
+def framed(domain: str, descriptors: list[str], hits_addend: int = 0) -> bytes:
+    """A ShouldRateLimit request in gRPC's length-prefixed framing, for ``h2load -d``."""
+    message = build_request(domain, descriptors, hits_addend).SerializeToString()
+    return struct.pack(">BI", 0, len(message)) + message
 
 
 def write_bodies(directory: Path, counts: Sequence[int]) -> dict[int, Path]:
