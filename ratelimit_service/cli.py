@@ -18,7 +18,7 @@ from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import check_config
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
-from ratelimit_service.logs import configure_logging
+from ratelimit_service.logs import DEFAULT_LEVEL, configure_logging
 
 DEFAULT_SYNC_INTERVAL = 0.25
 
@@ -51,8 +51,10 @@ def _not_negative(text: str) -> float:
 def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
     """Add a flag whose default comes from RATELIMIT_<FLAG>; required flags become optional
     when the environment supplies them. Values from the environment are checked like
-    values on the command line (argparse does not check defaults)."""
+    values on the command line (argparse does not check defaults). The help text ends
+    with the built-in default and the environment name (and its value, when set)."""
     env_value = _env(flag, None)
+    kwargs["help"] = _help_with_sources(flag, kwargs)
     if kwargs.get("action") == "store_true":
         kwargs["default"] = _env_flag(flag)
     elif env_value is not None:
@@ -69,6 +71,25 @@ def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
         kwargs["default"] = value
         kwargs.pop("required", None)
     parser.add_argument(flag, **kwargs)
+
+
+def _help_with_sources(flag: str, kwargs: dict[str, Any]) -> str:
+    """``help`` followed by ``(default: X; env: RATELIMIT_FLAG)``, as ``--help`` shows it."""
+    name = _env_name(flag)
+    sources = []
+    if kwargs.get("action") == "store_true":
+        sources.append(f"env: {name}=1")
+    else:
+        if kwargs.get("required"):
+            sources.append(f"required unless {name} is set")
+        elif kwargs.get("default") is not None:
+            sources.append(f"default: {kwargs['default']}")
+        sources.append(f"env: {name}")
+    env_value = os.environ.get(name)
+    if env_value is not None:
+        sources.append(f"now {env_value!r} from the environment")
+    text = f"{kwargs.get('help') or ''} ({'; '.join(sources)})".strip()
+    return text.replace("%", "%%")
 
 
 def _env_name(flag: str) -> str:
@@ -125,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(
         serve,
         "--log-level",
-        default="WARNING",
+        default=DEFAULT_LEVEL,
         type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="log level",
@@ -402,4 +423,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         "client": cmd_client,
         "envoy-config": cmd_envoy_config,
     }
-    return handlers[args.command](args)
+    stdout = sys.stdout
+    sys.stdout = _ClosedPipeTolerant(stdout)
+    try:
+        code = handlers[args.command](args)
+        sys.stdout.flush()
+    finally:
+        sys.stdout = stdout
+    return code
+
+
+class _ClosedPipeTolerant:
+    """stdout that stops writing, quietly, once its reader has gone (``| head -1``): the
+    command still runs to the end and exits with its own status, without a traceback."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            self._discard()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._discard()
+
+    def _discard(self) -> None:
+        # Point the descriptor at /dev/null: what is still buffered, and the
+        # interpreter's last flush at exit, then go nowhere instead of failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

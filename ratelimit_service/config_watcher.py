@@ -70,7 +70,7 @@ class ConfigWatcher:
             return False
         self._install(config)
         self._stats.config_load_success += 1
-        log.warning("config reloaded: domains=%s", ",".join(sorted(config.domains)) or "(none)")
+        log.info("config reloaded: domains=%s", ",".join(sorted(config.domains)) or "(none)")
         return True
 
     def check(self) -> bool:

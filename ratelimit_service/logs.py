@@ -1,7 +1,8 @@
 """Logging set-up: human text, or one JSON object per line for log pipelines.
 
-Nothing is logged per request at INFO; the start-up line (WARNING, so it shows at
-the default level) says what was loaded and which store and modes are in use.
+INFO is the default level. At INFO the service logs its start-up (what was loaded,
+which store and default mode are in use), each reload and its shutdown, and nothing
+per request; problems are WARNING or ERROR.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def configure_logging(level: str, log_format: str = "text") -> None:
+DEFAULT_LEVEL = "INFO"
+
+
+def configure_logging(level: str = DEFAULT_LEVEL, log_format: str = "text") -> None:
     handler = logging.StreamHandler()
     if log_format == "json":
         handler.setFormatter(JsonFormatter())

@@ -194,7 +194,7 @@ class RateLimitService:
         for name in HEALTH_NAMES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
-        log.warning(
+        log.info(
             "serving RLS on port %d, admin on %s:%d, store=%s, default mode=%s, domains=%s",
             self.grpc_port,
             host,
@@ -239,10 +239,13 @@ class RateLimitService:
         # 1 ms after; a pause stalls every request in flight).
         gc.collect()
         gc.freeze()
-        log.info("start-up objects frozen for the garbage collector: %d", gc.get_freeze_count())
+        log.debug("start-up objects frozen for the garbage collector: %d", gc.get_freeze_count())
         await stop.wait()
-        log.warning("shutting down")
+        log.info(
+            "shutting down: finishing calls in flight (up to %gs)", self.settings.shutdown_grace
+        )
         await self.stop()
+        log.info("stopped")
 
     # -- admin pages ---------------------------------------------------------------
 

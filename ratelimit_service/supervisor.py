@@ -178,7 +178,7 @@ class Supervisor:
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
         keepers = [asyncio.create_task(self._keep_alive(w)) for w in self.workers]
-        log.warning("supervising %d workers, admin on %s", len(self.workers), self.admin_addr)
+        log.info("supervising %d workers, admin on %s", len(self.workers), self.admin_addr)
         await stop.wait()
         self.stopping = True
         for worker in self.workers:

@@ -49,7 +49,7 @@ class CertificateReloader:
             return None
         self._stamp = stamp
         self.reloads += 1
-        log.warning("TLS certificates reloaded")
+        log.info("TLS certificates reloaded")
         return configuration
 
     def credentials(self) -> grpc.ServerCredentials:

@@ -19,7 +19,12 @@ from ratelimit_service.testing.fleet import redis_server as redis_process
 from ratelimit_service.testing.redis import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-COMPAT = REPO.parent / "shared" / "compat" / "envoy-ratelimit"
+# envoyproxy/ratelimit's acceptance files: beside the repository, or where
+# ENVOY_RATELIMIT_COMPAT_DIR says.
+COMPAT_ENV = "ENVOY_RATELIMIT_COMPAT_DIR"
+COMPAT = Path(
+    os.environ.get(COMPAT_ENV) or REPO.parent / "shared" / "compat" / "envoy-ratelimit"
+).resolve()
 
 
 def window_slices(fields: Mapping[Any, Any]) -> dict[int, int]:

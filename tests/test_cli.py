@@ -277,7 +277,7 @@ def test_signal_stops_serve_cleanly(tmp_path: Path, sig: signal.Signals) -> None
 def test_serve_freezes_start_up_objects(tmp_path: Path) -> None:
     """A full garbage collection under traffic would scan everything built at start-up
     (about 10 ms, stalling every request in flight); serve freezes it once it is up."""
-    with serve(tmp_path, "--config", "config/", "--log-level", "INFO") as served:
+    with serve(tmp_path, "--config", "config/", "--log-level", "DEBUG") as served:
         deadline = time.monotonic() + 10
         found = None
         while found is None and time.monotonic() < deadline:

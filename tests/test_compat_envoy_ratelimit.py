@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import COMPAT
+from conftest import COMPAT, COMPAT_ENV
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit_service.core.config_loader import ConfigFile, check_config, load_config
@@ -27,7 +27,11 @@ from ratelimit_service.core.matching import Match, find_limit, override_stats_ke
 from ratelimit_service.core.units import Unit
 
 if not COMPAT.is_dir():
-    pytest.skip(f"compat suite not found at {COMPAT}", allow_module_level=True)
+    pytest.skip(
+        f"compat suite not found at {COMPAT}: these tests need envoyproxy/ratelimit's"
+        f" acceptance files (EXPECTED.md, test/config/) there, or where {COMPAT_ENV} points",
+        allow_module_level=True,
+    )
 
 CONFIG_DIR = COMPAT / "test" / "config"
 EXPECTED = COMPAT / "EXPECTED.md"
@@ -123,7 +127,11 @@ def test_rejected_lines() -> None:
         "replaces_empty.yaml": (10, "should not have an empty replaces entry"),
         "unlimited_with_unit.yaml": (6, "should not specify rate limit unit when unlimited"),
         "empty_key.yaml": (3, "descriptor has empty key"),
-        "bad_yaml.yaml": (2, "error loading config file: found unexpected end of stream"),
+        "bad_yaml.yaml": (
+            2,
+            "error loading config file: invalid YAML: the quoted string that starts at line 1,"
+            " column 1 is never closed",
+        ),
     }
     for name, (line, message) in expected.items():
         errors = check_config([config_file(CONFIG_DIR / name)])
@@ -173,7 +181,11 @@ def test_merge_pair() -> None:
         ]
     )
     assert [(e.file, e.message) for e in without_merge] == [
-        ("merge_domain_key2.yaml", "duplicate domain 'test-domain' in config file")
+        (
+            "merge_domain_key2.yaml",
+            "duplicate domain 'test-domain' in config file; first defined in "
+            "merge_domain_key1.yaml:2",
+        )
     ]
 
 
@@ -657,7 +669,7 @@ def test_check_config_cli_on_reference_directory() -> None:
     assert result.returncode == 1, result.stderr
     lines = result.stdout.splitlines()
     assert lines, result.stderr
-    pattern = re.compile(r"^(?P<file>.+?):(?:(?P<line>\d+):)? (?P<message>.+)$")
+    pattern = re.compile(r"^(?P<file>.+?):(?:(?P<line>\d+):(?:\d+:)?)? (?P<message>.+)$")
     parsed = [pattern.match(line) for line in lines]
     assert all(parsed), lines
     files = {Path(m.group("file")).name for m in parsed if m}

@@ -78,24 +78,36 @@ def test_load_config_raises_with_every_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "line", "message"),
+    ("text", "line", "column", "message"),
     [
-        ('domain: "unterminated\n', 2, "found unexpected end of stream"),
-        ("domain: d\n  bad: indent\n", 2, "mapping values are not allowed here"),
+        (
+            'domain: "unterminated\n',
+            2,
+            1,
+            "the quoted string that starts at line 1, column 9 is never closed",
+        ),
+        (
+            "domain: d\n  bad: indent\n",
+            2,
+            6,
+            "unexpected ':'; a value that contains ': ' needs quotes, and a key must line up"
+            " with the keys above it",
+        ),
         (
             "domain: d\ndescriptors:\n  - key: k\n    value: [a, b\n",
             5,
-            "expected ',' or ']', but got '<stream end>'",
+            1,
+            "the list opened with '[' at line 4, column 12 is not closed with ']'",
         ),
-        ("\tdomain: d\n", 1, "found character '\\t' that cannot start any token"),
+        ("\tdomain: d\n", 1, 1, "a tab character; YAML indents with spaces only"),
     ],
 )
-def test_bad_yaml(text: str, line: int, message: str) -> None:
+def test_bad_yaml(text: str, line: int, column: int, message: str) -> None:
     errors = check_config([ConfigFile("broken.yaml", text)])
-    assert [(e.file, e.line, e.message) for e in errors] == [
-        ("broken.yaml", line, f"error loading config file: {message}")
+    assert [(e.file, e.line, e.column, e.message) for e in errors] == [
+        ("broken.yaml", line, column, f"error loading config file: invalid YAML: {message}")
     ]
-    assert errors[0].message.startswith("error loading config file:")
+    assert str(errors[0]).startswith(f"broken.yaml:{line}:{column}: error loading config file:")
 
 
 # --------------------------------------------------------------------------- domain
@@ -144,7 +156,7 @@ def test_duplicate_domain_across_two_files() -> None:
     )
     errors = check_config([first, second])
     assert [(e.file, e.line, e.message) for e in errors] == [
-        ("b.yaml", 2, "duplicate domain 'shared' in config file")
+        ("b.yaml", 2, "duplicate domain 'shared' in config file; first defined in a.yaml:1")
     ]
     with pytest.raises(ConfigLoadError):
         load_config([first, second])
@@ -1413,7 +1425,7 @@ def test_cli_check_config_invalid(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert out.splitlines() == [
         f"{bad}:4: invalid rate limit unit 'parsec'",
         f"{bad}:5: duplicate descriptor composite key 'bad.k'",
-        f"{dup}:2: duplicate domain 'good' in config file",
+        f"{dup}:2: duplicate domain 'good' in config file; first defined in {good}:1",
     ]
     assert "OK" not in out
 
@@ -1424,7 +1436,10 @@ def test_cli_check_config_merge_flag(tmp_path: Path, capsys: pytest.CaptureFixtu
     _write(root / "a.yaml", "domain: same\ndescriptors: [{key: a}]\n")
     second = _write(root / "b.yaml", "domain: same\ndescriptors: [{key: b}]\n")
     assert cli_main(["check-config", str(root)]) == 1
-    assert capsys.readouterr().out == f"{second}:1: duplicate domain 'same' in config file\n"
+    first = root / "a.yaml"
+    assert capsys.readouterr().out == (
+        f"{second}:1: duplicate domain 'same' in config file; first defined in {first}:1\n"
+    )
     assert cli_main(["check-config", "--merge-domain-config", str(root)]) == 0
     assert capsys.readouterr().out == f"{root}: OK (2 files)\n"
 

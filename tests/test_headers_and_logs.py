@@ -122,6 +122,6 @@ def test_json_logs(tmp_path) -> None:
         _, stderr = process.communicate(timeout=10)
     entries = [json.loads(line) for line in stderr.splitlines() if line.strip()]
     start = next(e for e in entries if e["@message"].startswith("serving RLS"))
-    assert start["level"] == "warning"
+    assert start["level"] == "info"
     assert "store=embedded" in start["@message"] and "domains=d" in start["@message"]
     assert start["@timestamp"].endswith("Z")

@@ -8,16 +8,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class ConfigError:
-    """One problem in one file. ``line`` is 1-based, or None when the parser cannot tell."""
+    """One problem in one file. ``line`` and ``column`` are 1-based, or None when the
+    parser cannot tell; a column is given for YAML syntax errors."""
 
     file: str
     line: int | None
     message: str
+    column: int | None = None
 
     def __str__(self) -> str:
         if self.line is None:
             return f"{self.file}: {self.message}"
-        return f"{self.file}:{self.line}: {self.message}"
+        if self.column is None:
+            return f"{self.file}:{self.line}: {self.message}"
+        return f"{self.file}:{self.line}:{self.column}: {self.message}"
 
 
 class ConfigLoadError(Exception):

@@ -8,6 +8,7 @@ every error can name its line, and we keep going after an error so that
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -96,12 +97,7 @@ class _FileLoader:
         try:
             documents = list(yaml.compose_all(self.file.text, Loader=yaml.SafeLoader))
         except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line = mark.line + 1 if mark is not None else None
-            problem = exc.problem or exc.context or "invalid YAML"
-            self.errors.append(
-                ConfigError(self.file.name, line, f"error loading config file: {problem}")
-            )
+            self.errors.append(_syntax_error(self.file.name, exc))
             return None
         except yaml.YAMLError as exc:
             self.errors.append(
@@ -382,6 +378,66 @@ def _describe(node: yaml.Node) -> str:
     return repr(node.value) if node.tag.endswith(":str") else str(node.value)
 
 
+def _syntax_error(file_name: str, exc: yaml.MarkedYAMLError) -> ConfigError:
+    """A YAML syntax error in plain words, at the line and column where the parser stopped."""
+    mark = exc.problem_mark or exc.context_mark
+    line = mark.line + 1 if mark is not None else None
+    column = mark.column + 1 if mark is not None else None
+    return ConfigError(
+        file_name, line, f"error loading config file: invalid YAML: {_plain_yaml(exc)}", column
+    )
+
+
+def _plain_yaml(exc: yaml.MarkedYAMLError) -> str:
+    """What PyYAML's scanner, parser or composer complains about, said for a person."""
+    problem = exc.problem or exc.context or "cannot be parsed"
+    context = exc.context or ""
+    start = exc.context_mark
+    where = f"line {start.line + 1}, column {start.column + 1}" if start is not None else ""
+    found = re.search(r"but (?:found|got) '([^']*)'", problem)
+    if "quoted scalar" in context and "end of stream" in problem:
+        return f"the quoted string that starts at {where} is never closed"
+    if problem.startswith("expected ',' or ']'"):
+        return f"the list opened with '[' at {where} is not closed with ']'"
+    if problem.startswith("expected ',' or '}'"):
+        return f"the mapping opened with '{{' at {where} is not closed with '}}'"
+    if problem.startswith("expected <block end>") and found:
+        if found.group(1) == "<scalar>":
+            return (
+                f"unexpected text; a value may need quotes, or this line's indentation "
+                f"does not match the block that starts at {where}"
+            )
+        return (
+            f"this line's indentation does not match the block that starts at {where}; "
+            "keys of one mapping, and items of one list, must line up"
+        )
+    if problem == "mapping values are not allowed here":
+        return (
+            "unexpected ':'; a value that contains ': ' needs quotes, and a key must "
+            "line up with the keys above it"
+        )
+    if problem == "could not find expected ':'":
+        return f"the key that starts at {where} has no ':' after it"
+    tab = re.fullmatch(r"found character '(.*)' that cannot start any token", problem)
+    if tab and tab.group(1) == "\\t":
+        return "a tab character; YAML indents with spaces only"
+    if tab:
+        return f"'{tab.group(1)}' cannot start a value; put the value in quotes"
+    alias = re.fullmatch(r"found undefined alias '(.*)'", problem)
+    if alias:
+        return f"'*{alias.group(1)}' refers to an anchor '&{alias.group(1)}' that is not defined"
+    escape = re.fullmatch(r"found unknown escape character '(.*)'", problem)
+    if escape:
+        return (
+            f"unknown escape '\\{escape.group(1)}' in a double-quoted string; use single "
+            "quotes, or write '\\\\' for a backslash"
+        )
+    anchor = re.fullmatch(r"found duplicate anchor '(.*)'; first occurrence", context)
+    if anchor:
+        return f"the anchor '&{anchor.group(1)}' is defined twice (first at {where})"
+    return f"{context}: {problem}" if exc.context and exc.problem else problem
+
+
 def load_config(
     files: Sequence[ConfigFile],
     *,
@@ -392,6 +448,7 @@ def load_config(
     """Load every file into one configuration, or raise :class:`ConfigLoadError` with all errors."""
     errors: list[ConfigError] = []
     domains: dict[str, DomainConfig] = {}
+    first_seen: dict[str, str] = {}  # domain -> "file:line" where it was first defined
     inherited = _Inherited(default_mode, default_failure_mode)
     for file in files:
         loader = _FileLoader(file, inherited)
@@ -402,6 +459,8 @@ def load_config(
         existing = domains.get(domain.name)
         if existing is None:
             domains[domain.name] = domain
+            line = loader.domain_line
+            first_seen[domain.name] = f"{file.name}:{line}" if line else file.name
         elif merge_domains:
             merged = _merge(existing.root, domain.root, file.name, errors)
             domains[domain.name] = replace(existing, root=merged)
@@ -410,7 +469,8 @@ def load_config(
                 ConfigError(
                     file.name,
                     loader.domain_line,
-                    f"duplicate domain '{domain.name}' in config file",
+                    f"duplicate domain '{domain.name}' in config file; "
+                    f"first defined in {first_seen[domain.name]}",
                 )
             )
     if errors:
