@@ -247,7 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     check = commands.add_parser("check-config", help="validate rule files")
-    check.add_argument("path", nargs="?", default=_env("--config", None))
+    check.add_argument(
+        "path",
+        nargs="?",
+        default=_env("--config", None),
+        help="rule file, or directory of *.yaml/*.yml (env: RATELIMIT_CONFIG)",
+    )
     _add(check, "--merge-domain-config", action="store_true")
 
     envoy = commands.add_parser(

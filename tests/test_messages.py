@@ -96,6 +96,12 @@ def test_serve_help_text(tmp_path: Path) -> None:
     assert "(default: 3.0; env: RATELIMIT_STALE_AFTER; now '7.5' from the environment)" in text
 
 
+def test_check_config_help_names_the_environment() -> None:
+    help_text = " ".join(subcommand("check-config").format_help().split())
+    assert "rule file, or directory of *.yaml/*.yml (env: RATELIMIT_CONFIG)" in help_text
+    assert "(env: RATELIMIT_MERGE_DOMAIN_CONFIG=1)" in help_text
+
+
 @pytest.mark.usefixtures("clean_env")
 def test_default_log_level_is_info() -> None:
     args = build_parser().parse_args(["serve", "--config", "config/"])
