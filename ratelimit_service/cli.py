@@ -256,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(check, "--merge-domain-config", action="store_true")
 
     envoy = commands.add_parser(
-        "envoy-config", help="print the Envoy filter, cluster and route rate_limits for the rules"
+        "envoy-config",
+        help="print the Envoy filter, cluster and route rate_limits for the rules"
+        " (--bootstrap: a whole runnable Envoy bootstrap)",
     )
     _add(envoy, "--config", required=True, help="rule file, or directory of *.yaml/*.yml")
     _add(envoy, "--domain", default=None, help="the domain to render (needed if several)")
@@ -264,6 +266,22 @@ def build_parser() -> argparse.ArgumentParser:
     envoy.add_argument("--timeout", default="0.02s", help="the filter's timeout")
     envoy.add_argument("--service-address", default="ratelimit:8081", help="HOST:PORT")
     _add(envoy, "--merge-domain-config", action="store_true")
+    envoy.add_argument(
+        "--bootstrap",
+        action="store_true",
+        help="print a complete bootstrap (admin, listener, routes, clusters) for envoy -c",
+    )
+    envoy.add_argument(
+        "--listen", default="0.0.0.0:8080", help="with --bootstrap: the listener's HOST:PORT"
+    )
+    envoy.add_argument(
+        "--admin-address", default="127.0.0.1:9901", help="with --bootstrap: Envoy's admin"
+    )
+    envoy.add_argument(
+        "--upstream-address",
+        default="upstream:8080",
+        help="with --bootstrap: HOST:PORT of the placeholder upstream cluster",
+    )
 
     client = commands.add_parser("client", help="call ShouldRateLimit once")
     _add(client, "--addr", default="127.0.0.1:8081", help="service address HOST:PORT")
@@ -387,17 +405,30 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
-    from ratelimit_service.envoy_config import render
+    from ratelimit_service.envoy_config import render, render_bootstrap
 
     try:
-        text = render(
-            args.config,
-            domain=args.domain,
-            cluster=args.cluster,
-            timeout=args.timeout,
-            service_address=args.service_address,
-            merge_domains=bool(args.merge_domain_config),
-        )
+        if args.bootstrap:
+            text = render_bootstrap(
+                args.config,
+                domain=args.domain,
+                cluster=args.cluster,
+                timeout=args.timeout,
+                service_address=args.service_address,
+                merge_domains=bool(args.merge_domain_config),
+                listen=args.listen,
+                admin=args.admin_address,
+                upstream_address=args.upstream_address,
+            )
+        else:
+            text = render(
+                args.config,
+                domain=args.domain,
+                cluster=args.cluster,
+                timeout=args.timeout,
+                service_address=args.service_address,
+                merge_domains=bool(args.merge_domain_config),
+            )
     except ConfigLoadError as exc:
         for error in exc.errors:
             print(error, file=sys.stderr)

@@ -16,30 +16,48 @@ HTTP/2 pseudo-headers; any other key reads the header ``x-<key>`` (``tenant`` â†
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import address_pb2, config_source_pb2, grpc_service_pb2, protocol_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    config_source_pb2,
+    grpc_service_pb2,
+    health_check_pb2,
+    protocol_pb2,
+)
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.ratelimit.v3 import rls_pb2 as rls_config_pb2
-from envoy.config.route.v3 import route_components_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2,
 )
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
-from google.protobuf import any_pb2, duration_pb2, json_format
+from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
 from ratelimit_service.config_source import read_config_files
 from ratelimit_service.core.config_loader import load_config
-from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, NodeChildren
+from ratelimit_service.core.config_model import (
+    DescriptorNode,
+    DomainConfig,
+    NodeChildren,
+    WildcardPattern,
+)
 
 Action = route_components_pb2.RateLimit.Action
 
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
+ROUTER_FILTER = "envoy.filters.http.router"
+HCM_FILTER = "envoy.filters.network.http_connection_manager"
+RLS_HEALTH_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 # Descriptor keys whose values Envoy reads from HTTP/2 pseudo-headers.
@@ -139,12 +157,52 @@ def ratelimit_filter(domain: str, cluster: str, timeout: str) -> Message:
     return http_connection_manager_pb2.HttpFilter(name=RATELIMIT_FILTER, typed_config=typed)
 
 
-def ratelimit_cluster(name: str, address: str) -> Message:
-    """The cluster the filter calls. gRPC needs HTTP/2; STRICT_DNS spreads the calls over
-    every address the name resolves to (every replica behind a headless service)."""
+def _socket(address: str, what: str) -> address_pb2.Address:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"service address {address!r}: write HOST:PORT")
+        raise ValueError(f"{what} {address!r}: write HOST:PORT")
+    return address_pb2.Address(
+        socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))
+    )
+
+
+def _static_cluster(name: str, address: str, what: str) -> cluster_pb2.Cluster:
+    endpoint = endpoint_components_pb2.LbEndpoint(
+        endpoint=endpoint_components_pb2.Endpoint(address=_socket(address, what))
+    )
+    return cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.STRICT_DNS,
+        connect_timeout=_duration("1s"),
+        lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=name,
+            endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint])],
+        ),
+    )
+
+
+def ratelimit_health_check() -> health_check_pb2.HealthCheck:
+    """gRPC health checks of the service: a replica that reports NOT_SERVING (it drains on
+    SIGTERM) leaves the rotation. ``no_traffic_interval`` too: without it Envoy checks a
+    cluster every 60 s until the cluster carries traffic of its own, and the filter's
+    calls do not count."""
+    return health_check_pb2.HealthCheck(
+        timeout=_duration("1s"),
+        interval=_duration("5s"),
+        no_traffic_interval=_duration("5s"),
+        unhealthy_threshold=wrappers_pb2.UInt32Value(value=2),
+        healthy_threshold=wrappers_pb2.UInt32Value(value=1),
+        grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(
+            service_name=RLS_HEALTH_SERVICE
+        ),
+    )
+
+
+def ratelimit_cluster(name: str, address: str) -> Message:
+    """The cluster the filter calls. gRPC needs HTTP/2; STRICT_DNS spreads the calls over
+    every address the name resolves to (every replica behind a headless service); gRPC
+    health checks take a draining replica out."""
     options = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
@@ -152,24 +210,10 @@ def ratelimit_cluster(name: str, address: str) -> Message:
     )
     packed = any_pb2.Any()
     packed.Pack(options)
-    endpoint = endpoint_components_pb2.LbEndpoint(
-        endpoint=endpoint_components_pb2.Endpoint(
-            address=address_pb2.Address(
-                socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))
-            )
-        )
-    )
-    return cluster_pb2.Cluster(
-        name=name,
-        type=cluster_pb2.Cluster.STRICT_DNS,
-        connect_timeout=_duration("1s"),
-        lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
-        typed_extension_protocol_options={HTTP_PROTOCOL_OPTIONS: packed},
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=name,
-            endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint])],
-        ),
-    )
+    cluster = _static_cluster(name, address, "service address")
+    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(packed)
+    cluster.health_checks.append(ratelimit_health_check())
+    return cluster
 
 
 def _to_dict(message: Message) -> dict[str, Any]:
@@ -218,7 +262,7 @@ def render(
     rate_limits, skipped = route_rate_limits(config.domains[name])
     filter_dict = _to_dict(ratelimit_filter(name, cluster, timeout))
     # Spelled out although it is the default, so the reader sees the fail-open choice.
-    filter_dict["typed_config"]["failure_mode_deny"] = False
+    _spell_out_fail_open(filter_dict)
     snippet = {
         "http_filters": [filter_dict],
         "clusters": [_to_dict(ratelimit_cluster(cluster, service_address))],
@@ -233,3 +277,260 @@ def render(
     ]
     header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
     return "\n".join(header) + "\n" + yaml.safe_dump(snippet, sort_keys=False)
+
+
+# ------------------------------------------------------------------ a whole bootstrap
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """One route of the generated bootstrap: its name, what it matches, what it sends."""
+
+    name: str
+    path: str | None
+    prefix: str | None
+    rate_limits: list[route_components_pb2.RateLimit]
+
+
+def _routable(value: str) -> bool:
+    """A path rule value that is a route of its own: exact, or one trailing ``*``."""
+    return value.startswith("/") and "*" not in value.rstrip("*") and value.count("*") <= 1
+
+
+def _covers(rule_value: str, route_value: str) -> bool:
+    """Whether every request routed to ``route_value`` has a path ``rule_value`` matches."""
+    if route_value.endswith("*"):
+        return rule_value.endswith("*") and route_value[:-1].startswith(rule_value[:-1])
+    return (
+        WildcardPattern(rule_value).matches(route_value)
+        if "*" in rule_value
+        else (rule_value == route_value)
+    )
+
+
+def _path_values(chain: tuple[DescriptorNode, ...]) -> list[str]:
+    return [node.value for node in chain if node.key == "path" and node.value is not None]
+
+
+def _route_name(value: str, taken: set[str]) -> str:
+    base = value.strip("/*").replace("/", "-") or "root"
+    name, number = base, 2
+    while name in taken:
+        name, number = f"{base}-{number}", number + 1
+    taken.add(name)
+    return name
+
+
+def _chain_entry(
+    chain: tuple[DescriptorNode, ...], exact_path: str | None
+) -> route_components_pb2.RateLimit | None:
+    """The rate_limits entry for a chain on a route. On an exact-path route, a ``path``
+    node with that very value becomes a fixed ``generic_key`` (the query string, which
+    ``:path`` would carry, cannot then spoil the match)."""
+    actions = []
+    for node in chain:
+        if node.key == "path" and exact_path is not None and node.value == exact_path:
+            action: Message | None = Action(
+                generic_key=Action.GenericKey(descriptor_key="path", descriptor_value=exact_path)
+            )
+        else:
+            action = action_for(node)
+        if action is None:
+            return None
+        actions.append(action)
+    return route_components_pb2.RateLimit(actions=actions)
+
+
+def _dedup(
+    entries: Iterable[route_components_pb2.RateLimit | None],
+) -> list[route_components_pb2.RateLimit]:
+    seen: set[bytes] = set()
+    out = []
+    for entry in entries:
+        if entry is None:
+            continue
+        wire = entry.SerializeToString(deterministic=True)
+        if wire not in seen:
+            seen.add(wire)
+            out.append(entry)
+    return out
+
+
+def plan_routes(domain: DomainConfig) -> list[RoutePlan]:
+    """Routes for the rules: one per ``path`` value a rule names (exact, or a prefix ending
+    in one ``*``), most specific first, then ``/`` for everything else.
+
+    A route sends the chains of the path rules that cover it, and the chains that name no
+    path, unless every path rule that covers it is ``unlimited``: such a route (``/healthz``)
+    sends only those, so it is counted and never limited by another rule. ``/`` sends the
+    chains that name no path, and those whose path value no route can match."""
+    chains = list(_limited_paths(domain.root))
+    general = [chain for chain in chains if not _path_values(chain)]
+    values = sorted(
+        {value for chain in chains for value in _path_values(chain) if _routable(value)},
+        key=lambda v: (v.endswith("*"), -len(v), v),
+    )
+    taken: set[str] = {"other"}
+    plans: list[RoutePlan] = []
+    for value in values:
+        exact = None if value.endswith("*") else value
+        concerned = [
+            chain for chain in chains if any(_covers(rule, value) for rule in _path_values(chain))
+        ]
+        only_unlimited = all(
+            chain[-1].limit is not None and chain[-1].limit.unlimited for chain in concerned
+        )
+        sent = concerned if only_unlimited else general + concerned
+        plans.append(
+            RoutePlan(
+                name=_route_name(value, taken),
+                path=exact,
+                prefix=value[:-1] if exact is None else None,
+                rate_limits=_dedup(_chain_entry(chain, exact) for chain in sent),
+            )
+        )
+    leftover = [
+        chain
+        for chain in chains
+        if _path_values(chain) and not all(_routable(v) for v in _path_values(chain))
+    ]
+    plans.append(
+        RoutePlan(
+            name="other",
+            path=None,
+            prefix="/",
+            rate_limits=_dedup(_chain_entry(chain, None) for chain in general + leftover),
+        )
+    )
+    return plans
+
+
+def _pack(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def build_bootstrap(
+    domain: DomainConfig,
+    *,
+    cluster: str = "ratelimit",
+    timeout: str = "0.02s",
+    service_address: str = "ratelimit:8081",
+    listen: str = "0.0.0.0:8080",
+    admin: str = "127.0.0.1:9901",
+    upstream_address: str = "upstream:8080",
+    upstream_cluster: str = "upstream",
+) -> bootstrap_pb2.Bootstrap:
+    """A complete Envoy bootstrap: admin, one listener whose HTTP connection manager runs
+    the ratelimit filter then the router, the routes of ``plan_routes`` (to a placeholder
+    upstream cluster), and the service's HTTP/2 cluster with gRPC health checks."""
+    if cluster == upstream_cluster:
+        raise ValueError(f"--cluster {cluster!r} is the name of the upstream cluster")
+    routes = [
+        route_components_pb2.Route(
+            name=plan.name,
+            match=(
+                route_components_pb2.RouteMatch(path=plan.path)
+                if plan.path is not None
+                else route_components_pb2.RouteMatch(prefix=plan.prefix)
+            ),
+            route=route_components_pb2.RouteAction(
+                cluster=upstream_cluster, rate_limits=plan.rate_limits
+            ),
+        )
+        for plan in plan_routes(domain)
+    ]
+    manager = http_connection_manager_pb2.HttpConnectionManager(
+        stat_prefix=domain.name,
+        # Envoy at the edge: remote_address is the peer, not a forgeable X-Forwarded-For.
+        use_remote_address=wrappers_pb2.BoolValue(value=True),
+        http_filters=[
+            ratelimit_filter(domain.name, cluster, timeout),
+            http_connection_manager_pb2.HttpFilter(
+                name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
+            ),
+        ],
+        route_config=route_pb2.RouteConfiguration(
+            name=domain.name,
+            virtual_hosts=[
+                route_components_pb2.VirtualHost(name=domain.name, domains=["*"], routes=routes)
+            ],
+        ),
+    )
+    listener = listener_pb2.Listener(
+        name=domain.name,
+        address=_socket(listen, "listen address"),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[
+                    listener_components_pb2.Filter(name=HCM_FILTER, typed_config=_pack(manager))
+                ]
+            )
+        ],
+    )
+    return bootstrap_pb2.Bootstrap(
+        admin=bootstrap_pb2.Admin(address=_socket(admin, "admin address")),
+        static_resources=bootstrap_pb2.Bootstrap.StaticResources(
+            listeners=[listener],
+            clusters=[
+                _static_cluster(upstream_cluster, upstream_address, "upstream address"),
+                ratelimit_cluster(cluster, service_address),
+            ],
+        ),
+    )
+
+
+def _spell_out_fail_open(node: Any) -> None:
+    """Write ``failure_mode_deny: false`` into every ratelimit filter of a rendered dict
+    (proto3 JSON drops a false bool; the reader should see the fail-open choice)."""
+    if isinstance(node, dict):
+        if node.get("name") == RATELIMIT_FILTER and isinstance(node.get("typed_config"), dict):
+            node["typed_config"]["failure_mode_deny"] = False
+        for value in node.values():
+            _spell_out_fail_open(value)
+    elif isinstance(node, list):
+        for item in node:
+            _spell_out_fail_open(item)
+
+
+def render_bootstrap(
+    config_path: str,
+    *,
+    domain: str | None = None,
+    cluster: str = "ratelimit",
+    timeout: str = "0.02s",
+    service_address: str = "ratelimit:8081",
+    merge_domains: bool = False,
+    listen: str = "0.0.0.0:8080",
+    admin: str = "127.0.0.1:9901",
+    upstream_address: str = "upstream:8080",
+) -> str:
+    """YAML of ``build_bootstrap`` for ``config_path``'s rules, runnable as ``envoy -c``.
+
+    Raises ConfigLoadError when the rules do not load, ValueError on a bad argument."""
+    config = load_config(read_config_files(config_path), merge_domains=merge_domains)
+    name = pick_domain(sorted(config.domains), domain)
+    bootstrap = build_bootstrap(
+        config.domains[name],
+        cluster=cluster,
+        timeout=timeout,
+        service_address=service_address,
+        listen=listen,
+        admin=admin,
+        upstream_address=upstream_address,
+    )
+    rendered = _to_dict(bootstrap)
+    _spell_out_fail_open(rendered)
+    _, skipped = route_rate_limits(config.domains[name])
+    header = [
+        f"# Envoy bootstrap for rate-limit domain '{name}', generated from {config_path}.",
+        f"# Run: envoy -c FILE. Listener {listen}, admin {admin}; the service at"
+        f" {service_address}.",
+        "# The 'upstream' cluster is a placeholder: point it at your application.",
+        "# Routes: one per path a rule names, then '/'; each sends the descriptors its rules",
+        "# need (a path only `unlimited` rules cover sends only those, so it is never limited).",
+        "# Header names follow the convention x-<key>; edit them to match your requests.",
+    ]
+    header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
+    return "\n".join(header) + "\n" + yaml.safe_dump(rendered, sort_keys=False)
