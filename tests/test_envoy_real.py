@@ -91,7 +91,7 @@ class Traffic:
             except Exception as exc:
                 self.statuses["error: " + type(exc).__name__] += 1
             sent += 1
-            time.sleep(0.005)
+            time.sleep(0.01)
 
     def __enter__(self) -> Traffic:
         self._thread.start()
@@ -385,8 +385,8 @@ def test_service_killed_mid_traffic_fails_open_then_limits_again_after_restart(
     envoy = start_envoy(shipped_bootstrap(upstream, [service]))
     assert writes(envoy, "acme", 7) == [200] * 5 + [429] * 2
 
-    tenants = iter(range(1_000_000))
-    with Traffic(envoy, "/", lambda _: {"x-tenant": f"bg{next(tenants)}"}) as traffic:
+    # Background traffic on /healthz: every request asks the service, none is limited.
+    with Traffic(envoy, "/healthz", lambda n: {"x-tenant": f"bg{n}"}) as traffic:
         envoy.wait_for("background traffic", lambda: traffic.total() >= 5)
         service.kill()
         before = envoy.stat("cluster.upstream.ratelimit.failure_mode_allowed")
@@ -404,9 +404,8 @@ def test_service_killed_mid_traffic_fails_open_then_limits_again_after_restart(
         )
         assert writes(envoy, "after", 7) == [200] * 5 + [429] * 2
 
-    # The background traffic never saw an error: 200 (or a 429 of the per-address 50/s).
-    assert set(traffic.statuses) <= {"200", "429"}, traffic.statuses
-    assert traffic.statuses["200"] > 0
+    # The background traffic never saw an error, before, during or after the outage.
+    assert traffic.statuses == Counter({"200": traffic.total()}), traffic.statuses
 
 
 def fast_health_checks(bootstrap: dict[str, Any]) -> dict[str, Any]:
@@ -435,8 +434,9 @@ def test_sigterm_of_one_replica_drains_it_out_of_envoy_without_undecided_request
     envoy.wait_for("both replicas healthy", lambda: envoy.healthy_hosts("ratelimit") == both)
     leaving, staying = replicas
 
-    tenants = iter(range(1_000_000))
-    with Traffic(envoy, "/api/write/1", lambda _: {"x-tenant": f"t{next(tenants)}"}) as traffic:
+    # /healthz: every request asks the service and is never limited, so each one that
+    # was decided is a 200 and ratelimit.ok counts it.
+    with Traffic(envoy, "/healthz", lambda n: {"x-tenant": f"t{n}"}) as traffic:
         envoy.wait_for("traffic", lambda: traffic.total() >= 10)
         leaving.terminate()
         assert leaving.wait() == 0
