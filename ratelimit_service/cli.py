@@ -138,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         serve,
+        "--exact-max-pending",
+        type=_positive(int),
+        default=2048,
+        help="exact requests that may wait for Redis at once; one more is refused"
+        " (gRPC RESOURCE_EXHAUSTED, or denied by failure_mode: closed rules)",
+    )
+    _add(
+        serve,
         "--stale-after",
         type=_positive(float),
         default=3.0,
@@ -315,6 +323,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         redis_url=args.redis_url or None,
         redis_timeout=float(args.redis_timeout),
         exact_batch_hold=float(args.exact_batch_hold),
+        exact_max_pending=int(args.exact_max_pending),
         stale_after=float(args.stale_after),
         max_buckets=int(args.max_buckets),
         max_stats_keys=int(args.max_stats_keys),

@@ -19,7 +19,7 @@ from ratelimit_service.core.config_model import RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
 from ratelimit_service.core.request import Descriptor, InvalidRequest, Request
 from ratelimit_service.core.units import unit_from_wire
-from ratelimit_service.limiter import RateLimiter
+from ratelimit_service.limiter import Overloaded, RateLimiter
 from ratelimit_service.rls_wire import LimitHeads, RequestCache, encode_response
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,8 @@ class RateLimitServicer:
             if isinstance(exc, _MalformedRequest):  # the limiter counts the other kinds
                 stats.service_error += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Overloaded as exc:  # counted by the limiter; the client's policy decides
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Exception:
             log.exception("ShouldRateLimit failed")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")

@@ -26,7 +26,7 @@ from ratelimit_service.core.decision import (
     near_threshold,
     overall_code,
 )
-from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
+from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, request_denied
 from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
 from ratelimit_service.core.matching import (
     Match,
@@ -47,7 +47,7 @@ from ratelimit_service.core.request import (
 )
 from ratelimit_service.core.units import Unit
 from ratelimit_service.stats import RuleStats, Stats
-from ratelimit_service.storage.base import Store, StoreUnavailable
+from ratelimit_service.storage.base import Store, StoreOverloaded, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,13 @@ _OK = Code.OK
 _OVER = Code.OVER_LIMIT
 _PLACEHOLDER = DescriptorStatus(_OK)
 """Fills a request's status list until every descriptor's own status is in."""
+
+
+class Overloaded(Exception):
+    """The request has exact descriptors that only the store can decide, and too many
+    requests are already waiting for it: the caller gets an error (the servicer sends
+    RESOURCE_EXHAUSTED), so that the client's own failure policy decides. Never
+    answered as admitted: that would break exactness without the store failing."""
 
 
 class _Step:
@@ -188,9 +195,52 @@ class RateLimiter:
             except StoreUnavailable as exc:
                 self.stats.store_error += 1
                 log.debug("exact store unavailable: %s", exc)
-                results = [_failure_result(step.limit) for step in exact]
+                results = self._by_failure_mode(exact)
+            except StoreOverloaded as exc:
+                results = self._overloaded(exact, hits, taken, exc)
             self._record_exact(exact, results, statuses)
         return self._finish(statuses, taken)
+
+    def _by_failure_mode(self, exact: tuple[_Step, ...]) -> list[ExactResult]:
+        """Each exact step decided by its rule's failure_mode (the store failed),
+        counted per rule."""
+        results = []
+        for step in exact:
+            result = _failure_result(step.limit)
+            rule = self.stats.rule(step.stats_key)
+            if result.admitted:
+                rule.failure_mode_allowed += step.hits
+            else:
+                rule.failure_mode_denied += step.hits
+            results.append(result)
+        return results
+
+    def _overloaded(
+        self,
+        exact: tuple[_Step, ...],
+        hits: list[ExactHit] | tuple[ExactHit, ...],
+        taken: list[tuple[ProbabilisticBucket, int]],
+        exc: StoreOverloaded,
+    ) -> list[ExactResult]:
+        """Too many requests wait for the store. Rules with failure_mode closed deny
+        as they would without a store; if they alone do not deny the request and an
+        open rule would have to be asked, the request is refused with Overloaded
+        (its probabilistic hits given back) rather than admitted unchecked."""
+        self.stats.store_overloaded += 1
+        for step in exact:
+            self.stats.rule(step.stats_key).overloaded += step.hits
+        results = [_failure_result(step.limit) for step in exact]
+        roles = [hit.role for hit in hits]
+        if not request_denied(roles, [result.admitted for result in results]):
+            undecided = [
+                step.stats_key
+                for step, role in zip(exact, roles, strict=True)
+                if role is not HitRole.SHADOW and step.fail_open
+            ]
+            if undecided:
+                _give_back(taken)
+                raise Overloaded(f"{exc}; not decided: {', '.join(undecided)}")
+        return results
 
     def decide_locally(self, request: Request) -> Response | None:
         """The response, when every descriptor is decided in the process (probabilistic
@@ -380,13 +430,18 @@ class RateLimiter:
     ) -> Response:
         overall = overall_code(statuses)
         if overall is _OVER:
-            for bucket, hits in taken:  # a denied request consumes no quota
-                bucket.credit += hits
-                bucket.admitted -= hits
+            _give_back(taken)  # a denied request consumes no quota
             if self.global_shadow:
                 self.stats.global_shadow_mode += 1
                 overall = _OK
         return Response(overall, statuses)
+
+
+def _give_back(taken: list[tuple[ProbabilisticBucket, int]]) -> None:
+    """Return the probabilistic hits a request took: it was denied or not decided."""
+    for bucket, hits in taken:
+        bucket.credit += hits
+        bucket.admitted -= hits
 
 
 def _role(limit: RateLimit) -> HitRole:

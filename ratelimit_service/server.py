@@ -52,6 +52,8 @@ class Settings:
     redis_timeout: float = 0.010
     exact_batch_hold: float = 0.001
     """While the event loop is saturated, exact Redis calls wait this long to batch."""
+    exact_max_pending: int = 2048
+    """Exact requests waiting for Redis at most; one more is refused (see limiter)."""
     stale_after: float = 3.0
     max_buckets: int = 100_000
     max_stats_keys: int = 10_000
@@ -90,6 +92,7 @@ def make_store(settings: Settings) -> Store:
             settings.redis_url,
             request_timeout=settings.redis_timeout,
             batch_hold=settings.exact_batch_hold,
+            max_pending=settings.exact_max_pending,
             node_ttl=max(2.0, 5 * settings.sync_interval),
         )
     return EmbeddedStore(max_keys=settings.max_buckets)

@@ -26,7 +26,16 @@ LATENCY_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.
 class RuleStats:
     """Per stats-key counters, named as in envoyproxy/ratelimit."""
 
-    __slots__ = ("near_limit", "over_limit", "shadow_mode", "total_hits", "within_limit")
+    __slots__ = (
+        "failure_mode_allowed",
+        "failure_mode_denied",
+        "near_limit",
+        "over_limit",
+        "overloaded",
+        "shadow_mode",
+        "total_hits",
+        "within_limit",
+    )
 
     def __init__(self) -> None:
         self.total_hits = 0
@@ -34,6 +43,13 @@ class RuleStats:
         self.near_limit = 0
         self.within_limit = 0
         self.shadow_mode = 0
+        self.failure_mode_allowed = 0
+        """Exact hits admitted by failure_mode: open because the store failed."""
+        self.failure_mode_denied = 0
+        """Exact hits denied by failure_mode: closed because the store failed."""
+        self.overloaded = 0
+        """Exact hits of requests that found too many others waiting for the store
+        (refused with RESOURCE_EXHAUSTED, or denied by failure_mode: closed)."""
 
 
 class LatencyHistogram:
@@ -62,6 +78,7 @@ class Stats:
         self.overflowed_keys = 0
         self.service_error = 0
         self.store_error = 0
+        self.store_overloaded = 0
         self.global_shadow_mode = 0
         self.total_requests = 0
         self.config_load_success = 0
@@ -138,6 +155,10 @@ def _service_counters(stats: Stats) -> Iterator[Metric]:
         "ratelimit_service_call_should_rate_limit_store_error": (
             "Requests that met a store error",
             stats.store_error,
+        ),
+        "ratelimit_service_call_should_rate_limit_store_overloaded": (
+            "Requests with exact descriptors that found too many others waiting for the store",
+            stats.store_overloaded,
         ),
         "ratelimit_server_should_rate_limit_total_requests": (
             "ShouldRateLimit calls",

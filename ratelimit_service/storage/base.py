@@ -19,13 +19,21 @@ class StoreUnavailable(Exception):
     """The store did not answer in time or at all; callers apply the failure policy."""
 
 
+class StoreOverloaded(Exception):
+    """This process has more exact requests waiting for the store than its bound:
+    nothing was sent. Not a store failure (the store may be answering well), so the
+    failure policy does not apply; callers answer it explicitly (see the limiter)."""
+
+
 class Store(Protocol):
     name: str
 
     def hit(self, hits: Sequence[ExactHit], commit: bool) -> Awaitable[list[ExactResult]]:
         """Decide ``hits`` (index-aligned results); consume only if ``commit`` and the
-        request is not denied. Any awaitable will do (an ``async def``, or a future
-        a store resolves itself: no coroutine layer on the request path)."""
+        request is not denied. Raises StoreUnavailable when the store fails, and
+        StoreOverloaded when too many requests are already waiting for it. Any
+        awaitable will do (an ``async def``, or a future a store resolves itself: no
+        coroutine layer on the request path)."""
         ...
 
     async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:

@@ -19,6 +19,15 @@ sending at once would mean one request per call however high the load; held for 
 millisecond, calls carry several requests and each costs the process and Redis far
 less per request. Not saturated, nothing is held: no added latency.
 
+A call's deadline measures Redis, not this process: it runs from when the command is
+written to the socket, and a call whose deadline has passed gets one more turn of the
+event loop's I/O polling before it is given up (CONFIRM_AFTER), so a reply that
+arrived while the loop was busy elsewhere (a burst of requests, a CPU shared with other
+processes) is read and used instead of being taken for a Redis failure. Time queued
+in the batcher is not bounded by the deadline but by the number of requests waiting
+(``max_pending``): past it, :meth:`ExactBatcher.submit` refuses at once with
+:class:`StoreOverloaded`, which the limiter answers explicitly.
+
 The batcher is written with callbacks, not tasks: at one request per batch (a lightly
 loaded service) a task and a chain of coroutines per call cost more CPU than the
 rest of the exact-mode path.
@@ -34,7 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ratelimit_service.core.exact import ExactHit, ExactResult
-from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.base import StoreOverloaded, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +56,27 @@ the hold only delayed it (as when the load has just dropped)."""
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis. A full
 batch goes out at once, even while another call is in flight."""
+MAX_PENDING = 2048
+"""Requests submitted and not yet answered (queued or in a call) at most, by default;
+one more is refused with StoreOverloaded. At the few thousand exact decisions a
+second one process makes, that is several hundred milliseconds of queue: far past any
+caller's deadline, so nothing useful is refused."""
+CONFIRM_AFTER = 0.001
+"""Seconds between finding a call past its deadline and giving it up. A timer of a
+whole millisecond fires in a later loop iteration than the one that set it, after
+an I/O poll, in asyncio's loop and in uvloop (libuv runs due timers before polling;
+a timer set for "now" may run in the same pass)."""
 
 
 class Channel(Protocol):
     """How the batcher reaches Redis (implemented by the Redis store)."""
 
-    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
+    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> float:
         """Send one script call now; ``deliver`` gets its flat reply, or the exception
-        it failed with, exactly once (perhaps before ``start`` returns)."""
+        it failed with, exactly once (perhaps before ``start`` returns). Returns the
+        seconds that may pass before the command is written (0 when it was written;
+        the connect timeout when a connection must be opened first): the reply's
+        deadline starts after them."""
         ...
 
     def settle(self, reply: Any) -> Any:
@@ -92,10 +114,13 @@ def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
 
 
 class _Batch:
-    __slots__ = ("args", "deadline", "done", "due", "keys", "release", "waiters")
+    __slots__ = ("args", "deadline", "done", "due", "keys", "overdue", "release", "waiters")
 
-    def __init__(self, slices: int, deadline: float) -> None:
-        self.deadline = deadline
+    def __init__(self, slices: int) -> None:
+        self.deadline = 0.0
+        """When its reply is due: set when it is sent."""
+        self.overdue = False
+        """Found past its deadline; given up at the next check unless answered."""
         self.release: asyncio.TimerHandle | None = None
         """The end of its hold, while held."""
         self.due = False
@@ -107,15 +132,22 @@ class _Batch:
 
 
 class ExactBatcher:
-    def __init__(self, channel: Channel, slices: int, timeout: float) -> None:
+    def __init__(
+        self, channel: Channel, slices: int, timeout: float, max_pending: int = MAX_PENDING
+    ) -> None:
         self._channel = channel
         self._slices = slices
         self._timeout = timeout
+        self.max_pending = max_pending
+        self.pending = 0
+        """Requests submitted and not yet answered or failed."""
+        self.overloaded = 0
+        """Requests refused because ``max_pending`` were waiting."""
         self._open: _Batch | None = None
         self._in_flight = 0
-        # Batches sent and not yet answered or expired, oldest first (deadlines grow
-        # in this order), and one timer for the oldest deadline: a timer per call
-        # would cost more than the rest of the batcher.
+        # Batches sent and not yet answered or expired, oldest first, and one timer
+        # for the earliest deadline: a timer per call would cost more than the rest
+        # of the batcher.
         self._flying: deque[_Batch] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self.hold = 0.0
@@ -130,19 +162,22 @@ class ExactBatcher:
     def submit(
         self, keys: Sequence[str], args: tuple[Any, ...], commit: bool
     ) -> asyncio.Future[list[ExactResult]]:
-        """One request: its keys and its hits' ARGV part (:func:`hit_args`)."""
+        """One request: its keys and its hits' ARGV part (:func:`hit_args`). Raises
+        StoreOverloaded, sending nothing, when ``max_pending`` requests are waiting."""
+        if self.pending >= self.max_pending:
+            self.overloaded += 1
+            raise StoreOverloaded(f"redis: {self.pending} exact requests already waiting")
         loop = asyncio.get_running_loop()
         batch = self._open
         if batch is None:
-            # The deadline runs from when the batch opened: time spent queued behind
-            # the calls in flight counts, so no request waits longer than the timeout.
-            batch = self._open = _Batch(self._slices, loop.time() + self._timeout)
+            batch = self._open = _Batch(self._slices)
             if self.hold:
                 batch.release = loop.call_later(self.hold, self._release, batch)
                 self.held += 1
             else:
                 batch.due = True
         future: asyncio.Future[list[ExactResult]] = loop.create_future()
+        self.pending += 1
         batch.waiters.append((future, len(keys)))
         batch.keys += keys
         batch.args[1] += 1
@@ -167,6 +202,7 @@ class ExactBatcher:
         if batch is not None:
             if batch.release is not None:
                 batch.release.cancel()
+            self.pending -= len(batch.waiters)
             _fail(batch, "redis: store closed")
 
     def _release(self, batch: _Batch) -> None:
@@ -196,9 +232,12 @@ class ExactBatcher:
         self.batches += 1
         self.requests += len(batch.waiters)
         self._flying.append(batch)
-        if self._timer is None:
-            self._timer = loop.call_at(self._flying[0].deadline, self._check_deadlines)
-        self._channel.start(batch.keys, batch.args, functools.partial(self._delivered, batch))
+        deliver = functools.partial(self._delivered, batch)
+        # The deadline measures Redis: it starts once the command is written.
+        allowance = self._channel.start(batch.keys, batch.args, deliver)
+        if not batch.done:  # not answered at once (as when the circuit is open)
+            batch.deadline = loop.time() + allowance + self._timeout
+            self._arm(loop, batch.deadline)
 
     def _delivered(self, batch: _Batch, reply: Any) -> None:
         if batch.done:  # it expired; the late reply is dropped
@@ -222,29 +261,48 @@ class ExactBatcher:
         self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
 
     def _check_deadlines(self) -> None:
-        """Fail every call past its deadline, then wait for the next deadline."""
+        """Fail every call that was already past its deadline at the previous check
+        and is still unanswered; mark those newly past it, and look again after the
+        next I/O poll (CONFIRM_AFTER): a reply that came while the loop was busy is
+        read in that poll. Then wait for the next deadline."""
         self._timer = None
         loop = asyncio.get_running_loop()
-        flying = self._flying
         now = loop.time()
-        expired: list[_Batch] = []
-        while flying and (flying[0].done or flying[0].deadline <= now):
-            batch = flying.popleft()
-            if not batch.done:
-                self._close(batch)
-                expired.append(batch)
+        expired = [b for b in self._flying if b.overdue and not b.done]
         # All are closed before any is accounted: accounting may drop a stuck
         # connection, which would otherwise fail the others as "connection lost".
+        for batch in expired:
+            self._close(batch)
+        confirm, upcoming = False, None
+        for batch in self._flying:  # a few dozen at most (MAX_IN_FLIGHT, full batches)
+            if batch.done:
+                continue
+            if batch.deadline <= now:
+                batch.overdue = confirm = True
+            elif upcoming is None or batch.deadline < upcoming:
+                upcoming = batch.deadline
         for batch in expired:
             _fail(batch, str(self._channel.expire(self._timeout)))
         if self._in_flight < MAX_IN_FLIGHT:  # the timer of an answered call frees nothing
             self._send_queued(loop)  # what queued behind the expired calls goes out now
-        if flying and self._timer is None:
-            self._timer = loop.call_at(flying[0].deadline, self._check_deadlines)
+        if confirm:
+            self._arm(loop, now + CONFIRM_AFTER)
+        elif upcoming is not None:
+            self._arm(loop, upcoming)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        """Have _check_deadlines run at ``when`` at the latest."""
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= when:
+                return
+            timer.cancel()
+        self._timer = loop.call_at(when, self._check_deadlines)
 
     def _close(self, batch: _Batch) -> None:
         batch.done = True
         self._in_flight -= 1
+        self.pending -= len(batch.waiters)
         flying = self._flying
         while flying and flying[0].done:  # keep the line short; the timer skips the rest
             flying.popleft()

@@ -30,7 +30,13 @@ from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
-from ratelimit_service.storage.exact_batcher import ExactBatcher, decode, encode, hit_args
+from ratelimit_service.storage.exact_batcher import (
+    MAX_PENDING,
+    ExactBatcher,
+    decode,
+    encode,
+    hit_args,
+)
 from ratelimit_service.storage.redis_connect import connect
 from ratelimit_service.storage.redis_pipe import RedisPipe, supports
 
@@ -67,6 +73,21 @@ def _forget(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+LATE_TURNS = 3
+"""Loop turns, a millisecond apart, that a redis-py call past its deadline gets to
+finish before it is given up: a reply that came while the loop was busy elsewhere
+needs a poll to be read and a turn or two for redis-py's task to parse it."""
+
+
+async def _answered_late(command: asyncio.Future[Any]) -> bool:
+    """Whether a call whose deadline has just passed had in fact been answered."""
+    for _ in range(LATE_TURNS):
+        await asyncio.sleep(0.001)
+        if command.done():
+            return True
+    return False
+
+
 def _outcome(done: asyncio.Future[Any]) -> Any:
     """A finished call's reply, or the exception it ended with."""
     if done.cancelled():  # only at shutdown
@@ -99,9 +120,11 @@ class RedisStore:
         node_ttl: float = 5.0,
         max_connections: int = 64,
         batch_hold: float = 0.001,
+        max_pending: int = MAX_PENDING,
     ) -> None:
         self.url = url
         self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
         self.sync_timeout = sync_timeout
         self.prefix = prefix
         self.slices = slices
@@ -120,7 +143,7 @@ class RedisStore:
         self._init_lock = asyncio.Lock()
         self.calls = 0
         self.timeouts = 0
-        self._batcher = ExactBatcher(self, slices, request_timeout)
+        self._batcher = ExactBatcher(self, slices, request_timeout, max_pending)
         # Held batches count against the timeout: keep the hold well inside it.
         self.batch_hold = min(batch_hold, request_timeout / 4)
         self._prepared: dict[int, _Prepared] = {}
@@ -174,19 +197,21 @@ class RedisStore:
     # The batcher's channel (see exact_batcher.Channel): callbacks, no coroutines, on
     # the pipelined connection when there is one.
 
-    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
+    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> float:
         if not self.breaker.allow():
             deliver(StoreUnavailable("redis: circuit open after recent failures"))
-            return
+            return 0.0
         self.calls += 1
         pipe, script = self._pipe, self._exact
         if pipe is not None and pipe.evalsha_now(script.sha, script.script, keys, args, deliver):
-            return
+            return 0.0
         if pipe is None:  # Sentinel: redis-py, left to finish even past the deadline
             call = asyncio.ensure_future(self._run(script, keys, args))
         else:  # not connected yet: connect first
             call = asyncio.ensure_future(pipe.evalsha(script.sha, script.script, keys, args))
         call.add_done_callback(lambda done: deliver(_outcome(done)))
+        # redis-py may open a connection (and Sentinel look up the master) first.
+        return self.connect_timeout
 
     def settle(self, reply: Any) -> Any:
         if not isinstance(reply, BaseException):
@@ -274,11 +299,14 @@ class RedisStore:
         # slow Redis that spirals into every call timing out.
         command = asyncio.ensure_future(self._run(script, keys, args))
         try:
-            async with asyncio.timeout(timeout):
-                raw = await asyncio.shield(command)
-        except TimeoutError as exc:
-            command.add_done_callback(_forget)
-            raise self._timed_out(timeout) from exc
+            try:
+                async with asyncio.timeout(timeout):
+                    raw = await asyncio.shield(command)
+            except TimeoutError:
+                if not await _answered_late(command):
+                    command.add_done_callback(_forget)
+                    raise self._timed_out(timeout) from None
+                raw = command.result()
         except (RedisError, OSError) as exc:
             self.breaker.failure()
             raise StoreUnavailable(f"redis: {exc}") from exc
@@ -348,6 +376,8 @@ class RedisStore:
             "exact_batches": self._batcher.batches,
             "exact_batched_requests": self._batcher.requests,
             "exact_held_batches": self._batcher.held,
+            "exact_pending": self._batcher.pending,
+            "exact_overloaded": self._batcher.overloaded,
             "exact_batch_hold_seconds": self._batcher.hold,
         }
 
