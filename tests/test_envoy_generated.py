@@ -373,6 +373,8 @@ def test_istio_envoy_filter_applied_to_a_gateway_listener_limits(
 ) -> None:
     service = spawn_service(CONFIG_DIR)
     envoy = start_envoy(istio_bootstrap(service.address, ("127.0.0.1", upstream.port)))
+    assert envoy.healthy_hosts("ratelimit") == {f"127.0.0.1:{service.grpc_port}"}
+    assert envoy.stat("cluster.ratelimit.health_check.success") >= 1
     statuses = [envoy.request("/api/write/1", {"x-tenant": "acme"}).status for _ in range(8)]
     assert statuses == [200] * 5 + [429] * 3
     assert envoy.request("/", {"x-tenant": "blocked"}).status == 429
