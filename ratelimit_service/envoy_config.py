@@ -272,7 +272,10 @@ def render(
         f"# Envoy configuration for rate-limit domain '{name}', generated from {config_path}.",
         "# http_filters: add to the HttpConnectionManager's http_filters, before the router.",
         "# clusters: add to static_resources.clusters (point the endpoint at the service).",
-        "# rate_limits: put under a virtual host, or under a route's `route:` action.",
+        "# rate_limits: put under a virtual host, or under a route's `route:` action. It is",
+        "# every descriptor of every rule: on a route that some rules must not limit (a",
+        "# /healthz only an `unlimited` rule covers) it limits too much; --bootstrap prints",
+        "# whole routes, each with what its rules need.",
         "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
     header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
