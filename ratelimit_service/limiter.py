@@ -74,6 +74,7 @@ class _Step:
 
     __slots__ = (
         "bucket_key",
+        "burst",
         "enforce",
         "exact",
         "fail_open",
@@ -102,6 +103,7 @@ class _Step:
         self.stats_key = match.stats_key
         self.requests_per_unit = limit.requests_per_unit
         self.window_seconds = limit.window_seconds
+        self.burst = limit.burst
         self.near = near_threshold(limit.requests_per_unit)
         self.rule_stats: RuleStats | None = None
         """The rule's counters, once they are known to be its own (not _overflow)."""
@@ -354,8 +356,13 @@ class RateLimiter:
         for step in steps:
             key, limit, window = step.bucket_key, step.requests_per_unit, step.window_seconds
             bucket = find(key)  # local.get(), for a bucket it would return unchanged
-            if bucket is None or bucket.limit != limit or bucket.window_seconds != window:
-                bucket = local.get(key, limit, window, now, step.stats_key)
+            if (
+                bucket is None
+                or bucket.limit != limit
+                or bucket.window_seconds != window
+                or bucket.burst != step.burst
+            ):
+                bucket = local.get(key, limit, window, now, step.stats_key, step.burst)
             else:
                 touch(key)
                 bucket.last_used = now

@@ -161,8 +161,8 @@ def test_client_prints_overall_and_limit(server: Served) -> None:
     lines = result.stdout.splitlines()
     assert lines[0] == "overall: OK"
     assert len(lines) == 2
-    # probabilistic (the default): a fresh 50/s bucket stores 25 (half a per-second limit)
-    assert lines[1].strip().startswith("[remote_address=1.2.3.4] OK limit=50/SECOND remaining=24")
+    # probabilistic (the default): a fresh 50/s key has its whole limit, less this hit
+    assert lines[1].strip().startswith("[remote_address=1.2.3.4] OK limit=50/SECOND remaining=49")
     assert "reset=" in lines[1]
 
 

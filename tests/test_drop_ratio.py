@@ -142,19 +142,22 @@ def test_debt_gives_no_budget() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "elapsed", "limit", "window", "expected"),
+    ("tokens", "elapsed", "limit", "window", "burst", "expected"),
     [
-        (0.0, 0.5, 100, 1, 50.0),
-        (0.0, 30.0, 5, 60, 2.5),
-        (40.0, 1.0, 100, 1, 50.0),  # capped at the capacity: half a per-second limit
-        (0.0, 600.0, 600, 60, 595.0),  # a per-minute limit less half a second of refill
-        (-100.0, 0.25, 100, 1, -75.0),
-        (10.0, -5.0, 100, 1, 10.0),  # the clock went back: no refill, no drain
-        (10.0, 0.0, 100, 1, 10.0),
+        (0.0, 0.5, 100, 1, None, 50.0),
+        (0.0, 30.0, 5, 60, None, 2.5),
+        (40.0, 1.0, 100, 1, None, 100.0),  # capped at the capacity: the limit
+        (40.0, 1.0, 100, 1, 50, 50.0),  # or the rule's burst
+        (0.0, 600.0, 600, 60, None, 600.0),
+        (-100.0, 0.25, 100, 1, None, -75.0),
+        (10.0, -5.0, 100, 1, None, 10.0),  # the clock went back: no refill, no drain
+        (10.0, 0.0, 100, 1, None, 10.0),
     ],
 )
-def test_refill(tokens: float, elapsed: float, limit: int, window: int, expected: float) -> None:
-    assert refill(tokens, elapsed, limit, window) == pytest.approx(expected)
+def test_refill(
+    tokens: float, elapsed: float, limit: int, window: int, burst: int | None, expected: float
+) -> None:
+    assert refill(tokens, elapsed, limit, window, burst) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -172,23 +175,23 @@ def test_take(tokens: float, admitted: int, limit: int, expected: float) -> None
 
 def test_initial_credit() -> None:
     """An equal share of a full bucket."""
-    assert initial_credit(100, 1, 4) == 12.5
-    assert initial_credit(100, 60, 1) == 100.0
-    assert initial_credit(100, 1, 0) == 50.0
+    assert initial_credit(100.0, 4) == 25.0
+    assert initial_credit(100.0, 1) == 100.0
+    assert initial_credit(100.0, 0) == 100.0
 
 
 @pytest.mark.parametrize(
-    ("limit", "window", "expected"),
+    ("limit", "burst", "expected"),
     [
-        (100, 1, 50.0),  # half a second of refill is half the limit
-        (1, 1, 1.0),  # rounded up to a whole hit
-        (5, 60, 5.0),  # 5 per minute still allows 5 at once
-        (6000, 60, 5950.0),
-        (3600, 3600, 3600.0),
+        (100, None, 100.0),  # a fresh key admits its whole limit at once
+        (1, None, 1.0),
+        (5, None, 5.0),
+        (100, 50, 50.0),  # unless its rule asks for a smaller burst
+        (3600, 1, 1.0),
     ],
 )
-def test_capacity(limit: int, window: int, expected: float) -> None:
-    assert capacity(limit, window) == expected
+def test_capacity(limit: int, burst: int | None, expected: float) -> None:
+    assert capacity(limit, burst) == expected
 
 
 @pytest.mark.parametrize(
@@ -244,20 +247,20 @@ async def test_embedded_store_sync_is_a_token_bucket() -> None:
     report = BucketReport("k", limit=100, window_seconds=1, offered=80, admitted=60)
     result = await store.sync([report], 0.25)
     assert result.nodes == 1
-    assert result.views == [FleetView(tokens=-10.0, offered_total=80)]  # 50 stored
+    assert result.views == [FleetView(tokens=40.0, offered_total=80)]  # 100 stored
     clock[0] = 100.25  # refilled by 25, then 10 taken
     report = BucketReport("k", limit=100, window_seconds=1, offered=90, admitted=10)
     (view,) = (await store.sync([report], 0.25)).views
-    assert view.tokens == pytest.approx(5.0)
+    assert view.tokens == pytest.approx(55.0)
     assert view.offered_total == 170
     clock[0] = 110.0  # long idle: full again, never above the capacity
     report = BucketReport("k", limit=100, window_seconds=1, offered=0, admitted=0)
     (view,) = (await store.sync([report], 0.25)).views
-    assert view.tokens == pytest.approx(50.0)
-    # another window length is another bucket
-    other = BucketReport("k", limit=100, window_seconds=60, offered=1, admitted=1)
+    assert view.tokens == pytest.approx(100.0)
+    # another window length is another bucket, and a rule's burst caps its bucket
+    other = BucketReport("k", limit=100, window_seconds=60, offered=1, admitted=1, burst=30)
     (view,) = (await store.sync([other], 0.25)).views
-    assert (view.tokens, view.offered_total) == (99.0, 1)  # capacity 100 (ceil of 99.17)
+    assert (view.tokens, view.offered_total) == (29.0, 1)
     assert store.stats()["fleet_keys"] == 2
     assert (await store.sync([], 0.25)).views == []
 
@@ -407,8 +410,8 @@ def test_apply_sets_ratio_credit_and_tokens() -> None:
     assert bucket.credit == pytest.approx(25.0)
     assert bucket.tokens == 0.0
     assert bucket.remaining() == 0
-    # an empty bucket of 100/s is full again (50 stored) 0.5 s after the sync
-    assert bucket.reset_estimate(0.35) == pytest.approx(0.4)
+    # an empty bucket of 100/s is full again (100 stored) 1 s after the sync
+    assert bucket.reset_estimate(0.35) == pytest.approx(0.9)
     assert bucket.reset_estimate(5.0) == 0.0
     # the next sync measures the fleet rate from offered_total
     for _ in range(25):
@@ -637,7 +640,7 @@ def token_bucket_bound(limit: int, window: float, length: float) -> float:
     """The most the fleet token bucket (refill limit/T) admits in ``length`` seconds:
     its capacity, plus the refill, plus one interval's refill a sync hands out in
     advance."""
-    return capacity(limit, window) + limit * (length + INTERVAL) / window
+    return capacity(limit) + limit * (length + INTERVAL) / window
 
 
 PATTERNS = ["poisson", "even"]

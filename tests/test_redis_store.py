@@ -115,20 +115,23 @@ async def test_script_reloaded_after_flush(store: RedisStore, redis_server) -> N
 
 
 async def test_fleet_sync_token_bucket(store: RedisStore) -> None:
-    first = await store.sync([BucketReport("b", 100, 1, offered=150, admitted=40)], 0.25)
+    first = await store.sync([BucketReport("b", 100, 1, offered=150, admitted=90)], 0.25)
     assert first.nodes == 1
-    # a new bucket holds its capacity, half the limit for a per-second rule
-    assert 9.0 <= first.views[0].tokens <= 11.5  # 50 - 40, plus a few ms of refill
+    # a new bucket holds its capacity: the whole limit
+    assert 9.0 <= first.views[0].tokens <= 11.5  # 100 - 90, plus a few ms of refill
     assert first.views[0].offered_total == 150
     await asyncio.sleep(0.2)
     second = await store.sync([BucketReport("b", 100, 1, offered=10, admitted=0)], 0.25)
     assert 25.0 <= second.views[0].tokens <= 45.0  # refilled at 100/s for ~0.2 s
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(1.0)
     full = await store.sync([BucketReport("b", 100, 1, offered=0, admitted=0)], 0.25)
-    assert full.views[0].tokens == 50.0  # never above the capacity
+    assert full.views[0].tokens == 100.0  # never above the capacity
     assert second.views[0].offered_total == 160
     debt = await store.sync([BucketReport("b", 100, 1, offered=0, admitted=1000)], 0.25)
     assert debt.views[0].tokens == -100.0  # debt is bounded by one window
+    # a rule's burst caps its bucket below the limit
+    small = await store.sync([BucketReport("s", 100, 1, 1, 1, burst=20)], 0.25)
+    assert small.views[0].tokens == 19.0
 
 
 async def test_fleet_sync_stamps_keep_every_microsecond(store: RedisStore, redis_server) -> None:

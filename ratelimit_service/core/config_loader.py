@@ -47,7 +47,7 @@ DESCRIPTOR_KEYS = frozenset(
         "failure_mode",
     }
 )
-RATE_LIMIT_KEYS = frozenset({"unit", "requests_per_unit", "unlimited", "name", "replaces"})
+RATE_LIMIT_KEYS = frozenset({"unit", "requests_per_unit", "unlimited", "name", "replaces", "burst"})
 REPLACES_KEYS = frozenset({"name"})
 
 
@@ -305,8 +305,9 @@ class _FileLoader:
             return None
         name = self.text(limit_fields.get("name"), "name") or ""
         replaces = self.replaces(limit_fields.get("replaces"), name)
+        requests_per_unit = self.requests_per_unit(limit_fields.get("requests_per_unit"))
         return RateLimit(
-            requests_per_unit=self.requests_per_unit(limit_fields.get("requests_per_unit")),
+            requests_per_unit=requests_per_unit,
             unit=unit if unit is not None else Unit.SECOND,
             name=name,
             unlimited=unlimited,
@@ -316,6 +317,7 @@ class _FileLoader:
             detailed_metric=flags.detailed_metric,
             mode=inherited.mode,
             failure_mode=inherited.failure_mode,
+            burst=self.burst(limit_fields.get("burst"), requests_per_unit),
             stats_key=config_path,
             metadata=flags.metadata,
             source=f"{self.file.name}:{node.start_mark.line + 1}",
@@ -334,6 +336,23 @@ class _FileLoader:
                 f"found {_describe(node)}",
             )
             return 0
+        return value
+
+    def burst(self, node: yaml.Node | None, requests_per_unit: int) -> int | None:
+        """Our extension: the most a fresh key admits at once in probabilistic mode."""
+        if node is None:
+            return None
+        value = self.scalar(node)
+        if isinstance(value, bool) or not isinstance(value, int) or not value >= 1:
+            self.error(node, f"burst must be a whole number of at least 1, found {_describe(node)}")
+            return None
+        if value > requests_per_unit:
+            self.error(
+                node,
+                f"burst {value} is above requests_per_unit {requests_per_unit}: a key"
+                " never admits more than its limit at once",
+            )
+            return None
         return value
 
     def replaces(self, node: yaml.Node | None, own_name: str) -> frozenset[str]:

@@ -43,6 +43,9 @@ class RateLimit:
     detailed_metric: bool = False
     mode: Mode = Mode.PROBABILISTIC
     failure_mode: FailureMode = FailureMode.OPEN
+    burst: int | None = None
+    """Probabilistic mode: the most a fresh or idle key admits at once (None: the
+    limit). Exact windows always admit the limit."""
     stats_key: str = ""
     metadata: Mapping[str, Any] | None = None
     source: str = ""

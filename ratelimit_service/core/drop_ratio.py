@@ -1,20 +1,21 @@
 """The controller behind probabilistic mode: from fleet totals to a drop ratio and a credit.
 
-The seed design sets ``ratio = max(0, (offered - limit) / offered)`` from rates. We
-keep that as the steady state, but steer by the *budget* the fleet may admit before
-the next sync, taken from a fleet-wide token bucket (refilled at ``limit / T``,
-holding up to :func:`capacity`: the limit less half a second of refill). That gives:
+The seed design (Uber's Global Rate Limiter) sets ``ratio = max(0, (offered - limit) /
+offered)`` from rates. We keep that as the steady state, but steer by the *budget* the
+fleet may admit before the next sync, taken from a fleet-wide token bucket (refilled at
+``limit / T``, holding up to :func:`capacity`: the limit, or the rule's ``burst``). That
+gives:
 
-* **A bounded burst, then the limit rate.** An idle client may send up to the
-  capacity at once (half the limit for a per-second rule, all but a few hundredths
-  of it for a per-minute one); under sustained overload the bucket is empty, the
-  budget is ``limit * interval / T`` and the ratio is the seed's formula. Admissions
-  flow smoothly at the limit rate (a sliding window, as in exact mode, instead
-  re-admits a burst each time an old burst leaves the window). A 1 s window of a
-  per-second rule sees at most 1.5x the limit, plus the one interval's refill a
-  sync hands out in advance (the Go service's fixed window allows 2x across its
-  edge), and a step in load is back at the limit within a
-  second, where a full-limit burst alone would keep it above for half a second.
+* **The limit at once, then the limit rate.** An idle client may send up to the
+  capacity at once (a fresh key of 10 per second admits 10 of 12 sent together, as
+  the Go service and exact mode do); under sustained overload the bucket is empty,
+  the budget is ``limit * interval / T`` and the ratio is the seed's formula.
+  Admissions flow smoothly at the limit rate (a sliding window, as in exact mode,
+  instead re-admits a burst each time an old burst leaves the window). A 1 s window
+  of a per-second rule sees at most 2x the limit (the stored burst plus a second's
+  refill) plus the one interval's refill a sync hands out in advance; a rule that
+  must react faster to a step in load sets a smaller ``burst`` (half the limit is
+  back within about a second after a step from 0.5x to 3x).
 * **Burst guard.** A node may admit at most its share of the budget (its *credit*)
   until the next sync, and the stored tokens are spent at most half per interval
   (``TOKEN_SPEND``), so a spike between syncs, or the first burst before any sync,
@@ -36,7 +37,6 @@ Rules that must never exceed the limit in any window use exact mode.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 TOKEN_SPEND = 0.5
@@ -47,23 +47,16 @@ bucket; spending half per interval (a geometric drain) cut the undershoot after 
 0.5x -> 3x step from 0.31x to 0.76x of the limit in the fleet simulation."""
 
 
-BURST_HOLD = 0.5
-"""Seconds of refill the token bucket holds less than the limit (see :func:`capacity`).
-With a full-limit bucket a step from 0.5x to 3x the limit stayed above +10 % for
-1.25 s (median of 30 simulated seeds) while the stored tokens drained; with half of
-a per-second limit stored it is back within 1 s in most seeds."""
-
 RATIO_SLACK = 0.5
 """How far above the budget the ratio aims. The credit enforces the budget exactly;
 a ratio aimed at it would undershoot whenever the fast-attack rate estimate runs high
 (it keeps the highest recent reading), which it does on every noisy measurement."""
 
 
-def capacity(limit: int, window_seconds: float) -> float:
-    """The most the fleet token bucket stores: the limit less ``BURST_HOLD`` seconds of
-    refill, rounded up to a whole hit (so 5 per minute still allows 5 at once)."""
-    held = limit * (1.0 - min(0.5, BURST_HOLD / window_seconds))
-    return float(math.ceil(held - 1e-9))
+def capacity(limit: int, burst: int | None = None) -> float:
+    """The most the fleet token bucket stores: the rule's ``burst`` when it sets one
+    (a smaller burst reacts faster to a step in load), else the whole limit."""
+    return float(limit if burst is None else burst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +90,12 @@ def smoothed_rate(previous: float | None, measured: float, decay: float) -> floa
     return previous + decay * (measured - previous)
 
 
-def refill(tokens: float, elapsed: float, limit: int, window_seconds: float) -> float:
+def refill(
+    tokens: float, elapsed: float, limit: int, window_seconds: float, burst: int | None = None
+) -> float:
     """The token bucket ``elapsed`` seconds later: refilled at limit/T, capped at its
     capacity."""
-    full = capacity(limit, window_seconds)
+    full = capacity(limit, burst)
     return min(full, tokens + max(0.0, elapsed) * limit / window_seconds)
 
 
@@ -139,9 +134,10 @@ def control(
     return Control(ratio=ratio, credit=budget * share)
 
 
-def initial_credit(limit: int, window_seconds: float, nodes: int) -> float:
-    """Credit of a bucket this node has never synced: an equal share of a full bucket."""
-    return capacity(limit, window_seconds) / max(1, nodes)
+def initial_credit(full: float, nodes: int) -> float:
+    """Credit of a bucket this node has never synced: an equal share of a full bucket
+    (all of it for a process alone, or one that has not synced yet)."""
+    return full / max(1, nodes)
 
 
 def fleet_estimate(fleet_rate: float, local_rate: float, local_before: float | None) -> float:

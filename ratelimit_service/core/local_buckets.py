@@ -31,6 +31,7 @@ class ProbabilisticBucket:
 
     __slots__ = (
         "admitted",
+        "burst",
         "capacity",
         "credit",
         "fleet_rate",
@@ -51,16 +52,26 @@ class ProbabilisticBucket:
         "window_seconds",
     )
 
-    def __init__(self, key: str, limit: int, window_seconds: int, now: float, nodes: int) -> None:
+    def __init__(
+        self,
+        key: str,
+        limit: int,
+        window_seconds: int,
+        now: float,
+        nodes: int,
+        burst: int | None = None,
+    ) -> None:
         self.key = key
         self.rule = ""
         """Stats key of the rule that owns the bucket (for per-rule metrics)."""
         self.limit = limit
         self.window_seconds = window_seconds
-        self.capacity = capacity(limit, window_seconds)
+        self.burst = burst
+        """The rule's burst (None: the limit)."""
+        self.capacity = capacity(limit, burst)
         """What the fleet bucket holds when full (kept: the request path reads it)."""
         self.ratio = 0.0
-        self.credit = initial_credit(limit, window_seconds, nodes)
+        self.credit = initial_credit(self.capacity, nodes)
         self.grant = self.credit
         """The credit of the last sync, renewed each interval while the store is away."""
         self.offered = 0
@@ -134,6 +145,8 @@ class BucketReport:
     admitted: int
     since: float = 0.0
     """Start of the period the counts cover."""
+    burst: int | None = None
+    """The rule's burst: what the fleet bucket holds when full (None: the limit)."""
 
 
 class LocalBuckets:
@@ -166,12 +179,18 @@ class LocalBuckets:
         return len(self._buckets)
 
     def get(
-        self, key: str, limit: int, window_seconds: int, now: float, rule: str = ""
+        self,
+        key: str,
+        limit: int,
+        window_seconds: int,
+        now: float,
+        rule: str = "",
+        burst: int | None = None,
     ) -> ProbabilisticBucket:
         bucket = self._buckets.get(key)
         if bucket is None or bucket.window_seconds != window_seconds:
             # New, or a reload changed the unit: counts of another window mean nothing.
-            bucket = ProbabilisticBucket(key, limit, window_seconds, now, self.nodes)
+            bucket = ProbabilisticBucket(key, limit, window_seconds, now, self.nodes, burst)
             bucket.rule = rule
             self._buckets[key] = bucket
             self._buckets.move_to_end(key)
@@ -180,9 +199,10 @@ class LocalBuckets:
                 self.evicted_overflow += 1
         else:
             self._buckets.move_to_end(key)
-            if bucket.limit != limit:
+            if bucket.limit != limit or bucket.burst != burst:
                 bucket.limit = limit  # a reload changed the limit; keep the counts
-                bucket.capacity = capacity(limit, window_seconds)
+                bucket.burst = burst
+                bucket.capacity = capacity(limit, burst)
         bucket.last_used = now
         return bucket
 
@@ -223,6 +243,7 @@ class LocalBuckets:
                     bucket.offered,
                     bucket.admitted,
                     bucket.last_report,
+                    bucket.burst,
                 )
             )
             bucket.offered = 0

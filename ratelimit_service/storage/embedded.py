@@ -25,13 +25,15 @@ class _FleetBucket:
     def __init__(self, report: BucketReport, now: float) -> None:
         self.limit = report.limit
         self.window_seconds = report.window_seconds
-        self.tokens = capacity(report.limit, report.window_seconds)
+        self.tokens = capacity(report.limit, report.burst)
         self.offered_total = 0
         self.touched = now
 
     def update(self, report: BucketReport, now: float) -> None:
         self.limit = report.limit
-        refilled = refill(self.tokens, now - self.touched, report.limit, report.window_seconds)
+        refilled = refill(
+            self.tokens, now - self.touched, report.limit, report.window_seconds, report.burst
+        )
         self.tokens = take(refilled, report.admitted, report.limit)
         self.offered_total += report.offered
         self.touched = now

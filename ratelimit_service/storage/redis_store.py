@@ -261,7 +261,7 @@ class RedisStore:
             args += (
                 report.window_seconds * 1_000_000,
                 report.limit,
-                int(capacity(report.limit, report.window_seconds)),
+                int(capacity(report.limit, report.burst)),
                 report.admitted,
                 report.offered,
             )
