@@ -109,7 +109,7 @@ class LoopLoad:
         now = self.saturation.update(time.monotonic(), self._busy_seconds())
         if now != was:
             self.changes += 1
-            log.info(
+            log.debug(  # may change every sample under a load near the threshold
                 "event loop %s (demand %.2f CPU): exact batching %s",
                 "saturated" if now else "no longer saturated",
                 self.saturation.demand,

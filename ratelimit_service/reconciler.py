@@ -63,7 +63,8 @@ class Reconciler:
             self.failing = True
             self.local.restore(reports)
             self.local.renew()
-            log.warning("sync failed, keeping last drop ratios: %s", exc)
+            # The store's breaker logs the outage once, then a summary now and then.
+            log.debug("sync failed, keeping last drop ratios: %s", exc)
             return 0
         now = self._clock()
         if sent_while_failing:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from ratelimit_service.storage.breaker import CircuitBreaker
 
 
@@ -59,3 +61,29 @@ def test_health_comes_back_only_after_successes_in_a_row() -> None:
     assert not b.healthy
     b.success()
     assert b.healthy
+
+
+def test_an_outage_is_logged_once_then_summarised_then_its_end(caplog) -> None:
+    clock = [0.0]
+    breaker = CircuitBreaker(clock=lambda: clock[0], draw=lambda: 0.5, name="redis at x")
+    with caplog.at_level(logging.INFO, logger="ratelimit_service.storage.breaker"):
+        for _ in range(200):  # 40 s of a call every 0.2 s, every one failing
+            clock[0] += 0.2
+            breaker.failure("connection refused")
+        for _ in range(3):
+            breaker.success()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.WARNING, logging.INFO]
+    assert "redis at x unavailable after 3 failed calls in a row (connection refused)" in lines[0][1]
+    assert "still unavailable after 30 s" in lines[1][1]
+    assert "answering again after 39.4 s unavailable (200 failed calls)" in lines[2][1]
+    assert breaker.outages == 1
+
+
+def test_a_stray_failure_is_not_logged(caplog) -> None:
+    breaker = CircuitBreaker()
+    with caplog.at_level(logging.INFO, logger="ratelimit_service.storage.breaker"):
+        breaker.failure("timeout")
+        breaker.success()
+    assert caplog.records == []
+    assert breaker.outages == 0

@@ -3,14 +3,20 @@
 When the store fails several times in a row, callers fail fast (no connection
 attempt) until the backoff expires; then one trial call goes through. So a fleet does not hammer a
 recovering Redis, and the request path never waits on a store known to be down.
-Health changes only after several results in a row, so it does not flap.
+Health changes only after several results in a row, so it does not flap, and each
+change is logged once: a WARNING when the store becomes unavailable, a summary at most
+every ``summary_every`` seconds while it stays so, and an INFO line when it answers
+again (not a line per failed call: a fleet's outage would flood the log).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 
 class CircuitBreaker:
@@ -23,6 +29,8 @@ class CircuitBreaker:
         open_after: int = 3,
         clock: Callable[[], float] = time.monotonic,
         draw: Callable[[], float] = random.random,
+        name: str = "store",
+        summary_every: float = 30.0,
     ) -> None:
         self.base_backoff = base_backoff
         self.max_backoff = max_backoff
@@ -37,6 +45,13 @@ class CircuitBreaker:
         self.successes_in_row = 0
         self.healthy = True
         self.total_failures = 0
+        self.outages = 0
+        """Times the store became unavailable (several failures in a row)."""
+        self.name = name
+        self.summary_every = summary_every
+        self._down_since = 0.0
+        self._failures_at_down = 0
+        self._summary_at = 0.0
 
     def allow(self) -> bool:
         """Whether a call may go to the store now."""
@@ -54,19 +69,49 @@ class CircuitBreaker:
         self.successes_in_row += 1
         if not self.healthy and self.successes_in_row >= self.flip_after:
             self.healthy = True
+            log.info(
+                "%s answering again after %.1f s unavailable (%d failed calls)",
+                self.name,
+                self._clock() - self._down_since,
+                self.total_failures - self._failures_at_down,
+            )
 
-    def failure(self) -> None:
+    def failure(self, reason: str = "") -> None:
         self.total_failures += 1
         self._trial_running = False
         self.successes_in_row = 0
         self.failures_in_row += 1
         if self.failures_in_row >= self.flip_after:
-            self.healthy = False
+            self._unhealthy(reason)
         if self.failures_in_row < self.open_after and self._backoff == 0.0:
             return  # a stray timeout does not stop traffic to a store that works
         self._backoff = min(self.max_backoff, max(self.base_backoff, self._backoff * 2))
         jitter = 0.5 + self._draw()  # 0.5x .. 1.5x
         self._open_until = self._clock() + self._backoff * jitter
+
+    def _unhealthy(self, reason: str) -> None:
+        now = self._clock()
+        if self.healthy:
+            self.healthy = False
+            self.outages += 1
+            self._down_since = self._summary_at = now
+            self._failures_at_down = self.total_failures - self.failures_in_row
+            log.warning(
+                "%s unavailable after %d failed calls in a row (%s): exact rules answer"
+                " by their failure_mode, probabilistic rules keep their last drop ratios",
+                self.name,
+                self.failures_in_row,
+                reason or "no reason given",
+            )
+        elif now - self._summary_at >= self.summary_every:
+            self._summary_at = now
+            log.warning(
+                "%s still unavailable after %.0f s (%d failed calls; last: %s)",
+                self.name,
+                now - self._down_since,
+                self.total_failures - self._failures_at_down,
+                reason or "no reason given",
+            )
 
     @property
     def open(self) -> bool:

@@ -95,6 +95,14 @@ def _outcome(done: asyncio.Future[Any]) -> Any:
     return done.exception() or done.result()
 
 
+def _display(url: str) -> str:
+    """A URL fit for a log line: without its password."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return f"{scheme}{sep}{rest}"
+
+
 def _script(name: str) -> str:
     return resources.files("ratelimit_service.resources").joinpath(name).read_text()
 
@@ -138,7 +146,7 @@ class RedisStore:
         )
         self._exact = self._client.register_script(_script("exact_window.lua"))
         self._sync = self._client.register_script(_script("fleet_sync.lua"))
-        self.breaker = CircuitBreaker()
+        self.breaker = CircuitBreaker(name=f"redis at {_display(url)}")
         self._initialized = not self.cluster
         self._init_lock = asyncio.Lock()
         self.calls = 0
@@ -220,7 +228,7 @@ class RedisStore:
         if isinstance(reply, StoreUnavailable):  # the circuit was open: nothing was sent
             raise reply
         if isinstance(reply, RedisError | OSError):
-            self.breaker.failure()
+            self.breaker.failure(str(reply))
             raise StoreUnavailable(f"redis: {reply}") from reply
         raise reply
 
@@ -308,15 +316,16 @@ class RedisStore:
                     raise self._timed_out(timeout) from None
                 raw = command.result()
         except (RedisError, OSError) as exc:
-            self.breaker.failure()
+            self.breaker.failure(str(exc) or type(exc).__name__)
             raise StoreUnavailable(f"redis: {exc}") from exc
         self.breaker.success()
         return raw
 
     def _timed_out(self, timeout: float) -> StoreUnavailable:
         self.timeouts += 1
-        self.breaker.failure()
-        return StoreUnavailable(f"redis: no answer within {timeout * 1000:.0f} ms")
+        reason = f"no answer within {timeout * 1000:.0f} ms"
+        self.breaker.failure(reason)
+        return StoreUnavailable(f"redis: {reason}")
 
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         if not self._initialized:
@@ -373,6 +382,8 @@ class RedisStore:
             "errors": self.breaker.total_failures,
             "timeouts": self.timeouts,
             "circuit_open": 1.0 if self.breaker.open else 0.0,
+            "healthy": 1.0 if self.breaker.healthy else 0.0,
+            "outages": self.breaker.outages,
             "exact_batches": self._batcher.batches,
             "exact_batched_requests": self._batcher.requests,
             "exact_held_batches": self._batcher.held,
