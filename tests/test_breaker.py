@@ -74,7 +74,7 @@ def test_an_outage_is_logged_once_then_summarised_then_its_end(caplog) -> None:
             breaker.success()
     lines = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert [level for level, _ in lines] == [logging.WARNING, logging.WARNING, logging.INFO]
-    assert "redis at x unavailable after 3 failed calls in a row (connection refused)" in lines[0][1]
+    assert "redis at x unavailable after 3 failed calls in a row (connection" in lines[0][1]
     assert "still unavailable after 30 s" in lines[1][1]
     assert "answering again after 39.4 s unavailable (200 failed calls)" in lines[2][1]
     assert breaker.outages == 1
