@@ -429,17 +429,24 @@ def test_service_killed_mid_traffic_fails_open_then_limits_again_after_restart(
 
 
 def fast_health_checks(bootstrap: dict[str, Any]) -> dict[str, Any]:
-    """The shipped gRPC health check, made to decide in a fraction of a second: the one
-    change, so that the drain test does not sit out 2 x 5 s."""
-    (check,) = cluster(bootstrap, "ratelimit")["health_checks"]
+    """The shipped gRPC health check, made to decide in a fraction of a second, so that the
+    drain test does not sit out 2 x 5 s. Also ``update_merge_window: 0s``: Envoy holds a
+    cluster's host changes, health included, up to 1 s (the default window) before its
+    workers see them, and kept sending calls to a replica 0.8 s after its check failed."""
+    ratelimit = cluster(bootstrap, "ratelimit")
+    (check,) = ratelimit["health_checks"]
     check.update(interval="0.2s", no_traffic_interval="0.2s", timeout="0.5s", unhealthy_threshold=1)
+    ratelimit["common_lb_config"] = {"update_merge_window": "0s"}
     return bootstrap
 
 
 @pytest.mark.xfail(
-    reason="service bug: on SIGTERM it turns NOT_SERVING and stops its gRPC server in the "
-    "same step (RateLimitService.stop), so calls routed to it before Envoy's health check "
-    "notices are refused and pass undecided; it needs a drain delay between the two",
+    reason="service bug: on SIGTERM RateLimitService.stop() reports NOT_SERVING and stops "
+    "its gRPC server in the same step, so the replica refuses calls before Envoy's health "
+    "check can see NOT_SERVING, and those calls pass undecided. With the server kept "
+    "serving 0.5-1 s after NOT_SERVING (tried by patching stop()), this test passes; "
+    "behind the shipped check (5 s x 2) the delay must exceed ~11 s (Envoy also merges "
+    "host updates for up to 1 s)",
     strict=False,
 )
 def test_sigterm_of_one_replica_drains_it_out_of_envoy_without_undecided_requests(
@@ -459,11 +466,15 @@ def test_sigterm_of_one_replica_drains_it_out_of_envoy_without_undecided_request
     with Traffic(envoy, "/healthz", lambda n: {"x-tenant": f"t{n}"}) as traffic:
         envoy.wait_for("traffic", lambda: traffic.total() >= 10)
         leaving.terminate()
-        assert leaving.wait() == 0
         envoy.wait_for(
-            "the stopped replica out of rotation",
+            "the draining replica out of rotation",
             lambda: envoy.healthy_hosts("ratelimit") == {f"127.0.0.1:{staying.grpc_port}"},
         )
+        # What took it out was its NOT_SERVING answer, not a refused connection.
+        checks = envoy.stats()
+        assert checks["cluster.ratelimit.health_check.failure"] >= 1, checks
+        assert checks.get("cluster.ratelimit.health_check.network_failure", 0) == 0, checks
+        assert leaving.wait() == 0
         sent = traffic.total()
         envoy.wait_for("traffic after the drain", lambda: traffic.total() >= sent + 10)
 
@@ -472,7 +483,10 @@ def test_sigterm_of_one_replica_drains_it_out_of_envoy_without_undecided_request
     undecided = stats.get("cluster.upstream.ratelimit.error", 0) + stats.get(
         "cluster.upstream.ratelimit.failure_mode_allowed", 0
     )
-    assert undecided == 0, stats
+    calls = " ".join(
+        f"{k}={v}" for k, v in stats.items() if "ratelimit." in k and "circuit" not in k
+    )
+    assert undecided == 0, calls
     assert stats["cluster.upstream.ratelimit.ok"] == traffic.total()
 
 
