@@ -4,8 +4,10 @@ Envoy YAML is parsed into its Envoy API type with unknown fields rejected and ``
 ``Any`` values resolved, then checked against the protoc-gen-validate rules embedded in the
 protos (required fields, lengths, enum values), which is what Envoy checks at load time
 beyond the parse. The descriptors the routes can send are matched against config/ with the
-service's own loader and matcher, in both directions. What remains for Envoy or Docker to
-show (the files start, traffic gets 429s) is listed in docs/envoy-istio.md.
+service's own loader and matcher, in both directions. A real Envoy runs these files in
+tests/test_envoy_real.py (envoy/envoy.yaml) and tests/test_envoy_generated.py (the
+generator's bootstrap, istio/envoyfilter.yaml's patches, ``envoy --mode validate``); what
+remains for Docker or a cluster to show is listed in docs/envoy-istio.md.
 """
 
 from __future__ import annotations
