@@ -81,6 +81,7 @@ def validate(binary: str, config: Path) -> subprocess.CompletedProcess[str]:
             "1",
             "--base-id",
             str(next_base_id()),
+            "--disable-hot-restart",
             "-l",
             "warning",
         ],
@@ -91,8 +92,9 @@ def validate(binary: str, config: Path) -> subprocess.CompletedProcess[str]:
 
 
 def next_base_id() -> int:
-    """A shared-memory base id no other Envoy of this machine's test runs uses: each
-    Python process gets its own range of 64."""
+    """A base id (Envoy's shared-memory and hot-restart socket names) that no other Envoy
+    of this machine's test runs uses: each Python process gets its own range of 64. With
+    --disable-hot-restart nothing is created under it; it keeps the runs apart anyway."""
     return (os.getpid() % 60_000) * 64 + next(_BASE_IDS) % 64
 
 
@@ -226,6 +228,8 @@ class Envoy:
                     "1",
                     "--base-id",
                     str(next_base_id()),
+                    # No hot restart: it would leave a shared-memory file per run in /dev/shm.
+                    "--disable-hot-restart",
                     "--admin-address-path",
                     str(address_file),
                     "-l",
