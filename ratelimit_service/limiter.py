@@ -129,6 +129,9 @@ class _Plan:
     exact_hits: tuple[ExactHit, ...]
     """What the store gets for the exact steps, in order, when no probabilistic quota
     descriptor has let the request through (see _exact_hits)."""
+    exact_owe: bool
+    """Whether failure_mode admits the request when the store fails (then the store
+    is asked to count its hits later: Store.hit's ``owe``)."""
     all_local: bool
     """Every descriptor is a probabilistic step (see RateLimiter.decide_locally)."""
 
@@ -191,9 +194,13 @@ class RateLimiter:
             commit, quota_met = self._decide_local(plan.local, plan.exact_quota, statuses, taken)
         exact = plan.exact
         if exact:
-            hits = plan.exact_hits if not quota_met else _exact_hits(exact, quota_met)
+            if quota_met:
+                hits: tuple[ExactHit, ...] | list[ExactHit] = _exact_hits(exact, quota_met)
+                owe = commit and _admitted_on_failure(exact, hits)
+            else:
+                hits, owe = plan.exact_hits, commit and plan.exact_owe
             try:
-                results = await self.store.hit(hits, commit)
+                results = await self.store.hit(hits, commit, owe)
             except StoreUnavailable as exc:
                 self.stats.store_error += 1
                 log.debug("exact store unavailable: %s", exc)
@@ -288,6 +295,7 @@ class RateLimiter:
                 steps.append(_Step(index, limit, match, hits))
         exact = tuple(step for step in steps if step.exact)
         local = tuple(step for step in steps if not step.exact)
+        exact_hits = tuple(_exact_hits(exact, quota_met=False))
         plan = _Plan(
             self,
             config,
@@ -297,7 +305,8 @@ class RateLimiter:
             any(step.role is HitRole.QUOTA for step in exact),
             tuple(unlimited),
             tuple(unmatched),
-            tuple(_exact_hits(exact, quota_met=False)),
+            exact_hits,
+            _admitted_on_failure(exact, exact_hits),
             domain is not None and len(local) == len(request.descriptors),
         )
         request.plan = plan
@@ -472,6 +481,14 @@ def _exact_hits(exact: tuple[_Step, ...], quota_met: bool) -> list[ExactHit]:
         )
         for step in exact
     ]
+
+
+def _admitted_on_failure(
+    exact: tuple[_Step, ...], hits: tuple[ExactHit, ...] | list[ExactHit]
+) -> bool:
+    """Whether failure_mode lets the request's exact part through when the store fails."""
+    roles = [hit.role for hit in hits]
+    return bool(exact) and not request_denied(roles, [step.fail_open for step in exact])
 
 
 def _failure_result(limit: RateLimit) -> ExactResult:

@@ -429,7 +429,9 @@ async def test_admitted_request_with_exact_quota_over_still_consumes() -> None:
 
 
 class DownStore(EmbeddedStore):
-    async def hit(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
+    async def hit(
+        self, hits: Sequence[ExactHit], commit: bool, owe: bool = False
+    ) -> list[ExactResult]:
         raise StoreUnavailable("down")
 
 

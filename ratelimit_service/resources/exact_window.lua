@@ -13,8 +13,10 @@
 --          (fields: slice index -> hits, plus the bookkeeping fields n, o and c below)
 -- ARGV[1]  S, slices per window
 -- ARGV[2]  R, requests in the batch
--- then, per request: commit (1 = consume if admitted, 0 = check only), n (its
---          descriptors), then per descriptor: limit, window_us, hits, role
+-- then, per request: commit (1 = consume if admitted, 0 = check only, 2 = consume
+--          whatever the window holds: hits admitted while Redis was unavailable, see
+--          storage/owed_hits.py), n (its descriptors), then per descriptor: limit,
+--          window_us, hits, role
 --          (role 0 = enforce, 1 = shadow: never denies, 2 = quota)
 -- Returns  a flat array, 4 integers per descriptor, in KEYS order:
 --          admitted (1/0), hits in the window before, remaining after, reset_after_us
@@ -118,7 +120,8 @@ local hw, hlimit, hhits, hok, hbefore = {}, {}, {}, {}, {}
 local out, o = {}, 0
 local arg, key_index = 3, 1
 for _ = 1, requests do
-  local commit = tonumber(ARGV[arg]) == 1
+  local commit_arg = tonumber(ARGV[arg])
+  local commit, force = commit_arg == 1, commit_arg == 2
   local n = tonumber(ARGV[arg + 1])
   arg = arg + 2
   local denied, quota_seen, quota_all_over = false, false, true
@@ -140,7 +143,7 @@ for _ = 1, requests do
     key_index = key_index + 1
   end
   if quota_seen and quota_all_over then denied = true end
-  local consume = commit and not denied
+  local consume = force or (commit and not denied)
 
   -- Hits land descriptor by descriptor, each reported with the window as it then
   -- stands (as core/exact.py does): a key repeated in a request sees the hits of its
@@ -148,7 +151,7 @@ for _ = 1, requests do
   for i = 1, n do
     local w, hits, limit = hw[i], hhits[i], hlimit[i]
     local reset, admitted = 0, 0
-    if hok[i] then
+    if hok[i] or force then
       admitted = 1
       if consume and hits > 0 then
         w.added = w.added + hits

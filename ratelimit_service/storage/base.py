@@ -28,12 +28,16 @@ class StoreOverloaded(Exception):
 class Store(Protocol):
     name: str
 
-    def hit(self, hits: Sequence[ExactHit], commit: bool) -> Awaitable[list[ExactResult]]:
+    def hit(
+        self, hits: Sequence[ExactHit], commit: bool, owe: bool = False
+    ) -> Awaitable[list[ExactResult]]:
         """Decide ``hits`` (index-aligned results); consume only if ``commit`` and the
-        request is not denied. Raises StoreUnavailable when the store fails, and
-        StoreOverloaded when too many requests are already waiting for it. Any
-        awaitable will do (an ``async def``, or a future a store resolves itself: no
-        coroutine layer on the request path)."""
+        request is not denied. ``owe``: the caller admits the request if the store
+        fails, so a store that can should count its hits later (see owed_hits).
+        Raises StoreUnavailable when the store fails, and StoreOverloaded when too
+        many requests are already waiting for it. Any awaitable will do (an ``async
+        def``, or a future a store resolves itself: no coroutine layer on the request
+        path)."""
         ...
 
     async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:

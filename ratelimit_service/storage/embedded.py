@@ -69,7 +69,10 @@ class EmbeddedStore:
             f"{report.key}\x1f{report.window_seconds}", lambda: _FleetBucket(report, now)
         )
 
-    async def hit(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
+    async def hit(
+        self, hits: Sequence[ExactHit], commit: bool, owe: bool = False
+    ) -> list[ExactResult]:
+        """``owe`` means nothing here: this store never fails."""
         now = self._clock()
         windows = [self._window(hit.key, hit.window_seconds) for hit in hits]
         return evaluate(hits, windows, now, commit)

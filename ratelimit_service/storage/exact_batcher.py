@@ -28,6 +28,9 @@ in the batcher is not bounded by the deadline but by the number of requests wait
 (``max_pending``): past it, :meth:`ExactBatcher.submit` refuses at once with
 :class:`StoreOverloaded`, which the limiter answers explicitly.
 
+A request whose caller admits it when Redis fails (``owe``: its rules fail open) is
+not lost to the window when that happens: see owed_hits, which the batcher feeds.
+
 The batcher is written with callbacks, not tasks: at one request per batch (a lightly
 loaded service) a task and a chain of coroutines per call cost more CPU than the
 rest of the exact-mode path.
@@ -42,8 +45,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ratelimit_service.core.exact import ExactHit, ExactResult
+from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, request_denied
 from ratelimit_service.storage.base import StoreOverloaded, StoreUnavailable
+from ratelimit_service.storage.owed_hits import OwedHits
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +117,27 @@ def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
     return results
 
 
+FORCE = 2
+"""``commit`` of a request counted whatever the window holds (owed hits)."""
+
+_Waiter = tuple["asyncio.Future[list[ExactResult]] | None", int, bool]
+"""A request in a batch: who waits for its results (None: owed hits, nobody), its
+descriptor count, and whether its hits are owed to Redis if the call fails."""
+
+
 class _Batch:
-    __slots__ = ("args", "deadline", "done", "due", "keys", "overdue", "release", "waiters")
+    __slots__ = (
+        "args",
+        "deadline",
+        "done",
+        "due",
+        "forced",
+        "keys",
+        "late",
+        "overdue",
+        "release",
+        "waiters",
+    )
 
     def __init__(self, slices: int) -> None:
         self.deadline = 0.0
@@ -127,8 +150,32 @@ class _Batch:
         """Not held (any more): it goes as soon as a call slot is free."""
         self.keys: list[str] = []
         self.args: list[Any] = [slices, 0]
-        self.waiters: list[tuple[asyncio.Future[list[ExactResult]], int]] = []
+        self.waiters: list[_Waiter] = []
         self.done = False
+        self.late = False
+        """Given up at its deadline; a reply may still come and tell what Redis did."""
+        self.forced = 0
+        """Owed requests in it (nobody waits for them)."""
+
+    def add(self, waiter: _Waiter, keys: Sequence[str], commit: int, args: Sequence[Any]) -> None:
+        self.waiters.append(waiter)
+        if waiter[0] is None:
+            self.forced += 1
+        self.keys += keys
+        self.args[1] += 1
+        self.args += (commit, len(keys))
+        self.args += args
+
+    def requests(self) -> list[tuple[_Waiter, list[str], list[Any]]]:
+        """Each request with its keys and its per-descriptor ARGV part."""
+        out, key, arg = [], 0, 2
+        for waiter in self.waiters:
+            count = waiter[1]
+            hits = self.args[arg + 2 : arg + 2 + 4 * count]
+            out.append((waiter, self.keys[key : key + count], hits))
+            key += count
+            arg += 2 + 4 * count
+        return out
 
 
 class ExactBatcher:
@@ -143,6 +190,7 @@ class ExactBatcher:
         """Requests submitted and not yet answered or failed."""
         self.overloaded = 0
         """Requests refused because ``max_pending`` were waiting."""
+        self.owed = OwedHits()
         self._open: _Batch | None = None
         self._in_flight = 0
         # Batches sent and not yet answered or expired, oldest first, and one timer
@@ -160,10 +208,12 @@ class ExactBatcher:
         """Batches that opened with a hold (sent when it ended, or when full)."""
 
     def submit(
-        self, keys: Sequence[str], args: tuple[Any, ...], commit: bool
+        self, keys: Sequence[str], args: tuple[Any, ...], commit: bool, owe: bool = False
     ) -> asyncio.Future[list[ExactResult]]:
-        """One request: its keys and its hits' ARGV part (:func:`hit_args`). Raises
-        StoreOverloaded, sending nothing, when ``max_pending`` requests are waiting."""
+        """One request: its keys and its hits' ARGV part (:func:`hit_args`). ``owe``:
+        the caller admits the request if the call fails, so its hits are owed to Redis
+        then (see owed_hits). Raises StoreOverloaded, sending nothing, when
+        ``max_pending`` requests are waiting."""
         if self.pending >= self.max_pending:
             self.overloaded += 1
             raise StoreOverloaded(f"redis: {self.pending} exact requests already waiting")
@@ -176,13 +226,12 @@ class ExactBatcher:
                 self.held += 1
             else:
                 batch.due = True
+            if self.owed:  # owed hits land first: the requests below see them
+                for owed_keys, owed_args in self.owed.drain(loop.time()):
+                    batch.add((None, len(owed_keys), True), owed_keys, FORCE, owed_args)
         future: asyncio.Future[list[ExactResult]] = loop.create_future()
         self.pending += 1
-        batch.waiters.append((future, len(keys)))
-        batch.keys += keys
-        batch.args[1] += 1
-        batch.args += (1 if commit else 0, len(keys))
-        batch.args += args
+        batch.add((future, len(keys), owe and commit), keys, 1 if commit else 0, args)
         full = len(batch.keys) >= MAX_BATCH_DESCRIPTORS
         if full or (batch.due and self._in_flight < MAX_IN_FLIGHT):
             self._send(loop)
@@ -202,8 +251,8 @@ class ExactBatcher:
         if batch is not None:
             if batch.release is not None:
                 batch.release.cancel()
-            self.pending -= len(batch.waiters)
-            _fail(batch, "redis: store closed")
+            self.pending -= _callers(batch)
+            self._fail(batch, "redis: store closed")
 
     def _release(self, batch: _Batch) -> None:
         """A held batch's time is up: it goes now, or when a call slot frees."""
@@ -211,7 +260,7 @@ class ExactBatcher:
         if self._open is not batch:  # it left full, or the store closed
             return
         batch.due = True
-        self._lone = 0 if len(batch.waiters) > 1 else self._lone + 1
+        self._lone = 0 if _callers(batch) > 1 else self._lone + 1
         if self._lone >= LONE_BATCHES:
             self.hold = 0.0
         if self._in_flight < MAX_IN_FLIGHT:
@@ -230,7 +279,7 @@ class ExactBatcher:
         self._open = None
         self._in_flight += 1
         self.batches += 1
-        self.requests += len(batch.waiters)
+        self.requests += _callers(batch)
         self._flying.append(batch)
         deliver = functools.partial(self._delivered, batch)
         # The deadline measures Redis: it starts once the command is written.
@@ -240,25 +289,60 @@ class ExactBatcher:
             self._arm(loop, batch.deadline)
 
     def _delivered(self, batch: _Batch, reply: Any) -> None:
-        if batch.done:  # it expired; the late reply is dropped
+        if batch.done:  # it expired: only what Redis did with owed hits matters now
+            if batch.late:
+                self._settle_late(batch, reply)
             return
         self._close(batch)
         try:
             raw = self._channel.settle(reply)
             results, start = [], 0
-            for _, count in batch.waiters:
+            for _, count, _ in batch.waiters:
                 results.append(decode(raw, start, count))
                 start += count
         except StoreUnavailable as exc:
-            _fail(batch, str(exc))
+            self._fail(batch, str(exc))
         except Exception as exc:  # a bug or a malformed reply: fail the batch, loudly
             log.exception("exact batch failed")
-            _fail(batch, f"redis: unexpected {type(exc).__name__}")
+            self._fail(batch, f"redis: unexpected {type(exc).__name__}")
         else:
-            for (future, _), result in zip(batch.waiters, results, strict=True):
-                if not future.done():  # a caller that gave up (cancelled) is skipped
+            for (future, _, _), result in zip(batch.waiters, results, strict=True):
+                if future is not None and not future.done():  # None: owed; done: gave up
                     future.set_result(result)
         self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
+
+    def _fail(self, batch: _Batch, reason: str, late: bool = False) -> None:
+        """Every waiter hears ``reason``; the hits of requests admitted on failure
+        are owed to Redis, or, for a call that may still be answered (``late``),
+        once its reply shows what Redis did not count."""
+        now = asyncio.get_running_loop().time()
+        batch.late = late
+        for (future, _, owe), keys, args in batch.requests():
+            # One exception object per waiter: a shared one would collect every
+            # waiter's traceback.
+            if future is not None and not future.done():
+                future.set_exception(StoreUnavailable(reason))
+            if owe and not late:
+                self.owed.add(keys, args, now)
+
+    def _settle_late(self, batch: _Batch, reply: Any) -> None:
+        """The reply of a call given up at its deadline: owe the hits of requests
+        admitted on failure that Redis did not count (all of them if the reply is an
+        error: whether the script ran is unknown, and counting twice only denies
+        sooner)."""
+        batch.late = False
+        now = asyncio.get_running_loop().time()
+        start = 0
+        for (future, count, owe), keys, args in batch.requests():
+            if owe:
+                counted = future is None  # forced hits always count
+                if not counted and not isinstance(reply, BaseException):
+                    admitted = [r.admitted for r in decode(reply, start, count)]
+                    roles = [HitRole(role) for role in args[3::4]]
+                    counted = not request_denied(roles, admitted)
+                if not counted:
+                    self.owed.add(keys, args, now)
+            start += count
 
     def _check_deadlines(self) -> None:
         """Fail every call that was already past its deadline at the previous check
@@ -282,7 +366,7 @@ class ExactBatcher:
             elif upcoming is None or batch.deadline < upcoming:
                 upcoming = batch.deadline
         for batch in expired:
-            _fail(batch, str(self._channel.expire(self._timeout)))
+            self._fail(batch, str(self._channel.expire(self._timeout)), late=True)
         if self._in_flight < MAX_IN_FLIGHT:  # the timer of an answered call frees nothing
             self._send_queued(loop)  # what queued behind the expired calls goes out now
         if confirm:
@@ -302,15 +386,12 @@ class ExactBatcher:
     def _close(self, batch: _Batch) -> None:
         batch.done = True
         self._in_flight -= 1
-        self.pending -= len(batch.waiters)
+        self.pending -= _callers(batch)
         flying = self._flying
         while flying and flying[0].done:  # keep the line short; the timer skips the rest
             flying.popleft()
 
 
-def _fail(batch: _Batch, reason: str) -> None:
-    # One exception object per waiter: a shared one would collect every waiter's
-    # traceback.
-    for future, _ in batch.waiters:
-        if not future.done():
-            future.set_exception(StoreUnavailable(reason))
+def _callers(batch: _Batch) -> int:
+    """Requests in a batch that someone waits for (owed hits are not pending)."""
+    return len(batch.waiters) - batch.forced

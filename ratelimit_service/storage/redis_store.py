@@ -160,12 +160,16 @@ class RedisStore:
 
     # -- request path ------------------------------------------------------------
 
-    def hit(self, hits: Sequence[ExactHit], commit: bool) -> Awaitable[list[ExactResult]]:
+    def hit(
+        self, hits: Sequence[ExactHit], commit: bool, owe: bool = False
+    ) -> Awaitable[list[ExactResult]]:
         if not self.cluster:  # one server sees every key: batch with concurrent requests
             prepared = self._prepared.get(id(hits))
             if prepared is None or prepared[0] is not hits:
                 prepared = self._prepare(hits)
-            return self._batcher.submit(prepared[1], prepared[2], commit)
+            return self._batcher.submit(prepared[1], prepared[2], commit, owe)
+        # A Cluster's keys live on several nodes: hits admitted while one is away are
+        # not carried to it later (owed hits need the batcher's single connection).
         return self._hit_cluster(hits, commit)
 
     def _prepare(self, hits: Sequence[ExactHit]) -> _Prepared:
@@ -389,6 +393,9 @@ class RedisStore:
             "exact_held_batches": self._batcher.held,
             "exact_pending": self._batcher.pending,
             "exact_overloaded": self._batcher.overloaded,
+            "exact_owed_requests": len(self._batcher.owed),
+            "exact_owed_sent": self._batcher.owed.sent,
+            "exact_owed_dropped": self._batcher.owed.dropped,
             "exact_batch_hold_seconds": self._batcher.hold,
         }
 

@@ -1,0 +1,89 @@
+"""Hits admitted while Redis failed are counted in Redis afterwards, exactly once: no
+window holds fewer hits than were admitted (real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ratelimit_service.core.exact import ExactHit
+from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.owed_hits import OwedHits
+from ratelimit_service.storage.redis_store import RedisStore
+
+HIT = [ExactHit("k", 10, 60, 1)]
+PROBE = [ExactHit("k", 10, 60, 0)]  # check only: reads the window
+
+
+async def until_answered(store: RedisStore) -> int:
+    """Hits in the window, once Redis answers again (the breaker may need a trial)."""
+    for _ in range(100):
+        try:
+            return (await store.hit(PROBE, True))[0].before
+        except StoreUnavailable:
+            await asyncio.sleep(0.05)
+    raise AssertionError("redis never answered")
+
+
+async def test_hits_admitted_while_redis_was_down_land_when_it_is_back(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.2)
+    try:
+        await store.hit(HIT, True)  # one hit in the window
+        redis_server.stop()
+        for _ in range(4):  # refused or circuit open: the caller admits them (owe)
+            with pytest.raises(StoreUnavailable):
+                await store.hit(HIT, True, owe=True)
+        with pytest.raises(StoreUnavailable):
+            await store.hit(HIT, True, owe=False)  # a rule that fails closed: not owed
+        assert store.stats()["exact_owed_requests"] == 4
+        redis_server.start()
+        # A fresh (empty) server: the four owed hits land before the probe reads.
+        assert await until_answered(store) == 4
+        assert store.stats()["exact_owed_requests"] == 0
+        assert store.stats()["exact_owed_sent"] >= 4
+    finally:
+        await store.close()
+
+
+async def test_a_late_reply_that_counted_the_hit_owes_nothing(redis_server) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.1)
+    try:
+        await store.hit(HIT, True)
+        redis_server.pause()
+        with pytest.raises(StoreUnavailable, match="no answer"):
+            await store.hit(HIT, True, owe=True)  # Redis runs it once resumed: counted
+        redis_server.resume()
+        assert await until_answered(store) == 2  # not 3: counted once
+        assert store.stats()["exact_owed_requests"] == 0
+    finally:
+        await store.close()
+
+
+async def test_a_late_reply_that_denied_the_hit_owes_it(redis_server) -> None:
+    full = [ExactHit("f", 2, 60, 1)]
+    store = RedisStore(redis_server.url, request_timeout=0.1)
+    try:
+        await store.hit(full, True)
+        await store.hit(full, True)  # the window is full
+        redis_server.pause()
+        with pytest.raises(StoreUnavailable, match="no answer"):
+            await store.hit(full, True, owe=True)  # admitted by failure_mode: open
+        redis_server.resume()
+        await asyncio.sleep(0.2)  # the late reply: denied by the script, so owed
+        assert store.stats()["exact_owed_requests"] == 1
+        assert (await store.hit([ExactHit("f", 2, 60, 0)], True))[0].before == 3
+    finally:
+        await store.close()
+
+
+def test_owed_hits_are_bounded_and_expire_with_their_window() -> None:
+    owed = OwedHits(max_requests=2)
+    args = (10, 60_000_000, 1, 0)  # limit, window_us, hits, role
+    owed.add(["a"], args, now=0.0)
+    owed.add(["b"], args, now=1.0)
+    owed.add(["c"], (10, 1_000_000, 1, 0), now=1.0)  # past the bound: "a" goes
+    assert owed.dropped == 1 and len(owed) == 2
+    ready = owed.drain(now=2.5)  # "c" is older than its 1 s window
+    assert ready == [(("b",), args)]
+    assert (owed.dropped, owed.sent, len(owed)) == (2, 1, 0)
