@@ -211,18 +211,20 @@ class RateLimiter:
         return self._finish(statuses, taken)
 
     def _by_failure_mode(self, exact: tuple[_Step, ...]) -> list[ExactResult]:
-        """Each exact step decided by its rule's failure_mode (the store failed),
-        counted per rule."""
+        """Each exact step decided by its rule's failure_mode (the store failed)."""
         results = []
         for step in exact:
             result = _failure_result(step.limit)
-            rule = self.stats.rule(step.stats_key)
-            if result.admitted:
-                rule.failure_mode_allowed += step.hits
-            else:
-                rule.failure_mode_denied += step.hits
+            self._count_failure_mode(step, result.admitted)
             results.append(result)
         return results
+
+    def _count_failure_mode(self, step: _Step, admitted: bool) -> None:
+        rule = self.stats.rule(step.stats_key)
+        if admitted:
+            rule.failure_mode_allowed += step.hits
+        else:
+            rule.failure_mode_denied += step.hits
 
     def _overloaded(
         self,
@@ -382,6 +384,7 @@ class RateLimiter:
                 before = 0
             if stale:
                 admitted = local.fail(bucket, hits, step.fail_open)
+                self._count_failure_mode(step, admitted)
             else:
                 admitted = bucket.take(hits, None if draw is None else draw())
                 if admitted and hits:

@@ -44,9 +44,10 @@ class RuleStats:
         self.within_limit = 0
         self.shadow_mode = 0
         self.failure_mode_allowed = 0
-        """Exact hits admitted by failure_mode: open because the store failed."""
+        """Hits admitted by failure_mode: open because the store failed (exact) or the
+        last sync is too old (probabilistic)."""
         self.failure_mode_denied = 0
-        """Exact hits denied by failure_mode: closed because the store failed."""
+        """Hits denied by failure_mode: closed, for the same reasons."""
         self.overloaded = 0
         """Exact hits of requests that found too many others waiting for the store
         (refused with RESOURCE_EXHAUSTED, or denied by failure_mode: closed)."""

@@ -444,6 +444,9 @@ async def test_store_unavailable_applies_failure_mode() -> None:
     closed_response = await limiter.should_rate_limit(Request("d", [_parse("closed=1")]))
     assert closed_response.overall is OVER
     assert limiter.stats.store_error == 2
+    rules = limiter.stats.rules
+    assert (rules["d.open"].failure_mode_allowed, rules["d.open"].failure_mode_denied) == (1, 0)
+    assert (rules["d.closed"].failure_mode_allowed, rules["d.closed"].failure_mode_denied) == (0, 1)
 
 
 def _bucket(h: Harness, key: str) -> ProbabilisticBucket:
@@ -461,6 +464,8 @@ async def test_stale_sync_applies_failure_mode_to_probabilistic_rules() -> None:
     # offered counts; hits let through by the failure policy are not charged
     assert (p5.offered, p5.admitted, p5.credit) == (8, 0, 5.0)
     assert _bucket(h, "pclosed").offered == 2
+    rules = h.limiter.stats.rules
+    assert (rules["d.pclosed"].failure_mode_denied, rules["d.p5"].failure_mode_allowed) == (2, 8)
     # fresh again: the credit decides
     h.limiter.local.last_sync_ok = h.clock.now
     assert await overall(h, "pclosed=1", times=6) == [OK] * 5 + [OVER]
