@@ -247,6 +247,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     _add(
         serve,
+        "--drain-timeout",
+        type=_not_negative,
+        default=15.0,
+        help="on SIGTERM, seconds the service keeps answering while its health reports"
+        " NOT_SERVING, so a health-checking Envoy moves away first (0: stop at once;"
+        " SIGINT always stops at once)",
+    )
+    _add(
+        serve,
+        "--drain-quiet",
+        type=_positive(float),
+        default=1.0,
+        help="draining ends once no call came for this many seconds",
+    )
+    _add(
+        serve,
         "--watch-interval",
         type=float,
         default=1.0,
@@ -330,6 +346,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         merge_domain_config=bool(args.merge_domain_config),
         shadow_mode=bool(args.shadow_mode),
         watch_interval=float(args.watch_interval),
+        drain_timeout=float(args.drain_timeout),
+        drain_quiet=float(args.drain_quiet),
         max_descriptors=int(args.max_descriptors),
         max_entries=int(args.max_entries),
         max_request_bytes=int(args.max_request_bytes),

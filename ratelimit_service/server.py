@@ -60,6 +60,13 @@ class Settings:
     merge_domain_config: bool = False
     shadow_mode: bool = False
     shutdown_grace: float = 5.0
+    drain_timeout: float = 0.0
+    """On SIGTERM, keep answering for up to this many seconds while health reports
+    NOT_SERVING, so that Envoy's health check takes the replica out before it stops
+    (0: stop at once)."""
+    drain_quiet: float = 1.0
+    """Draining ends early once no ShouldRateLimit call came for this long: the
+    callers have moved on."""
     max_descriptors: int = 64
     max_entries: int = 32
     max_request_bytes: int = 1 << 20
@@ -216,10 +223,14 @@ class RateLimitService:
         self.tls = CertificateReloader(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         return int(server.add_secure_port(settings.grpc_addr, self.tls.credentials()))
 
-    async def stop(self) -> None:
-        """Report NOT_SERVING, stop taking calls, let in-flight ones finish, release."""
+    async def stop(self, drain: bool = False) -> None:
+        """Report NOT_SERVING, (``drain``: keep answering until callers have moved
+        on, see Settings.drain_timeout), stop taking calls, let in-flight ones
+        finish, release."""
         self._serving = False
         await self.health.enter_graceful_shutdown()
+        if drain and self.settings.drain_timeout > 0:
+            await self._drain()
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace)
         await self.reconciler.stop()
@@ -229,11 +240,33 @@ class RateLimitService:
         await self.admin.stop()
         await self.store.close()
 
+    async def _drain(self) -> None:
+        """Answer calls while NOT_SERVING until none came for ``drain_quiet`` seconds,
+        or ``drain_timeout`` has passed."""
+        settings, stats = self.settings, self.stats
+        loop = asyncio.get_running_loop()
+        started = last_call = loop.time()
+        seen = stats.total_requests
+        while loop.time() - started < settings.drain_timeout:
+            await asyncio.sleep(min(0.1, settings.drain_quiet))
+            if stats.total_requests != seen:
+                seen, last_call = stats.total_requests, loop.time()
+            elif loop.time() - last_call >= settings.drain_quiet:
+                break
+        log.info("drained: refusing new calls after %.1fs", loop.time() - started)
+
     async def run_until_signal(self) -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        drain = False
+
+        def terminate() -> None:  # an orchestrator's stop: drain first
+            nonlocal drain
+            drain = True
+            stop.set()
+
+        loop.add_signal_handler(signal.SIGTERM, terminate)
+        loop.add_signal_handler(signal.SIGINT, stop.set)  # Ctrl-C: at once
         loop.add_signal_handler(signal.SIGHUP, self.watcher.reload)
         await self.start()
         # What exists now (modules, config, listeners) lives as long as the process:
@@ -244,10 +277,20 @@ class RateLimitService:
         gc.freeze()
         log.debug("start-up objects frozen for the garbage collector: %d", gc.get_freeze_count())
         await stop.wait()
-        log.info(
-            "shutting down: finishing calls in flight (up to %gs)", self.settings.shutdown_grace
-        )
-        await self.stop()
+        settings = self.settings
+        if drain and settings.drain_timeout > 0:
+            log.info(
+                "shutting down: health NOT_SERVING, answering until no call comes for %gs"
+                " (at most %gs), then finishing calls in flight (up to %gs)",
+                settings.drain_quiet,
+                settings.drain_timeout,
+                settings.shutdown_grace,
+            )
+        else:
+            log.info(
+                "shutting down: finishing calls in flight (up to %gs)", settings.shutdown_grace
+            )
+        await self.stop(drain=drain)
         log.info("stopped")
 
     # -- admin pages ---------------------------------------------------------------

@@ -30,6 +30,10 @@ from ratelimit_service.admin_http import AdminServer
 log = logging.getLogger(__name__)
 
 RESTART_DELAY = 1.0
+"""Seconds before a worker that died is started again."""
+STOP_TIMEOUT = 30.0
+"""Seconds the workers get to drain and stop before they are killed (their
+--drain-timeout, 15 s by default, plus the in-flight grace)."""
 FETCH_TIMEOUT = 2.0
 SUMMED_TYPES = ("counter", "histogram", "summary")
 
@@ -173,18 +177,24 @@ class Supervisor:
         host, _, port = self.admin_addr.rpartition(":")
         await self.admin.start(host.strip("[]") or "0.0.0.0", int(port))
         stop = asyncio.Event()
+        received: list[int] = []
+
+        def on_signal(sig: int) -> None:
+            received.append(sig)
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
         keepers = [asyncio.create_task(self._keep_alive(w)) for w in self.workers]
         log.info("supervising %d workers, admin on %s", len(self.workers), self.admin_addr)
         await stop.wait()
         self.stopping = True
-        for worker in self.workers:
-            worker.signal(signal.SIGTERM)
+        for worker in self.workers:  # SIGTERM: the workers drain first; SIGINT: they don't
+            worker.signal(received[0])
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(15):
+            async with asyncio.timeout(STOP_TIMEOUT):
                 await asyncio.gather(*keepers)
         for worker in self.workers:
             worker.signal(signal.SIGKILL)

@@ -440,15 +440,6 @@ def fast_health_checks(bootstrap: dict[str, Any]) -> dict[str, Any]:
     return bootstrap
 
 
-@pytest.mark.xfail(
-    reason="service bug: on SIGTERM RateLimitService.stop() reports NOT_SERVING and stops "
-    "its gRPC server in the same step, so the replica refuses calls before Envoy's health "
-    "check can see NOT_SERVING, and those calls pass undecided. With the server kept "
-    "serving 0.5-1 s after NOT_SERVING (tried by patching stop()), this test passes; "
-    "behind the shipped check (5 s x 2) the delay must exceed ~11 s (Envoy also merges "
-    "host updates for up to 1 s)",
-    strict=False,
-)
 def test_sigterm_of_one_replica_drains_it_out_of_envoy_without_undecided_requests(
     start_envoy: StartEnvoy,
     spawn_service: SpawnService,

@@ -167,6 +167,7 @@ def test_start_reload_and_shutdown_at_info_and_nothing_per_request(tmp_path: Pat
         ("INFO", f"serving RLS on port {grpc_addr.rpartition(':')[2]}"),
         ("INFO", "config reloaded"),
         ("INFO", "shutting down"),
+        ("INFO", "drained"),  # SIGTERM with no traffic: after one quiet second
         ("INFO", "stopped"),
     ], lines
     assert "domains=msg" in lines[0] and "store=embedded" in lines[0]
