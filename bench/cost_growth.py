@@ -56,9 +56,9 @@ from throughput import (
     start_service,
 )
 
-from ratelimit_service.client import build_request
+from ratelimit_service.cli.client import build_request
 from ratelimit_service.core.local_buckets import LocalBuckets
-from ratelimit_service.reconciler import Reconciler
+from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.redis import RedisServer
 

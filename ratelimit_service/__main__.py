@@ -1,5 +1,5 @@
 """Allow ``python -m ratelimit_service``."""
 
-from ratelimit_service.cli import main
+from ratelimit_service.cli.main import main
 
 raise SystemExit(main())

@@ -14,7 +14,7 @@ import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from ratelimit_service.server import RateLimitService, Settings
+from ratelimit_service.server.app import RateLimitService, Settings
 from ratelimit_service.testing.fleet import redis_server as redis_process
 from ratelimit_service.testing.redis import RedisServer, free_port
 

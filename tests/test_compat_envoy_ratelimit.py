@@ -190,7 +190,7 @@ def test_merge_pair() -> None:
 
 
 def test_runtime_directory_loads_together() -> None:
-    from ratelimit_service.config_source import read_config_files
+    from ratelimit_service.config.files import read_config_files
 
     files = read_config_files(COMPAT / "test" / "integration" / "runtime")
     assert [Path(f.name).name for f in files] == [

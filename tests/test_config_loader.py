@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ratelimit_service.cli import main as cli_main
-from ratelimit_service.config_source import config_paths, read_config_files
+from ratelimit_service.cli.main import main as cli_main
+from ratelimit_service.config.files import config_paths, read_config_files
 from ratelimit_service.core.config_errors import ConfigError, ConfigLoadError
 from ratelimit_service.core.config_loader import ConfigFile, check_config, load_config
 from ratelimit_service.core.config_model import (

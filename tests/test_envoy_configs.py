@@ -39,12 +39,12 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from validate import validate_pb2
 
-from ratelimit_service import envoy_config
-from ratelimit_service.config_source import read_config_files
+from ratelimit_service.cli import envoy_config
+from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, NodeChildren
 from ratelimit_service.core.matching import find_limit
-from ratelimit_service.server import HEALTH_NAMES
+from ratelimit_service.server.app import HEALTH_NAMES
 
 HttpFilter = http_connection_manager_pb2.HttpFilter
 Hcm = http_connection_manager_pb2.HttpConnectionManager

@@ -28,8 +28,8 @@ from envoy_fixture import (
     upstream,
 )
 
-from ratelimit_service import envoy_config
-from ratelimit_service.config_source import read_config_files
+from ratelimit_service.cli import envoy_config
+from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.testing.envoy import (
     Envoy,

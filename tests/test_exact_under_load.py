@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ratelimit_service.client import build_request
+from ratelimit_service.cli.client import build_request
 from ratelimit_service.testing.fleet import redis_server, service_fleet
 
 pytestmark = pytest.mark.skipif(

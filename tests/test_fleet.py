@@ -16,7 +16,7 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
-from ratelimit_service.client import build_request
+from ratelimit_service.cli.client import build_request
 from ratelimit_service.testing.fleet import (
     Node,
     Timeline,

@@ -20,8 +20,8 @@ from ratelimit_service.core.request import (
     Response,
 )
 from ratelimit_service.core.units import Unit
-from ratelimit_service.limiter import RateLimiter
-from ratelimit_service.stats import OVERFLOW_KEY, Stats
+from ratelimit_service.engine.limiter import RateLimiter
+from ratelimit_service.engine.stats import OVERFLOW_KEY, Stats
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.embedded import EmbeddedStore
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.loop_load import LoopLoad, Saturation, read_schedstat
+from ratelimit_service.engine.loop_load import LoopLoad, Saturation, read_schedstat
 
 
 def test_saturation_needs_high_demand_to_start_and_low_demand_to_stop() -> None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
-from ratelimit_service.reconciler import LATE_AFTER, Reconciler
+from ratelimit_service.engine.reconciler import LATE_AFTER, Reconciler
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.embedded import EmbeddedStore
 

@@ -11,7 +11,6 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service import rls_wire
 from ratelimit_service.core.config_model import RateLimit
 from ratelimit_service.core.request import (
     UINT32_MAX,
@@ -22,7 +21,8 @@ from ratelimit_service.core.request import (
     Response,
 )
 from ratelimit_service.core.units import Unit
-from ratelimit_service.grpc_servicer import RLS_SERVICE
+from ratelimit_service.rls import wire as rls_wire
+from ratelimit_service.rls.servicer import RLS_SERVICE
 
 R = rls_pb2.RateLimitResponse
 

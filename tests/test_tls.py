@@ -13,7 +13,7 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
-from ratelimit_service.client import build_request
+from ratelimit_service.cli.client import build_request
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore

@@ -18,8 +18,8 @@ import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from ratelimit_service.client import build_request
-from ratelimit_service.supervisor import merge_metrics
+from ratelimit_service.cli.client import build_request
+from ratelimit_service.server.supervisor import merge_metrics
 from ratelimit_service.testing.fleet import wait_healthy
 from ratelimit_service.testing.redis import free_port
 

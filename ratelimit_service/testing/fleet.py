@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
-from ratelimit_service.client import build_request
+from ratelimit_service.cli.client import build_request
 from ratelimit_service.testing.redis import RedisServer, free_port
 
 OVER_LIMIT = 2

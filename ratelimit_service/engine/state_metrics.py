@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ratelimit_service.core.local_buckets import LocalBuckets
-from ratelimit_service.reconciler import Reconciler
-from ratelimit_service.stats import histogram_family
+from ratelimit_service.engine.reconciler import Reconciler
+from ratelimit_service.engine.stats import histogram_family
 from ratelimit_service.storage.base import Store
 
 MAX_BUCKET_SERIES = 1000

@@ -43,7 +43,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
-from ratelimit_service.config_source import read_config_files
+from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.core.config_model import (
     DescriptorNode,

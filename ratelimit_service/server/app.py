@@ -16,25 +16,25 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
-from ratelimit_service.admin_http import AdminServer
-from ratelimit_service.background import BackgroundTask
-from ratelimit_service.config_source import read_config_files
-from ratelimit_service.config_watcher import ConfigWatcher
+from ratelimit_service.config.files import read_config_files
+from ratelimit_service.config.watcher import ConfigWatcher
 from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.core.config_model import Mode, RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
-from ratelimit_service.grpc_servicer import RLS_SERVICE, RateLimitServicer
-from ratelimit_service.limiter import RateLimiter
-from ratelimit_service.loop_load import LoopLoad
-from ratelimit_service.reconciler import Reconciler
-from ratelimit_service.state_metrics import bucket_metrics, reconciler_metrics, store_metrics
-from ratelimit_service.stats import Stats, StatsCollector
+from ratelimit_service.engine.background import BackgroundTask
+from ratelimit_service.engine.limiter import RateLimiter
+from ratelimit_service.engine.loop_load import LoopLoad
+from ratelimit_service.engine.reconciler import Reconciler
+from ratelimit_service.engine.state_metrics import bucket_metrics, reconciler_metrics, store_metrics
+from ratelimit_service.engine.stats import Stats, StatsCollector
+from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
+from ratelimit_service.server.admin_http import AdminServer
+from ratelimit_service.server.tls import CertificateReloader
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.tls import CertificateReloader
 
 log = logging.getLogger(__name__)
 

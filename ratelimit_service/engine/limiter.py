@@ -46,7 +46,7 @@ from ratelimit_service.core.request import (
     validate,
 )
 from ratelimit_service.core.units import Unit
-from ratelimit_service.stats import RuleStats, Stats
+from ratelimit_service.engine.stats import RuleStats, Stats
 from ratelimit_service.storage.base import Store, StoreOverloaded, StoreUnavailable
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from ratelimit_service.background import BackgroundTask
-from ratelimit_service.config_source import config_paths
+from ratelimit_service.config.files import config_paths
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_model import RateLimitConfig
-from ratelimit_service.stats import Stats
+from ratelimit_service.engine.background import BackgroundTask
+from ratelimit_service.engine.stats import Stats
 
 log = logging.getLogger(__name__)
 

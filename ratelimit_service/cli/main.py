@@ -18,7 +18,7 @@ from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import check_config
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
-from ratelimit_service.logs import DEFAULT_LEVEL, configure_logging
+from ratelimit_service.server.logs import DEFAULT_LEVEL, configure_logging
 
 DEFAULT_SYNC_INTERVAL = 0.25
 
@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ratelimit_service.server import RateLimitService, Settings, load_rules
+    from ratelimit_service.server.app import RateLimitService, Settings, load_rules
 
     configure_logging(str(args.log_level), str(args.log_format))
     if int(args.workers) > 1:
@@ -375,8 +375,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_workers(args: argparse.Namespace, load_rules: Any) -> int:
     """Check what can be checked once, then hand over to the supervisor."""
-    from ratelimit_service.server import Settings
-    from ratelimit_service.supervisor import Supervisor
+    from ratelimit_service.server.app import Settings
+    from ratelimit_service.server.supervisor import Supervisor
 
     if not args.redis_url:
         print(
@@ -412,7 +412,7 @@ def run_loop(main: Coroutine[Any, Any, None], choice: str) -> None:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from ratelimit_service.config_source import read_config_files
+    from ratelimit_service.config.files import read_config_files
 
     if not args.path:
         print("check-config: a PATH (or RATELIMIT_CONFIG) is required", file=sys.stderr)
@@ -432,7 +432,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
-    from ratelimit_service.envoy_config import render, render_bootstrap
+    from ratelimit_service.cli.envoy_config import render, render_bootstrap
 
     try:
         if args.bootstrap:
@@ -468,7 +468,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from ratelimit_service.client import call_and_print
+    from ratelimit_service.cli.client import call_and_print
 
     tls = (args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     return call_and_print(

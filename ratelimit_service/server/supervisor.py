@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ratelimit_service.admin_http import AdminServer
+from ratelimit_service.server.admin_http import AdminServer
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from ratelimit_service.core.config_model import RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
 from ratelimit_service.core.request import Descriptor, InvalidRequest, Request
 from ratelimit_service.core.units import unit_from_wire
-from ratelimit_service.limiter import Overloaded, RateLimiter
-from ratelimit_service.rls_wire import LimitHeads, RequestCache, encode_response
+from ratelimit_service.engine.limiter import Overloaded, RateLimiter
+from ratelimit_service.rls.wire import LimitHeads, RequestCache, encode_response
 
 log = logging.getLogger(__name__)
 

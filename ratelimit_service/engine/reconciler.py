@@ -9,10 +9,10 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from ratelimit_service.background import BackgroundTask
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
-from ratelimit_service.stats import LatencyHistogram
+from ratelimit_service.engine.background import BackgroundTask
+from ratelimit_service.engine.stats import LatencyHistogram
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)

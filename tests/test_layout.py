@@ -1,0 +1,78 @@
+"""The tree is the architecture: the README's layout lists every module (and nothing
+that is gone), and imports point down the floors only."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ratelimit_service"
+README = PACKAGE.parent / "README.md"
+
+FLOORS = ["core", "storage", "engine", "rls", "config", "server", "cli"]
+"""Bottom to top; a module may import from its own floor and those below. rls and
+config are side by side (neither imports the other); testing sits outside."""
+SIDE_BY_SIDE = {"rls": {"config"}, "config": {"rls"}}
+
+
+def readme_layout() -> set[str]:
+    text = README.read_text()
+    block = text[text.index("## Layout") :]
+    block = block[block.index("```\n") + 4 :]
+    block = block[: block.index("```")]
+    listed, package = set(), ""
+    for line in block.splitlines():
+        if m := re.match(r"^  (\w+)/", line):
+            package = m.group(1)
+        elif m := re.match(r"^    (\w+\.py)\b", line):
+            listed.add(f"{package}/{m.group(1)}")
+        elif m := re.match(r"^  (\w+\.py)\b", line):
+            listed.add(m.group(1))
+    return listed
+
+
+def modules() -> set[str]:
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if path.name != "__init__.py" and "resources" not in relative:
+            found.add(relative)
+    return found
+
+
+def test_the_readme_layout_lists_every_module_and_only_those() -> None:
+    listed, present = readme_layout(), modules()
+    assert sorted(present - listed) == [], "modules missing from the README's layout"
+    assert sorted(listed - present) == [], "the README's layout lists modules that are gone"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n.split(".")[1] for n in names if n.startswith("ratelimit_service.")}
+
+
+def test_imports_point_down_only() -> None:
+    upward = []
+    for path in PACKAGE.rglob("*.py"):
+        floor = path.relative_to(PACKAGE).parts[0]
+        if floor not in FLOORS:  # __main__, testing
+            continue
+        allowed = set(FLOORS[: FLOORS.index(floor) + 1]) - SIDE_BY_SIDE.get(floor, set())
+        for target in _imports(path):
+            if target in FLOORS and target not in allowed:
+                upward.append(f"{path.relative_to(PACKAGE)} imports {target}")
+    assert upward == []
+
+
+def test_the_core_imports_no_io() -> None:
+    for path in (PACKAGE / "core").glob("*.py"):
+        text = path.read_text()
+        for banned in ("import grpc", "import redis", "import asyncio", "from redis", "from grpc"):
+            assert banned not in text, f"{path.name}: {banned}"
