@@ -4,6 +4,7 @@
     python bench/throughput.py --suite redis-delay  # exact vs probabilistic behind a slow Redis
     python bench/throughput.py --quick              # one round of short runs, to try it out
     python bench/throughput.py --pin                # servers on CPU 0, h2load and Redis on CPU 1
+    python bench/throughput.py --tree ../other      # also serve another checkout, side by side
 
 Suite "throughput": starts the null server (bench/null_server.py, the ceiling) and one
 fresh service per target -- embedded probabilistic, embedded exact, Redis probabilistic,
@@ -68,6 +69,7 @@ from ratelimit_service.testing.fleet import wait_healthy, wait_port
 from ratelimit_service.testing.redis import RedisServer, free_port
 
 BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
 ROUTE = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 LOADS: dict[str, list[str]] = {
     "saturate": ["-c", "8", "-m", "8", "-t", "1"],
@@ -106,12 +108,19 @@ class Processes:
         self.running: list[subprocess.Popen[bytes]] = []
 
     def start(
-        self, name: str, command: Sequence[str], cpus: frozenset[int] | None = None
+        self,
+        name: str,
+        command: Sequence[str],
+        cpus: frozenset[int] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.Popen[bytes]:
+        """``cwd``: run there (with ``-m``, Python imports that directory's package)."""
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (kept open by the child)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("PYTHONSAFEPATH", None)  # it would keep the working directory off sys.path
         process = subprocess.Popen(
             list(command), stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=on_cpus(cpus),
+            env=env, preexec_fn=on_cpus(cpus), cwd=cwd,
         )  # fmt: skip
         log.close()
         self.running.append(process)
@@ -184,17 +193,35 @@ def start_service(
     config: Path,
     extra: Sequence[str] = (),
     cpus: frozenset[int] | None = None,
+    tree: Path | None = None,
 ) -> Server:
+    """``tree``: serve the package of that checkout instead of this one."""
     grpc_port, admin_port = free_port(), free_port()
     process = processes.start(
-        name.replace(" ", "-").replace("/", "-"),
+        name.replace(" ", "-").replace("/", "-").replace("@", "at-"),
         [sys.executable, "-m", "ratelimit_service", "serve", "--config", str(config),
          "--grpc-addr", f"127.0.0.1:{grpc_port}", "--admin-addr", f"127.0.0.1:{admin_port}",
          *extra],
         cpus,
+        cwd=tree if tree is not None else REPO,
     )  # fmt: skip
     wait_healthy(admin_port)
     return Server(name, grpc_port, admin_port, process.pid)
+
+
+TREE_TARGETS = ("embedded probabilistic", "redis exact")
+"""The targets --tree adds for the other checkout (one per mode, to keep the run short)."""
+
+
+def check_tree(tree: Path) -> None:
+    """Refuse a directory whose own package would not be the one served."""
+    found = subprocess.run(
+        [sys.executable, "-c", "import ratelimit_service; print(ratelimit_service.__file__)"],
+        cwd=tree, capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                       if k != "PYTHONSAFEPATH"},
+    ).stdout.strip()  # fmt: skip
+    if not found.startswith(str(tree.resolve())):
+        raise SystemExit(f"--tree {tree}: python there imports {found or 'nothing'}")
 
 
 def pinning(pin: bool) -> tuple[frozenset[int] | None, frozenset[int] | None]:
@@ -440,16 +467,21 @@ def suite_throughput(args: argparse.Namespace, progress: Progress) -> list[Run]:
         progress("starting redis-server, the null server and 4 services")
         server_redis = start_redis(directory, redis_servers, tools)
         url = server_redis.url
-        servers = [
-            start_null(processes, mine),
-            start_service(processes, "embedded probabilistic", config,
-                          ["--mode", "probabilistic"], mine),
-            start_service(processes, "embedded exact", config, ["--mode", "exact"], mine),
-            start_service(processes, "redis probabilistic", config,
-                          ["--mode", "probabilistic", "--redis-url", url], mine),
-            start_service(processes, "redis exact", config,
-                          ["--mode", "exact", "--redis-url", url], mine),
-        ]  # fmt: skip
+        targets = [
+            ("embedded probabilistic", ["--mode", "probabilistic"]),
+            ("embedded exact", ["--mode", "exact"]),
+            ("redis probabilistic", ["--mode", "probabilistic", "--redis-url", url]),
+            ("redis exact", ["--mode", "exact", "--redis-url", url]),
+        ]
+        servers = [start_null(processes, mine)]
+        servers += [start_service(processes, n, config, x, mine) for n, x in targets]
+        if args.tree is not None:  # the same targets from another checkout, side by side
+            check_tree(args.tree)
+            servers += [
+                start_service(processes, f"{n} @{args.tree.name}", config, x, mine, args.tree)
+                for n, x in targets
+                if n in TREE_TARGETS
+            ]
         progress("warming up (1 s per target and body, not measured)")
         warm_up(servers, bodies, log, tools)
         loads = ["saturate", "one-by-one"]
@@ -682,6 +714,11 @@ def main() -> None:
     parser.add_argument(
         "--pin", action="store_true", help="servers on CPU 0, h2load and redis-server on CPU 1"
     )
+    parser.add_argument(
+        "--tree", type=Path, default=None,
+        help="also serve embedded probabilistic and redis exact from this checkout (e.g. a"
+        " `git worktree` of another revision), side by side in the same rounds",
+    )  # fmt: skip
     args = parser.parse_args()
     args.delays = [float(x) for x in args.delays.split(",") if x]
     if args.quick:

@@ -626,8 +626,8 @@ async def test_default_draws_follow_each_buckets_sequence() -> None:
 
 
 async def test_statuses_agree_with_the_buckets_own_estimates() -> None:
-    """The limiter inlines ProbabilisticBucket.remaining() and reset_estimate(): after
-    each decision its status must say what the bucket says."""
+    """After each decision the status says what the bucket says: its remaining()
+    and reset_estimate()."""
     h = Harness()
     await h.call("p5=1")
     bucket = _bucket(h, "p5")

@@ -108,11 +108,8 @@ class ProbabilisticBucket:
         """Offer ``hits``; admit them or not. ``draw`` is uniform in [0, 1); None: the
         bucket's own sequence (:meth:`next_draw`). Hits of 0 only ask whether one more
         hit would be admitted."""
-        if draw is None:  # self.next_draw(), inlined: this runs for every descriptor
-            draw = self.phase + GOLDEN_RATIO
-            if draw >= 1.0:
-                draw -= 1.0
-            self.phase = draw
+        if draw is None:
+            draw = self.next_draw()
         self.offered += hits
         if self.credit < (hits if hits > 1 else 1) or draw < self.ratio:
             return False
@@ -160,10 +157,6 @@ class LocalBuckets:
         stale_after: float = 3.0,
     ) -> None:
         self._buckets: OrderedDict[str, ProbabilisticBucket] = OrderedDict()
-        # The request path's way in: the dict's own methods, called without a Python
-        # frame (it falls back to get() for a bucket that is new or whose rule changed).
-        self.find = self._buckets.get
-        self.touch = self._buckets.move_to_end
         self.stale_after = stale_after
         self.last_sync_ok: float | None = None
         """When the store last answered a sync (set when the reconciler starts); past

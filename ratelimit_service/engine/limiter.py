@@ -352,36 +352,18 @@ class RateLimiter:
         exact descriptors may consume (nothing denied so far) and whether a
         probabilistic quota descriptor already lets the request through. ``steps`` is
         never empty (both callers check)."""
-        # Every call saved here counts: a Python frame costs the request path about
-        # three times as much in the server as in a loop (grpc's own work between
-        # requests evicts the interpreter's caches), so the bucket's lookup, the
-        # staleness check, the reset estimate and the common case of _account() are
-        # inlined (each says what it stands for); tests check they agree.
         now = self._clock()
         local = self.local
-        find, touch = local.find, local.touch
         draw = self._draw
-        last_sync = local.last_sync_ok  # local.stale(now)
-        stale = last_sync is not None and now - last_sync > local.stale_after
+        stale = local.stale(now)
         denied = quota_seen = quota_ok = False
         for step in steps:
-            key, limit, window = step.bucket_key, step.requests_per_unit, step.window_seconds
-            bucket = find(key)  # local.get(), for a bucket it would return unchanged
-            if (
-                bucket is None
-                or bucket.limit != limit
-                or bucket.window_seconds != window
-                or bucket.burst != step.burst
-            ):
-                bucket = local.get(key, limit, window, now, step.stats_key, step.burst)
-            else:
-                touch(key)
-                bucket.last_used = now
+            limit = step.requests_per_unit
+            bucket = local.get(
+                step.bucket_key, limit, step.window_seconds, now, step.stats_key, step.burst
+            )
             hits = step.hits
-            left = int(bucket.tokens) - bucket.admitted  # as bucket.remaining(), inlined
-            before = limit - left if left > 0 else limit
-            if before < 0:
-                before = 0
+            before = max(0, limit - bucket.remaining())
             if stale:
                 admitted = local.fail(bucket, hits, step.fail_open)
                 self._count_failure_mode(step, admitted)
@@ -389,23 +371,11 @@ class RateLimiter:
                 admitted = bucket.take(hits, None if draw is None else draw())
                 if admitted and hits:
                     taken.append((bucket, hits))
-            left = int(bucket.tokens) - bucket.admitted
-            missing = bucket.capacity - bucket.tokens + bucket.admitted
-            reset = 0.0  # bucket.reset_estimate(now)
-            if missing > 0 and limit:
-                reset = missing * window / limit - (now - bucket.synced_at)
-                if reset < 0.0:
-                    reset = 0.0
-            status = DescriptorStatus(_OK, step.limit, left if left > 0 else 0, reset)
+            status = DescriptorStatus(
+                _OK, step.limit, bucket.remaining(), bucket.reset_estimate(now)
+            )
             statuses[step.index] = status
-            rule = step.rule_stats
-            if admitted and rule is not None:  # self._account(step, before, True, status)
-                rule.total_hits += hits
-                rule.within_limit += hits
-                if before + hits > step.near:
-                    rule.near_limit += near_hits(step.near, before, hits)
-            else:
-                self._account(step, before, admitted, status)
+            self._account(step, before, admitted, status)
             if step.quota:
                 quota_seen = True
                 quota_ok = quota_ok or admitted
