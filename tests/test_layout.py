@@ -10,10 +10,12 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "ratelimit_service"
 README = PACKAGE.parent / "README.md"
 
-FLOORS = ["core", "storage", "engine", "rls", "config", "server", "cli"]
-"""Bottom to top; a module may import from its own floor and those below. rls and
-config are side by side (neither imports the other); testing sits outside."""
-SIDE_BY_SIDE = {"rls": {"config"}, "config": {"rls"}}
+FLOORS = ["core", "storage", "engine", "rls", "rlqs", "config", "server", "cli"]
+"""Bottom to top; a module may import from its own floor and those below. The front
+doors rls, rlqs and config are side by side (none imports another); testing sits
+outside."""
+DOORS = {"rls", "rlqs", "config"}
+SIDE_BY_SIDE = {door: DOORS - {door} for door in DOORS}
 
 
 def readme_layout() -> set[str]:

@@ -306,6 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="upstream:8080",
         help="with --bootstrap: HOST:PORT of the placeholder upstream cluster",
     )
+    envoy.add_argument(
+        "--rlqs",
+        action="store_true",
+        help="the rate_limit_quota filter instead (RLQS: Envoy enforces token buckets the"
+        " service assigns; no call per request); --cluster defaults to rlqs",
+    )
+    envoy.add_argument(
+        "--node-id",
+        default=None,
+        help="with --rlqs: this Envoy's name to the service (x-envoy-node-id metadata)",
+    )
 
     client = commands.add_parser("client", help="call ShouldRateLimit once")
     _add(client, "--addr", default="127.0.0.1:8081", help="service address HOST:PORT")
@@ -433,9 +444,23 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     from ratelimit_service.cli.envoy_config import render, render_bootstrap
+    from ratelimit_service.cli.envoy_rlqs import render_rlqs
 
     try:
-        if args.bootstrap:
+        if args.rlqs:
+            text = render_rlqs(
+                args.config,
+                bootstrap=bool(args.bootstrap),
+                domain=args.domain,
+                cluster="rlqs" if args.cluster == "ratelimit" else args.cluster,
+                service_address=args.service_address,
+                node_id=args.node_id,
+                merge_domains=bool(args.merge_domain_config),
+                listen=args.listen,
+                admin=args.admin_address,
+                upstream_address=args.upstream_address,
+            )
+        elif args.bootstrap:
             text = render_bootstrap(
                 args.config,
                 domain=args.domain,

@@ -9,10 +9,15 @@ the config, or ends on a node without a limit gets none.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, RateLimit
+from ratelimit_service.core.config_model import (
+    DescriptorNode,
+    DomainConfig,
+    NodeChildren,
+    RateLimit,
+)
 
 Entries = Sequence[tuple[str, str]]
 
@@ -31,23 +36,52 @@ def match_nodes(domain: DomainConfig, entries: Entries) -> list[DescriptorNode] 
     children = domain.root
     path: list[DescriptorNode] = []
     for key, value in entries:
-        node = children.exact.get((key, value))
+        node = _child(children, key, value)
         if node is None:
-            for wildcard in children.wildcards:
-                if (
-                    wildcard.key == key
-                    and wildcard.pattern is not None
-                    and (wildcard.pattern.matches(value))
-                ):
-                    node = wildcard
-                    break
-            else:
-                node = children.defaults.get(key)
-                if node is None:
-                    return None
+            return None
         path.append(node)
         children = node.children
     return path
+
+
+def _child(children: NodeChildren, key: str, value: str) -> DescriptorNode | None:
+    """The child an entry matches: exact, else the first matching wildcard, else the
+    key's default."""
+    node = children.exact.get((key, value))
+    if node is not None:
+        return node
+    for wildcard in children.wildcards:
+        if wildcard.key == key and wildcard.pattern is not None and wildcard.pattern.matches(value):
+            return wildcard
+    return children.defaults.get(key)
+
+
+def bucket_entries(domain: DomainConfig, bucket: Mapping[str, str]) -> Entries:
+    """An RLQS bucket id (a map, unordered) as descriptor entries, in the order the
+    rules nest its keys: at each level the first key (in the level's order: exact
+    values, wildcards, defaults) that the bucket has and that matches a rule; keys
+    no rule nests come last, sorted, so they reach no limit (as a request that goes
+    deeper than the config)."""
+    entries: list[tuple[str, str]] = []
+    left = dict(bucket)
+    children: NodeChildren | None = domain.root
+    while left and children is not None:
+        step = next(
+            (
+                (node.key, node)
+                for candidate in children
+                if candidate.key in left
+                and (node := _child(children, candidate.key, left[candidate.key])) is not None
+            ),
+            None,
+        )
+        if step is None:
+            break
+        key, node = step
+        entries.append((key, left.pop(key)))
+        children = node.children
+    entries += sorted(left.items())
+    return tuple(entries)
 
 
 def find_limit(domain: DomainConfig, entries: Entries) -> Match | None:

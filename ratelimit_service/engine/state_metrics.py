@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.engine.quota import QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.stats import histogram_family
 from ratelimit_service.storage.base import Store
@@ -93,3 +94,34 @@ def reconciler_metrics(reconciler: Reconciler) -> Iterator[Metric]:
     yield histogram_family(
         "ratelimit_sync_duration_seconds", "Duration of sync rounds", reconciler.durations
     )
+
+
+def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric]:
+    """RLQS: streams, reports, assignments, abandons, and each counter's instances."""
+    yield GaugeMetricFamily("ratelimit_rlqs_streams", "RLQS streams open", value=quota.streams)
+    counters = {
+        "reports": ("RLQS usage reports received", quota.reports),
+        "assignments": ("RLQS bucket assignments sent", quota.assignments),
+        "abandons": ("RLQS buckets abandoned (idle)", quota.abandons),
+        "malformed_buckets": ("RLQS buckets with an empty id (ignored)", quota.malformed),
+    }
+    for name, (text, value) in counters.items():
+        yield CounterMetricFamily(f"ratelimit_rlqs_{name}", text, value=value)
+    demand = GaugeMetricFamily(
+        "ratelimit_rlqs_instance_demand",
+        "Requests per second an Envoy instance offered a counter, as last reported",
+        labels=["bucket", "instance"],
+    )
+    instances = GaugeMetricFamily(
+        "ratelimit_rlqs_instances", "Envoy instances sharing a counter", labels=["bucket"]
+    )
+    for count, (key, seen) in enumerate(quota.shares().items()):
+        if count >= MAX_BUCKET_SERIES:
+            break
+        label = readable_bucket(key)
+        instances.add_metric([label], len(seen))
+        for name, rate in seen.items():
+            if rate is not None:
+                demand.add_metric([label, name], rate)
+    yield instances
+    yield demand

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,9 +27,16 @@ from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.engine.background import BackgroundTask
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.loop_load import LoopLoad
+from ratelimit_service.engine.quota import QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
-from ratelimit_service.engine.state_metrics import bucket_metrics, reconciler_metrics, store_metrics
+from ratelimit_service.engine.state_metrics import (
+    bucket_metrics,
+    quota_metrics,
+    reconciler_metrics,
+    store_metrics,
+)
 from ratelimit_service.engine.stats import Stats, StatsCollector
+from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
 from ratelimit_service.server.admin_http import AdminServer
 from ratelimit_service.server.tls import CertificateReloader
@@ -38,7 +46,7 @@ from ratelimit_service.storage.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
-HEALTH_NAMES = ("", RLS_SERVICE, "ratelimit")
+HEALTH_NAMES = ("", RLS_SERVICE, RLQS_SERVICE, "ratelimit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +139,7 @@ class RateLimitService:
             global_shadow=settings.shadow_mode,
         )
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
+        self.quota = QuotaCoordinator(lambda: self.limiter.config, self.stats)
         self.watcher = ConfigWatcher(
             settings.config_path,
             load=lambda: load_rules(settings),
@@ -174,9 +183,10 @@ class RateLimitService:
             self.limiter, self.settings.response_headers, self.settings.header_names
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
+        rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(QuotaServicer(self.quota), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (RLS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (RLS_SERVICE, RLQS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         try:
             self.grpc_port = self._bind(server)
@@ -321,6 +331,7 @@ class RateLimitService:
         yield from bucket_metrics(self.local)
         yield from store_metrics(self.store)
         yield from reconciler_metrics(self.reconciler)
+        yield from quota_metrics(self.quota)
 
 
 def _split_addr(addr: str) -> tuple[str, int]:

@@ -1,0 +1,303 @@
+"""Generate the Envoy side of RLQS for a rules file: the rate_limit_quota HTTP filter
+(bucket matchers and bucket id builders derived from the rules), its cluster, and with
+``--bootstrap`` a complete runnable bootstrap. Behind ``envoy-config --rlqs``.
+
+Each rule that has a limit becomes one bucket matcher: it matches when the request
+carries every key of the rule's chain (and each fixed value: exact, a ``prefix*``, or
+a regular expression for other wildcards), and builds the bucket id from those keys,
+read from the request the way the RLS generator reads them (envoy_config.header_for;
+``remote_address`` is the peer's address). Envoy takes the first matcher that
+matches, so longer chains come first and each request counts against one rule: the
+most specific one (RLS sends every descriptor and checks them all), ranked as
+matching ranks them. Rules no
+request can reach this way (``unlimited`` ones, valueless ``generic_key``) get no
+matcher: their requests are allowed and not reported.
+
+Envoy 1.40's quirks, handled here: ``reporting_interval`` is required but ignored (it
+reports every 5 s); an assignment that expires falls back to ALLOW_ALL for a minute
+(``reuse_last_assignment`` is not implemented); a rule of 0 denies from the first
+request (``no_assignment_behavior`` DENY_ALL), the others allow until the first
+assignment (which answers the bucket's first report, sent at once).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.config.core.v3 import base_pb2, grpc_service_pb2
+from envoy.config.core.v3 import extension_pb2 as envoy_extension_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.rate_limit_quota.v3 import rate_limit_quota_pb2 as rlq
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2,
+)
+from envoy.extensions.matching.common_inputs.network.v3 import network_inputs_pb2
+from envoy.type.matcher.v3 import http_inputs_pb2
+from envoy.type.v3 import http_status_pb2, ratelimit_strategy_pb2
+from google.protobuf import wrappers_pb2
+from google.protobuf.message import Message
+from xds.core.v3 import extension_pb2
+from xds.type.matcher.v3 import matcher_pb2, regex_pb2, string_pb2
+
+from ratelimit_service.cli.envoy_config import (
+    HCM_FILTER,
+    ROUTER_FILTER,
+    _duration,
+    _limited_paths,
+    _pack,
+    _socket,
+    _static_cluster,
+    _to_dict,
+    header_for,
+    pick_domain,
+    ratelimit_cluster,
+)
+from ratelimit_service.config.files import read_config_files
+from ratelimit_service.core.config_loader import load_config
+from ratelimit_service.core.config_model import DescriptorNode, DomainConfig
+
+RLQS_FILTER = "envoy.filters.http.rate_limit_quota"
+NODE_ID_HEADER = "x-envoy-node-id"
+_Strategy = ratelimit_strategy_pb2.RateLimitStrategy
+_Settings = rlq.RateLimitQuotaBucketSettings
+_Predicate = matcher_pb2.Matcher.MatcherList.Predicate
+
+
+def _input(key: str) -> extension_pb2.TypedExtensionConfig:
+    """Where a key's value comes from, as an Envoy matching input."""
+    if key in ("remote_address", "masked_remote_address"):
+        return extension_pb2.TypedExtensionConfig(
+            name="source_ip", typed_config=_pack(network_inputs_pb2.SourceIPInput())
+        )
+    header = header_for(key)
+    return extension_pb2.TypedExtensionConfig(
+        name=f"header {header}",
+        typed_config=_pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=header)),
+    )
+
+
+def _regex(pattern: str) -> string_pb2.StringMatcher:
+    engine = regex_pb2.RegexMatcher.GoogleRE2()
+    return string_pb2.StringMatcher(
+        safe_regex=regex_pb2.RegexMatcher(google_re2=engine, regex=pattern)
+    )
+
+
+def _value_match(node: DescriptorNode) -> string_pb2.StringMatcher:
+    if node.value is None:  # any value: the key must only be present
+        return _regex(".*")
+    if node.pattern is None:
+        return string_pb2.StringMatcher(exact=node.value)
+    if node.value.count("*") == 1 and node.value.endswith("*"):
+        return string_pb2.StringMatcher(prefix=node.value[:-1])
+    return _regex(".*".join(re.escape(part) for part in node.value.split("*")))
+
+
+def _predicate(chain: tuple[DescriptorNode, ...]) -> Any:
+    singles = [
+        _Predicate(
+            single_predicate=_Predicate.SinglePredicate(
+                input=_input(node.key), value_match=_value_match(node)
+            )
+        )
+        for node in chain
+    ]
+    if len(singles) == 1:
+        return singles[0]
+    return _Predicate(and_matcher=_Predicate.PredicateList(predicate=singles))
+
+
+def _bucket_settings(chain: tuple[DescriptorNode, ...]) -> Any:
+    builder = _Settings.BucketIdBuilder()
+    for node in chain:
+        value = builder.bucket_id_builder[node.key]
+        if node.value is not None and node.pattern is None:
+            value.string_value = node.value  # a fixed value: the rule's own
+        else:
+            source = _input(node.key)  # the same input, as Envoy's own extension type
+            value.custom_value.CopyFrom(
+                envoy_extension_pb2.TypedExtensionConfig(
+                    name=source.name, typed_config=source.typed_config
+                )
+            )
+    limit = chain[-1].limit
+    first = _Strategy.DENY_ALL if limit is not None and limit.requests_per_unit == 0 else None
+    return _Settings(
+        bucket_id_builder=builder,
+        reporting_interval=_duration("5s"),
+        deny_response_settings=_Settings.DenyResponseSettings(
+            http_status=http_status_pb2.HttpStatus(code=http_status_pb2.TooManyRequests),
+            response_headers_to_add=[
+                base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key="x-ratelimit-by", value="rlqs"),
+                )
+            ],
+        ),
+        no_assignment_behavior=_Settings.NoAssignmentBehavior(
+            fallback_rate_limit=_Strategy(
+                blanket_rule=_Strategy.ALLOW_ALL if first is None else first
+            )
+        ),
+        expired_assignment_behavior=_Settings.ExpiredAssignmentBehavior(
+            expired_assignment_behavior_timeout=_duration("60s"),
+            fallback_rate_limit=_Strategy(blanket_rule=_Strategy.ALLOW_ALL),
+        ),
+    )
+
+
+def _specificity(node: DescriptorNode) -> int:
+    """As matching ranks a level's children: an exact value, a wildcard, any value."""
+    if node.value is None:
+        return 2
+    return 1 if node.pattern is not None else 0
+
+
+def bucket_chains(domain: DomainConfig) -> list[tuple[DescriptorNode, ...]]:
+    """The rule chains that get a matcher, most specific first (longer chains, then
+    exact values before wildcards before any value, level by level), then in the
+    order of the rule files."""
+    chains = [
+        chain
+        for chain in _limited_paths(domain.root)
+        if chain[-1].limit is not None
+        and not chain[-1].limit.unlimited
+        and not any(n.key == "generic_key" and n.value is None for n in chain)
+    ]
+    return sorted(chains, key=lambda chain: (-len(chain), [_specificity(n) for n in chain]))
+
+
+def bucket_matchers(domain: DomainConfig) -> matcher_pb2.Matcher:
+    matchers = [
+        matcher_pb2.Matcher.MatcherList.FieldMatcher(
+            predicate=_predicate(chain),
+            on_match=matcher_pb2.Matcher.OnMatch(
+                action=extension_pb2.TypedExtensionConfig(
+                    name=chain[-1].config_path, typed_config=_pack(_bucket_settings(chain))
+                )
+            ),
+        )
+        for chain in bucket_chains(domain)
+    ]
+    return matcher_pb2.Matcher(matcher_list=matcher_pb2.Matcher.MatcherList(matchers=matchers))
+
+
+def rlqs_filter(domain: DomainConfig, cluster: str, node_id: str | None) -> Message:
+    service = grpc_service_pb2.GrpcService(
+        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=cluster)
+    )
+    if node_id:  # names this Envoy to the service (else: its address and stream)
+        service.initial_metadata.append(base_pb2.HeaderValue(key=NODE_ID_HEADER, value=node_id))
+    config = rlq.RateLimitQuotaFilterConfig(
+        rlqs_server=service, domain=domain.name, bucket_matchers=bucket_matchers(domain)
+    )
+    return http_connection_manager_pb2.HttpFilter(name=RLQS_FILTER, typed_config=_pack(config))
+
+
+def build_rlqs_bootstrap(
+    domain: DomainConfig,
+    *,
+    cluster: str = "rlqs",
+    service_address: str = "ratelimit:8081",
+    node_id: str | None = None,
+    listen: str = "0.0.0.0:8080",
+    admin: str = "127.0.0.1:9901",
+    upstream_address: str = "upstream:8080",
+    upstream_cluster: str = "upstream",
+) -> bootstrap_pb2.Bootstrap:
+    """Admin, one listener (the RLQS filter, then the router; every path to the
+    placeholder upstream), the upstream and the service's HTTP/2 cluster with gRPC
+    health checks."""
+    if cluster == upstream_cluster:
+        raise ValueError(f"--cluster {cluster!r} is the name of the upstream cluster")
+    manager = http_connection_manager_pb2.HttpConnectionManager(
+        stat_prefix=domain.name,
+        use_remote_address=wrappers_pb2.BoolValue(value=True),
+        http_filters=[
+            rlqs_filter(domain, cluster, node_id),
+            http_connection_manager_pb2.HttpFilter(
+                name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
+            ),
+        ],
+        route_config=route_pb2.RouteConfiguration(
+            name=domain.name,
+            virtual_hosts=[
+                route_components_pb2.VirtualHost(
+                    name=domain.name,
+                    domains=["*"],
+                    routes=[
+                        route_components_pb2.Route(
+                            match=route_components_pb2.RouteMatch(prefix="/"),
+                            route=route_components_pb2.RouteAction(cluster=upstream_cluster),
+                        )
+                    ],
+                )
+            ],
+        ),
+    )
+    listener = listener_pb2.Listener(
+        name=domain.name,
+        address=_socket(listen, "listen address"),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[
+                    listener_components_pb2.Filter(name=HCM_FILTER, typed_config=_pack(manager))
+                ]
+            )
+        ],
+    )
+    return bootstrap_pb2.Bootstrap(
+        admin=bootstrap_pb2.Admin(address=_socket(admin, "admin address")),
+        static_resources=bootstrap_pb2.Bootstrap.StaticResources(
+            listeners=[listener],
+            clusters=[
+                _static_cluster(upstream_cluster, upstream_address, "upstream address"),
+                ratelimit_cluster(cluster, service_address),
+            ],
+        ),
+    )
+
+
+def render_rlqs(
+    config_path: str,
+    *,
+    bootstrap: bool,
+    domain: str | None = None,
+    cluster: str = "rlqs",
+    service_address: str = "ratelimit:8081",
+    node_id: str | None = None,
+    merge_domains: bool = False,
+    listen: str = "0.0.0.0:8080",
+    admin: str = "127.0.0.1:9901",
+    upstream_address: str = "upstream:8080",
+) -> str:
+    """YAML: the filter and its cluster, or (``bootstrap``) a whole bootstrap."""
+    config = load_config(read_config_files(config_path), merge_domains=merge_domains)
+    name = pick_domain(sorted(config.domains), domain)
+    rules = config.domains[name]
+    header = [
+        f"# RLQS for rate-limit domain '{name}', generated from {config_path}: Envoy enforces",
+        "# token buckets the service assigns, reporting usage every 5 s (no call per request).",
+        "# One bucket per request: the first matcher that matches (longest rule chain first).",
+        "# Header names follow the convention x-<key>; edit them to match your requests.",
+    ]
+    if bootstrap:
+        built = build_rlqs_bootstrap(
+            rules,
+            cluster=cluster,
+            service_address=service_address,
+            node_id=node_id,
+            listen=listen,
+            admin=admin,
+            upstream_address=upstream_address,
+        )
+        return "\n".join(header) + "\n" + yaml.safe_dump(_to_dict(built), sort_keys=False)
+    pieces = {
+        "http_filters": [_to_dict(rlqs_filter(rules, cluster, node_id))],
+        "clusters": [_to_dict(ratelimit_cluster(cluster, service_address))],
+    }
+    return "\n".join(header) + "\n" + yaml.safe_dump(pieces, sort_keys=False)

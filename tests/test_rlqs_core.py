@@ -1,0 +1,144 @@
+"""RLQS's pure parts and the coordinator on an injected clock: fair shares, token
+buckets, bucket ids ordered by the rules, assignments per report."""
+
+from __future__ import annotations
+
+import pytest
+
+from ratelimit_service.core.config_loader import ConfigFile, load_config
+from ratelimit_service.core.matching import bucket_entries
+from ratelimit_service.core.shares import TokenBucket, fair_shares, fill_seconds, token_bucket
+from ratelimit_service.engine.quota import (
+    ABANDON,
+    ABANDON_AFTER,
+    ALLOW_ALL,
+    DENY_ALL,
+    QuotaCoordinator,
+    Usage,
+)
+from ratelimit_service.engine.stats import Stats
+
+RULES = """\
+domain: q
+descriptors:
+  - key: tenant
+    rate_limit: {unit: second, requests_per_unit: 100}
+    descriptors:
+      - key: path
+        value: /w*
+        rate_limit: {unit: second, requests_per_unit: 10}
+  - key: daily
+    rate_limit: {unit: day, requests_per_unit: 50}
+  - key: watch
+    shadow_mode: true
+    rate_limit: {unit: second, requests_per_unit: 10}
+  - key: path
+    value: /healthz
+    rate_limit: {unlimited: true}
+"""
+
+
+@pytest.mark.parametrize(
+    ("demands", "expected"),
+    [
+        ({"a": 10.0, "b": 200.0}, {"a": 10.0, "b": 90.0}),  # the small one gets its demand
+        ({"a": 60.0, "b": 60.0}, {"a": 50.0, "b": 50.0}),  # both over: an even split
+        ({"a": 10.0, "b": 20.0}, {"a": 45.0, "b": 55.0}),  # both under: the rest spread
+        ({"a": None, "b": 200.0}, {"a": 50.0, "b": 50.0}),  # just seen: an even share
+        ({"a": 0.0, "b": 0.0, "c": 300.0}, {"a": 0.0, "b": 0.0, "c": 100.0}),
+    ],
+)
+def test_fair_shares(demands: dict[str, float | None], expected: dict[str, float]) -> None:
+    assert fair_shares(100.0, demands) == pytest.approx(expected)
+    assert sum(fair_shares(100.0, demands).values()) == pytest.approx(100.0)
+
+
+def test_token_buckets_use_whole_seconds_and_at_least_one_token() -> None:
+    assert token_bucket(50.0, 100, 1) == TokenBucket(50, 50, 1)
+    assert token_bucket(30.0, 100, 1, burst=20) == TokenBucket(30, 30, 1)  # refill >= burst
+    assert token_bucket(2.5, 5, 60) == TokenBucket(2, 1, 12)  # 5/min: a token every 12 s
+    assert fill_seconds(5, 60) == 12 and fill_seconds(1000, 60) == 1
+    assert token_bucket(0.1, 10, 1).tokens_per_fill == 1  # never 0: Envoy would not refill
+
+
+def test_bucket_ids_are_ordered_as_the_rules_nest_their_keys() -> None:
+    domain = load_config([ConfigFile("q.yaml", RULES)]).domains["q"]
+    assert bucket_entries(domain, {"path": "/w/1", "tenant": "t"}) == (
+        ("tenant", "t"),
+        ("path", "/w/1"),
+    )
+    # a key no rule nests goes last, so the id reaches no limit
+    assert bucket_entries(domain, {"zone": "z", "tenant": "t"}) == (("tenant", "t"), ("zone", "z"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def coordinator() -> tuple[QuotaCoordinator, Clock, Stats]:
+    config = load_config([ConfigFile("q.yaml", RULES)])
+    clock, stats = Clock(), Stats()
+    return QuotaCoordinator(lambda: config, stats, clock=clock, wall=clock), clock, stats
+
+
+def test_two_instances_share_a_limit_by_demand() -> None:
+    quota, clock, _ = coordinator()
+    bucket = {"tenant": "t"}
+    (a,) = quota.report("a", "q", [Usage(bucket, 1, 0)])  # alone: all of it
+    (b,) = quota.report("b", "q", [Usage(bucket, 1, 0)])  # just seen, both: even shares
+    assert a.token_bucket == TokenBucket(100, 100, 1) and b.token_bucket == TokenBucket(50, 50, 1)
+    clock.now += 5.0
+    (a,) = quota.report("a", "q", [Usage(bucket, 100, 0)])  # 20/s
+    (b,) = quota.report("b", "q", [Usage(bucket, 250, 1000)])  # 250/s
+    assert a.token_bucket is not None and b.token_bucket is not None
+    # a: its 20 plus half of what b (not measured yet: 50) leaves; then b: the rest
+    assert (a.token_bucket.tokens_per_fill, b.token_bucket.tokens_per_fill) == (35, 80)
+    assert a.ttl_seconds >= 10  # a few report intervals, whole seconds
+
+
+def test_unknown_rules_allow_and_shadow_rules_count_what_they_would_deny() -> None:
+    quota, clock, stats = coordinator()
+    usages = [Usage({"path": "/healthz"}, 5, 0), Usage({"nothing": "x"}, 1, 0), Usage({}, 1, 0)]
+    actions = quota.report("a", "q", usages)
+    assert [a.kind for a in actions] == [ALLOW_ALL, ALLOW_ALL]  # the empty id is skipped
+    assert quota.malformed == 1
+    assert [a.kind for a in quota.report("a", "other", [Usage({"k": "v"}, 1, 0)])] == [ALLOW_ALL]
+    assert stats.domain_not_found == {"other": 1}
+    quota.report("a", "q", [Usage({"watch": "w"}, 1, 0)])
+    clock.now += 5.0
+    (action,) = quota.report("a", "q", [Usage({"watch": "w"}, 80, 0)])  # 10/s allows 50
+    assert action.kind == ALLOW_ALL
+    rule = stats.rules["q.watch"]
+    assert (rule.shadow_mode, rule.total_hits) == (30, 81)
+
+
+def test_a_daily_limit_denies_until_the_window_resets_once_used() -> None:
+    quota, clock, _ = coordinator()
+    clock.now = 86_400 * 20_000 + 3600.0  # one hour into a day
+    (first,) = quota.report("a", "q", [Usage({"daily": "d"}, 30, 0)])
+    assert first.token_bucket is not None
+    clock.now += 5.0
+    (used,) = quota.report("a", "q", [Usage({"daily": "d"}, 20, 0)])  # 50 of 50
+    assert used.kind == DENY_ALL and used.ttl_seconds == 86_400 - 3605
+    clock.now += 86_400  # the next day
+    (fresh,) = quota.report("a", "q", [Usage({"daily": "d"}, 0, 0)])
+    assert fresh.token_bucket is not None
+
+
+def test_idle_buckets_are_abandoned_and_a_closed_stream_is_forgotten() -> None:
+    quota, clock, _ = coordinator()
+    bucket = {"tenant": "t"}
+    quota.connected()
+    quota.report("a", "q", [Usage(bucket, 1, 0)])
+    kinds = []
+    for _ in range(ABANDON_AFTER):
+        clock.now += 5.0
+        kinds += [a.kind for a in quota.report("a", "q", [Usage(bucket, 0, 0)])]
+    assert kinds[-1] == ABANDON and ABANDON not in kinds[:-1]
+    quota.report("b", "q", [Usage(bucket, 1, 0)])
+    quota.forget("b")
+    assert quota.shares() == {}

@@ -1,0 +1,113 @@
+"""RLQS through a real Envoy 1.40: the generator's bootstrap (envoy-config --rlqs
+--bootstrap), a real service process, Envoy enforcing the token buckets the service
+assigns. Envoy reports every 5 s (hard-coded in 1.40) and at once for a new bucket."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from envoy_fixture import REPO, envoy_binary, spawn_service, start_envoy, upstream
+
+from ratelimit_service.testing.envoy import Envoy, ServiceProcess, Upstream, validate
+
+__all__ = ["envoy_binary", "spawn_service", "start_envoy", "upstream"]  # fixtures, used
+
+RULES = """\
+domain: quota
+descriptors:
+  - key: tenant
+    rate_limit: {unit: second, requests_per_unit: 4}
+  - key: tenant
+    value: blocked
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: path
+    value: /healthz
+    rate_limit: {unlimited: true}
+"""
+
+
+def rules(tmp_path: Path) -> Path:
+    directory = tmp_path / "rules"
+    directory.mkdir()
+    (directory / "quota.yaml").write_text(RULES)
+    return directory
+
+
+def bootstrap(config: Path, service: ServiceProcess, upstream: Upstream, node: str) -> Any:
+    result = subprocess.run(
+        [sys.executable, "-m", "ratelimit_service", "envoy-config", "--config", str(config),
+         "--rlqs", "--bootstrap", "--node-id", node, "--listen", "127.0.0.1:0",
+         "--admin-address", "127.0.0.1:0", "--service-address",
+         f"127.0.0.1:{service.grpc_port}", "--upstream-address", f"127.0.0.1:{upstream.port}"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def codes(envoy: Envoy, tenant: str, count: int) -> list[int]:
+    return [envoy.request("/api/x", {"x-tenant": tenant}).status for _ in range(count)]
+
+
+def test_the_generated_rlqs_bootstrap_validates(
+    envoy_binary: str, spawn_service: Callable[..., ServiceProcess], upstream: Upstream,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    config = rules(tmp_path)
+    path = tmp_path / "rlqs.yaml"
+    service = spawn_service(config)
+    path.write_text(yaml.safe_dump(bootstrap(config, service, upstream, "envoy-a")))
+    result = validate(envoy_binary, path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_envoy_enforces_the_assigned_token_bucket_and_it_refills(
+    start_envoy: Callable[..., Envoy],
+    spawn_service: Callable[..., ServiceProcess],
+    upstream: Upstream,
+    tmp_path: Path,
+) -> None:
+    config = rules(tmp_path)
+    service = spawn_service(config)
+    envoy = start_envoy(bootstrap(config, service, upstream, "envoy-a"))
+    # The first request makes the bucket: allowed (no assignment yet), reported at once.
+    assert codes(envoy, "acme", 1) == [200]
+    envoy.wait_for(
+        "the first assignment", lambda: 429 in codes(envoy, "acme", 6), timeout=10
+    )
+    time.sleep(1.1)  # 4 tokens per second, up to 4 stored
+    assert codes(envoy, "acme", 6) == [200] * 4 + [429] * 2
+    denied = envoy.request("/api/x", {"x-tenant": "acme"})
+    assert denied.status == 429 and denied.headers.get("x-ratelimit-by") == "rlqs"
+    # A rule of 0 denies from the very first request; an unlimited path is never limited.
+    assert codes(envoy, "blocked", 3) == [429] * 3
+    assert [envoy.request("/healthz").status for _ in range(10)] == [200] * 10
+    # The service saw one stream (one Envoy), its reports, and counted Envoy's decisions.
+    # Two first reports (acme, blocked), then the periodic one, 5 s after the first.
+    envoy.wait_for(
+        "a periodic report",
+        lambda: scrape(service)["ratelimit_rlqs_reports_total"] >= 3,
+        timeout=10,
+    )
+    metrics = scrape(service)
+    assert metrics["ratelimit_rlqs_streams"] == 1.0
+    hits = metrics['ratelimit_service_rate_limit_total_hits_total{key="quota.tenant"}']
+    denied = metrics['ratelimit_service_rate_limit_over_limit_total{key="quota.tenant"}']
+    assert denied >= 3 and hits - denied >= 5
+
+
+def scrape(service: ServiceProcess) -> dict[str, float]:
+    url = f"http://127.0.0.1:{service.admin_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return {
+        name: float(value)
+        for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))
+    }
