@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -111,3 +112,51 @@ def scrape(service: ServiceProcess) -> dict[str, float]:
         name: float(value)
         for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))
     }
+
+
+SHARED = """\
+domain: quota
+descriptors:
+  - key: tenant
+    rate_limit: {unit: second, requests_per_unit: 20}
+"""
+
+
+def offer(envoy: Envoy, rate: float, seconds: float, results: list[int]) -> None:
+    """Open-loop-ish: one request every 1/rate seconds on a schedule, for ``seconds``."""
+    start = time.monotonic()
+    for n in range(int(rate * seconds)):
+        delay = start + n / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        results.append(envoy.request("/api/x", {"x-tenant": "shared"}).status)
+
+
+def test_two_envoys_share_one_limit(
+    start_envoy: Callable[..., Envoy],
+    spawn_service: Callable[..., ServiceProcess],
+    upstream: Upstream,
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    (directory / "quota.yaml").write_text(SHARED)
+    service = spawn_service(directory)
+    envoys = [start_envoy(bootstrap(directory, service, upstream, n)) for n in ("a", "b")]
+    results: list[list[int]] = [[], []]
+    threads = [
+        threading.Thread(target=offer, args=(envoy, 30.0, 20.0, out))
+        for envoy, out in zip(envoys, results, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    admitted = [out.count(200) for out in results]
+    print("admitted per Envoy:", admitted)
+    # 1.5x the limit offered to each, 3x in all: the two together admit the limit
+    # (20/s over 20 s), within 20 %; each gets a fair part of it.
+    assert 320 <= sum(admitted) <= 480, admitted
+    assert all(120 <= count <= 280 for count in admitted), admitted
+    instances = scrape(service)['ratelimit_rlqs_instances{bucket="quota.tenant=shared/1s"}']
+    assert instances == 2.0
