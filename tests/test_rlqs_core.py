@@ -17,6 +17,7 @@ from ratelimit_service.engine.quota import (
     Usage,
 )
 from ratelimit_service.engine.stats import Stats
+from ratelimit_service.storage.embedded import EmbeddedStore
 
 RULES = """\
 domain: q
@@ -79,66 +80,70 @@ class Clock:
         return self.now
 
 
-def coordinator() -> tuple[QuotaCoordinator, Clock, Stats]:
+def coordinator(store: EmbeddedStore | None = None) -> tuple[QuotaCoordinator, Clock, Stats]:
     config = load_config([ConfigFile("q.yaml", RULES)])
     clock, stats = Clock(), Stats()
-    return QuotaCoordinator(lambda: config, stats, clock=clock, wall=clock), clock, stats
+    store = store if store is not None else EmbeddedStore(clock=clock)
+    return QuotaCoordinator(lambda: config, stats, store, clock=clock, wall=clock), clock, stats
 
 
-def test_two_instances_share_a_limit_by_demand() -> None:
+async def test_two_instances_share_a_limit_by_demand() -> None:
     quota, clock, _ = coordinator()
     bucket = {"tenant": "t"}
-    (a,) = quota.report("a", "q", [Usage(bucket, 1, 0)])  # alone: all of it
-    (b,) = quota.report("b", "q", [Usage(bucket, 1, 0)])  # just seen, both: even shares
+    (a,) = await quota.report("a", "q", [Usage(bucket, 1, 0)])  # alone: all of it
+    (b,) = await quota.report("b", "q", [Usage(bucket, 1, 0)])  # just seen, both: even shares
     assert a.token_bucket == TokenBucket(100, 100, 1) and b.token_bucket == TokenBucket(50, 50, 1)
     clock.now += 5.0
-    (a,) = quota.report("a", "q", [Usage(bucket, 100, 0)])  # 20/s
-    (b,) = quota.report("b", "q", [Usage(bucket, 250, 1000)])  # 250/s
+    (a,) = await quota.report("a", "q", [Usage(bucket, 100, 0)])  # 20/s
+    (b,) = await quota.report("b", "q", [Usage(bucket, 250, 1000)])  # 250/s
     assert a.token_bucket is not None and b.token_bucket is not None
     # a: its 20 plus half of what b (not measured yet: 50) leaves; then b: the rest
     assert (a.token_bucket.tokens_per_fill, b.token_bucket.tokens_per_fill) == (35, 80)
     assert a.ttl_seconds >= 10  # a few report intervals, whole seconds
 
 
-def test_unknown_rules_allow_and_shadow_rules_count_what_they_would_deny() -> None:
+async def test_unknown_rules_allow_and_shadow_rules_count_what_they_would_deny() -> None:
     quota, clock, stats = coordinator()
     usages = [Usage({"path": "/healthz"}, 5, 0), Usage({"nothing": "x"}, 1, 0), Usage({}, 1, 0)]
-    actions = quota.report("a", "q", usages)
+    actions = await quota.report("a", "q", usages)
     assert [a.kind for a in actions] == [ALLOW_ALL, ALLOW_ALL]  # the empty id is skipped
     assert quota.malformed == 1
-    assert [a.kind for a in quota.report("a", "other", [Usage({"k": "v"}, 1, 0)])] == [ALLOW_ALL]
+    elsewhere = await quota.report("a", "other", [Usage({"k": "v"}, 1, 0)])
+    assert [a.kind for a in elsewhere] == [ALLOW_ALL]
     assert stats.domain_not_found == {"other": 1}
-    quota.report("a", "q", [Usage({"watch": "w"}, 1, 0)])
+    await quota.report("a", "q", [Usage({"watch": "w"}, 1, 0)])
     clock.now += 5.0
-    (action,) = quota.report("a", "q", [Usage({"watch": "w"}, 80, 0)])  # 10/s allows 50
+    (action,) = await quota.report("a", "q", [Usage({"watch": "w"}, 80, 0)])  # 10/s allows 50
     assert action.kind == ALLOW_ALL
     rule = stats.rules["q.watch"]
     assert (rule.shadow_mode, rule.total_hits) == (30, 81)
 
 
-def test_a_daily_limit_denies_until_the_window_resets_once_used() -> None:
+async def test_a_daily_limit_denies_until_the_window_resets_once_used() -> None:
     quota, clock, _ = coordinator()
     clock.now = 86_400 * 20_000 + 3600.0  # one hour into a day
-    (first,) = quota.report("a", "q", [Usage({"daily": "d"}, 30, 0)])
+    (first,) = await quota.report("a", "q", [Usage({"daily": "d"}, 30, 0)])
     assert first.token_bucket is not None
     clock.now += 5.0
-    (used,) = quota.report("a", "q", [Usage({"daily": "d"}, 20, 0)])  # 50 of 50
+    (used,) = await quota.report("a", "q", [Usage({"daily": "d"}, 20, 0)])  # 50 of 50
     assert used.kind == DENY_ALL and used.ttl_seconds == 86_400 - 3605
     clock.now += 86_400  # the next day
-    (fresh,) = quota.report("a", "q", [Usage({"daily": "d"}, 0, 0)])
+    (fresh,) = await quota.report("a", "q", [Usage({"daily": "d"}, 0, 0)])
     assert fresh.token_bucket is not None
 
 
-def test_idle_buckets_are_abandoned_and_a_closed_stream_is_forgotten() -> None:
+async def test_idle_buckets_are_abandoned_and_a_closed_stream_is_forgotten() -> None:
     quota, clock, _ = coordinator()
     bucket = {"tenant": "t"}
     quota.connected()
-    quota.report("a", "q", [Usage(bucket, 1, 0)])
+    await quota.report("a", "q", [Usage(bucket, 1, 0)])
     kinds = []
     for _ in range(ABANDON_AFTER):
         clock.now += 5.0
-        kinds += [a.kind for a in quota.report("a", "q", [Usage(bucket, 0, 0)])]
+        kinds += [a.kind for a in await quota.report("a", "q", [Usage(bucket, 0, 0)])]
     assert kinds[-1] == ABANDON and ABANDON not in kinds[:-1]
-    quota.report("b", "q", [Usage(bucket, 1, 0)])
+    await quota.report("b", "q", [Usage(bucket, 1, 0)])
     quota.forget("b")
-    assert quota.shares() == {}
+    clock.now += 16.0  # past FORGET_AFTER: the store no longer counts b (nor idle a)
+    await quota.report("c", "q", [Usage(bucket, 1, 0)])
+    assert list(quota.shares()["q\x1ftenant\x1et\x1f1"]) == ["c"]

@@ -52,6 +52,31 @@ def fair_shares(limit: float, demands: Mapping[str, float | None]) -> dict[str, 
 
 
 @dataclass(frozen=True, slots=True)
+class QuotaReport:
+    """What one report says of one counter, for the fleet's tier (the store)."""
+
+    key: str
+    """The rule's bucket key (its values and window)."""
+    instance: str
+    demand: float | None
+    """Requests per second this instance offered since its last report; None: not
+    measured yet (counted as an even share)."""
+    allowed: int
+    window_seconds: int
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaView:
+    """The fleet's tier's answer for one counter."""
+
+    demands: dict[str, float | None]
+    """Every instance that reported the counter lately (this one included)."""
+    used: int
+    """Allowed hits reported in the current fixed window (windows aligned to the
+    epoch), this report's included."""
+
+
+@dataclass(frozen=True, slots=True)
 class TokenBucket:
     max_tokens: int
     tokens_per_fill: int

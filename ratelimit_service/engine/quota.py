@@ -17,8 +17,11 @@ for a bucket it has just created. For every report the coordinator
    once it is used up. Buckets no rule limits get ALLOW_ALL; shadow rules ALLOW_ALL
    and count what the limit would have denied.
 
-The fleet is the Envoys connected to this process (the state is in memory). Several
-replicas of the service each divide among their own Envoys.
+Each instance's demand and the windows' allowed hits live in the store (Store.quota):
+in Redis every replica sees every Envoy that reports a counter to any of them, so
+replicas compute the same split for the same fleet; on the embedded store one process
+divides among the Envoys connected to it. What is the stream's own (when it last
+reported a bucket, how long a bucket has been idle) stays here.
 """
 
 from __future__ import annotations
@@ -26,12 +29,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ratelimit_service.core.config_model import RateLimitConfig
 from ratelimit_service.core.matching import Match, bucket_entries, find_limit
-from ratelimit_service.core.shares import TokenBucket, fair_shares, token_bucket, window_reset
+from ratelimit_service.core.shares import (
+    QuotaReport,
+    QuotaView,
+    TokenBucket,
+    fair_shares,
+    token_bucket,
+    window_reset,
+)
 from ratelimit_service.engine.stats import Stats
+from ratelimit_service.storage.base import Store, StoreUnavailable
 
 REPORT_INTERVAL = 5.0
 """Seconds between Envoy 1.40's reports (hard-coded there)."""
@@ -78,7 +89,7 @@ class Action:
 
 @dataclass(slots=True)
 class _Seen:
-    """One instance's view of one bucket."""
+    """One instance's own view of one counter (kept per stream, not in the store)."""
 
     last_report: float
     demand: float | None = None
@@ -86,13 +97,13 @@ class _Seen:
 
 
 @dataclass(slots=True)
-class _Fleet:
-    """One counter (a rule's bucket key) across the instances that report it."""
+class _Pending:
+    """A bucket of a report whose rule limits it, on its way to the store."""
 
-    instances: dict[str, _Seen] = field(default_factory=dict)
-    window: int = -1
-    used: int = 0
-    """Allowed hits reported in the current fixed window (rules of a minute or more)."""
+    usage: Usage
+    match: Match
+    seen: _Seen
+    elapsed: float | None
 
 
 class QuotaCoordinator:
@@ -100,6 +111,7 @@ class QuotaCoordinator:
         self,
         config: Callable[[], RateLimitConfig],
         stats: Stats,
+        store: Store,
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -108,24 +120,30 @@ class QuotaCoordinator:
         next report)."""
         self._config = config
         self._stats = stats
+        self._store = store
         self._clock = clock
         self._wall = wall
-        self._fleets: dict[str, _Fleet] = {}
+        self._seen: dict[tuple[str, str], _Seen] = {}
+        """(instance, counter) → what this process knows of the instance's reports."""
+        self._last: dict[str, QuotaView] = {}
+        """Each counter's last view from the store (kept for a store outage, and for
+        the metrics page)."""
         self.streams = 0
         self.reports = 0
         self.assignments = 0
         self.abandons = 0
         self.malformed = 0
         """Buckets with an empty id (Envoy ignores any answer to them)."""
+        self.store_errors = 0
 
-    def report(self, instance: str, domain: str, usages: Iterable[Usage]) -> list[Action]:
+    async def report(self, instance: str, domain: str, usages: Iterable[Usage]) -> list[Action]:
         """Account one report of ``instance`` and answer each of its buckets."""
         self.reports += 1
         now, config = self._clock(), self._config()
         rules = config.domains.get(domain)
         if rules is None:
             self._stats.count_domain_not_found(domain)
-        actions = []
+        answers: list[Action | _Pending] = []
         for usage in usages:
             if not usage.bucket:
                 self.malformed += 1
@@ -133,49 +151,80 @@ class QuotaCoordinator:
             entries = () if rules is None else bucket_entries(rules, usage.bucket)
             match = None if rules is None else find_limit(rules, entries)
             if match is None or match.limit.unlimited:
-                actions.append(Action(usage.bucket, ALLOW_ALL))
-                continue
-            actions.append(self._decide(instance, usage, match, now))
+                answers.append(Action(usage.bucket, ALLOW_ALL))
+            else:
+                answers.append(self._observe(instance, usage, match, now))
+        pending = [a for a in answers if isinstance(a, _Pending)]
+        views = await self._fleet(instance, pending)
+        actions = []
+        for answer in answers:
+            if isinstance(answer, _Pending):
+                answer_action = self._decide(instance, answer, views[answer.match.bucket_key])
+                actions.append(answer_action)
+            else:
+                actions.append(answer)
         self.assignments += sum(1 for a in actions if a.kind != ABANDON)
         self.abandons += sum(1 for a in actions if a.kind == ABANDON)
         return actions
 
-    def _decide(self, instance: str, usage: Usage, match: Match, now: float) -> Action:
-        limit = match.limit
-        fleet = self._fleets.setdefault(match.bucket_key, _Fleet())
-        seen = fleet.instances.get(instance)
+    def _observe(self, instance: str, usage: Usage, match: Match, now: float) -> _Pending:
+        """The instance's demand for the counter, on this process's clock."""
+        seen = self._seen.get((instance, match.bucket_key))
         elapsed = None if seen is None else now - seen.last_report
         if seen is None:
-            seen = fleet.instances[instance] = _Seen(last_report=now)
+            seen = self._seen[(instance, match.bucket_key)] = _Seen(last_report=now)
         offered = usage.allowed + usage.denied
         seen.idle = seen.idle + 1 if offered == 0 else 0
         if elapsed is not None and elapsed >= MIN_ELAPSED:
             seen.demand = offered / elapsed
             seen.last_report = now
+        return _Pending(usage, match, seen, elapsed)
+
+    async def _fleet(self, instance: str, pending: list[_Pending]) -> dict[str, QuotaView]:
+        """Every counter's view of the fleet, from the store; the last known one (this
+        instance's part updated) while the store is away."""
+        reports = [
+            QuotaReport(
+                p.match.bucket_key,
+                instance,
+                p.seen.demand,
+                p.usage.allowed,
+                p.match.limit.window_seconds,
+            )
+            for p in pending
+        ]
+        if not reports:
+            return {}
+        try:
+            views = await self._store.quota(reports, FORGET_AFTER)
+        except StoreUnavailable:
+            self.store_errors += 1
+            views = []
+            for report in reports:
+                last = self._last.get(report.key, QuotaView({}, 0))
+                demands = {**last.demands, instance: report.demand}
+                views.append(QuotaView(demands, last.used + report.allowed))
+        for report, view in zip(reports, views, strict=True):
+            self._last[report.key] = view
+        return {report.key: view for report, view in zip(reports, views, strict=True)}
+
+    def _decide(self, instance: str, pending: _Pending, view: QuotaView) -> Action:
+        usage, limit, seen = pending.usage, pending.match.limit, pending.seen
         if seen.idle >= ABANDON_AFTER:
-            del fleet.instances[instance]
+            del self._seen[(instance, pending.match.bucket_key)]
             return Action(usage.bucket, ABANDON)
-        for name, other in list(fleet.instances.items()):  # instances that went away
-            if name != instance and now - other.last_report > FORGET_AFTER:
-                del fleet.instances[name]
         window = limit.window_seconds
         # Demands are per second, the limit per window: shares are per window.
-        demands = {
-            name: None if s.demand is None else s.demand * window
-            for name, s in fleet.instances.items()
-        }
+        demands = {n: None if d is None else d * window for n, d in view.demands.items()}
+        demands.setdefault(instance, None)
         share = fair_shares(float(limit.requests_per_unit), demands)[instance]
-        self._count(match.stats_key, usage, limit.shadow_mode, share / window * (elapsed or 0))
+        allowance = share / window * (pending.elapsed or 0)
+        self._count(pending.match.stats_key, usage, limit.shadow_mode, allowance)
         if limit.shadow_mode:
             return Action(usage.bucket, ALLOW_ALL)
-        if window > 1:
-            index = math.floor(self._wall() / window)
-            if index != fleet.window:
-                fleet.window, fleet.used = index, 0
-            fleet.used += usage.allowed
-            if fleet.used >= limit.requests_per_unit:
-                reset = max(1, math.ceil(window_reset(self._wall(), window)))
-                return Action(usage.bucket, DENY_ALL, ttl_seconds=reset)
+        if window > 1 and view.used >= limit.requests_per_unit:
+            reset = max(1, math.ceil(window_reset(self._wall(), window)))
+            return Action(usage.bucket, DENY_ALL, ttl_seconds=reset)
         if limit.requests_per_unit == 0:
             return Action(usage.bucket, DENY_ALL)
         bucket = token_bucket(share, limit.requests_per_unit, window, limit.burst)
@@ -198,16 +247,13 @@ class QuotaCoordinator:
         self.streams += 1
 
     def forget(self, instance: str) -> None:
-        """A stream ended: the instance no longer takes a share of anything."""
+        """A stream ended: drop what this process kept of it (the store forgets the
+        instance once it has been silent for FORGET_AFTER)."""
         self.streams -= 1
-        for fleet in self._fleets.values():
-            fleet.instances.pop(instance, None)
-        for key in [k for k, f in self._fleets.items() if not f.instances]:
-            del self._fleets[key]
+        for key in [k for k in self._seen if k[0] == instance]:
+            del self._seen[key]
 
     def shares(self) -> dict[str, dict[str, float | None]]:
-        """Each counter's instances and their measured demand (for the metrics page)."""
-        return {
-            key: {name: seen.demand for name, seen in fleet.instances.items()}
-            for key, fleet in self._fleets.items()
-        }
+        """Each counter's instances and their demand, as last read from the store (for
+        the metrics page)."""
+        return {key: dict(view.demands) for key, view in self._last.items()}

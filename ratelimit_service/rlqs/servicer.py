@@ -66,7 +66,7 @@ class QuotaServicer:
                     )
                     for usage in reports.bucket_quota_usages
                 ]
-                actions = coordinator.report(instance, reports.domain, usages)
+                actions = await coordinator.report(instance, reports.domain, usages)
                 if actions:
                     yield rlqs_pb2.RateLimitQuotaResponse(
                         bucket_action=[bucket_action(a) for a in actions]

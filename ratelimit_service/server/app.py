@@ -139,7 +139,7 @@ class RateLimitService:
             global_shadow=settings.shadow_mode,
         )
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
-        self.quota = QuotaCoordinator(lambda: self.limiter.config, self.stats)
+        self.quota = QuotaCoordinator(lambda: self.limiter.config, self.stats, self.store)
         self.watcher = ConfigWatcher(
             settings.config_path,
             load=lambda: load_rules(settings),

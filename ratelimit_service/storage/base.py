@@ -1,8 +1,9 @@
 """The storage seam: everything the request path and the reconciler need from a store.
 
-Two operations, both batched so a Redis store can answer each in one round trip:
+Three operations, each batched so a Redis store can answer it in one round trip:
 ``hit`` decides a request's exact-mode descriptors atomically; ``sync`` folds one
-process's probabilistic counts into the fleet totals and returns them.
+process's probabilistic counts into the fleet totals and returns them; ``quota``
+records RLQS usage per Envoy and returns the fleet's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.exact import ExactHit, ExactResult
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.shares import QuotaReport, QuotaView
 
 
 class StoreUnavailable(Exception):
@@ -43,6 +45,13 @@ class Store(Protocol):
     async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
         """Add ``reports`` to the fleet totals; return the live node count and each
         bucket's fleet view. Runs even with no reports: it is the node's heartbeat."""
+        ...
+
+    async def quota(self, reports: Sequence[QuotaReport], forget_after: float) -> list[QuotaView]:
+        """RLQS: record each instance's demand and allowed hits per counter; return
+        every instance's demand (those silent for ``forget_after`` seconds left out)
+        and the window's allowed hits, so every replica on one store divides the same
+        fleet the same way."""
         ...
 
     def healthy(self) -> bool: ...
