@@ -147,3 +147,25 @@ async def test_idle_buckets_are_abandoned_and_a_closed_stream_is_forgotten() -> 
     clock.now += 16.0  # past FORGET_AFTER: the store no longer counts b (nor idle a)
     await quota.report("c", "q", [Usage(bucket, 1, 0)])
     assert list(quota.shares()["q\x1ftenant\x1et\x1f1"]) == ["c"]
+
+
+async def test_a_demand_shift_is_rebalanced_within_two_reports() -> None:
+    quota, clock, _ = coordinator()
+    bucket = {"tenant": "t"}
+    for name in ("a", "b"):
+        await quota.report(name, "q", [Usage(bucket, 1, 0)])
+
+    async def both(a: int, b: int) -> tuple[int, int]:
+        clock.now += 5.0
+        (x,) = await quota.report("a", "q", [Usage(bucket, a, 0)])
+        (y,) = await quota.report("b", "q", [Usage(bucket, b, 0)])
+        assert x.token_bucket is not None and y.token_bucket is not None
+        return x.token_bucket.tokens_per_fill, y.token_bucket.tokens_per_fill
+
+    await both(400, 50)  # a asks 80/s, b 10/s: each that, and half the 10 left over
+    assert await both(400, 50) == (85, 15)
+    # The traffic moves to b: by b's next report it has the larger share, and by
+    # the following round both are rebalanced.
+    first = await both(50, 400)
+    assert first[1] >= 80
+    assert await both(50, 400) == (15, 85)
