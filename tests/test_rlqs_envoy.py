@@ -80,9 +80,7 @@ def test_envoy_enforces_the_assigned_token_bucket_and_it_refills(
     envoy = start_envoy(bootstrap(config, service, upstream, "envoy-a"))
     # The first request makes the bucket: allowed (no assignment yet), reported at once.
     assert codes(envoy, "acme", 1) == [200]
-    envoy.wait_for(
-        "the first assignment", lambda: 429 in codes(envoy, "acme", 6), timeout=10
-    )
+    envoy.wait_for("the first assignment", lambda: 429 in codes(envoy, "acme", 6), timeout=10)
     time.sleep(1.1)  # 4 tokens per second, up to 4 stored
     assert codes(envoy, "acme", 6) == [200] * 4 + [429] * 2
     denied = envoy.request("/api/x", {"x-tenant": "acme"})
@@ -160,3 +158,29 @@ def test_two_envoys_share_one_limit(
     assert all(120 <= count <= 280 for count in admitted), admitted
     instances = scrape(service)['ratelimit_rlqs_instances{bucket="quota.tenant=shared/1s"}']
     assert instances == 2.0
+
+
+def test_assignments_outlive_a_service_restart_and_envoy_reconnects(
+    start_envoy: Callable[..., Envoy],
+    spawn_service: Callable[..., ServiceProcess],
+    upstream: Upstream,
+    tmp_path: Path,
+) -> None:
+    config = rules(tmp_path)
+    service = spawn_service(config)
+    envoy = start_envoy(bootstrap(config, service, upstream, "envoy-a"))
+    assert codes(envoy, "acme", 1) == [200]
+    envoy.wait_for("the first assignment", lambda: 429 in codes(envoy, "acme", 6), timeout=10)
+    service.kill()
+    # The token bucket Envoy holds still limits while the service is gone (TTL 15 s).
+    time.sleep(1.1)
+    assert codes(envoy, "acme", 6) == [200] * 4 + [429] * 2
+    service.start()
+    # Envoy opens a new stream at its next report (every 5 s) and is answered again.
+    envoy.wait_for(
+        "Envoy's new stream",
+        lambda: scrape(service).get("ratelimit_rlqs_streams") == 1.0,
+        timeout=12,
+    )
+    time.sleep(1.1)
+    assert codes(envoy, "acme", 6) == [200] * 4 + [429] * 2
