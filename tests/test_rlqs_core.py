@@ -146,7 +146,7 @@ async def test_idle_buckets_are_abandoned_and_a_closed_stream_is_forgotten() -> 
     quota.forget("b")
     clock.now += 16.0  # past FORGET_AFTER: the store no longer counts b (nor idle a)
     await quota.report("c", "q", [Usage(bucket, 1, 0)])
-    assert list(quota.shares()["q\x1ftenant\x1et\x1f1"]) == ["c"]
+    assert list(quota.demands()["q\x1ftenant\x1et\x1f1"]) == ["c"]
 
 
 async def test_a_demand_shift_is_rebalanced_within_two_reports() -> None:
@@ -169,3 +169,25 @@ async def test_a_demand_shift_is_rebalanced_within_two_reports() -> None:
     first = await both(50, 400)
     assert first[1] >= 80
     assert await both(50, 400) == (15, 85)
+
+
+async def test_metrics_show_streams_buckets_demand_and_shares() -> None:
+    from ratelimit_service.engine.state_metrics import quota_metrics
+
+    quota, clock, _ = coordinator()
+    quota.connected()
+    bucket = {"tenant": "t"}
+    await quota.report("a", "q", [Usage(bucket, 1, 0)])
+    clock.now += 5.0
+    await quota.report("a", "q", [Usage(bucket, 100, 0), Usage({"daily": "d"}, 1, 0)])
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in quota_metrics(quota)
+        for s in family.samples
+    }
+    assert samples[("ratelimit_rlqs_streams", ())] == 1
+    assert samples[("ratelimit_rlqs_reports_total", ())] == 2
+    assert samples[("ratelimit_rlqs_buckets", (("domain", "q"),))] == 2
+    label = (("bucket", "q.tenant=t/1s"), ("instance", "a"))
+    assert samples[("ratelimit_rlqs_instance_demand", label)] == 20.0
+    assert samples[("ratelimit_rlqs_instance_share", label)] == 100.0  # alone: all of it

@@ -43,7 +43,7 @@ async def test_two_replicas_compute_the_same_split(redis_server) -> None:
         # Replica one knows b's demand from Redis: a gets its 20 (b wants the rest).
         assert a.token_bucket.tokens_per_fill == 20
         (b,) = await two.report("b", "q", [Usage(bucket, 0, 0)])
-        assert one.shares() == {"q\x1ftenant\x1et\x1f1": {"a": 20.0, "b": 250.0}}
+        assert one.demands() == {"q\x1ftenant\x1et\x1f1": {"a": 20.0, "b": 250.0}}
         # A daily window used up across both replicas: both deny.
         await one.report("a", "q", [Usage({"daily": "d"}, 30, 0)])
         (denied,) = await two.report("b", "q", [Usage({"daily": "d"}, 20, 0)])

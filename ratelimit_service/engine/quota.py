@@ -128,6 +128,8 @@ class QuotaCoordinator:
         self._last: dict[str, QuotaView] = {}
         """Each counter's last view from the store (kept for a store outage, and for
         the metrics page)."""
+        self._shares: dict[str, dict[str, float]] = {}
+        """Each counter's share last assigned to each instance, in hits per window."""
         self.streams = 0
         self.reports = 0
         self.assignments = 0
@@ -218,6 +220,10 @@ class QuotaCoordinator:
         demands = {n: None if d is None else d * window for n, d in view.demands.items()}
         demands.setdefault(instance, None)
         share = fair_shares(float(limit.requests_per_unit), demands)[instance]
+        assigned = self._shares.setdefault(pending.match.bucket_key, {})
+        for name in [n for n in assigned if n not in demands]:  # gone from the fleet
+            del assigned[name]
+        assigned[instance] = share
         allowance = share / window * (pending.elapsed or 0)
         self._count(pending.match.stats_key, usage, limit.shadow_mode, allowance)
         if limit.shadow_mode:
@@ -252,8 +258,15 @@ class QuotaCoordinator:
         self.streams -= 1
         for key in [k for k in self._seen if k[0] == instance]:
             del self._seen[key]
+        for shares in self._shares.values():
+            shares.pop(instance, None)
 
-    def shares(self) -> dict[str, dict[str, float | None]]:
+    def demands(self) -> dict[str, dict[str, float | None]]:
         """Each counter's instances and their demand, as last read from the store (for
         the metrics page)."""
         return {key: dict(view.demands) for key, view in self._last.items()}
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        """Each counter's share last assigned to each instance of this process's
+        streams, in hits per window."""
+        return {key: dict(shares) for key, shares in self._shares.items()}

@@ -112,16 +112,31 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric]:
         "Requests per second an Envoy instance offered a counter, as last reported",
         labels=["bucket", "instance"],
     )
+    share = GaugeMetricFamily(
+        "ratelimit_rlqs_instance_share",
+        "Hits per window last assigned to an Envoy instance (this process's streams)",
+        labels=["bucket", "instance"],
+    )
     instances = GaugeMetricFamily(
         "ratelimit_rlqs_instances", "Envoy instances sharing a counter", labels=["bucket"]
     )
-    for count, (key, seen) in enumerate(quota.shares().items()):
+    per_domain = GaugeMetricFamily(
+        "ratelimit_rlqs_buckets", "RLQS counters with reports, per domain", labels=["domain"]
+    )
+    domains: dict[str, int] = {}
+    shares = quota.shares()
+    for count, (key, seen) in enumerate(quota.demands().items()):
+        domain = key.split("\x1f", 1)[0]
+        domains[domain] = domains.get(domain, 0) + 1
         if count >= MAX_BUCKET_SERIES:
-            break
+            continue
         label = readable_bucket(key)
         instances.add_metric([label], len(seen))
         for name, rate in seen.items():
             if rate is not None:
                 demand.add_metric([label, name], rate)
-    yield instances
-    yield demand
+        for name, assigned in shares.get(key, {}).items():
+            share.add_metric([label, name], assigned)
+    for domain, count in domains.items():
+        per_domain.add_metric([domain], count)
+    yield from (instances, demand, share, per_domain)
