@@ -311,3 +311,22 @@ async def test_no_hold_without_a_single_server_or_with_a_hold_of_zero(make_store
     assert not store.holds_exact_batches
     store.loop_saturated(True)
     assert store.stats()["exact_batch_hold_seconds"] == 0
+
+
+def test_a_deadline_already_past_arms_the_timer_under_uvloop() -> None:
+    """uvloop's call_at for a time already past returns a plain Handle (no when()):
+    arming for it, then for another time, must work (it crashed a batch once)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def arm_twice() -> int:
+        loop = asyncio.get_running_loop()
+        batcher = exact_batcher.ExactBatcher(None, 60, 0.01)  # type: ignore[arg-type]
+        fired: list[float] = []
+        batcher._check_deadlines = lambda: fired.append(loop.time())  # type: ignore[method-assign]
+        batcher._arm(loop, loop.time() - 1.0)  # past: a plain Handle
+        batcher._arm(loop, loop.time() - 2.0)  # earlier still: replaces it
+        batcher._arm(loop, loop.time() + 5.0)  # later: kept as it is
+        await asyncio.sleep(0.01)
+        return len(fired)
+
+    assert uvloop.run(arm_twice()) == 1

@@ -197,7 +197,9 @@ class ExactBatcher:
         # for the earliest deadline: a timer per call would cost more than the rest
         # of the batcher.
         self._flying: deque[_Batch] = deque()
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0
+        """When the timer fires (uvloop's handles for a time already past do not say)."""
         self.hold = 0.0
         """Seconds a batch waits for company before it leaves; 0: send at once (see
         set_hold)."""
@@ -378,10 +380,11 @@ class ExactBatcher:
         """Have _check_deadlines run at ``when`` at the latest."""
         timer = self._timer
         if timer is not None:
-            if timer.when() <= when:
+            if self._timer_at <= when:
                 return
             timer.cancel()
         self._timer = loop.call_at(when, self._check_deadlines)
+        self._timer_at = when
 
     def _close(self, batch: _Batch) -> None:
         batch.done = True
