@@ -56,6 +56,10 @@ abandon the bucket (it subscribes again with its next request)."""
 FORGET_AFTER = 3 * REPORT_INTERVAL
 """Seconds after which an instance that stopped reporting a bucket no longer takes a
 share of it."""
+KEEP_WITHIN = 0.1
+"""A new share up to this much above the one an instance holds keeps the old one:
+Envoy then keeps its bucket's tokens (an identical bucket is kept; a changed one is
+refilled), so small changes of demand do not hand out fresh bursts."""
 MIN_ELAPSED = 0.5
 """A report sooner than this after the previous one measures no demand (Envoy's first
 report of a bucket comes at once, then the periodic ones)."""
@@ -130,6 +134,7 @@ class QuotaCoordinator:
         the metrics page)."""
         self._shares: dict[str, dict[str, float]] = {}
         """Each counter's share last assigned to each instance, in hits per window."""
+
         self.streams = 0
         self.reports = 0
         self.assignments = 0
@@ -174,7 +179,7 @@ class QuotaCoordinator:
         seen = self._seen.get((instance, match.bucket_key))
         elapsed = None if seen is None else now - seen.last_report
         if seen is None:
-            seen = self._seen[(instance, match.bucket_key)] = _Seen(last_report=now)
+            seen = self._seen[(instance, match.bucket_key)] = _Seen(now)
         offered = usage.allowed + usage.denied
         seen.idle = seen.idle + 1 if offered == 0 else 0
         if elapsed is not None and elapsed >= MIN_ELAPSED:
@@ -219,16 +224,21 @@ class QuotaCoordinator:
         # Demands are per second, the limit per window: shares are per window.
         demands = {n: None if d is None else d * window for n, d in view.demands.items()}
         demands.setdefault(instance, None)
-        share = fair_shares(float(limit.requests_per_unit), demands)[instance]
         assigned = self._shares.setdefault(pending.match.bucket_key, {})
         for name in [n for n in assigned if n not in demands]:  # gone from the fleet
             del assigned[name]
+        fair = fair_shares(float(limit.requests_per_unit), demands)
+        exhausted = window > 1 and view.used >= limit.requests_per_unit
+        held_by_others = sum(v for n, v in assigned.items() if n != instance)
+        share = settle_share(
+            fair[instance], assigned.get(instance), limit.requests_per_unit - held_by_others
+        )
         assigned[instance] = share
         allowance = share / window * (pending.elapsed or 0)
         self._count(pending.match.stats_key, usage, limit.shadow_mode, allowance)
         if limit.shadow_mode:
             return Action(usage.bucket, ALLOW_ALL)
-        if window > 1 and view.used >= limit.requests_per_unit:
+        if exhausted:
             reset = max(1, math.ceil(window_reset(self._wall(), window)))
             return Action(usage.bucket, DENY_ALL, ttl_seconds=reset)
         if limit.requests_per_unit == 0:
@@ -270,3 +280,17 @@ class QuotaCoordinator:
         """Each counter's share last assigned to each instance of this process's
         streams, in hits per window."""
         return {key: dict(shares) for key, shares in self._shares.items()}
+
+
+def settle_share(fair: float, held: float | None, room: float) -> float:
+    """The share to assign. An instance just seen gets its fair (even) share. One that
+    holds a share gets the fair one, but never more than the limit less what the
+    others hold now (``room``: they keep their buckets until their own next report, so
+    handing out more would let the fleet admit beyond the limit meanwhile), and keeps
+    the one it holds while the fair one is at most KEEP_WITHIN above it."""
+    if held is None:
+        return fair
+    share = max(0.0, min(fair, room))
+    if held <= share <= held * (1 + KEEP_WITHIN):
+        return held
+    return share

@@ -1,0 +1,151 @@
+"""RLQS at fleet scale, simulated: N Envoys (1,000 by default) enforce the token buckets
+the real QuotaCoordinator (engine/quota.py, on the embedded store, fake clock) assigns
+them, reporting every 5 s at staggered moments as Envoy 1.40 does. Traffic is skewed
+(Zipf-like over the Envoys), offered 0.5x the limit, then a step to 3x.
+
+    python bench/rlqs_fleet.py                    # 1,000 Envoys, 10,000/s, ~1 min
+    python bench/rlqs_fleet.py --envoys 10 --limit 100 --plot docs/img/rlqs_fleet.png
+
+Prints admitted per second against the limit, the steady-state error after the step,
+and the reaction time (until each second is within +-10 % of the limit). Envoy's side
+is modelled on what 1.40 does: a token bucket starts full when its parameters change
+and keeps its tokens when an identical one is re-sent; before the first assignment
+a bucket allows everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+from dataclasses import dataclass
+
+from ratelimit_service.core.config_loader import ConfigFile, load_config
+from ratelimit_service.core.shares import TokenBucket
+from ratelimit_service.engine.quota import REPORT_INTERVAL, QuotaCoordinator, Usage
+from ratelimit_service.engine.stats import Stats
+from ratelimit_service.storage.embedded import EmbeddedStore
+
+TICK = 0.05
+BUCKET = {"tenant": "shared"}
+
+
+@dataclass
+class SimEnvoy:
+    name: str
+    weight: float
+    phase: float
+    bucket: TokenBucket | None = None
+    tokens: float = 0.0
+    allowed: int = 0
+    denied: int = 0
+    debt: float = 0.0
+
+    def assign(self, bucket: TokenBucket | None) -> None:
+        if bucket != self.bucket:  # a new bucket starts full; an identical one is kept
+            self.bucket, self.tokens = bucket, float(bucket.max_tokens) if bucket else 0.0
+
+    def offer(self, requests: int, dt: float) -> int:
+        bucket = self.bucket
+        if bucket is None:
+            self.allowed += requests
+            return requests
+        rate = bucket.tokens_per_fill / bucket.fill_seconds
+        self.tokens = min(float(bucket.max_tokens), self.tokens + rate * dt)
+        admitted = min(requests, int(self.tokens))
+        self.tokens -= admitted
+        self.allowed += admitted
+        self.denied += requests - admitted
+        return admitted
+
+
+async def run(envoys: int, limit: int, seconds: float, step_at: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    config = load_config(
+        [ConfigFile("q.yaml", f"domain: q\ndescriptors:\n  - key: tenant\n"
+                    f"    rate_limit: {{unit: second, requests_per_unit: {limit}}}\n")]
+    )  # fmt: skip
+    clock = [0.0]
+    quota = QuotaCoordinator(
+        lambda: config,
+        Stats(),
+        EmbeddedStore(clock=lambda: clock[0]),
+        clock=lambda: clock[0],
+        wall=lambda: clock[0],
+    )
+    weights = [1.0 / (i + 1) ** 0.8 for i in range(envoys)]
+    total = sum(weights)
+    fleet = [
+        SimEnvoy(f"e{i}", w / total, rng.uniform(0, REPORT_INTERVAL)) for i, w in enumerate(weights)
+    ]
+    per_second: list[float] = [0.0] * math.ceil(seconds)
+    next_report = {e.name: e.phase for e in fleet}
+    first = {e.name: True for e in fleet}
+    t = 0.0
+    while t < seconds:
+        clock[0] = t
+        offered = (0.5 if t < step_at else 3.0) * limit
+        for envoy in fleet:
+            envoy.debt += offered * envoy.weight * TICK
+            requests = int(envoy.debt)
+            envoy.debt -= requests
+            if requests and first[envoy.name]:  # a new bucket: reported at once
+                first[envoy.name] = False
+                next_report[envoy.name] = t
+            per_second[int(t)] += envoy.offer(requests, TICK)
+            if not first[envoy.name] and t >= next_report[envoy.name]:
+                usage = Usage(BUCKET, envoy.allowed, envoy.denied)
+                envoy.allowed = envoy.denied = 0
+                (action,) = await quota.report(envoy.name, "q", [usage])
+                envoy.assign(action.token_bucket)
+                next_report[envoy.name] = t + REPORT_INTERVAL
+        t += TICK
+    return per_second
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--envoys", type=int, default=1000)
+    parser.add_argument("--limit", type=int, default=10_000)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--step-at", type=float, default=25.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--plot", default=None, help="write a PNG of admitted per second")
+    args = parser.parse_args()
+    rows = asyncio.run(run(args.envoys, args.limit, args.seconds, args.step_at, args.seed))
+    limit = args.limit
+    step = int(args.step_at)
+    within = next(
+        (s for s in range(step, len(rows)) if all(abs(r / limit - 1) <= 0.1 for r in rows[s:])),
+        None,
+    )
+    steady = rows[step + 15 :] or rows[-5:]
+    error = sum(steady) / len(steady) / limit - 1
+    print(f"{args.envoys} Envoys, limit {limit}/s, 0.5x then 3x at t={step}s")
+    print("second  admitted/limit")
+    for second, admitted in enumerate(rows):
+        print(f"{second:6d}  {admitted / limit:5.2f}")
+    reaction = "never" if within is None else f"{within - step} s"
+    print(f"reaction (every later second within +-10 %): {reaction}")
+    print(f"steady state after the step: {error:+.1%} of the limit")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.plot(range(len(rows)), [r / limit for r in rows], label="admitted / limit")
+        ax.axhline(1.0, color="grey", linestyle="--", label="limit")
+        ax.axvline(args.step_at, color="red", linestyle=":", label="step 0.5x -> 3x")
+        ax.set_xlabel("second")
+        ax.set_ylabel("admitted / limit")
+        ax.set_title(f"RLQS, {args.envoys} simulated Envoys (reports every 5 s)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot)
+
+
+if __name__ == "__main__":
+    main()
