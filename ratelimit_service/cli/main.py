@@ -48,6 +48,16 @@ def _not_negative(text: str) -> float:
     return value
 
 
+def _host_port(text: str) -> str:
+    """HOST:PORT (the host may be empty: every address; IPv6 in brackets)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    if host.startswith("[") != host.endswith("]"):
+        raise argparse.ArgumentTypeError(f"unbalanced brackets in {text!r}")
+    return text
+
+
 def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
     """Add a flag whose default comes from RATELIMIT_<FLAG>; required flags become optional
     when the environment supplies them. Values from the environment are checked like
@@ -263,6 +273,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         serve,
+        "--http-addr",
+        type=_host_port,
+        default=None,
+        help="envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (off unless given)",
+    )
+    _add(
+        serve,
+        "--debug-addr",
+        type=_host_port,
+        default=None,
+        help="envoyproxy/ratelimit's debug port: /rlconfig and /metrics (off unless given)",
+    )
+    _add(
+        serve,
+        "--statsd-addr",
+        type=_host_port,
+        default=None,
+        help="HOST:PORT of a statsd agent: envoyproxy/ratelimit's stats over UDP"
+        " (off unless given)",
+    )
+    _add(
+        serve,
+        "--statsd-flush-interval",
+        type=_positive(float),
+        default=10.0,
+        help="seconds between two statsd flushes",
+    )
+    _add(
+        serve,
         "--watch-interval",
         type=float,
         default=1.0,
@@ -369,6 +408,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        http_addr=args.http_addr or None,
+        debug_addr=args.debug_addr or None,
+        statsd_addr=args.statsd_addr or None,
+        statsd_flush_interval=float(args.statsd_flush_interval),
     )
     try:
         service = RateLimitService(settings)
@@ -393,6 +436,13 @@ def _serve_workers(args: argparse.Namespace, load_rules: Any) -> int:
         print(
             "serve: --workers > 1 needs --redis-url: with the embedded store every worker "
             "would keep its own counts and the fleet would admit N times the limit",
+            file=sys.stderr,
+        )
+        return 2
+    if args.debug_addr:
+        print(
+            "serve: --debug-addr with --workers > 1: each worker would need the port; read"
+            " /metrics and /rlconfig on --admin-addr, where the workers' counters are merged",
             file=sys.stderr,
         )
         return 2

@@ -36,9 +36,11 @@ from ratelimit_service.engine.state_metrics import (
     store_metrics,
 )
 from ratelimit_service.engine.stats import Stats, StatsCollector
+from ratelimit_service.engine.statsd import StatsdSink
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
 from ratelimit_service.server.admin_http import AdminServer
+from ratelimit_service.server.go_http import GoEndpoints, HttpServer
 from ratelimit_service.server.tls import CertificateReloader
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
@@ -89,6 +91,14 @@ class Settings:
     tls_client_ca: str | None = None
     """With tls_cert and tls_key the gRPC listener speaks TLS; with tls_client_ca too,
     clients must present a certificate signed by it (mTLS)."""
+    http_addr: str | None = None
+    """envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (None: off)."""
+    debug_addr: str | None = None
+    """envoyproxy/ratelimit's debug port: /rlconfig and /metrics (None: off)."""
+    statsd_addr: str | None = None
+    """HOST:PORT of a statsd agent: the Go service's stat names over UDP (None: off)."""
+    statsd_flush_interval: float = 10.0
+    """Seconds between two statsd flushes (the Go service's STATS_FLUSH_INTERVAL)."""
     """Seconds between looks at the config files for a change (0: no watching)."""
 
 
@@ -161,9 +171,27 @@ class RateLimitService:
                 "/": self._index_page,
             }
         )
+        # envoyproxy/ratelimit's own ports and its statsd stats, when asked for.
+        self.http: HttpServer | None = None
+        self.debug: AdminServer | None = None
+        if settings.debug_addr:
+            self.debug = AdminServer(
+                {
+                    "/rlconfig": self._rlconfig_page,
+                    "/metrics": self._metrics_page,
+                    "/": self._debug_index_page,
+                }
+            )
+        self.statsd: StatsdSink | None = None
+        if settings.statsd_addr:
+            statsd_host, statsd_port = _split_addr(settings.statsd_addr)
+            self.statsd = StatsdSink(
+                self.stats, statsd_host, statsd_port, settings.statsd_flush_interval
+            )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatsCollector(self.stats, self._gauges))
         self._server: grpc.aio.Server | None = None
+        self.servicer: RateLimitServicer | None = None
         self.tls: CertificateReloader | None = None
         self._serving = False
         self.grpc_port = 0
@@ -179,7 +207,7 @@ class RateLimitService:
                 ("grpc.max_receive_message_length", self.settings.max_request_bytes),
             ]
         )
-        servicer = RateLimitServicer(
+        servicer = self.servicer = RateLimitServicer(
             self.limiter, self.settings.response_headers, self.settings.header_names
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
@@ -203,6 +231,13 @@ class RateLimitService:
             await server.stop(0)
             self._server = None
             raise OSError(f"cannot listen on {self.settings.admin_addr} (admin): {exc}") from exc
+        try:
+            await self._start_go_ports(servicer)
+        except OSError:
+            await self.admin.stop()
+            await server.stop(0)
+            self._server = None
+            raise
         warm = getattr(self.store, "warm", None)
         if warm is not None:
             await warm()
@@ -211,6 +246,8 @@ class RateLimitService:
             self._loop_load_task.start()
         if self.settings.watch_interval > 0:
             self.watcher.start()
+        if self.statsd is not None:
+            self.statsd.start()
         for name in HEALTH_NAMES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
@@ -223,6 +260,29 @@ class RateLimitService:
             self.settings.mode.value,
             ",".join(sorted(self.limiter.config.domains)) or "(none)",
         )
+
+    async def _start_go_ports(self, servicer: RateLimitServicer) -> None:
+        """The Go service's HTTP and debug listeners, those that are asked for."""
+        settings = self.settings
+        if settings.http_addr:
+            endpoints = GoEndpoints(servicer, self.healthy)
+            self.http = HttpServer(endpoints.routes(), max_body=settings.max_request_bytes)
+            host, port = _split_addr(settings.http_addr)
+            try:
+                await self.http.start(host, port, reuse_port=settings.reuse_port)
+            except OSError as exc:
+                self.http = None
+                raise OSError(f"cannot listen on {settings.http_addr} (http): {exc}") from exc
+            log.info("serving /healthcheck and /json on %s:%d", host, self.http.port)
+        if self.debug is not None and settings.debug_addr:
+            host, port = _split_addr(settings.debug_addr)
+            try:
+                await self.debug.start(host, port)
+            except OSError as exc:
+                if self.http is not None:
+                    await self.http.stop()
+                raise OSError(f"cannot listen on {settings.debug_addr} (debug): {exc}") from exc
+            log.info("serving /rlconfig and /metrics on %s:%d", host, self.debug.port)
 
     def _bind(self, server: grpc.aio.Server) -> int:
         settings = self.settings
@@ -248,6 +308,12 @@ class RateLimitService:
             await self._loop_load_task.stop()
         await self.watcher.stop()
         await self.admin.stop()
+        if self.http is not None:
+            await self.http.stop()
+        if self.debug is not None:
+            await self.debug.stop()
+        if self.statsd is not None:
+            await self.statsd.stop()  # the last counts go out too
         await self.store.close()
 
     async def _drain(self) -> None:
@@ -326,6 +392,9 @@ class RateLimitService:
 
     def _index_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n"
+
+    def _debug_index_page(self) -> tuple[int, str, bytes]:
+        return 200, "text/plain", b"/rlconfig\n/metrics\n"
 
     def _gauges(self) -> Iterator[Metric]:
         yield from bucket_metrics(self.local)

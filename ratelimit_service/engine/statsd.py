@@ -1,0 +1,206 @@
+"""statsd: the service's counters under envoyproxy/ratelimit's stat names, over UDP.
+
+Nothing is added to the request path. The request path already bumps plain counters
+(:mod:`ratelimit_service.engine.stats`); every flush interval a background task reads
+them, turns what changed since the last flush into statsd lines and sends them packed
+into datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go service's:
+
+- ``ratelimit.service.rate_limit.<stats key>.{total_hits,over_limit,near_limit,
+  within_limit,shadow_mode}`` and ``ratelimit.service.rate_limit.<domain>.domain_not_found``
+- ``ratelimit.service.{config_load_success,config_load_error,global_shadow_mode}``
+- ``ratelimit.service.call.should_rate_limit.{service_error,redis_error}`` (``redis_error``
+  counts requests that met a store error, whichever the store)
+- ``ratelimit_server.ShouldRateLimit.total_requests`` (counter) and
+  ``ratelimit_server.ShouldRateLimit.response_time`` (timer, milliseconds).
+
+The timer comes from the latency histogram, not from one line per call: each histogram
+bucket that gained ``n`` calls is sent as one sample with sample rate ``1/n`` (statsd
+and statsd_exporter count it ``n`` times), its value the interval's mean latency held
+inside that bucket's bounds. Counts are exact; each value lies in its call's bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Iterable, Iterator
+
+from ratelimit_service.engine.background import BackgroundTask
+from ratelimit_service.engine.stats import LATENCY_BOUNDS, Stats
+
+log = logging.getLogger(__name__)
+
+MAX_DATAGRAM = 1432
+"""Bytes per datagram at most: fits a 1500-byte MTU with IP and UDP headers, as
+statsd clients commonly size them."""
+RULE_COUNTERS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode")
+"""The per-rule counters the Go service sends (our other per-rule counters, such as
+failure_mode_allowed, have no Go name and stay on /metrics)."""
+SERVICE = "ratelimit.service"
+SERVER = "ratelimit_server.ShouldRateLimit"
+_UNSAFE = str.maketrans({":": "_", "|": "_", "\n": "_", "\r": "_"})
+
+
+def stat_name(name: str) -> str:
+    """A name statsd can carry: ``:`` and ``|`` become ``_`` as in the Go service's
+    stats keys, and so do line breaks (they would end the line)."""
+    return name.translate(_UNSAFE)
+
+
+class StatsdDeltas:
+    """What changed in :class:`Stats` since the previous call, as statsd lines."""
+
+    def __init__(self, stats: Stats) -> None:
+        self._stats = stats
+        self._rules: dict[str, tuple[int, ...]] = {}
+        self._plain: dict[str, int] = {}
+        self._latency_buckets = [0] * (len(LATENCY_BOUNDS) + 1)
+        self._latency_sum = 0.0
+
+    def lines(self) -> list[str]:
+        stats = self._stats
+        out: list[str] = []
+        for key, rule in list(stats.rules.items()):
+            now = tuple(getattr(rule, name) for name in RULE_COUNTERS)
+            before = self._rules.get(key)
+            self._rules[key] = now
+            prefix = f"{SERVICE}.rate_limit.{stat_name(key)}."
+            for name, value, old in zip(RULE_COUNTERS, now, before or (0,) * len(now), strict=True):
+                delta = _delta(value, old)
+                if delta:
+                    out.append(f"{prefix}{name}:{delta}|c")
+        for domain, count in list(stats.domain_not_found.items()):
+            name = f"{SERVICE}.rate_limit.{stat_name(domain)}.domain_not_found"
+            out.extend(self._counter(name, count))
+        for name, value in (
+            (f"{SERVICE}.config_load_success", stats.config_load_success),
+            (f"{SERVICE}.config_load_error", stats.config_load_error),
+            (f"{SERVICE}.global_shadow_mode", stats.global_shadow_mode),
+            (f"{SERVICE}.call.should_rate_limit.service_error", stats.service_error),
+            (f"{SERVICE}.call.should_rate_limit.redis_error", stats.store_error),
+            (f"{SERVER}.total_requests", stats.total_requests),
+        ):
+            out.extend(self._counter(name, value))
+        out.extend(self._timer_lines())
+        return out
+
+    def _counter(self, name: str, value: int) -> Iterator[str]:
+        delta = _delta(value, self._plain.get(name, 0))
+        self._plain[name] = value
+        if delta:
+            yield f"{name}:{delta}|c"
+
+    def _timer_lines(self) -> Iterator[str]:
+        latency = self._stats.latency
+        buckets, total = list(latency.buckets), latency.sum
+        gained = [_delta(now, old) for now, old in zip(buckets, self._latency_buckets, strict=True)]
+        calls = sum(gained)
+        spent = total - self._latency_sum if total >= self._latency_sum else total
+        self._latency_buckets, self._latency_sum = buckets, total
+        if not calls:
+            return
+        mean_ms = spent * 1000.0 / calls
+        lower = 0.0
+        for upper, count in zip((*LATENCY_BOUNDS, float("inf")), gained, strict=True):
+            if count:
+                value = min(max(mean_ms, lower * 1000.0), upper * 1000.0)
+                rate = "" if count == 1 else f"|@{1.0 / count:.6g}"
+                yield f"{SERVER}.response_time:{value:.6g}|ms{rate}"
+            lower = upper
+
+
+def _delta(now: int, before: int) -> int:
+    """Growth since the last flush (a counter that went back started again)."""
+    return now - before if now >= before else now
+
+
+def pack(lines: Iterable[str], limit: int = MAX_DATAGRAM) -> list[bytes]:
+    """Lines joined by newlines into datagrams of at most ``limit`` bytes; a line longer
+    than that travels alone (cut, it would be a wrong stat)."""
+    datagrams: list[bytes] = []
+    current = bytearray()
+    for line in lines:
+        data = line.encode()
+        if current and len(current) + 1 + len(data) > limit:
+            datagrams.append(bytes(current))
+            current = bytearray()
+        if current:
+            current += b"\n"
+        current += data
+    if current:
+        datagrams.append(bytes(current))
+    return datagrams
+
+
+class StatsdSink:
+    """Flushes :class:`StatsdDeltas` to ``host:port`` over UDP every ``interval``
+    seconds, and once more when stopped. The address is resolved at each flush (a
+    statsd agent's name may move); a flush that cannot send is dropped and counted."""
+
+    def __init__(self, stats: Stats, host: str, port: int, interval: float = 10.0) -> None:
+        if interval <= 0:
+            raise ValueError("statsd flush interval must be positive")
+        self.host, self.port, self.interval = host, port, interval
+        self.deltas = StatsdDeltas(stats)
+        self.flushes = 0
+        self.datagrams_sent = 0
+        self.datagrams_dropped = 0
+        self._failing = False
+        self._sockets: dict[int, socket.socket] = {}
+        self._background = BackgroundTask("statsd", self._run)
+
+    def start(self) -> None:
+        self._background.start()
+
+    async def stop(self) -> None:
+        await self._background.stop()
+        await self.flush()
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.flush()
+
+    async def flush(self) -> int:
+        """Send what changed; returns the number of datagrams sent."""
+        datagrams = pack(self.deltas.lines())
+        self.flushes += 1
+        if not datagrams:
+            return 0
+        sent = 0
+        try:
+            family, address = await self._resolve()
+            sock = self._socket(family)
+            for datagram in datagrams:
+                sock.sendto(datagram, address)
+                sent += 1
+        except OSError as exc:
+            self.datagrams_sent += sent
+            self.datagrams_dropped += len(datagrams) - sent
+            if not self._failing:
+                log.warning("statsd: cannot send to %s:%d: %s", self.host, self.port, exc)
+            self._failing = True
+            return sent
+        self.datagrams_sent += sent
+        if self._failing:
+            log.info("statsd: sending to %s:%d again", self.host, self.port)
+            self._failing = False
+        return len(datagrams)
+
+    async def _resolve(self) -> tuple[int, tuple[str, int]]:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            self.host, self.port, type=socket.SOCK_DGRAM
+        )
+        family, _, _, _, address = infos[0]
+        return int(family), (str(address[0]), int(address[1]))
+
+    def _socket(self, family: int) -> socket.socket:
+        sock = self._sockets.get(family)
+        if sock is None:
+            sock = self._sockets[family] = socket.socket(family, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+        return sock
