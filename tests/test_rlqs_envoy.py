@@ -57,6 +57,23 @@ def codes(envoy: Envoy, tenant: str, count: int) -> list[int]:
     return [envoy.request("/api/x", {"x-tenant": tenant}).status for _ in range(count)]
 
 
+def assigned(
+    start_envoy: Callable[..., Envoy],
+    spawn_service: Callable[..., ServiceProcess],
+    upstream: Upstream,
+    tmp_path: Path,
+) -> tuple[ServiceProcess, Envoy]:
+    """A service, an Envoy on the generated bootstrap, and its first assignment for
+    tenant acme: the first request makes the bucket (allowed: no assignment yet), and
+    Envoy reports it at once."""
+    config = rules(tmp_path)
+    service = spawn_service(config)
+    envoy = start_envoy(bootstrap(config, service, upstream, "envoy-a"))
+    assert codes(envoy, "acme", 1) == [200]
+    envoy.wait_for("the first assignment", lambda: 429 in codes(envoy, "acme", 6), timeout=10)
+    return service, envoy
+
+
 def test_the_generated_rlqs_bootstrap_validates(
     envoy_binary: str, spawn_service: Callable[..., ServiceProcess], upstream: Upstream,
     tmp_path: Path,
@@ -75,12 +92,7 @@ def test_envoy_enforces_the_assigned_token_bucket_and_it_refills(
     upstream: Upstream,
     tmp_path: Path,
 ) -> None:
-    config = rules(tmp_path)
-    service = spawn_service(config)
-    envoy = start_envoy(bootstrap(config, service, upstream, "envoy-a"))
-    # The first request makes the bucket: allowed (no assignment yet), reported at once.
-    assert codes(envoy, "acme", 1) == [200]
-    envoy.wait_for("the first assignment", lambda: 429 in codes(envoy, "acme", 6), timeout=10)
+    service, envoy = assigned(start_envoy, spawn_service, upstream, tmp_path)
     time.sleep(1.1)  # 4 tokens per second, up to 4 stored
     assert codes(envoy, "acme", 6) == [200] * 4 + [429] * 2
     denied = envoy.request("/api/x", {"x-tenant": "acme"})
@@ -166,11 +178,7 @@ def test_assignments_outlive_a_service_restart_and_envoy_reconnects(
     upstream: Upstream,
     tmp_path: Path,
 ) -> None:
-    config = rules(tmp_path)
-    service = spawn_service(config)
-    envoy = start_envoy(bootstrap(config, service, upstream, "envoy-a"))
-    assert codes(envoy, "acme", 1) == [200]
-    envoy.wait_for("the first assignment", lambda: 429 in codes(envoy, "acme", 6), timeout=10)
+    service, envoy = assigned(start_envoy, spawn_service, upstream, tmp_path)
     service.kill()
     # The token bucket Envoy holds still limits while the service is gone (TTL 15 s).
     time.sleep(1.1)

@@ -461,8 +461,25 @@ def build_bootstrap(
             ],
         ),
     )
+    return bootstrap_around(
+        manager,
+        domain.name,
+        listen=listen,
+        admin=admin,
+        clusters=[
+            _static_cluster(upstream_cluster, upstream_address, "upstream address"),
+            ratelimit_cluster(cluster, service_address),
+        ],
+    )
+
+
+def bootstrap_around(
+    manager: Message, name: str, *, listen: str, admin: str, clusters: list[Message]
+) -> bootstrap_pb2.Bootstrap:
+    """A bootstrap with an admin, one listener running ``manager`` (an HTTP connection
+    manager) and ``clusters``: what the RLS and RLQS bootstraps share."""
     listener = listener_pb2.Listener(
-        name=domain.name,
+        name=name,
         address=_socket(listen, "listen address"),
         filter_chains=[
             listener_components_pb2.FilterChain(
@@ -475,11 +492,7 @@ def build_bootstrap(
     return bootstrap_pb2.Bootstrap(
         admin=bootstrap_pb2.Admin(address=_socket(admin, "admin address")),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
-            listeners=[listener],
-            clusters=[
-                _static_cluster(upstream_cluster, upstream_address, "upstream address"),
-                ratelimit_cluster(cluster, service_address),
-            ],
+            listeners=[listener], clusters=clusters
         ),
     )
 

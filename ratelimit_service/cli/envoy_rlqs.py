@@ -29,7 +29,6 @@ import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.core.v3 import base_pb2, grpc_service_pb2
 from envoy.config.core.v3 import extension_pb2 as envoy_extension_pb2
-from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.rate_limit_quota.v3 import rate_limit_quota_pb2 as rlq
 from envoy.extensions.filters.http.router.v3 import router_pb2
@@ -45,14 +44,13 @@ from xds.core.v3 import extension_pb2
 from xds.type.matcher.v3 import matcher_pb2, regex_pb2, string_pb2
 
 from ratelimit_service.cli.envoy_config import (
-    HCM_FILTER,
     ROUTER_FILTER,
     _duration,
     _limited_paths,
     _pack,
-    _socket,
     _static_cluster,
     _to_dict,
+    bootstrap_around,
     header_for,
     pick_domain,
     ratelimit_cluster,
@@ -239,26 +237,15 @@ def build_rlqs_bootstrap(
             ],
         ),
     )
-    listener = listener_pb2.Listener(
-        name=domain.name,
-        address=_socket(listen, "listen address"),
-        filter_chains=[
-            listener_components_pb2.FilterChain(
-                filters=[
-                    listener_components_pb2.Filter(name=HCM_FILTER, typed_config=_pack(manager))
-                ]
-            )
+    return bootstrap_around(
+        manager,
+        domain.name,
+        listen=listen,
+        admin=admin,
+        clusters=[
+            _static_cluster(upstream_cluster, upstream_address, "upstream address"),
+            ratelimit_cluster(cluster, service_address),
         ],
-    )
-    return bootstrap_pb2.Bootstrap(
-        admin=bootstrap_pb2.Admin(address=_socket(admin, "admin address")),
-        static_resources=bootstrap_pb2.Bootstrap.StaticResources(
-            listeners=[listener],
-            clusters=[
-                _static_cluster(upstream_cluster, upstream_address, "upstream address"),
-                ratelimit_cluster(cluster, service_address),
-            ],
-        ),
     )
 
 
