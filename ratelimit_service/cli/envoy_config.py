@@ -466,18 +466,23 @@ def build_bootstrap(
         domain.name,
         listen=listen,
         admin=admin,
-        clusters=[
-            _static_cluster(upstream_cluster, upstream_address, "upstream address"),
-            ratelimit_cluster(cluster, service_address),
-        ],
+        upstream=(upstream_cluster, upstream_address),
+        service=(cluster, service_address),
     )
 
 
 def bootstrap_around(
-    manager: Message, name: str, *, listen: str, admin: str, clusters: list[Message]
+    manager: Message,
+    name: str,
+    *,
+    listen: str,
+    admin: str,
+    upstream: tuple[str, str],
+    service: tuple[str, str],
 ) -> bootstrap_pb2.Bootstrap:
     """A bootstrap with an admin, one listener running ``manager`` (an HTTP connection
-    manager) and ``clusters``: what the RLS and RLQS bootstraps share."""
+    manager), the placeholder upstream cluster and the service's cluster (each a name
+    and HOST:PORT): what the RLS and RLQS bootstraps share."""
     listener = listener_pb2.Listener(
         name=name,
         address=_socket(listen, "listen address"),
@@ -492,7 +497,11 @@ def bootstrap_around(
     return bootstrap_pb2.Bootstrap(
         admin=bootstrap_pb2.Admin(address=_socket(admin, "admin address")),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
-            listeners=[listener], clusters=clusters
+            listeners=[listener],
+            clusters=[
+                _static_cluster(*upstream, "upstream address"),
+                ratelimit_cluster(*service),
+            ],
         ),
     )
 

@@ -48,7 +48,6 @@ from ratelimit_service.cli.envoy_config import (
     _duration,
     _limited_paths,
     _pack,
-    _static_cluster,
     _to_dict,
     bootstrap_around,
     header_for,
@@ -242,10 +241,8 @@ def build_rlqs_bootstrap(
         domain.name,
         listen=listen,
         admin=admin,
-        clusters=[
-            _static_cluster(upstream_cluster, upstream_address, "upstream address"),
-            ratelimit_cluster(cluster, service_address),
-        ],
+        upstream=(upstream_cluster, upstream_address),
+        service=(cluster, service_address),
     )
 
 
