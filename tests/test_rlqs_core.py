@@ -187,3 +187,29 @@ def test_a_share_grows_only_into_room_and_small_rises_keep_the_bucket() -> None:
     assert settle_share(130.0, 100.0, 200.0) == 130.0
     assert settle_share(130.0, 100.0, 120.0) == 120.0  # the others hold the rest
     assert settle_share(60.0, 100.0, 0.0) == 0.0  # shrinking is never held back
+
+
+async def test_with_the_store_away_the_last_fleet_divides_the_limit() -> None:
+    from ratelimit_service.storage.base import StoreUnavailable
+
+    class Flaky(EmbeddedStore):
+        down = False
+
+        async def quota(self, reports, forget_after):  # type: ignore[no-untyped-def]
+            if self.down:
+                raise StoreUnavailable("down")
+            return await super().quota(reports, forget_after)
+
+    clock = Clock()
+    store = Flaky(clock=clock)
+    quota, _, _ = coordinator(store)
+    quota._clock = quota._wall = clock  # type: ignore[method-assign]
+    bucket = {"tenant": "t"}
+    await quota.report("a", "q", [Usage(bucket, 1, 0)])
+    await quota.report("b", "q", [Usage(bucket, 1, 0)])
+    store.down = True
+    clock.now += 5.0
+    (a,) = await quota.report("a", "q", [Usage(bucket, 100, 0)])
+    assert a.token_bucket is not None  # still a share of the two, not the whole limit
+    assert a.token_bucket.tokens_per_fill < 100
+    assert quota.store_errors == 1

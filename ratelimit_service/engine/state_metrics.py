@@ -104,6 +104,10 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric]:
         "assignments": ("RLQS bucket assignments sent", quota.assignments),
         "abandons": ("RLQS buckets abandoned (idle)", quota.abandons),
         "malformed_buckets": ("RLQS buckets with an empty id (ignored)", quota.malformed),
+        "store_errors": (
+            "RLQS reports divided by the last fleet seen (store away)",
+            quota.store_errors,
+        ),
     }
     for name, (text, value) in counters.items():
         yield CounterMetricFamily(f"ratelimit_rlqs_{name}", text, value=value)
