@@ -29,8 +29,8 @@ Suite "study": the probabilistic embedded service driven three ways side by side
 through Envoy as above, and straight at its gRPC port with h2load in several shapes
 (connections x streams, free-running and at a fixed rate) -- plus Envoy cluster and
 gRPC server option variants, to see what sets the service's CPU per request. It also
-counts the service's context switches per request (/proc/<pid>/task/*/status), a
-measure of how many requests each wake-up of its threads serves.
+counts the service's voluntary context switches per request (its threads' wake-ups,
+/proc/<pid>/task/*/status).
 
 Results go to --out (envoy_path.json, envoy_study.json) and a Markdown table is printed.
 Everything listens on loopback ports and is stopped on exit, errors and SIGTERM included.
