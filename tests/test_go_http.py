@@ -423,3 +423,33 @@ def test_debug_addr_with_workers_is_refused(write_config: Callable[..., Path]) -
     )  # fmt: skip
     assert result.returncode == 2
     assert "--debug-addr with --workers" in result.stderr
+
+
+@pytest.mark.slow
+def test_http_port_shared_by_workers(write_config: Callable[..., Path], redis_server: Any) -> None:
+    """--workers 2 --http-addr: both workers bind the port (SO_REUSEPORT, like gRPC), so
+    the supervisor sees both serving; /json on fresh connections counts in Redis."""
+    from ratelimit_service.testing.fleet import wait_healthy
+
+    http_at, grpc_at, admin_at = free_port(), free_port(), free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "ratelimit_service", "serve",
+            "--config", str(write_config(RULES)), "--redis-url", redis_server.url,
+            "--workers", "2", "--redis-timeout", "0.5",
+            "--grpc-addr", f"127.0.0.1:{grpc_at}", "--admin-addr", f"127.0.0.1:{admin_at}",
+            "--http-addr", f"127.0.0.1:{http_at}",
+        ],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_healthy(admin_at)
+        time.sleep(1.0)  # a worker that could not bind would have died by now
+        status, body = _get(f"http://127.0.0.1:{admin_at}/healthcheck")
+        assert (status, body) == (200, b"OK\nworkers: 2/2 serving\n")
+        payload = json.dumps({"domain": "d", "descriptors": [one("big", "w")]}).encode()
+        codes = [_get(f"http://127.0.0.1:{http_at}/json", payload)[0] for _ in range(12)]
+        assert codes == [200] * 10 + [429] * 2
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
