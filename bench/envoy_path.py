@@ -11,6 +11,10 @@ with one listener per target, all routing to an upstream that is a second Envoy
 answering 200 from a ``direct_response`` route. Targets:
 
 - no filter: the HTTP connection manager with the router only;
+- RLQS → ours / → null RLQS server: Envoy's rate_limit_quota filter, every request in
+  one bucket, enforcing the token bucket our service assigns (its limit never reached)
+  or the fixed one of bench/null_rlqs.py: what RLQS costs Envoy, and what our
+  coordination adds to it;
 - probabilistic, embedded / probabilistic, Redis / exact, Redis: the ratelimit filter
   (``timeout: 0.02s``, ``failure_mode_deny: false``, as in envoy/envoy.yaml) calling a
   service of its own, through a cluster built like the shipped ``ratelimit`` cluster of
@@ -74,7 +78,7 @@ from throughput import (
 )
 
 from ratelimit_service.testing.envoy import Envoy, find_envoy, load_yaml
-from ratelimit_service.testing.fleet import wait_healthy
+from ratelimit_service.testing.fleet import wait_healthy, wait_port
 from ratelimit_service.testing.redis import free_port
 
 BENCH = Path(__file__).resolve().parent
@@ -86,6 +90,9 @@ HCM = (
 )
 RATELIMIT = "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit"
 ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+RLQS = "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3."
+NULL_RLQS = "null RLQS server"
+"""The service key of bench/null_rlqs.py (a fixed, never-reached bucket for all)."""
 ENVOY_LOAD = ["-c", "16", "-m", "1", "-t", "1"]
 """What drives Envoy's listener: 16 connections, one request at a time on each."""
 MAX_SECONDS = 30.0
@@ -133,11 +140,34 @@ def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-def listener(name: str, route_cluster: str, ratelimit_cluster: str | None) -> dict[str, Any]:
+def rlqs_filter(cluster: str) -> dict[str, Any]:
+    """Envoy's rate_limit_quota filter: every request in one bucket {k: v1}, reported to
+    ``cluster``; allowed until the first assignment."""
+    settings = {
+        "@type": RLQS + "RateLimitQuotaBucketSettings",
+        "bucket_id_builder": {"bucket_id_builder": {"k": {"string_value": "v1"}}},
+        "reporting_interval": "5s",
+        "no_assignment_behavior": {"fallback_rate_limit": {"blanket_rule": "ALLOW_ALL"}},
+    }
+    return {"name": "envoy.filters.http.rate_limit_quota", "typed_config": {
+        "@type": RLQS + "RateLimitQuotaFilterConfig",
+        "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
+        "domain": "bench",
+        "bucket_matchers": {"on_no_match": {"action": {"name": "bench",
+                                                       "typed_config": settings}}},
+    }}  # fmt: skip
+
+
+def listener(
+    name: str, route_cluster: str, ratelimit_cluster: str | None, rlqs: bool = False
+) -> dict[str, Any]:
     """A listener on a free loopback port: HCM -> (ratelimit filter ->) router -> the
-    route cluster; the route sends the descriptor (k, v1)."""
+    route cluster; the route sends the descriptor (k, v1). ``rlqs``: the
+    rate_limit_quota filter instead of the ratelimit filter."""
     filters: list[dict[str, Any]] = []
-    if ratelimit_cluster is not None:
+    if ratelimit_cluster is not None and rlqs:
+        filters.append(rlqs_filter(ratelimit_cluster))
+    elif ratelimit_cluster is not None:
         filters.append({"name": "envoy.filters.http.ratelimit", "typed_config": {
             "@type": RATELIMIT, "domain": "bench", "timeout": "0.02s",
             "failure_mode_deny": False,
@@ -146,7 +176,7 @@ def listener(name: str, route_cluster: str, ratelimit_cluster: str | None) -> di
         }})  # fmt: skip
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}})
     route: dict[str, Any] = {"cluster": route_cluster}
-    if ratelimit_cluster is not None:
+    if ratelimit_cluster is not None and not rlqs:
         route["rate_limits"] = [
             {"actions": [{"generic_key": {"descriptor_key": "k", "descriptor_value": "v1"}}]}
         ]
@@ -207,6 +237,8 @@ class Target:
     cluster_changes: dict[str, Any] | None = None
     rps: int | None = None
     """A fixed total rate (h2load --rps, per connection, is rps / connections)."""
+    rlqs: bool = False
+    """The rate_limit_quota filter (RLQS) instead of the ratelimit filter."""
 
     def h2load_load(self) -> list[str]:
         if not self.rps:
@@ -237,6 +269,15 @@ raise SystemExit(main(sys.argv[1:]))
 """
 
 
+def start_null_rlqs(processes: Processes, cpus: frozenset[int] | None) -> Server:
+    port = free_port()
+    process = processes.start(
+        "null-rlqs", [sys.executable, str(BENCH / "null_rlqs.py"), "--port", str(port)], cpus
+    )
+    wait_port(port)
+    return Server(NULL_RLQS, port, None, process.pid)
+
+
 def start_spec(
     processes: Processes, name: str, config: Path, spec: ServiceSpec, redis_url: str,
     cpus: frozenset[int] | None,
@@ -262,8 +303,11 @@ PATH_SERVICES = {
     "probabilistic, Redis": ServiceSpec(["--mode", "probabilistic", "--redis-url", "REDIS"]),
     "exact, Redis": ServiceSpec(["--mode", "exact", "--redis-url", "REDIS"]),
 }
-PATH_TARGETS = [Target("no ratelimit filter", None)] + [
-    Target(f"filter → {name}", name) for name in PATH_SERVICES
+PATH_TARGETS = [
+    Target("no ratelimit filter", None),
+    *(Target(f"filter → {name}", name) for name in PATH_SERVICES),
+    Target("RLQS → ours, embedded", "probabilistic, embedded", rlqs=True),
+    Target(f"RLQS → {NULL_RLQS}", NULL_RLQS, rlqs=True),
 ]
 
 STUDY_SERVICES = {
@@ -457,6 +501,8 @@ def measure(
         over = "ratelimit_service_rate_limit_over_limit_total"
         if metric_sum(after, over) != metric_sum(metrics_before, over):
             run.problems.append("the service answered OVER_LIMIT")
+        if target.rlqs and after and metric_sum(after, "ratelimit_rlqs_streams") < 1:
+            run.problems.append("Envoy holds no RLQS stream to the service")
     if counters_before:
         assert lab_.envoy is not None
         counters_after = envoy_counters(lab_.envoy, target.name, index)
@@ -510,11 +556,13 @@ def run_suite(
             needed = {t.service for t in targets if t.service}
             mine, tools = pinning(args.pin)  # --pin: services on CPU 0, the rest on CPU 1
             url = ""
-            if any("REDIS" in services[n].flags for n in needed):
+            if any("REDIS" in services[n].flags for n in needed if n in services):
                 url = start_redis(directory, redis_servers, tools).url
             progress(f"starting {len(needed)} service(s), the upstream Envoy and the front Envoy")
             started = {n: start_spec(processes, n, config, services[n], url, mine)
                        for n in services if n in needed}  # fmt: skip
+            if NULL_RLQS in needed:
+                started[NULL_RLQS] = start_null_rlqs(processes, mine)
             upstream = Envoy(binary, upstream_bootstrap(), directory / "envoy-upstream")
             envoys.append(upstream)
             upstream.start()
@@ -530,7 +578,7 @@ def run_suite(
                     rl = f"rl{index}"
                     clusters.append(service_cluster(
                         rl, started[target.service].port, target.cluster_changes))  # fmt: skip
-                listeners.append(listener(target.name, f"up{index}", rl))
+                listeners.append(listener(target.name, f"up{index}", rl, target.rlqs))
             bootstrap = {"admin": admin(),
                          "static_resources": {"listeners": listeners, "clusters": clusters}}
             front = Envoy(binary, bootstrap, directory / "envoy-front")  # fmt: skip
