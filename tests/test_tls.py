@@ -182,3 +182,44 @@ async def test_redis_over_tls(pki) -> None:
     finally:
         process.kill()
         process.wait()
+
+
+async def test_rlqs_streams_on_the_mtls_port(write_config, start_service, pki) -> None:
+    """RLQS shares the RLS listener, so it needs the client certificate too."""
+    from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
+
+    svc = await start_service(
+        write_config(RULES),
+        tls_cert=str(pki["server"].cert),
+        tls_key=str(pki["server"].key),
+        tls_client_ca=str(pki["ca"].cert),
+    )
+    report = rlqs_pb2.RateLimitQuotaUsageReports(
+        domain="d",
+        bucket_quota_usages=[
+            rlqs_pb2.RateLimitQuotaUsageReports.BucketQuotaUsage(
+                bucket_id=rlqs_pb2.BucketId(bucket={"a": "1"}), num_requests_allowed=1
+            )
+        ],
+    )
+
+    async def first_answer(client: CertPair | None) -> rlqs_pb2.RateLimitQuotaResponse:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=pki["ca"].cert.read_bytes(),
+            private_key=client.key.read_bytes() if client else None,
+            certificate_chain=client.cert.read_bytes() if client else None,
+        )
+        address = f"localhost:{svc.service.grpc_port}"
+        async with grpc.aio.secure_channel(address, credentials) as channel:
+            call = rlqs_pb2_grpc.RateLimitQuotaServiceStub(channel).StreamRateLimitQuotas()
+            await call.write(report)
+            answer = await call.read()
+            call.cancel()
+            return answer
+
+    answer = await first_answer(pki["client"])
+    (action,) = answer.bucket_action
+    assert dict(action.bucket_id.bucket) == {"a": "1"}
+    assert action.quota_assignment_action.rate_limit_strategy.token_bucket.max_tokens == 5
+    with pytest.raises(grpc.aio.AioRpcError):
+        await first_answer(None)
