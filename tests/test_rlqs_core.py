@@ -213,3 +213,16 @@ async def test_with_the_store_away_the_last_fleet_divides_the_limit() -> None:
     assert a.token_bucket is not None  # still a share of the two, not the whole limit
     assert a.token_bucket.tokens_per_fill < 100
     assert quota.store_errors == 1
+
+
+async def test_what_is_kept_follows_the_buckets_in_use() -> None:
+    """High-cardinality bucket ids (one per client address, say) do not pile up: a
+    counter is forgotten once no stream of this process reports it."""
+    quota, clock, _ = coordinator()
+    for n in range(50):
+        quota.connected()
+        await quota.report(f"e{n}", "q", [Usage({"tenant": f"t{n}"}, 1, 0)])
+    assert len(quota.demands()) == 50
+    for n in range(50):
+        quota.forget(f"e{n}")
+    assert quota.demands() == {} and quota.shares() == {}

@@ -219,6 +219,7 @@ class QuotaCoordinator:
         usage, limit, seen = pending.usage, pending.match.limit, pending.seen
         if seen.idle >= ABANDON_AFTER:
             del self._seen[(instance, pending.match.bucket_key)]
+            self._release(instance, [pending.match.bucket_key])
             return Action(usage.bucket, ABANDON)
         window = limit.window_seconds
         # Demands are per second, the limit per window: shares are per window.
@@ -266,10 +267,23 @@ class QuotaCoordinator:
         """A stream ended: drop what this process kept of it (the store forgets the
         instance once it has been silent for FORGET_AFTER)."""
         self.streams -= 1
-        for key in [k for k in self._seen if k[0] == instance]:
-            del self._seen[key]
-        for shares in self._shares.values():
-            shares.pop(instance, None)
+        counters = [k[1] for k in self._seen if k[0] == instance]
+        for counter in counters:
+            del self._seen[(instance, counter)]
+        self._release(instance, counters)
+
+    def _release(self, instance: str, counters: Iterable[str]) -> None:
+        """``instance`` no longer reports ``counters`` here: forget its share, and the
+        counters no stream of this process reports any more (so memory follows the
+        buckets in use, not every bucket id ever seen)."""
+        for counter in counters:
+            shares = self._shares.get(counter)
+            if shares is not None:
+                shares.pop(instance, None)
+                if not shares:
+                    del self._shares[counter]
+            if counter not in self._shares:
+                self._last.pop(counter, None)
 
     def demands(self) -> dict[str, dict[str, float | None]]:
         """Each counter's instances and their demand, as last read from the store (for
