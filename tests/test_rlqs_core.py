@@ -218,7 +218,7 @@ async def test_with_the_store_away_the_last_fleet_divides_the_limit() -> None:
 async def test_what_is_kept_follows_the_buckets_in_use() -> None:
     """High-cardinality bucket ids (one per client address, say) do not pile up: a
     counter is forgotten once no stream of this process reports it."""
-    quota, clock, _ = coordinator()
+    quota, _, _ = coordinator()
     for n in range(50):
         quota.connected()
         await quota.report(f"e{n}", "q", [Usage({"tenant": f"t{n}"}, 1, 0)])
