@@ -26,6 +26,7 @@ reported a bucket, how long a bucket has been idle) stays here.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +44,8 @@ from ratelimit_service.core.shares import (
 )
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.base import Store, StoreUnavailable
+
+log = logging.getLogger(__name__)
 
 REPORT_INTERVAL = 5.0
 """Seconds between Envoy 1.40's reports (hard-coded there)."""
@@ -176,6 +179,7 @@ class QuotaCoordinator:
 
     def _observe(self, instance: str, usage: Usage, match: Match, now: float) -> _Pending:
         """The instance's demand for the counter, on this process's clock."""
+        log.debug("report from %s: %s %d/%d", instance, usage.bucket, usage.allowed, usage.denied)
         seen = self._seen.get((instance, match.bucket_key))
         elapsed = None if seen is None else now - seen.last_report
         if seen is None:
@@ -218,6 +222,7 @@ class QuotaCoordinator:
     def _decide(self, instance: str, pending: _Pending, view: QuotaView) -> Action:
         usage, limit, seen = pending.usage, pending.match.limit, pending.seen
         if seen.idle >= ABANDON_AFTER:
+            log.debug("%s idle on %s: abandoned", instance, usage.bucket)
             del self._seen[(instance, pending.match.bucket_key)]
             self._release(instance, [pending.match.bucket_key])
             return Action(usage.bucket, ABANDON)
