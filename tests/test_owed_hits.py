@@ -80,10 +80,32 @@ async def test_a_late_reply_that_denied_the_hit_owes_it(redis_server) -> None:
 def test_owed_hits_are_bounded_and_expire_with_their_window() -> None:
     owed = OwedHits(max_requests=2)
     args = (10, 60_000_000, 1, 0)  # limit, window_us, hits, role
-    owed.add(["a"], args, now=0.0)
-    owed.add(["b"], args, now=1.0)
-    owed.add(["c"], (10, 1_000_000, 1, 0), now=1.0)  # past the bound: "a" goes
+    owed.add(["a"], args, since=0.0)
+    owed.add(["b"], args, since=1.0)
+    owed.add(["c"], (10, 1_000_000, 1, 0), since=1.0)  # past the bound: "a" goes
     assert owed.dropped == 1 and len(owed) == 2
     ready = owed.drain(now=2.5)  # "c" is older than its 1 s window
-    assert ready == [(("b",), args)]
+    assert ready == [(("b",), args, 1.0)]
     assert (owed.dropped, owed.sent, len(owed)) == (2, 1, 0)
+
+
+async def test_owed_hits_sent_again_keep_their_first_time(redis_server) -> None:
+    """Redis away for longer than a window: owed hits are sent with every call that
+    fails and owed again, but keep the time they were admitted, so they are dropped
+    once their window has passed instead of landing in a later one."""
+    short = [ExactHit("s", 10, 1, 1)]  # a 1 s window
+    store = RedisStore(redis_server.url, request_timeout=0.2)
+    try:
+        await store.hit(short, True)
+        redis_server.stop()
+        with pytest.raises(StoreUnavailable):
+            await store.hit(short, True, owe=True)
+        for _ in range(12):  # 1.2 s of failing calls, each carrying the owed hit again
+            await asyncio.sleep(0.1)
+            with pytest.raises(StoreUnavailable):
+                await store.hit(short, False)
+        redis_server.start()
+        assert await until_answered(store) == 0  # dropped, not counted a window later
+        assert store.stats()["exact_owed_dropped"] >= 1
+    finally:
+        await store.close()

@@ -120,9 +120,11 @@ def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
 FORCE = 2
 """``commit`` of a request counted whatever the window holds (owed hits)."""
 
-_Waiter = tuple["asyncio.Future[list[ExactResult]] | None", int, bool]
+_Waiter = tuple["asyncio.Future[list[ExactResult]] | None", int, float | None]
 """A request in a batch: who waits for its results (None: owed hits, nobody), its
-descriptor count, and whether its hits are owed to Redis if the call fails."""
+descriptor count, and, if its hits are owed to Redis should the call fail, since when
+(an owed request sent again keeps its first time, so it still expires with its
+window however long Redis stays away)."""
 
 
 class _Batch:
@@ -229,11 +231,12 @@ class ExactBatcher:
             else:
                 batch.due = True
             if self.owed:  # owed hits land first: the requests below see them
-                for owed_keys, owed_args in self.owed.drain(loop.time()):
-                    batch.add((None, len(owed_keys), True), owed_keys, FORCE, owed_args)
+                for owed_keys, owed_args, since in self.owed.drain(loop.time()):
+                    batch.add((None, len(owed_keys), since), owed_keys, FORCE, owed_args)
         future: asyncio.Future[list[ExactResult]] = loop.create_future()
         self.pending += 1
-        batch.add((future, len(keys), owe and commit), keys, 1 if commit else 0, args)
+        owed_since = loop.time() if owe and commit else None
+        batch.add((future, len(keys), owed_since), keys, 1 if commit else 0, args)
         full = len(batch.keys) >= MAX_BATCH_DESCRIPTORS
         if full or (batch.due and self._in_flight < MAX_IN_FLIGHT):
             self._send(loop)
@@ -317,15 +320,14 @@ class ExactBatcher:
         """Every waiter hears ``reason``; the hits of requests admitted on failure
         are owed to Redis, or, for a call that may still be answered (``late``),
         once its reply shows what Redis did not count."""
-        now = asyncio.get_running_loop().time()
         batch.late = late
-        for (future, _, owe), keys, args in batch.requests():
+        for (future, _, since), keys, args in batch.requests():
             # One exception object per waiter: a shared one would collect every
             # waiter's traceback.
             if future is not None and not future.done():
                 future.set_exception(StoreUnavailable(reason))
-            if owe and not late:
-                self.owed.add(keys, args, now)
+            if since is not None and not late:
+                self.owed.add(keys, args, since)
 
     def _settle_late(self, batch: _Batch, reply: Any) -> None:
         """The reply of a call given up at its deadline: owe the hits of requests
@@ -333,17 +335,16 @@ class ExactBatcher:
         error: whether the script ran is unknown, and counting twice only denies
         sooner)."""
         batch.late = False
-        now = asyncio.get_running_loop().time()
         start = 0
-        for (future, count, owe), keys, args in batch.requests():
-            if owe:
+        for (future, count, since), keys, args in batch.requests():
+            if since is not None:
                 counted = future is None  # forced hits always count
                 if not counted and not isinstance(reply, BaseException):
                     admitted = [r.admitted for r in decode(reply, start, count)]
                     roles = [HitRole(role) for role in args[3::4]]
                     counted = not request_denied(roles, admitted)
                 if not counted:
-                    self.owed.add(keys, args, now)
+                    self.owed.add(keys, args, since)
             start += count
 
     def _check_deadlines(self) -> None:

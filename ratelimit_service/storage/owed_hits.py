@@ -37,21 +37,22 @@ class OwedHits:
     def __len__(self) -> int:
         return len(self._owed)
 
-    def add(self, keys: Sequence[str], args: Sequence[Any], now: float) -> None:
+    def add(self, keys: Sequence[str], args: Sequence[Any], since: float) -> None:
         """Keep one request's hits: ``args`` is its per-descriptor ARGV part (limit,
-        window_us, hits, role per descriptor)."""
+        window_us, hits, role per descriptor); ``since``: when it was admitted."""
         if len(self._owed) == self._owed.maxlen:
             self.dropped += 1
-        self._owed.append((tuple(keys), tuple(args), now))
+        self._owed.append((tuple(keys), tuple(args), since))
         self.added += 1
 
-    def drain(self, now: float) -> list[tuple[tuple[str, ...], tuple[Any, ...]]]:
-        """Every request still worth sending, oldest first; none is kept."""
+    def drain(self, now: float) -> list[tuple[tuple[str, ...], tuple[Any, ...], float]]:
+        """Every request still worth sending (with when it was admitted), oldest
+        first; none is kept."""
         ready = []
         for keys, args, since in self._owed:
             shortest = min(args[1::4]) / 1_000_000  # window_us of each descriptor
             if now - since < shortest:
-                ready.append((keys, args))
+                ready.append((keys, args, since))
             else:
                 self.dropped += 1
         self._owed.clear()
