@@ -30,11 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -49,8 +45,8 @@ from simulate import reaction_time
 
 from ratelimit_service.cli.client import build_request
 from ratelimit_service.testing import fleet
-from ratelimit_service.testing.fleet import Timeline, drive, redis_server, wait_healthy
-from ratelimit_service.testing.redis import RedisServer, free_port
+from ratelimit_service.testing.fleet import Timeline, drive, redis_server, service_fleet
+from ratelimit_service.testing.redis import RedisServer
 
 DOMAIN = "sem"
 OVER = 2
@@ -85,40 +81,8 @@ def services(
     count: int, config: Path, redis_url: str | None, extra: Sequence[str] = ()
 ) -> Iterator[list[tuple[int, int]]]:
     """``count`` service processes: (grpc port, admin port) each."""
-    started: list[tuple[subprocess.Popen[bytes], int, int]] = []
-    store = ["--redis-url", redis_url] if redis_url else []
-    try:
-        for _ in range(count):
-            grpc_port, admin_port = free_port(), free_port()
-            command = [
-                sys.executable,
-                "-m",
-                "ratelimit_service",
-                "serve",
-                "--config",
-                str(config),
-                "--grpc-addr",
-                f"127.0.0.1:{grpc_port}",
-                "--admin-addr",
-                f"127.0.0.1:{admin_port}",
-                "--log-level",
-                "WARNING",
-                *store,
-                *extra,
-            ]
-            process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            started.append((process, grpc_port, admin_port))
-        for _, _, admin_port in started:
-            wait_healthy(admin_port)
-        yield [(g, a) for _, g, a in started]
-    finally:
-        for process, _, _ in started:
-            process.send_signal(signal.SIGTERM)
-        for process, _, _ in started:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    with service_fleet(count, config, redis_url, ["--log-level", "WARNING", *extra]) as nodes:
+        yield [(node.grpc_port, node.admin_port) for node in nodes]
 
 
 def metric_sum(admin_ports: Sequence[int], name: str) -> float:

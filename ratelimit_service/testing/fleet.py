@@ -70,8 +70,9 @@ class Node:
 
 @contextlib.contextmanager
 def service_fleet(
-    count: int, config: Path, redis_url: str, extra: Sequence[str] = ()
+    count: int, config: Path, redis_url: str | None, extra: Sequence[str] = ()
 ) -> Iterator[list[Node]]:
+    """``count`` service processes on ``redis_url`` (None: the embedded store)."""
     nodes: list[Node] = []
     try:
         for _ in range(count):
@@ -88,8 +89,7 @@ def service_fleet(
                     f"127.0.0.1:{grpc_port}",
                     "--admin-addr",
                     f"127.0.0.1:{admin_port}",
-                    "--redis-url",
-                    redis_url,
+                    *(["--redis-url", redis_url] if redis_url else []),
                     *extra,
                 ],
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
