@@ -1,0 +1,500 @@
+"""Rules by xDS: XdsConfigSource against a real ADS server (grpc.aio on loopback).
+
+The server below is a minimal state-of-the-world ADS server: it holds one current
+response, sends it on every new stream once the client has asked, pushes new ones to
+every open stream, and records every request the client sends (the ACKs and NACKs).
+Configs end in a real RateLimiter on the embedded store, and the tests ask it for
+decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf import any_pb2, struct_pb2
+
+from ratelimit_service.config import rls_conf_pb2 as rls
+from ratelimit_service.config.xds import XdsConfigSource
+from ratelimit_service.config.xds_settings import Backoff, XdsSettings, parse_key_values
+from ratelimit_service.config.xds_yaml import TYPE_URL, to_config_file
+from ratelimit_service.core.config_errors import ConfigLoadError
+from ratelimit_service.core.config_loader import ConfigFile, load_config
+from ratelimit_service.core.config_model import FailureMode, Mode, RateLimitConfig
+from ratelimit_service.core.request import Code, Descriptor, Request
+from ratelimit_service.core.units import Unit
+from ratelimit_service.engine.limiter import RateLimiter
+from ratelimit_service.engine.stats import Stats
+from ratelimit_service.storage.embedded import EmbeddedStore
+from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
+
+FAST = {"backoff_initial": 0.05, "backoff_max": 0.1}
+TIMEOUT = 5.0
+
+
+# -- the ADS server -------------------------------------------------------------------
+
+
+class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    def __init__(self, credentials: grpc.ServerCredentials | None = None) -> None:
+        self.credentials = credentials
+        self.port = 0
+        self.current: Any = None
+        self.requests: asyncio.Queue[Any] = asyncio.Queue()
+        self._outboxes: list[asyncio.Queue[Any]] = []
+        self._nonces = 0
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self, port: int = 0) -> AdsServer:
+        self._server = grpc.aio.server()
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self, self._server)
+        address = f"127.0.0.1:{port}"
+        if self.credentials is None:
+            self.port = self._server.add_insecure_port(address)
+        else:
+            self.port = self._server.add_secure_port(address, self.credentials)
+        assert self.port
+        await self._server.start()
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=None)
+            self._server = None
+
+    def push(self, version: str, resources: Sequence[Any], *, wrap: bool = False) -> str:
+        """Make ``resources`` the state of the world and send it; returns the nonce."""
+        self._nonces += 1
+        nonce = f"nonce-{self._nonces}"
+        response = discovery_pb2.DiscoveryResponse(
+            version_info=version, type_url=TYPE_URL, nonce=nonce
+        )
+        for message in resources:
+            packed = any_pb2.Any()
+            packed.Pack(message)
+            if wrap:
+                wrapper = discovery_pb2.Resource(name=message.name, resource=packed)
+                packed = any_pb2.Any()
+                packed.Pack(wrapper)
+            response.resources.append(packed)
+        self.current = response
+        for outbox in self._outboxes:
+            outbox.put_nowait(response)
+        return nonce
+
+    async def request(self) -> Any:
+        return await asyncio.wait_for(self.requests.get(), TIMEOUT)
+
+    async def StreamAggregatedResources(self, request_iterator: Any, context: Any) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        await self.requests.put(first)
+        outbox: asyncio.Queue[Any] = asyncio.Queue()
+        if self.current is not None:
+            outbox.put_nowait(self.current)
+        self._outboxes.append(outbox)
+
+        async def read_rest() -> None:
+            while (request := await context.read()) is not grpc.aio.EOF:
+                await self.requests.put(request)
+
+        reader = asyncio.create_task(read_rest())
+        try:
+            while True:
+                sending = asyncio.create_task(outbox.get())
+                await asyncio.wait({sending, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if not sending.done():
+                    sending.cancel()
+                    return
+                await context.write(sending.result())
+        finally:
+            reader.cancel()
+            self._outboxes.remove(outbox)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def limit(key: str, per_minute: int, value: str = "", **fields: Any) -> Any:
+    return rls.RateLimitDescriptor(
+        key=key,
+        value=value,
+        rate_limit=rls.RateLimitPolicy(unit=rls.MINUTE, requests_per_unit=per_minute),
+        **fields,
+    )
+
+
+def domain(name: str, *descriptors: Any, resource: str = "") -> Any:
+    return rls.RateLimitConfig(name=resource or name, domain=name, descriptors=descriptors)
+
+
+class Service:
+    """The parts of the service the source talks to: the loader, a limiter, stats."""
+
+    def __init__(self) -> None:
+        self.stats = Stats()
+        self.limiter = RateLimiter(
+            RateLimitConfig(domains={}), EmbeddedStore(), stats=self.stats, default_mode=Mode.EXACT
+        )
+
+    def load(self, files: list[ConfigFile]) -> RateLimitConfig:
+        return load_config(files, default_mode=Mode.EXACT, merge_domains=False)
+
+    def source(self, url: str, **settings: Any) -> XdsConfigSource:
+        xds = XdsSettings(server_url=url, **{"node_id": "test-node", **FAST, **settings})
+        return XdsConfigSource(
+            xds, load=self.load, install=self.limiter.swap_config, stats=self.stats
+        )
+
+    async def codes(self, domain: str, key: str, value: str, times: int) -> list[Code]:
+        out = []
+        for _ in range(times):
+            request = Request(domain, [Descriptor(((key, value),))])
+            out.append((await self.limiter.should_rate_limit(request)).overall)
+        return out
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[AdsServer]:
+    ads = await AdsServer().start()
+    yield ads
+    await ads.stop()
+
+
+@pytest.fixture
+async def running(server: AdsServer) -> AsyncIterator[tuple[Service, XdsConfigSource]]:
+    service = Service()
+    source = service.source(f"127.0.0.1:{server.port}", node_metadata={"zone": "z1"})
+    source.start()
+    yield service, source
+    await source.stop()
+
+
+async def until(condition: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+# -- tests --------------------------------------------------------------------------------
+
+
+async def test_a_pushed_config_is_installed_and_acked_with_its_version_and_nonce(
+    server: AdsServer, running: tuple[Service, XdsConfigSource]
+) -> None:
+    service, source = running
+    hello = await server.request()
+    assert hello.type_url == TYPE_URL
+    assert hello.node.id == "test-node"
+    assert dict(hello.node.metadata) == {"zone": "z1"}
+    assert (hello.version_info, hello.response_nonce, list(hello.resource_names)) == ("", "", [])
+    assert not source.loaded
+
+    nonce = server.push("v1", [domain("edge", limit("path", 2))])
+    ack = await server.request()
+    assert (ack.version_info, ack.response_nonce) == ("v1", nonce)
+    assert not ack.HasField("error_detail")
+    assert await source.wait_first(TIMEOUT)
+    assert source.loaded and source.version == "v1"
+    assert service.stats.config_load_success == 1
+    assert await service.codes("edge", "path", "/a", 3) == [Code.OK, Code.OK, Code.OVER_LIMIT]
+    (rule,) = service.limiter.config.limits()
+    assert (rule.requests_per_unit, rule.unit, rule.mode) == (2, Unit.MINUTE, Mode.EXACT)
+    assert rule.source.startswith("xds:edge:")
+
+
+async def test_each_response_replaces_the_whole_set(
+    server: AdsServer, running: tuple[Service, XdsConfigSource]
+) -> None:
+    service, _ = running
+    await server.request()
+    server.push("v1", [domain("one", limit("k", 1)), domain("two", limit("k", 1))])
+    await server.request()
+    assert sorted(service.limiter.config.domains) == ["one", "two"]
+    assert await service.codes("one", "k", "x", 2) == [Code.OK, Code.OVER_LIMIT]
+
+    nonce = server.push("v2", [domain("two", limit("k", 3))])
+    ack = await server.request()
+    assert (ack.version_info, ack.response_nonce, ack.HasField("error_detail")) == (
+        "v2",
+        nonce,
+        False,
+    )
+    assert sorted(service.limiter.config.domains) == ["two"]
+    assert await service.codes("one", "k", "x", 2) == [Code.OK, Code.OK]  # no rule: no limit
+    assert [lim.requests_per_unit for lim in service.limiter.config.limits()] == [3]
+    assert service.stats.config_load_success == 2
+
+    server.push("v3", [])  # an empty world is a valid one: no rules at all
+    assert (await server.request()).version_info == "v3"
+    assert service.limiter.config.domains == {}
+
+
+async def test_a_config_that_does_not_load_is_nacked_and_the_old_one_kept(
+    server: AdsServer, running: tuple[Service, XdsConfigSource]
+) -> None:
+    service, source = running
+    await server.request()
+    server.push("v1", [domain("edge", limit("path", 2))])
+    await server.request()
+    before = service.limiter.config
+
+    bad = rls.RateLimitDescriptor(
+        key="path",
+        value="/login",
+        rate_limit=rls.RateLimitPolicy(unit=rls.UNKNOWN, requests_per_unit=5),
+    )
+    nested = rls.RateLimitDescriptor(key="user", descriptors=[bad])
+    nonce = server.push("v2", [domain("edge", limit("path", 9)), domain("api", nested)])
+    nack = await server.request()
+    assert (nack.version_info, nack.response_nonce) == ("v1", nonce)
+    assert nack.error_detail.code == 3  # INVALID_ARGUMENT
+    assert nack.error_detail.message == (
+        "xds:api: descriptor user > path=/login: invalid rate limit unit 'UNKNOWN'"
+    )
+    assert service.limiter.config is before
+    assert source.version == "v1"
+    assert (service.stats.config_load_success, service.stats.config_load_error) == (1, 1)
+    assert await service.codes("edge", "path", "/a", 3) == [Code.OK, Code.OK, Code.OVER_LIMIT]
+
+    # Two resources for one domain: the loader's duplicate-domain error, named by resource.
+    nonce = server.push(
+        "v3", [domain("edge", limit("a", 1), resource="r1"), domain("edge", resource="r2")]
+    )
+    nack = await server.request()
+    assert (nack.version_info, nack.response_nonce) == ("v1", nonce)
+    assert nack.error_detail.message.startswith("xds:r2: duplicate domain 'edge'")
+    assert service.stats.config_load_error == 2
+
+    # A later good push is taken again.
+    server.push("v4", [domain("edge", limit("path", 1))])
+    ack = await server.request()
+    assert (ack.version_info, ack.HasField("error_detail")) == ("v4", False)
+    assert await service.codes("edge", "path", "/b", 2) == [Code.OK, Code.OVER_LIMIT]
+
+
+async def test_a_first_config_that_fails_is_nacked_with_an_empty_version(
+    server: AdsServer, running: tuple[Service, XdsConfigSource]
+) -> None:
+    _, source = running
+    await server.request()
+    nonce = server.push("v1", [domain("", limit("k", 1), resource="nameless")])
+    nack = await server.request()
+    assert (nack.version_info, nack.response_nonce) == ("", nonce)
+    assert nack.error_detail.message == "xds:nameless: config file cannot have empty domain"
+    assert not await source.wait_first(0.05)
+    assert not source.loaded
+
+
+async def test_a_server_restarted_on_the_same_port_is_reconnected_to(
+    server: AdsServer,
+    running: tuple[Service, XdsConfigSource],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    service, source = running
+    await server.request()
+    server.push("v1", [domain("edge", limit("path", 1))])
+    await server.request()
+    port = server.port
+
+    with caplog.at_level(logging.DEBUG, logger="ratelimit_service.config.xds"):
+        await server.stop()
+        await asyncio.sleep(0.5)  # several retries at 0.05-0.1 s fail meanwhile
+        assert service.limiter.config.domains.keys() == {"edge"}  # kept through the outage
+        restarted = AdsServer()  # a new server knows nothing of v1
+        await restarted.start(port)
+        try:
+            hello = await restarted.request()
+            # It tells the new server what it holds: the version, and no nonce.
+            assert (hello.version_info, hello.response_nonce) == ("v1", "")
+            assert hello.node.id == "test-node"
+            nonce = restarted.push("v2", [domain("api", limit("user", 2))])
+            ack = await restarted.request()
+            assert (ack.version_info, ack.response_nonce) == ("v2", nonce)
+        finally:
+            await restarted.stop()
+
+    assert source.version == "v2"
+    assert sorted(service.limiter.config.domains) == ["api"]
+    records = [r for r in caplog.records if r.name == "ratelimit_service.config.xds"]
+    warnings = [r for r in records if r.levelno == logging.WARNING]
+    retries = [r for r in records if r.levelno == logging.DEBUG and "retry" in r.getMessage()]
+    back = [r for r in records if r.levelno == logging.INFO and "back after" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "keeping version 'v1'" in warnings[0].getMessage()
+    assert len(retries) >= 2
+    assert len(back) == 1
+
+
+async def test_resources_wrapped_in_discovery_resource_are_unwrapped(
+    server: AdsServer, running: tuple[Service, XdsConfigSource]
+) -> None:
+    service, _ = running
+    await server.request()
+    server.push("v1", [domain("edge", limit("path", 1))], wrap=True)
+    ack = await server.request()
+    assert (ack.version_info, ack.HasField("error_detail")) == ("v1", False)
+    assert await service.codes("edge", "path", "/", 2) == [Code.OK, Code.OVER_LIMIT]
+
+
+async def test_a_resource_of_another_type_is_nacked(
+    server: AdsServer, running: tuple[Service, XdsConfigSource]
+) -> None:
+    _, source = running
+    await server.request()
+    nonce = server.push("v1", [struct_pb2.Struct()])
+    nack = await server.request()
+    assert (nack.version_info, nack.response_nonce) == ("", nonce)
+    assert nack.error_detail.message == (
+        f"resource 0: type type.googleapis.com/google.protobuf.Struct, expected {TYPE_URL}"
+    )
+    assert not source.loaded
+
+
+# -- mTLS ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CertPair]:
+    directory: Path = tmp_path_factory.mktemp("xds-certs")
+    ca = make_ca(directory)
+    return {
+        "ca": ca,
+        "server": make_cert(directory, ca, "server"),
+        "client": make_cert(directory, ca, "client", client=True),
+    }
+
+
+async def test_mtls_a_client_with_a_certificate_gets_rules_one_without_is_refused(
+    certs: dict[str, CertPair],
+) -> None:
+    credentials = grpc.ssl_server_credentials(
+        [(certs["server"].key.read_bytes(), certs["server"].cert.read_bytes())],
+        root_certificates=certs["ca"].cert.read_bytes(),
+        require_client_auth=True,
+    )
+    server = await AdsServer(credentials).start()
+    server.push("v1", [domain("edge", limit("path", 1))])
+    url = f"127.0.0.1:{server.port}"
+    ca = str(certs["ca"].cert)
+    good = Service()
+    refused = {
+        "no client certificate": Service().source(url, use_tls=True, server_ca=ca),
+        "server certificate for another name": Service().source(
+            url,
+            use_tls=True,
+            server_ca=ca,
+            client_cert=str(certs["client"].cert),
+            client_key=str(certs["client"].key),
+            server_san="other.example",
+        ),
+    }
+    source = good.source(
+        url,
+        use_tls=True,
+        server_ca=ca,
+        client_cert=str(certs["client"].cert),
+        client_key=str(certs["client"].key),
+        server_san="localhost",  # the certificate's DNS name, not the address dialled
+    )
+    sources = [source, *refused.values()]
+    for each in sources:
+        each.start()
+    try:
+        assert await source.wait_first(TIMEOUT)
+        assert await good.codes("edge", "path", "/", 2) == [Code.OK, Code.OVER_LIMIT]
+        await asyncio.sleep(0.3)  # the refused ones have retried by now
+        for reason, other in refused.items():
+            assert not other.loaded, reason
+            assert other.last_error and "UNAVAILABLE" in other.last_error, reason
+        # Only the good client ever reached the service: one hello and one ACK.
+        assert server.requests.qsize() == 2
+    finally:
+        for each in sources:
+            await each.stop()
+        await server.stop()
+
+
+# -- the mapping, the settings, the backoff ------------------------------------------------
+
+
+def test_every_proto_field_reaches_the_loaded_rule() -> None:
+    metadata = struct_pb2.Struct()
+    metadata.update({"team": "checkout", "tier": 2})
+    message = domain(
+        "d",
+        rls.RateLimitDescriptor(
+            key="path",
+            value="/api/*",
+            shadow_mode=True,
+            detailed_metric=True,
+            quota_mode=True,
+            metadata=metadata,
+            rate_limit=rls.RateLimitPolicy(
+                unit=rls.WEEK,
+                requests_per_unit=7,
+                name="wide",
+                replaces=[rls.RateLimitReplace(name="narrow")],
+            ),
+            descriptors=[
+                rls.RateLimitDescriptor(key="user", rate_limit=rls.RateLimitPolicy(unlimited=True)),
+                limit("yes", 0, value="no: 'quoted' \"too\""),  # YAML-hostile strings
+            ],
+        ),
+        resource="res",
+    )
+    file = to_config_file(message)
+    assert file.name == "xds:res"
+    config = load_config([file], default_mode=Mode.EXACT)
+    by_key = {lim.stats_key: lim for lim in config.limits()}
+    wide = by_key["d.path_/api/*"]
+    assert (wide.unit, wide.requests_per_unit, wide.name) == (Unit.WEEK, 7, "wide")
+    assert wide.replaces == frozenset({"narrow"})
+    assert (wide.shadow_mode, wide.detailed_metric, wide.quota_mode) == (True, True, True)
+    assert wide.metadata == {"team": "checkout", "tier": 2.0}
+    assert (wide.mode, wide.failure_mode) == (Mode.EXACT, FailureMode.OPEN)
+    assert by_key["d.path_/api/*.user"].unlimited
+    hostile = by_key["d.path_/api/*.yes_no: 'quoted' \"too\""]
+    assert hostile.requests_per_unit == 0
+
+
+def test_an_unknown_unit_number_is_a_loader_error() -> None:
+    message = domain("d", rls.RateLimitDescriptor(
+        key="k", rate_limit=rls.RateLimitPolicy(unit=42, requests_per_unit=1)))  # fmt: skip
+    with pytest.raises(ConfigLoadError, match="invalid rate limit unit '42'"):
+        load_config([to_config_file(message)])
+
+
+def test_settings_are_checked_and_pairs_parsed() -> None:
+    assert XdsSettings().node_id == "default"
+    assert (XdsSettings().backoff_initial, XdsSettings().backoff_max) == (10.0, 60.0)
+    with pytest.raises(ValueError, match="host:port"):
+        XdsSettings(server_url="no-port")
+    with pytest.raises(ValueError, match="go together"):
+        XdsSettings(use_tls=True, client_cert="c.pem")
+    with pytest.raises(ValueError, match="use_tls is false"):
+        XdsSettings(server_ca="ca.pem")
+    assert parse_key_values("a=1, b = two,,") == {"a": "1", "b": "two"}
+    assert parse_key_values("x-token:abc", ":") == {"x-token": "abc"}
+    with pytest.raises(ValueError):
+        parse_key_values("novalue")
+
+
+def test_the_backoff_grows_to_its_maximum_with_jitter_and_resets() -> None:
+    steady = Backoff(10, 60, random_factor=0.5, jitter=False)
+    assert [steady.next() for _ in range(7)] == [10, 15, 22.5, 33.75, 50.625, 60, 60]
+    steady.reset()
+    assert steady.next() == 10
+    low = Backoff(10, 60, random_factor=0.5, draw=lambda: 0.0)
+    high = Backoff(10, 60, random_factor=0.5, draw=lambda: 0.999999)
+    assert low.next() == 5.0
+    assert high.next() == pytest.approx(15.0)
