@@ -48,6 +48,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.port = 0
         self.current: Any = None
         self.requests: asyncio.Queue[Any] = asyncio.Queue()
+        self.headers: list[dict[str, str]] = []  # each stream's metadata
         self._outboxes: list[asyncio.Queue[Any]] = []
         self._nonces = 0
         self._server: grpc.aio.Server | None = None
@@ -93,6 +94,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         return await asyncio.wait_for(self.requests.get(), TIMEOUT)
 
     async def StreamAggregatedResources(self, request_iterator: Any, context: Any) -> None:
+        self.headers.append({m.key: m.value for m in context.invocation_metadata()})
         first = await context.read()
         if first is grpc.aio.EOF:
             return
@@ -172,7 +174,9 @@ async def server() -> AsyncIterator[AdsServer]:
 @pytest.fixture
 async def running(server: AdsServer) -> AsyncIterator[tuple[Service, XdsConfigSource]]:
     service = Service()
-    source = service.source(f"127.0.0.1:{server.port}", node_metadata={"zone": "z1"})
+    source = service.source(
+        f"127.0.0.1:{server.port}", node_metadata={"zone": "z1"}, headers={"X-Token": "t0k"}
+    )
     source.start()
     yield service, source
     await source.stop()
@@ -197,6 +201,7 @@ async def test_a_pushed_config_is_installed_and_acked_with_its_version_and_nonce
     assert hello.node.id == "test-node"
     assert dict(hello.node.metadata) == {"zone": "z1"}
     assert (hello.version_info, hello.response_nonce, list(hello.resource_names)) == ("", "", [])
+    assert server.headers[0]["x-token"] == "t0k"
     assert not source.loaded
 
     nonce = server.push("v1", [domain("edge", limit("path", 2))])
@@ -320,12 +325,13 @@ async def test_a_server_restarted_on_the_same_port_is_reconnected_to(
             nonce = restarted.push("v2", [domain("api", limit("user", 2))])
             ack = await restarted.request()
             assert (ack.version_info, ack.response_nonce) == ("v2", nonce)
+            # Read the log before this server stops too (that would be a new outage).
+            records = [r for r in caplog.records if r.name == "ratelimit_service.config.xds"]
         finally:
             await restarted.stop()
 
     assert source.version == "v2"
     assert sorted(service.limiter.config.domains) == ["api"]
-    records = [r for r in caplog.records if r.name == "ratelimit_service.config.xds"]
     warnings = [r for r in records if r.levelno == logging.WARNING]
     retries = [r for r in records if r.levelno == logging.DEBUG and "retry" in r.getMessage()]
     back = [r for r in records if r.levelno == logging.INFO and "back after" in r.getMessage()]
@@ -358,6 +364,23 @@ async def test_a_resource_of_another_type_is_nacked(
         f"resource 0: type type.googleapis.com/google.protobuf.Struct, expected {TYPE_URL}"
     )
     assert not source.loaded
+
+
+async def test_a_response_over_the_message_size_bound_is_refused_not_loaded(
+    server: AdsServer,
+) -> None:
+    service = Service()
+    source = service.source(f"127.0.0.1:{server.port}", max_message_size=4096)
+    big = [limit(f"key{i:04}", 1, value="v" * 50) for i in range(100)]  # ~7 KB
+    server.push("v1", [domain("edge", *big)])
+    source.start()
+    try:
+        await until(lambda: source.last_error is not None)
+        assert "RESOURCE_EXHAUSTED" in (source.last_error or "")
+        assert not source.loaded
+        assert service.limiter.config.domains == {}
+    finally:
+        await source.stop()
 
 
 # -- mTLS ---------------------------------------------------------------------------------
@@ -412,12 +435,19 @@ async def test_mtls_a_client_with_a_certificate_gets_rules_one_without_is_refuse
     try:
         assert await source.wait_first(TIMEOUT)
         assert await good.codes("edge", "path", "/", 2) == [Code.OK, Code.OVER_LIMIT]
-        await asyncio.sleep(0.3)  # the refused ones have retried by now
         for reason, other in refused.items():
+            await until(lambda other=other: other.last_error is not None)
             assert not other.loaded, reason
             assert other.last_error and "UNAVAILABLE" in other.last_error, reason
-        # Only the good client ever reached the service: one hello and one ACK.
-        assert server.requests.qsize() == 2
+        # Only the good client ever reached the service: one stream, a hello and an ACK.
+        hello, ack = await server.request(), await server.request()
+        assert (hello.version_info, ack.version_info, ack.HasField("error_detail")) == (
+            "",
+            "v1",
+            False,
+        )
+        assert server.requests.empty()
+        assert len(server.headers) == 1
     finally:
         for each in sources:
             await each.stop()

@@ -131,6 +131,8 @@ class XdsConfigSource:
                 reason = "the server ended the stream"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    reason += f" (max_message_size is {self.settings.max_message_size} bytes)"
             except OSError as exc:  # TLS files unreadable
                 reason = f"cannot read TLS files: {exc}"
             except Exception as exc:  # the source must outlive any one failure
@@ -146,9 +148,9 @@ class XdsConfigSource:
         channel = self._channel()
         try:
             stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
-            call = stub.StreamAggregatedResources(
-                metadata=tuple(self.settings.headers.items()) or None
-            )
+            # gRPC wants metadata keys in lower case; HTTP/2 header names are anyway.
+            headers = tuple((k.lower(), v) for k, v in self.settings.headers.items())
+            call = stub.StreamAggregatedResources(metadata=headers or None)
             # After a reconnect the last accepted version tells the server what we
             # hold; the empty nonce says this is not an answer to any response.
             await call.write(self._request(version=self.version, first=True))
@@ -274,7 +276,7 @@ class XdsConfigSource:
             self._outage_retries = 0
             held = f"version {self.version!r}" if self.loaded else "no config yet"
             log.warning(
-                "xDS server %s unavailable (%s); keeping %s, retrying with backoff "
+                "xDS stream to %s down (%s); keeping %s, retrying with backoff "
                 "(first in %.1fs; retries logged at DEBUG)",
                 self.settings.server_url, reason, held, delay,
             )  # fmt: skip
