@@ -723,10 +723,18 @@ def test_dockerfile_ports_entrypoint_and_build_context() -> None:
         if kind == "ENV"
         for item in shlex.split(args)
     )
-    assert exposed == {port_of(env["RATELIMIT_GRPC_ADDR"]), port_of(env["RATELIMIT_ADMIN_ADDR"])}
-    assert env["RATELIMIT_ADMIN_ADDR"].startswith("0.0.0.0:")
+    # No RATELIMIT_* in the image: they would win over the Go settings /bin/ratelimit reads.
+    assert not [name for name in env if name.startswith("RATELIMIT_")]
+    (command,) = [yaml.safe_load(args) for kind, args in instructions if kind == "CMD"]
+    flags = dict(zip(command[1::2], command[2::2], strict=True))
+    assert command[0] == "serve" and flags["--admin-addr"].startswith("0.0.0.0:")
+    # Ours (gRPC, admin) and the Go command's HTTP port, which its probes use.
+    assert exposed == {port_of(flags["--grpc-addr"]), port_of(flags["--admin-addr"]), 8080}
     (entrypoint,) = [args for kind, args in instructions if kind == "ENTRYPOINT"]
-    assert yaml.safe_load(entrypoint) == list(project["scripts"])
+    assert yaml.safe_load(entrypoint) == ["ratelimit-service"]
+    assert project["scripts"]["ratelimit"] == "ratelimit_service.cli.main:go_main"
+    runs = " ".join(args for kind, args in instructions if kind == "RUN")
+    assert 'ln -s "$(command -v ratelimit)" /bin/ratelimit' in runs
     python = {args.split()[0] for kind, args in instructions if kind == "FROM"}
     minimum = project["requires-python"].removeprefix(">=")
     assert python == {f"python:{minimum}-slim"}

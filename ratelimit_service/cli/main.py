@@ -1,24 +1,39 @@
-"""``ratelimit-service`` command line: serve, check-config, client.
+"""``ratelimit-service`` command line: serve, check-config, client, envoy-config.
 
 Every flag can also come from the environment as ``RATELIMIT_<FLAG_NAME>``
 (``--redis-url`` ↔ ``RATELIMIT_REDIS_URL``); a flag given on the command line wins.
+``serve`` also reads envoyproxy/ratelimit's own variables (``REDIS_URL``, ``PORT``, …,
+see cli/go_env.py), below ours: flag, then ``RATELIMIT_*``, then the Go name.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ratelimit_service.cli.go_env import (
+    GoEnvironment,
+    GoSettingError,
+    GoValue,
+    read_go_environment,
+)
+from ratelimit_service.cli.tune import add_tune_parser, cmd_tune
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import check_config
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
 from ratelimit_service.server.logs import DEFAULT_LEVEL, configure_logging
+
+if TYPE_CHECKING:
+    from ratelimit_service.server.app import Settings
+
+log = logging.getLogger("ratelimit_service")
 
 DEFAULT_SYNC_INTERVAL = 0.25
 
@@ -27,8 +42,11 @@ def _env(flag: str, default: Any) -> Any:
     return os.environ.get(_env_name(flag), default)
 
 
-def _env_flag(flag: str) -> bool:
-    return str(_env(flag, "")).lower() in ("1", "true", "yes", "on")
+def _env_flag(flag: str, go: GoValue | None = None) -> bool:
+    value = _env(flag, None)
+    if value is None and go is not None:
+        value = go.value
+    return str(value or "").lower() in ("1", "true", "yes", "on")
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -48,6 +66,13 @@ def _not_negative(text: str) -> float:
     return value
 
 
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
+    return value
+
+
 def _host_port(text: str) -> str:
     """HOST:PORT (the host may be empty: every address; IPv6 in brackets)."""
     host, sep, port = text.rpartition(":")
@@ -58,26 +83,30 @@ def _host_port(text: str) -> str:
     return text
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
-    """Add a flag whose default comes from RATELIMIT_<FLAG>; required flags become optional
-    when the environment supplies them. Values from the environment are checked like
-    values on the command line (argparse does not check defaults). The help text ends
-    with the built-in default and the environment name (and its value, when set)."""
-    env_value = _env(flag, None)
+def _add(
+    parser: argparse.ArgumentParser, flag: str, go: GoEnvironment | None = None, **kwargs: Any
+) -> None:
+    """Add a flag whose default comes from RATELIMIT_<FLAG>, else from the Go service's
+    setting for it (``go``); required flags become optional when the environment
+    supplies them. Values from the environment are checked like values on the command
+    line (argparse does not check defaults). The help text ends with the built-in
+    default and the environment name (and its value, when set)."""
+    go_value = go.get(flag) if go is not None else None
+    env_value, source = _env(flag, None), _env_name(flag)
+    if env_value is None and go_value is not None:
+        env_value, source = go_value.value, go_value.source
     kwargs["help"] = _help_with_sources(flag, kwargs)
     if kwargs.get("action") == "store_true":
-        kwargs["default"] = _env_flag(flag)
+        kwargs["default"] = _env_flag(flag, go_value)
     elif env_value is not None:
         convert = kwargs.get("type", str)
         try:
             value = convert(env_value)
         except (argparse.ArgumentTypeError, ValueError) as exc:
-            parser.error(f"{flag} from {_env_name(flag)}={env_value!r}: {exc}")
+            parser.error(f"{flag} from {source}={env_value!r}: {exc}")
         choices = kwargs.get("choices")
         if choices is not None and value not in choices:
-            parser.error(
-                f"{flag} from {_env_name(flag)}={env_value!r}: choose from {', '.join(choices)}"
-            )
+            parser.error(f"{flag} from {source}={env_value!r}: choose from {', '.join(choices)}")
         kwargs["default"] = value
         kwargs.pop("required", None)
     parser.add_argument(flag, **kwargs)
@@ -106,157 +135,147 @@ def _env_name(flag: str) -> str:
     return "RATELIMIT_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
+    """``go``: envoyproxy/ratelimit's settings, read from the environment for ``serve``."""
     parser = argparse.ArgumentParser(
         prog="ratelimit-service", description="Envoy external rate-limit service"
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the service")
-    _add(serve, "--config", required=True, help="rule file, or directory of *.yaml/*.yml")
-    _add(serve, "--grpc-addr", default="0.0.0.0:8081", help="gRPC listen address")
-    _add(serve, "--admin-addr", default="127.0.0.1:6070", help="admin HTTP listen address")
-    _add(
-        serve,
+
+    def add(flag: str, **kwargs: Any) -> None:
+        _add(serve, flag, go, **kwargs)
+
+    add("--config", required=True, help="rule file, or directory of *.yaml/*.yml")
+    add("--grpc-addr", default="0.0.0.0:8081", help="gRPC listen address")
+    add(
+        "--admin-addr",
+        default=None if go is not None and go.go_mode else "127.0.0.1:6070",
+        help="admin HTTP listen address: /healthcheck, /metrics, /rlconfig (off by default"
+        " when started from envoyproxy/ratelimit's settings: the debug port serves them)",
+    )
+    add(
         "--mode",
         default="probabilistic",
         choices=[m.value for m in Mode],
         help="mode of rules that declare none",
     )
-    _add(
-        serve,
+    add(
         "--sync-interval",
         type=_positive(float),
         default=DEFAULT_SYNC_INTERVAL,
         help="seconds between probabilistic syncs",
     )
-    _add(serve, "--redis-url", default=None, help="Redis URL; without it, the embedded store")
-    _add(
-        serve,
+    add("--redis-url", default=None, help="Redis URL; without it, the embedded store")
+    add(
         "--redis-timeout",
         type=_positive(float),
         default=0.010,
         help="seconds an exact decision may wait for Redis before its failure_mode applies",
     )
-    _add(
-        serve,
+    add(
         "--exact-batch-hold",
         type=_not_negative,
         default=0.001,
         help="while the event loop is saturated, seconds exact decisions wait to share one"
         " Redis call (0: never wait; at most a quarter of --redis-timeout)",
     )
-    _add(
-        serve,
+    add(
         "--exact-max-pending",
         type=_positive(int),
         default=2048,
         help="exact requests that may wait for Redis at once; one more is refused"
         " (gRPC RESOURCE_EXHAUSTED, or denied by failure_mode: closed rules)",
     )
-    _add(
-        serve,
+    add(
         "--stale-after",
         type=_positive(float),
         default=3.0,
         help="seconds without a successful sync before probabilistic rules use failure_mode",
     )
-    _add(
-        serve,
+    add(
         "--log-level",
         default=DEFAULT_LEVEL,
         type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="log level",
     )
-    _add(
-        serve,
+    add(
         "--max-buckets",
         type=_positive(int),
         default=100_000,
         help="bound on per-descriptor-value state (LRU beyond it)",
     )
-    _add(
-        serve,
+    add(
         "--max-stats-keys",
         type=_positive(int),
         default=10_000,
         help="bound on distinct per-rule stats keys",
     )
-    _add(
-        serve,
+    add(
         "--merge-domain-config",
         action="store_true",
         help="merge files with the same domain instead of rejecting them",
     )
-    _add(
-        serve,
+    add(
         "--shadow-mode",
         action="store_true",
         help="global shadow mode: report OVER_LIMIT per descriptor, never deny",
     )
-    _add(
-        serve,
+    add(
         "--max-descriptors",
         type=_positive(int),
         default=64,
         help="most descriptors one request may carry (more: INVALID_ARGUMENT)",
     )
-    _add(
-        serve,
+    add(
         "--max-entries",
         type=_positive(int),
         default=32,
         help="most entries one descriptor may carry (more: INVALID_ARGUMENT)",
     )
-    _add(
-        serve,
+    add(
         "--max-request-bytes",
         type=_positive(int),
         default=1 << 20,
         help="largest request accepted (gRPC answers RESOURCE_EXHAUSTED beyond)",
     )
-    _add(
-        serve,
+    add(
         "--response-headers",
         default="off",
         choices=[s.value for s in HeaderStyle],
         help="add rate-limit headers to responses: RateLimit-* or draft-03 X-RateLimit-*",
     )
-    _add(serve, "--header-limit", default="RateLimit-Limit", help="name of the limit header")
-    _add(
-        serve,
+    add("--header-limit", default="RateLimit-Limit", help="name of the limit header")
+    add(
         "--header-remaining",
         default="RateLimit-Remaining",
         help="name of the remaining header",
     )
-    _add(serve, "--header-reset", default="RateLimit-Reset", help="name of the reset header")
-    _add(
-        serve,
+    add("--header-reset", default="RateLimit-Reset", help="name of the reset header")
+    add(
         "--event-loop",
         default="auto",
         choices=["auto", "asyncio", "uvloop"],
         help="event loop: uvloop when installed (auto), or asyncio's own",
     )
-    _add(serve, "--log-format", default="text", choices=["text", "json"], help="log format")
-    _add(serve, "--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS")
-    _add(serve, "--tls-key", default=None, help="PEM private key of --tls-cert")
-    _add(
-        serve,
+    add("--log-format", default="text", choices=["text", "json"], help="log format")
+    add("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS")
+    add("--tls-key", default=None, help="PEM private key of --tls-cert")
+    add(
         "--tls-client-ca",
         default=None,
         help="PEM CA bundle: require client certificates signed by it (mTLS)",
     )
-    _add(
-        serve,
+    add(
         "--workers",
         type=_positive(int),
         default=1,
         help="worker processes on one gRPC port (SO_REUSEPORT); more than 1 needs Redis",
     )
     serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
-    _add(
-        serve,
+    add(
         "--drain-timeout",
         type=_not_negative,
         default=15.0,
@@ -264,49 +283,91 @@ def build_parser() -> argparse.ArgumentParser:
         " NOT_SERVING, so a health-checking Envoy moves away first (0: stop at once;"
         " SIGINT always stops at once)",
     )
-    _add(
-        serve,
+    add(
         "--drain-quiet",
         type=_positive(float),
         default=1.0,
         help="draining ends once no call came for this many seconds",
     )
-    _add(
-        serve,
+    add(
         "--http-addr",
         type=_host_port,
         default=None,
         help="envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (off unless given)",
     )
-    _add(
-        serve,
+    add(
         "--debug-addr",
         type=_host_port,
         default=None,
         help="envoyproxy/ratelimit's debug port: /rlconfig and /metrics (off unless given)",
     )
-    _add(
-        serve,
+    add(
         "--statsd-addr",
         type=_host_port,
         default=None,
         help="HOST:PORT of a statsd agent: envoyproxy/ratelimit's stats over UDP"
         " (off unless given)",
     )
-    _add(
-        serve,
+    add(
         "--statsd-flush-interval",
         type=_positive(float),
         default=10.0,
         help="seconds between two statsd flushes",
     )
-    _add(
-        serve,
+    add(
         "--watch-interval",
         type=float,
         default=1.0,
         help="seconds between checks of the config files for changes (0: never; SIGHUP "
         "always reloads)",
+    )
+    add(
+        "--force-start-without-initial-config",
+        action="store_true",
+        help="start (and keep watching) even when the rules do not load at start; until"
+        " they do, no domain is known",
+    )
+    add(
+        "--healthy-with-at-least-one-config-loaded",
+        action="store_true",
+        help="health checks fail until rules with at least one domain are loaded",
+    )
+    add(
+        "--near-limit-ratio",
+        type=_ratio,
+        default=0.8,
+        help="share of a limit past which admitted hits count as near_limit",
+    )
+    add(
+        "--redis-pool-size",
+        type=_positive(int),
+        default=64,
+        help="most connections to Redis (the request path adds one of its own)",
+    )
+    add(
+        "--redis-key-prefix",
+        default="rl:",
+        help="prefix of every key this service writes to Redis",
+    )
+    add(
+        "--prometheus-addr",
+        type=_host_port,
+        default=None,
+        help="HOST:PORT of a listener serving only the metrics (off unless given)",
+    )
+    add("--prometheus-path", default="/metrics", help="path of the metrics there")
+    add(
+        "--grpc-max-connection-age",
+        type=_positive(float),
+        default=None,
+        help="seconds after which a gRPC connection is asked to go away (spreads clients"
+        " over new replicas; off unless given)",
+    )
+    add(
+        "--grpc-max-connection-age-grace",
+        type=_not_negative,
+        default=None,
+        help="seconds calls may take to finish on a connection asked to go away",
     )
 
     check = commands.add_parser("check-config", help="validate rule files")
@@ -371,23 +432,47 @@ def build_parser() -> argparse.ArgumentParser:
     _add(client, "--tls-ca", default=None, help="PEM CA bundle: connect over TLS")
     _add(client, "--tls-cert", default=None, help="PEM client certificate (mTLS)")
     _add(client, "--tls-key", default=None, help="PEM key of --tls-cert")
+    add_tune_parser(commands)
     return parser
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ratelimit_service.server.app import RateLimitService, Settings, load_rules
+    from ratelimit_service.server.app import RateLimitService
 
     configure_logging(str(args.log_level), str(args.log_format))
+    for warning in args.go.warnings if args.go is not None else ():
+        log.warning("%s", warning)
     if int(args.workers) > 1:
-        return _serve_workers(args, load_rules)
-    settings = Settings(
+        return _serve_workers(args)
+    try:
+        service = RateLimitService(settings_from(args))
+    except ConfigLoadError as exc:
+        for error in exc.errors:
+            print(error, file=sys.stderr)
+        _hint_config_source(args)
+        return 1
+    try:
+        run_loop(service.run_until_signal(), str(args.event_loop))
+    except OSError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The service's Settings from the parsed ``serve`` flags."""
+    from ratelimit_service.server.app import Settings
+
+    return Settings(
         config_path=args.config,
         grpc_addr=args.grpc_addr,
-        admin_addr=args.admin_addr,
+        admin_addr=args.admin_addr or None,
         mode=Mode(args.mode),
         sync_interval=float(args.sync_interval),
         redis_url=args.redis_url or None,
         redis_timeout=float(args.redis_timeout),
+        redis_pool_size=int(args.redis_pool_size),
+        redis_key_prefix=str(args.redis_key_prefix),
         exact_batch_hold=float(args.exact_batch_hold),
         exact_max_pending=int(args.exact_max_pending),
         stale_after=float(args.stale_after),
@@ -395,7 +480,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_stats_keys=int(args.max_stats_keys),
         merge_domain_config=bool(args.merge_domain_config),
         shadow_mode=bool(args.shadow_mode),
+        near_limit_ratio=float(args.near_limit_ratio),
         watch_interval=float(args.watch_interval),
+        force_start_without_initial_config=bool(args.force_start_without_initial_config),
+        healthy_with_at_least_one_config_loaded=bool(
+            args.healthy_with_at_least_one_config_loaded
+        ),
         drain_timeout=float(args.drain_timeout),
         drain_quiet=float(args.drain_quiet),
         max_descriptors=int(args.max_descriptors),
@@ -408,28 +498,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        grpc_max_connection_age=args.grpc_max_connection_age,
+        grpc_max_connection_age_grace=args.grpc_max_connection_age_grace,
         http_addr=args.http_addr or None,
         debug_addr=args.debug_addr or None,
         statsd_addr=args.statsd_addr or None,
         statsd_flush_interval=float(args.statsd_flush_interval),
+        prometheus_addr=args.prometheus_addr or None,
+        prometheus_path=str(args.prometheus_path),
     )
-    try:
-        service = RateLimitService(settings)
-    except ConfigLoadError as exc:
-        for error in exc.errors:
-            print(error, file=sys.stderr)
-        return 1
-    try:
-        run_loop(service.run_until_signal(), str(args.event_loop))
-    except OSError as exc:
-        print(f"serve: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
-def _serve_workers(args: argparse.Namespace, load_rules: Any) -> int:
+def _hint_config_source(args: argparse.Namespace) -> None:
+    """Rules that did not load came from the Go settings' path: say where that came from."""
+    go_value = args.go.get("--config") if args.go is not None else None
+    if go_value is not None and go_value.value == args.config:
+        print(
+            f"serve: rules read from {args.config} ({go_value.source});"
+            " give --config or RATELIMIT_CONFIG to read them elsewhere",
+            file=sys.stderr,
+        )
+
+
+def _serve_workers(args: argparse.Namespace) -> int:
     """Check what can be checked once, then hand over to the supervisor."""
-    from ratelimit_service.server.app import Settings
+    from ratelimit_service.server.app import load_rules
     from ratelimit_service.server.supervisor import Supervisor
 
     if not args.redis_url:
@@ -447,7 +540,7 @@ def _serve_workers(args: argparse.Namespace, load_rules: Any) -> int:
         )
         return 2
     try:
-        load_rules(Settings(config_path=args.config, merge_domain_config=args.merge_domain_config))
+        load_rules(settings_from(args))
     except ConfigLoadError as exc:
         for error in exc.errors:
             print(error, file=sys.stderr)
@@ -551,15 +644,24 @@ def cmd_client(args: argparse.Namespace) -> int:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, go_mode: bool = False) -> int:
+    """``go_mode``: the Go service's defaults apply (see cli/go_env.py); also on for
+    ``serve`` given no ``--config`` and no ``RATELIMIT_CONFIG``."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(arguments)
+    try:
+        go = _go_environment(arguments, go_mode)
+    except GoSettingError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
+    args = build_parser(go).parse_args(arguments)
     args.argv = arguments
+    args.go = go
     handlers = {
         "serve": cmd_serve,
         "check-config": cmd_check_config,
         "client": cmd_client,
         "envoy-config": cmd_envoy_config,
+        "tune": cmd_tune,
     }
     stdout = sys.stdout
     sys.stdout = _ClosedPipeTolerant(stdout)
@@ -569,6 +671,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sys.stdout = stdout
     return code
+
+
+def go_main(argv: Sequence[str] | None = None) -> int:
+    """``ratelimit`` (the image's ``/bin/ratelimit``): envoyproxy/ratelimit's command,
+    configured by its environment alone, as Envoy Gateway runs it."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    return main(["serve", *arguments], go_mode=True)
+
+
+def _go_environment(arguments: list[str], go_mode: bool) -> GoEnvironment | None:
+    """The Go settings for ``serve`` (None for the other commands, which ignore them)."""
+    command = next((a for a in arguments if not a.startswith("-")), None)
+    if command != "serve":
+        return None
+    given = any(a == "--config" or a.startswith("--config=") for a in arguments)
+    go_mode = go_mode or not (given or "RATELIMIT_CONFIG" in os.environ)
+    return read_go_environment(os.environ, go_mode=go_mode)
 
 
 class _ClosedPipeTolerant:

@@ -35,11 +35,11 @@ def drop_replaced(limits: list[RateLimit | None]) -> None:
             limits[index] = None
 
 
-def near_threshold(limit: int) -> int:
-    """Hits in the window past which admitted hits count as near the limit (80 %, as
-    envoyproxy/ratelimit counts them; denied hits are all over the limit, since they
-    do not consume the window)."""
-    return int(limit * NEAR_LIMIT_RATIO)
+def near_threshold(limit: int, ratio: float = NEAR_LIMIT_RATIO) -> int:
+    """Hits in the window past which admitted hits count as near the limit (80 % by
+    default, as envoyproxy/ratelimit counts them, and its NEAR_LIMIT_RATIO otherwise;
+    denied hits are all over the limit, since they do not consume the window)."""
+    return int(limit * ratio)
 
 
 def near_hits(threshold: int, before: int, hits: int) -> int:

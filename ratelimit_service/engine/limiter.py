@@ -20,6 +20,7 @@ from ratelimit_service.core.config_model import (
     RateLimitConfig,
 )
 from ratelimit_service.core.decision import (
+    NEAR_LIMIT_RATIO,
     drop_replaced,
     hits_for,
     near_hits,
@@ -90,7 +91,9 @@ class _Step:
         "window_seconds",
     )
 
-    def __init__(self, index: int, limit: RateLimit, match: Match, hits: int) -> None:
+    def __init__(
+        self, index: int, limit: RateLimit, match: Match, hits: int, near_ratio: float
+    ) -> None:
         self.index = index
         self.limit = limit
         self.hits = hits
@@ -104,7 +107,7 @@ class _Step:
         self.requests_per_unit = limit.requests_per_unit
         self.window_seconds = limit.window_seconds
         self.burst = limit.burst
-        self.near = near_threshold(limit.requests_per_unit)
+        self.near = near_threshold(limit.requests_per_unit, near_ratio)
         self.rule_stats: RuleStats | None = None
         """The rule's counters, once they are known to be its own (not _overflow)."""
 
@@ -147,6 +150,7 @@ class RateLimiter:
         bounds: RequestBounds | None = None,
         default_mode: Mode = Mode.PROBABILISTIC,
         global_shadow: bool = False,
+        near_ratio: float = NEAR_LIMIT_RATIO,
         clock: Callable[[], float] = time.time,
         draw: Callable[[], float] | None = None,
     ) -> None:
@@ -155,6 +159,8 @@ class RateLimiter:
         scatters far less than random numbers; tests inject fixed values."""
         self.config = config
         self.store = store
+        self.near_ratio = near_ratio
+        """Share of a limit past which admitted hits count as near_limit."""
         self.stats = stats if stats is not None else Stats()
         self.local = local if local is not None else LocalBuckets()
         self.bounds = bounds if bounds is not None else RequestBounds()
@@ -294,7 +300,7 @@ class RateLimiter:
                     unlimited.append(index)
                     continue
                 hits = hits_for(descriptor, request.hits_addend)
-                steps.append(_Step(index, limit, match, hits))
+                steps.append(_Step(index, limit, match, hits, self.near_ratio))
         exact = tuple(step for step in steps if step.exact)
         local = tuple(step for step in steps if not step.exact)
         exact_hits = tuple(_exact_hits(exact, quota_met=False))

@@ -19,6 +19,7 @@ from prometheus_client.core import Metric
 
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.config.watcher import ConfigWatcher
+from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.core.config_model import Mode, RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
@@ -55,11 +56,15 @@ HEALTH_NAMES = ("", RLS_SERVICE, RLQS_SERVICE, "ratelimit")
 class Settings:
     config_path: str
     grpc_addr: str = "0.0.0.0:8081"
-    admin_addr: str = "127.0.0.1:6070"
+    admin_addr: str | None = "127.0.0.1:6070"
+    """Our admin listener: /healthcheck, /metrics, /rlconfig (None: off)."""
     mode: Mode = Mode.PROBABILISTIC
     sync_interval: float = 0.25
     redis_url: str | None = None
     redis_timeout: float = 0.010
+    redis_pool_size: int = 64
+    redis_key_prefix: str = "rl:"
+    """Every key this service writes to Redis starts with it (CACHE_KEY_PREFIX)."""
     exact_batch_hold: float = 0.001
     """While the event loop is saturated, exact Redis calls wait this long to batch."""
     exact_max_pending: int = 2048
@@ -69,6 +74,12 @@ class Settings:
     max_stats_keys: int = 10_000
     merge_domain_config: bool = False
     shadow_mode: bool = False
+    near_limit_ratio: float = 0.8
+    force_start_without_initial_config: bool = False
+    """Rules that do not load at start: serve with no domain and keep watching, instead
+    of refusing to start."""
+    healthy_with_at_least_one_config_loaded: bool = False
+    """Health fails until rules with a domain are loaded."""
     shutdown_grace: float = 5.0
     drain_timeout: float = 0.0
     """On SIGTERM, keep answering for up to this many seconds while health reports
@@ -85,6 +96,7 @@ class Settings:
     header_names: HeaderNames = field(default_factory=HeaderNames)
     log_format: str = "text"
     watch_interval: float = 1.0
+    """Seconds between looks at the config files for a change (0: no watching)."""
     reuse_port: bool = False
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -99,7 +111,12 @@ class Settings:
     """HOST:PORT of a statsd agent: the Go service's stat names over UDP (None: off)."""
     statsd_flush_interval: float = 10.0
     """Seconds between two statsd flushes (the Go service's STATS_FLUSH_INTERVAL)."""
-    """Seconds between looks at the config files for a change (0: no watching)."""
+    prometheus_addr: str | None = None
+    """A listener serving only the metrics, at ``prometheus_path`` (USE_PROMETHEUS)."""
+    prometheus_path: str = "/metrics"
+    grpc_max_connection_age: float | None = None
+    grpc_max_connection_age_grace: float | None = None
+    """gRPC connections asked to go away after this long, and the calls' grace then."""
 
 
 def load_rules(settings: Settings) -> RateLimitConfig:
@@ -119,6 +136,8 @@ def make_store(settings: Settings) -> Store:
             batch_hold=settings.exact_batch_hold,
             max_pending=settings.exact_max_pending,
             node_ttl=max(2.0, 5 * settings.sync_interval),
+            max_connections=settings.redis_pool_size,
+            prefix=settings.redis_key_prefix,
         )
     return EmbeddedStore(max_keys=settings.max_buckets)
 
@@ -129,8 +148,7 @@ class RateLimitService:
     def __init__(self, settings: Settings, store: Store | None = None) -> None:
         self.settings = settings
         self.stats = Stats(max_keys=settings.max_stats_keys)
-        config = load_rules(settings)
-        self.stats.config_load_success += 1
+        config = self._initial_rules()
         self.store = store if store is not None else make_store(settings)
         self.local = LocalBuckets(
             max_buckets=settings.max_buckets,
@@ -147,13 +165,14 @@ class RateLimitService:
             ),
             default_mode=settings.mode,
             global_shadow=settings.shadow_mode,
+            near_ratio=settings.near_limit_ratio,
         )
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
         self.quota = QuotaCoordinator(lambda: self.limiter.config, self.stats, self.store)
         self.watcher = ConfigWatcher(
             settings.config_path,
             load=lambda: load_rules(settings),
-            install=self.limiter.swap_config,
+            install=self.install_rules,
             stats=self.stats,
             interval=settings.watch_interval or 1.0,
         )
@@ -174,6 +193,9 @@ class RateLimitService:
         # envoyproxy/ratelimit's own ports and its statsd stats, when asked for.
         self.http: HttpServer | None = None
         self.debug: AdminServer | None = None
+        self.prometheus: AdminServer | None = None
+        if settings.prometheus_addr:
+            self.prometheus = AdminServer({settings.prometheus_path: self._metrics_page})
         if settings.debug_addr:
             self.debug = AdminServer(
                 {
@@ -194,6 +216,7 @@ class RateLimitService:
         self.servicer: RateLimitServicer | None = None
         self.tls: CertificateReloader | None = None
         self._serving = False
+        self._health_updates: set[asyncio.Task[None]] = set()
         self.grpc_port = 0
 
     # -- lifecycle -----------------------------------------------------------------
@@ -201,12 +224,7 @@ class RateLimitService:
     async def start(self) -> None:
         # Port sharing only for --workers; otherwise a second server on the port must fail.
         reuse = 1 if self.settings.reuse_port else 0
-        server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", reuse),
-                ("grpc.max_receive_message_length", self.settings.max_request_bytes),
-            ]
-        )
+        server = grpc.aio.server(options=self._grpc_options(reuse))
         servicer = self.servicer = RateLimitServicer(
             self.limiter, self.settings.response_headers, self.settings.header_names
         )
@@ -224,17 +242,11 @@ class RateLimitService:
             raise OSError(f"cannot listen on {self.settings.grpc_addr} (gRPC)")
         await server.start()
         self._server = server
-        host, port = _split_addr(self.settings.admin_addr)
         try:
-            await self.admin.start(host, port)
-        except OSError as exc:
-            await server.stop(0)
-            self._server = None
-            raise OSError(f"cannot listen on {self.settings.admin_addr} (admin): {exc}") from exc
-        try:
+            await self._start_admin()
             await self._start_go_ports(servicer)
         except OSError:
-            await self.admin.stop()
+            await self._stop_listeners()
             await server.stop(0)
             self._server = None
             raise
@@ -248,41 +260,77 @@ class RateLimitService:
             self.watcher.start()
         if self.statsd is not None:
             self.statsd.start()
-        for name in HEALTH_NAMES:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
+        await self._publish_health()
         log.info(
-            "serving RLS on port %d, admin on %s:%d, store=%s, default mode=%s, domains=%s",
+            "serving RLS and RLQS on port %d, admin on %s, store=%s, default mode=%s,"
+            " domains=%s",
             self.grpc_port,
-            host,
-            self.admin.port,
+            f"{self.settings.admin_addr} (port {self.admin.port})"
+            if self.settings.admin_addr
+            else "(off)",
             self.store.name,
             self.settings.mode.value,
             ",".join(sorted(self.limiter.config.domains)) or "(none)",
         )
+
+    def _grpc_options(self, reuse: int) -> list[tuple[str, int]]:
+        settings = self.settings
+        options = [
+            ("grpc.so_reuseport", reuse),
+            ("grpc.max_receive_message_length", settings.max_request_bytes),
+        ]
+        if settings.grpc_max_connection_age is not None:
+            options.append(
+                ("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age * 1000))
+            )
+        if settings.grpc_max_connection_age_grace is not None:
+            grace = int(settings.grpc_max_connection_age_grace * 1000)
+            options.append(("grpc.max_connection_age_grace_ms", grace))
+        return options
+
+    async def _start_admin(self) -> None:
+        """Our admin listener and the metrics-only one, those that are asked for."""
+        for server, addr, role in (
+            (self.admin, self.settings.admin_addr, "admin"),
+            (self.prometheus, self.settings.prometheus_addr, "prometheus"),
+        ):
+            if server is None or not addr:
+                continue
+            host, port = _split_addr(addr)
+            try:
+                await server.start(host, port)
+            except OSError as exc:
+                raise OSError(f"cannot listen on {addr} ({role}): {exc}") from exc
 
     async def _start_go_ports(self, servicer: RateLimitServicer) -> None:
         """The Go service's HTTP and debug listeners, those that are asked for."""
         settings = self.settings
         if settings.http_addr:
             endpoints = GoEndpoints(servicer, self.healthy)
-            self.http = HttpServer(endpoints.routes(), max_body=settings.max_request_bytes)
+            http = HttpServer(endpoints.routes(), max_body=settings.max_request_bytes)
             host, port = _split_addr(settings.http_addr)
             try:
-                await self.http.start(host, port, reuse_port=settings.reuse_port)
+                await http.start(host, port, reuse_port=settings.reuse_port)
             except OSError as exc:
-                self.http = None
                 raise OSError(f"cannot listen on {settings.http_addr} (http): {exc}") from exc
-            log.info("serving /healthcheck and /json on %s:%d", host, self.http.port)
+            self.http = http
+            log.info("serving /healthcheck and /json on %s:%d", host, http.port)
         if self.debug is not None and settings.debug_addr:
             host, port = _split_addr(settings.debug_addr)
             try:
                 await self.debug.start(host, port)
             except OSError as exc:
-                if self.http is not None:
-                    await self.http.stop()
                 raise OSError(f"cannot listen on {settings.debug_addr} (debug): {exc}") from exc
             log.info("serving /rlconfig and /metrics on %s:%d", host, self.debug.port)
+
+    async def _stop_listeners(self) -> None:
+        """Every HTTP listener that was started (each stop is safe on one that was not)."""
+        for server in (self.admin, self.prometheus, self.debug):
+            if server is not None:
+                await server.stop()
+        if self.http is not None:
+            await self.http.stop()
 
     def _bind(self, server: grpc.aio.Server) -> int:
         settings = self.settings
@@ -307,11 +355,7 @@ class RateLimitService:
         if self._loop_load_task is not None:
             await self._loop_load_task.stop()
         await self.watcher.stop()
-        await self.admin.stop()
-        if self.http is not None:
-            await self.http.stop()
-        if self.debug is not None:
-            await self.debug.stop()
+        await self._stop_listeners()
         if self.statsd is not None:
             await self.statsd.stop()  # the last counts go out too
         await self.store.close()
@@ -375,7 +419,40 @@ class RateLimitService:
         """Serving calls. A store outage does not make the service unhealthy: every rule
         still answers (by its failure_mode), and taking all replicas out of rotation at
         once would only move the decision to Envoy's own failure mode."""
+        if self.settings.healthy_with_at_least_one_config_loaded:
+            return self._serving and bool(self.limiter.config.domains)
         return self._serving
+
+    async def _publish_health(self) -> None:
+        """gRPC health follows healthy(): every service name, SERVING or NOT_SERVING."""
+        status = health_pb2.HealthCheckResponse
+        state = status.SERVING if self.healthy() else status.NOT_SERVING
+        for name in HEALTH_NAMES:
+            await self.health.set(name, state)
+
+    def _initial_rules(self) -> RateLimitConfig:
+        """The rules at start; with force_start_without_initial_config, rules that do
+        not load are logged and the service starts with none (the watcher keeps looking)."""
+        try:
+            config = load_rules(self.settings)
+        except ConfigLoadError as exc:
+            if not self.settings.force_start_without_initial_config:
+                raise
+            self.stats.config_load_error += 1
+            for error in exc.errors:
+                log.error("config not loaded, starting without it: %s", error)
+            return load_config([])
+        self.stats.config_load_success += 1
+        return config
+
+    def install_rules(self, config: RateLimitConfig) -> None:
+        """A config source's new rules: swapped in, and health follows when it depends
+        on them (healthy_with_at_least_one_config_loaded)."""
+        self.limiter.swap_config(config)
+        if self._serving and self.settings.healthy_with_at_least_one_config_loaded:
+            task = asyncio.get_running_loop().create_task(self._publish_health())
+            self._health_updates.add(task)  # held until done: the loop keeps weak refs
+            task.add_done_callback(self._health_updates.discard)
 
     def _healthcheck_page(self) -> tuple[int, str, bytes]:
         store = "healthy" if self.store.healthy() else "unavailable (rules use failure_mode)"

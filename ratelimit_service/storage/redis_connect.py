@@ -1,9 +1,9 @@
 """Turn ``--redis-url`` into a redis-py asyncio client: single node, Sentinel or Cluster.
 
 - ``redis://[user:pass@]host:port/db`` and ``rediss://...`` (TLS): one server.
-- ``redis+sentinel://[user:pass@]s1:26379,s2:26379/<master-name>[/db]``: the master
-  that the Sentinels name; the client follows failovers. The credentials are the
-  master's.
+- ``redis+sentinel://[user:pass@]s1:26379,s2:26379/<master-name>[/db][?sentinel_password=P]``:
+  the master that the Sentinels name; the client follows failovers. The credentials are
+  the master's; ``sentinel_password`` is the Sentinels' own (REDIS_SENTINEL_AUTH).
 - ``redis+cluster://[user:pass@]n1:7000,n2:7001``: a Redis Cluster, discovered from
   the given seed nodes.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -33,6 +33,7 @@ class Target:
     db: int = 0
     username: str | None = None
     password: str | None = None
+    sentinel_password: str | None = None
 
 
 def parse_target(url: str) -> Target:
@@ -51,7 +52,8 @@ def parse_target(url: str) -> Target:
     if not path:
         raise ValueError(f"{url}: the master name is missing (redis+sentinel://hosts/master)")
     db = int(path[1]) if len(path) > 1 else 0
-    return Target("sentinel", hosts, path[0], db, username, password)
+    sentinel_password = parse_qs(parsed.query).get("sentinel_password", [None])[0]
+    return Target("sentinel", hosts, unquote(path[0]), db, username, password, sentinel_password)
 
 
 def _host(text: str) -> tuple[str, int]:
@@ -82,8 +84,11 @@ def connect(
         )
         return client, True
     if target.kind == "sentinel":
+        sentinel_kwargs = dict(common)
+        if target.sentinel_password:
+            sentinel_kwargs["password"] = target.sentinel_password
         sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            list(target.hosts), sentinel_kwargs=dict(common), **common
+            list(target.hosts), sentinel_kwargs=sentinel_kwargs, **common
         )
         client = sentinel.master_for(
             target.master,

@@ -1,0 +1,484 @@
+"""envoyproxy/ratelimit's environment settings, read under their own names.
+
+A deployment of the Go service (its container spec, Envoy Gateway's ``rateLimitDeployment``,
+a Helm chart) configures it entirely through environment variables such as ``REDIS_URL``,
+``PORT`` or ``RUNTIME_ROOT``. This module turns those into values for our own ``serve``
+flags, so the same environment runs this service unchanged. A value found here is the
+weakest source: a flag on the command line wins, then our ``RATELIMIT_<FLAG>`` variable,
+then the Go name (see ``cli.main._add``).
+
+Each Go setting is one of three kinds (docs/settings.md has the table):
+
+- *supported*: mapped onto a flag with the Go semantics (``PORT`` → ``--http-addr``);
+- *accepted*: set or not, it changes nothing here; when it is set to something other
+  than what we do anyway, a startup warning says so;
+- *refused*: a value we cannot honour without changing what the service guarantees
+  (``BACKEND_TYPE=memcache``) stops the start, with the reason.
+
+A value that does not parse (a port that is not a number, an unknown log level) raises
+:class:`GoSettingError`, which the command line prints as one line and exits with 2.
+
+*Go mode* (``/bin/ratelimit``, or ``serve`` given no ``--config`` and no
+``RATELIMIT_CONFIG``) applies the Go service's defaults where ours differ: rules from
+``RUNTIME_ROOT``/``RUNTIME_SUBDIRECTORY``/``RUNTIME_APPDIRECTORY``, ``/healthcheck`` and
+``/json`` on port 8080, the debug port on 6070 (our admin listener is then off unless
+``--admin-addr`` or ``RATELIMIT_ADMIN_ADDR`` asks for it), statsd on.
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+GO_LOG_LEVELS = {
+    "trace": "DEBUG",
+    "debug": "DEBUG",
+    "info": "INFO",
+    "warn": "WARNING",
+    "warning": "WARNING",
+    "error": "ERROR",
+    "fatal": "CRITICAL",
+    "panic": "CRITICAL",
+}
+"""logrus level names (what the Go service's LOG_LEVEL takes) → ours."""
+
+_TRUE = ("1", "t", "T", "true", "TRUE", "True")
+_FALSE = ("0", "f", "F", "false", "FALSE", "False")
+"""What Go's strconv.ParseBool takes."""
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DURATION_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+
+ACCEPTED = {
+    "RUNTIME_WATCH_ROOT": "rules are polled by content, which sees both a changed file and a"
+    " swapped directory: nothing to choose",
+    "TRACING_ENABLED": "tracing is not implemented",
+    "TRACING_SERVICE_NAME": "tracing is not implemented",
+    "TRACING_SERVICE_NAMESPACE": "tracing is not implemented",
+    "TRACING_SERVICE_INSTANCE_ID": "tracing is not implemented",
+    "TRACING_EXPORTER_PROTOCOL": "tracing is not implemented",
+    "TRACING_SAMPLING_RATE": "tracing is not implemented",
+    "EXTRA_TAGS": "statsd stats carry no tags",
+    "USE_DOG_STATSD": "stats go out as plain statsd",
+    "USE_DOG_STATSD_MOGRIFIERS": "stats go out as plain statsd",
+    "PROMETHEUS_MAPPER_YAML": "/metrics has its own fixed names (docs/settings.md);"
+    " no statsd_exporter mapping is read",
+    "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS": "/metrics has its own fixed names",
+    "EXPIRATION_JITTER_MAX_SECONDS": "Redis keys expire with their own window",
+    "LOCAL_CACHE_SIZE_IN_BYTES": "no over-limit cache: probabilistic rules decide in the"
+    " process instead",
+    "REDIS_PIPELINE_WINDOW": "concurrent decisions share Redis calls by themselves",
+    "REDIS_PIPELINE_LIMIT": "concurrent decisions share Redis calls by themselves",
+    "REDIS_CLUSTER_PIPELINE_PARALLELISM": "concurrent decisions share Redis calls by themselves",
+    "REDIS_POOL_ON_EMPTY_BEHAVIOR": "a call waits for a free connection within its deadline",
+    "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION": "a circuit breaker watches Redis instead",
+    "REDIS_STARTUP_INITIAL_INTERVAL": "the service starts without Redis and uses failure_mode"
+    " until it answers",
+    "REDIS_STARTUP_MAX_INTERVAL": "the service starts without Redis and uses failure_mode"
+    " until it answers",
+    "REDIS_STARTUP_MAX_ELAPSED_TIME": "the service starts without Redis and uses failure_mode"
+    " until it answers",
+    "RESPONSE_DYNAMIC_METADATA": "no dynamic metadata is returned",
+    "MEMCACHE_HOST_PORT": "there is no memcache backend",
+    "MEMCACHE_SRV": "there is no memcache backend",
+    "GRPC_UDS_MODE": "the socket keeps the process's umask",
+}
+"""Go settings that change nothing here, and why; a warning names each one that is set."""
+
+_QUIET_WHEN = {
+    "RUNTIME_WATCH_ROOT": None,  # never worth a warning
+    "TRACING_ENABLED": _FALSE,
+    "USE_DOG_STATSD": _FALSE,
+    "USE_DOG_STATSD_MOGRIFIERS": ("",),
+    "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS": _FALSE,
+    "RESPONSE_DYNAMIC_METADATA": _FALSE,
+    "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION": _FALSE,
+    "REDIS_PIPELINE_WINDOW": ("0", "0s"),
+    "REDIS_PIPELINE_LIMIT": ("0",),
+}
+"""Values of accepted settings that ask for what we do anyway: no warning for those."""
+
+
+class GoSettingError(ValueError):
+    """A Go setting whose value cannot be used; the message names it and its value."""
+
+    def __init__(self, name: str, value: str, reason: str) -> None:
+        super().__init__(f"{name}={value!r}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class GoValue:
+    """A value for one of our flags, in that flag's syntax, and the Go names it came from."""
+
+    value: str
+    source: str
+
+
+@dataclass
+class GoEnvironment:
+    values: dict[str, GoValue] = field(default_factory=dict)
+    """Our flag (``--http-addr``) → its value from the Go settings."""
+    warnings: list[str] = field(default_factory=list)
+    go_mode: bool = False
+
+    def get(self, flag: str) -> GoValue | None:
+        return self.values.get(flag)
+
+
+def read_go_environment(environ: Mapping[str, str], *, go_mode: bool) -> GoEnvironment:
+    """Our flags' values from the Go service's environment; raises GoSettingError."""
+    reader = _Reader(environ, GoEnvironment(go_mode=go_mode))
+    for rule in _RULES:
+        rule(reader)
+    return reader.out
+
+
+class _Reader:
+    def __init__(self, environ: Mapping[str, str], out: GoEnvironment) -> None:
+        self.env = environ
+        self.out = out
+        self.go_mode = out.go_mode
+
+    def has(self, name: str) -> bool:
+        return name in self.env
+
+    def text(self, name: str, default: str = "") -> str:
+        return self.env.get(name, default)
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        value = self.env.get(name)
+        if value is None or value == "":
+            return default
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise GoSettingError(name, value, "expected true or false")
+
+    def port(self, name: str, default: int) -> int:
+        value = self.env.get(name)
+        if value is None or value == "":
+            return default
+        if not value.isdigit() or not 0 <= int(value) <= 65535:
+            raise GoSettingError(name, value, "not a port number (0-65535)")
+        return int(value)
+
+    def duration(self, name: str) -> float | None:
+        """Seconds of a Go duration (``10s``, ``1m30s``, ``250ms``); None when unset."""
+        value = self.env.get(name)
+        if value is None or value == "":
+            return None
+        return parse_go_duration(name, value)
+
+    def set(self, flag: str, value: object, source: str) -> None:
+        self.out.values[flag] = GoValue(str(value), source)
+
+    def warn(self, message: str) -> None:
+        self.out.warnings.append(message)
+
+
+def parse_go_duration(name: str, value: str) -> float:
+    """Seconds of a Go ``time.Duration`` string; a plain number is taken as seconds."""
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        if math.isfinite(seconds) and seconds >= 0:
+            return seconds
+        raise GoSettingError(name, value, "expected a duration such as 10s or 500ms")
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise GoSettingError(name, value, "expected a duration such as 10s or 500ms")
+    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+
+
+def _address(host: str, port: int) -> str:
+    host = host or "0.0.0.0"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+# -- the rules, one per group of Go settings ------------------------------------------
+
+
+def _runtime(r: _Reader) -> None:
+    names = ("RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY", "RUNTIME_APPDIRECTORY")
+    if not r.go_mode and not any(r.has(name) for name in names):
+        return
+    root = r.text("RUNTIME_ROOT") or "/srv/runtime_data/current"
+    below = (r.text("RUNTIME_SUBDIRECTORY"), r.text("RUNTIME_APPDIRECTORY", "config"))
+    path = posixpath.join(root, *(part.strip("/") for part in below if part.strip("/")))
+    r.set("--config", path, "RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY")
+    if not r.boolean("RUNTIME_IGNOREDOTFILES", False) and r.has("RUNTIME_IGNOREDOTFILES"):
+        r.warn(
+            "RUNTIME_IGNOREDOTFILES=false: files and directories whose name starts with a dot"
+            " are always skipped (Kubernetes ConfigMap volumes hold their data twice)"
+        )
+
+
+def _ports(r: _Reader) -> None:
+    # Outside Go mode a port turns its listener on; HOST alone does not (shells set it).
+    if r.go_mode or r.has("PORT"):
+        r.set("--http-addr", _address(r.text("HOST"), r.port("PORT", 8080)), "HOST/PORT")
+    if r.go_mode or r.has("DEBUG_PORT"):
+        address = _address(r.text("DEBUG_HOST"), r.port("DEBUG_PORT", 6070))
+        r.set("--debug-addr", address, "DEBUG_HOST/DEBUG_PORT")
+    if r.text("GRPC_UDS"):
+        r.set("--grpc-addr", "unix:" + r.text("GRPC_UDS"), "GRPC_UDS")
+    elif r.has("GRPC_PORT") or (r.go_mode and r.has("GRPC_HOST")):
+        address = _address(r.text("GRPC_HOST"), r.port("GRPC_PORT", 8081))
+        r.set("--grpc-addr", address, "GRPC_HOST/GRPC_PORT")
+    for name, flag in (
+        ("GRPC_MAX_CONNECTION_AGE", "--grpc-max-connection-age"),
+        ("GRPC_MAX_CONNECTION_AGE_GRACE", "--grpc-max-connection-age-grace"),
+    ):
+        seconds = r.duration(name)
+        if seconds is not None:
+            r.set(flag, seconds, name)
+
+
+def _grpc_tls(r: _Reader) -> None:
+    if r.text("GRPC_CLIENT_TLS_SAN"):
+        raise GoSettingError(
+            "GRPC_CLIENT_TLS_SAN",
+            r.text("GRPC_CLIENT_TLS_SAN"),
+            "not supported: client certificates are checked against the CA only; unset it",
+        )
+    if not r.boolean("GRPC_SERVER_USE_TLS"):
+        return
+    for name in ("GRPC_SERVER_TLS_CERT", "GRPC_SERVER_TLS_KEY"):
+        if not r.text(name):
+            raise GoSettingError("GRPC_SERVER_USE_TLS", "true", f"needs {name}")
+    r.set("--tls-cert", r.text("GRPC_SERVER_TLS_CERT"), "GRPC_SERVER_TLS_CERT")
+    r.set("--tls-key", r.text("GRPC_SERVER_TLS_KEY"), "GRPC_SERVER_TLS_KEY")
+    # The Go service reads GRPC_CLIENT_TLS_CACERT; Envoy Gateway writes GRPC_SERVER_TLS_CA_CERT.
+    for name in ("GRPC_CLIENT_TLS_CACERT", "GRPC_SERVER_TLS_CA_CERT"):
+        if r.text(name):
+            r.set("--tls-client-ca", r.text(name), name)
+            break
+
+
+def _logging(r: _Reader) -> None:
+    level = r.text("LOG_LEVEL")
+    if level:
+        if level.lower() not in GO_LOG_LEVELS:
+            raise GoSettingError(
+                "LOG_LEVEL", level, f"unknown level; choose from {', '.join(GO_LOG_LEVELS)}"
+            )
+        r.set("--log-level", GO_LOG_LEVELS[level.lower()], "LOG_LEVEL")
+    log_format = r.text("LOG_FORMAT")
+    if log_format:
+        if log_format.lower() not in ("text", "json"):
+            raise GoSettingError("LOG_FORMAT", log_format, "choose text or json")
+        r.set("--log-format", log_format.lower(), "LOG_FORMAT")
+
+
+def _backend(r: _Reader) -> None:
+    backend = r.text("BACKEND_TYPE")
+    if backend and backend.lower() != "redis":
+        raise GoSettingError(
+            "BACKEND_TYPE", backend, "only redis is supported (or no REDIS_URL: the embedded store)"
+        )
+    if r.boolean("QUOTA_MODE"):
+        raise GoSettingError(
+            "QUOTA_MODE", r.text("QUOTA_MODE"), "not supported globally: set quota_mode per rule"
+        )
+    if r.boolean("REDIS_PERSECOND"):
+        r.warn(
+            "REDIS_PERSECOND=true: one Redis (REDIS_URL) holds every unit's counters;"
+            " the REDIS_PERSECOND_* settings are ignored"
+        )
+
+
+def _redis(r: _Reader) -> None:
+    url = r.text("REDIS_URL")
+    if url:
+        r.set("--redis-url", redis_url_from_go(r), "REDIS_URL")
+    if r.has("REDIS_POOL_SIZE"):
+        size = r.text("REDIS_POOL_SIZE")
+        if not size.isdigit() or int(size) < 1:
+            raise GoSettingError("REDIS_POOL_SIZE", size, "expected a whole number, 1 or more")
+        r.set("--redis-pool-size", size, "REDIS_POOL_SIZE")
+    seconds = r.duration("REDIS_TIMEOUT")
+    if seconds is not None:
+        if seconds <= 0:
+            raise GoSettingError("REDIS_TIMEOUT", r.text("REDIS_TIMEOUT"), "must be positive")
+        r.set("--redis-timeout", seconds, "REDIS_TIMEOUT")
+    if r.has("CACHE_KEY_PREFIX"):
+        r.set("--redis-key-prefix", r.text("CACHE_KEY_PREFIX"), "CACHE_KEY_PREFIX")
+
+
+def redis_url_from_go(r: _Reader) -> str:
+    """A Redis URL of ours from REDIS_SOCKET_TYPE, REDIS_TYPE, REDIS_URL, REDIS_AUTH,
+    REDIS_TLS*, REDIS_SENTINEL_AUTH. A REDIS_URL that already has a scheme is kept."""
+    url = r.text("REDIS_URL").strip()
+    if "://" in url:
+        return url
+    socket_type = r.text("REDIS_SOCKET_TYPE", "unix").lower() or "unix"
+    if socket_type not in ("tcp", "unix"):
+        raise GoSettingError("REDIS_SOCKET_TYPE", r.text("REDIS_SOCKET_TYPE"), "choose tcp or unix")
+    kind = r.text("REDIS_TYPE", "single").lower() or "single"
+    if kind not in ("single", "sentinel", "cluster"):
+        raise GoSettingError(
+            "REDIS_TYPE", r.text("REDIS_TYPE"), "choose SINGLE, SENTINEL or CLUSTER"
+        )
+    tls = r.boolean("REDIS_TLS")
+    auth = _userinfo(r.text("REDIS_AUTH"))
+    if kind == "single" and socket_type == "unix" and ":" not in url:
+        return f"unix://{auth}{url}"
+    if kind == "single":
+        _check_host_port("REDIS_URL", url, url)
+        query = _tls_query(r) if tls else ""
+        return f"{'rediss' if tls else 'redis'}://{auth}{url}{query}"
+    if tls:
+        raise GoSettingError(
+            "REDIS_TLS", r.text("REDIS_TLS"), f"not supported with REDIS_TYPE={kind}"
+        )
+    hosts = [part.strip() for part in url.split(",") if part.strip()]
+    if kind == "sentinel":
+        if len(hosts) < 2:
+            raise GoSettingError(
+                "REDIS_URL", url, "SENTINEL needs master-name,host:port[,host:port...]"
+            )
+        master, hosts = hosts[0], hosts[1:]
+        for host in hosts:
+            _check_host_port("REDIS_URL", url, host)
+        query = ""
+        if r.text("REDIS_SENTINEL_AUTH"):
+            query = "?sentinel_password=" + quote(r.text("REDIS_SENTINEL_AUTH"), safe="")
+        return f"redis+sentinel://{auth}{','.join(hosts)}/{quote(master, safe='')}{query}"
+    for host in hosts:
+        _check_host_port("REDIS_URL", url, host)
+    return f"redis+cluster://{auth}{','.join(hosts)}"
+
+
+def _userinfo(auth: str) -> str:
+    """REDIS_AUTH is ``password`` or ``user:password``."""
+    if not auth:
+        return ""
+    user, sep, password = auth.partition(":")
+    if not sep:
+        return f":{quote(auth, safe='')}@"
+    return f"{quote(user, safe='')}:{quote(password, safe='')}@"
+
+
+def _check_host_port(name: str, value: str, part: str) -> None:
+    host, sep, port = part.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise GoSettingError(name, value, f"expected host:port, got {part!r}")
+
+
+def _tls_query(r: _Reader) -> str:
+    options = []
+    for name, option in (
+        ("REDIS_TLS_CLIENT_CERT", "ssl_certfile"),
+        ("REDIS_TLS_CLIENT_KEY", "ssl_keyfile"),
+        ("REDIS_TLS_CACERT", "ssl_ca_certs"),
+    ):
+        if r.text(name):
+            options.append(f"{option}={quote(r.text(name), safe='/')}")
+    if r.boolean("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION"):
+        options.append("ssl_check_hostname=false")
+    return "?" + "&".join(options) if options else ""
+
+
+def _limiter(r: _Reader) -> None:
+    for name, flag in (
+        ("SHADOW_MODE", "--shadow-mode"),
+        ("MERGE_DOMAIN_CONFIG", "--merge-domain-config"),
+        ("FORCE_START_WITHOUT_INITIAL_CONFIG", "--force-start-without-initial-config"),
+        ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "--healthy-with-at-least-one-config-loaded"),
+    ):
+        if r.has(name):
+            r.set(flag, "1" if r.boolean(name) else "", name)
+    ratio = r.text("NEAR_LIMIT_RATIO")
+    if ratio:
+        try:
+            value = float(ratio)
+        except ValueError:
+            value = math.nan
+        if not 0 <= value <= 1:
+            raise GoSettingError("NEAR_LIMIT_RATIO", ratio, "expected a number from 0 to 1")
+        r.set("--near-limit-ratio", value, "NEAR_LIMIT_RATIO")
+    if r.has("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT") and not r.boolean(
+        "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT"
+    ):
+        r.warn(
+            "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=false: denied hits are never counted"
+            " against the window here (as =true does)"
+        )
+
+
+def _headers(r: _Reader) -> None:
+    if r.boolean("LIMIT_RESPONSE_HEADERS_ENABLED"):
+        r.set("--response-headers", "ratelimit", "LIMIT_RESPONSE_HEADERS_ENABLED")
+    for name, flag in (
+        ("LIMIT_LIMIT_HEADER", "--header-limit"),
+        ("LIMIT_REMAINING_HEADER", "--header-remaining"),
+        ("LIMIT_RESET_HEADER", "--header-reset"),
+    ):
+        if r.text(name):
+            r.set(flag, r.text(name), name)
+
+
+def _stats(r: _Reader) -> None:
+    disabled = r.boolean("DISABLE_STATS")
+    if r.boolean("USE_STATSD", default=r.go_mode) and not disabled:
+        address = _address(r.text("STATSD_HOST", "localhost"), r.port("STATSD_PORT", 8125))
+        r.set("--statsd-addr", address, "USE_STATSD/STATSD_HOST/STATSD_PORT")
+    seconds = r.duration("STATS_FLUSH_INTERVAL")
+    if seconds is not None:
+        if seconds <= 0:
+            raise GoSettingError(
+                "STATS_FLUSH_INTERVAL", r.text("STATS_FLUSH_INTERVAL"), "must be positive"
+            )
+        r.set("--statsd-flush-interval", seconds, "STATS_FLUSH_INTERVAL")
+    if r.boolean("USE_PROMETHEUS") and not disabled:
+        address = r.text("PROMETHEUS_ADDR", ":9090") or ":9090"
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise GoSettingError("PROMETHEUS_ADDR", address, "expected [host]:port")
+        r.set("--prometheus-addr", _address(host.strip("[]"), int(port)), "PROMETHEUS_ADDR")
+        path = r.text("PROMETHEUS_PATH", "/metrics") or "/metrics"
+        if not path.startswith("/"):
+            raise GoSettingError("PROMETHEUS_PATH", path, "must start with /")
+        r.set("--prometheus-path", path, "PROMETHEUS_PATH")
+
+
+def _accepted(r: _Reader) -> None:
+    for name, why in ACCEPTED.items():
+        if not r.has(name):
+            continue
+        quiet = _QUIET_WHEN.get(name, ("",))
+        if quiet is None or r.text(name) in quiet:
+            continue
+        r.warn(f"{name}={r.text(name)!r} is accepted and ignored: {why}")
+
+
+_RULES: tuple[Callable[[_Reader], None], ...] = (
+    _runtime,
+    _ports,
+    _grpc_tls,
+    _logging,
+    _backend,
+    _redis,
+    _limiter,
+    _headers,
+    _stats,
+    _accepted,
+)
