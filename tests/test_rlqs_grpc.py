@@ -1,17 +1,24 @@
 """StreamRateLimitQuotas over real gRPC (loopback) against a real service: streams named
 by their metadata, malformed reports answered without ending the stream, a limit
-edited in the YAML applied at the next report."""
+edited in the YAML applied at the next report, streams ended with a status when the
+service stops."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from pathlib import Path
 
 import grpc
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from google.protobuf import duration_pb2
 
+from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
+from ratelimit_service.testing.envoy import ServiceProcess
+
 Usage = rlqs_pb2.RateLimitQuotaUsageReports.BucketQuotaUsage
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 RULES = """\
 domain: q
@@ -45,6 +52,13 @@ class Stream:
     async def ask(self, message) -> rlqs_pb2.RateLimitQuotaResponse:
         await self.call.write(message)
         return await asyncio.wait_for(self.call.read(), 5)
+
+    async def end(self) -> tuple[grpc.StatusCode, str]:
+        """Read until the server ends the stream: its status and details."""
+        with contextlib.suppress(grpc.aio.AioRpcError):  # a status other than OK
+            while await self.call.read() is not grpc.aio.EOF:
+                pass
+        return await self.call.code(), await self.call.details()
 
 
 def tokens(response: rlqs_pb2.RateLimitQuotaResponse) -> list[int]:
@@ -87,3 +101,48 @@ async def test_two_streams_split_and_a_reload_applies_at_the_next_report(
     assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [20]
     a.call.cancel()
     b.call.cancel()
+
+
+async def test_close_streams_ends_every_stream_with_unavailable(
+    start_service, write_config
+) -> None:
+    service = await start_service(write_config(RULES.replace("LIMIT", "10")))
+    a, b = Stream(service.channel, "envoy-a"), Stream(service.channel, "envoy-b")
+    assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [10]
+    assert tokens(await b.ask(report("q", {"tenant": "t"}))) == [5]
+    service.service.quota.close_streams()
+    for stream in (a, b):  # each waiting for its next report: ended at once, orderly
+        assert await asyncio.wait_for(stream.end(), 2) == (UNAVAILABLE, SHUTTING_DOWN)
+    late = Stream(service.channel, "envoy-c")  # one opened while stopping ends too
+    await late.call.write(report("q", {"tenant": "t"}))
+    assert await asyncio.wait_for(late.end(), 2) == (UNAVAILABLE, SHUTTING_DOWN)
+    assert service.service.quota.streams == 0
+
+
+async def test_sigterm_ends_rlqs_streams_with_a_status_and_at_once(
+    write_config, tmp_path: Path
+) -> None:
+    """``ratelimit-service serve`` getting SIGTERM: health goes NOT_SERVING and the
+    streams are still answered while it drains (1 s without an RLS call), then each
+    ends with UNAVAILABLE, not cancelled after the shutdown grace (5 s), and the
+    process exits soon after."""
+    service = ServiceProcess(write_config(RULES.replace("LIMIT", "10")), tmp_path / "svc")
+    service.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel:
+            stream = Stream(channel, "envoy-a")
+            assert tokens(await stream.ask(report("q", {"tenant": "t"}))) == [10]
+            started = time.monotonic()
+            service.terminate()
+            await asyncio.sleep(0.3)  # draining: reports are still answered
+            assert tokens(await stream.ask(report("q", {"tenant": "t"}))) == [10]
+            status = await asyncio.wait_for(stream.end(), 10)
+            ended = time.monotonic() - started
+            assert status == (UNAVAILABLE, SHUTTING_DOWN)
+        assert await asyncio.to_thread(service.wait, 10) == 0
+        exited = time.monotonic() - started
+        print(f"stream ended {ended:.2f} s after SIGTERM, process exited after {exited:.2f} s")
+        assert ended < 3.0 and exited < 4.0  # drain (1 s quiet) + a little, no 5 s grace
+    finally:
+        service.stop()
+        print(service.log())

@@ -26,6 +26,7 @@ reported a bucket, how long a bucket has been idle) stays here.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -138,6 +139,8 @@ class QuotaCoordinator:
         self._shares: dict[str, dict[str, float]] = {}
         """Each counter's share last assigned to each instance, in hits per window."""
 
+        self.closing = asyncio.Event()
+        """Set by close_streams: every stream ends, and a new one ends at once."""
         self.streams = 0
         self.reports = 0
         self.assignments = 0
@@ -267,6 +270,16 @@ class QuotaCoordinator:
 
     def connected(self) -> None:
         self.streams += 1
+
+    def close_streams(self) -> None:
+        """The service is stopping: end every stream now, with a status (the servicer
+        answers UNAVAILABLE), instead of leaving them open until the server's grace
+        runs out and gRPC cancels them. An Envoy's stream never ends by itself, so
+        otherwise every stop waits out the whole grace. Envoy keeps the assignments it
+        holds until their TTL and opens a new stream at its next report (to another
+        replica, or to this one restarted). Call it once the service no longer needs
+        to answer reports (after draining), before the gRPC server stops."""
+        self.closing.set()
 
     def forget(self, instance: str) -> None:
         """A stream ended: drop what this process kept of it (the store forgets the

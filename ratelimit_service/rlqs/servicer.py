@@ -8,10 +8,15 @@ address and the stream, so two Envoys behind one address still count as two. Eve
 report is answered at once with an action for each of its buckets: the token bucket
 is re-sent each time, which renews its TTL (an identical bucket keeps its tokens in
 Envoy). Never ``requests_per_time_unit``: Envoy 1.40 ignores it.
+
+When the service stops (QuotaCoordinator.close_streams), every stream ends at once with
+UNAVAILABLE ("shutting down"): an orderly end with a status, not the cancellation gRPC
+would make of it once the server's grace has run out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -39,6 +44,7 @@ _Strategy = ratelimit_strategy_pb2.RateLimitStrategy
 _Action = rlqs_pb2.RateLimitQuotaResponse.BucketAction
 _BLANKET = {ALLOW_ALL: _Strategy.ALLOW_ALL, DENY_ALL: _Strategy.DENY_ALL}
 _streams = itertools.count(1)
+SHUTTING_DOWN = "the rate limit service is shutting down: reconnect"
 
 
 class QuotaServicer:
@@ -57,7 +63,7 @@ class QuotaServicer:
         coordinator.connected()
         log.debug("RLQS stream from %s", instance)
         try:
-            async for reports in request_iterator:
+            async for reports in until_closing(request_iterator, coordinator.closing):
                 usages = [
                     Usage(
                         dict(usage.bucket_id.bucket),
@@ -71,9 +77,37 @@ class QuotaServicer:
                     yield rlqs_pb2.RateLimitQuotaResponse(
                         bucket_action=[bucket_action(a) for a in actions]
                     )
+            if coordinator.closing.is_set():
+                context.set_code(grpc.StatusCode.UNAVAILABLE)
+                context.set_details(SHUTTING_DOWN)
         finally:
             coordinator.forget(instance)
             log.debug("RLQS stream from %s ended", instance)
+
+
+async def until_closing(
+    messages: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports], closing: asyncio.Event
+) -> AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports]:
+    """The stream's reports until the client ends it or ``closing`` is set, whichever
+    comes first: a stream waits for its next report most of the time (5 s apart), so
+    the wait itself must give way. One task per report is nothing at that rate."""
+    stop = asyncio.ensure_future(closing.wait())
+    next_message: asyncio.Future[rlqs_pb2.RateLimitQuotaUsageReports] | None = None
+    try:
+        while not closing.is_set():
+            next_message = asyncio.ensure_future(anext(messages))
+            await asyncio.wait((next_message, stop), return_when=asyncio.FIRST_COMPLETED)
+            if not next_message.done():
+                return
+            try:
+                message = next_message.result()
+            except StopAsyncIteration:
+                return
+            yield message
+    finally:
+        stop.cancel()
+        if next_message is not None:
+            next_message.cancel()
 
 
 def instance_name(context: grpc.aio.ServicerContext) -> str:
