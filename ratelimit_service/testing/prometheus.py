@@ -1,0 +1,112 @@
+"""A real Prometheus child process for tests and docs: its own storage directory, a
+free loopback port, history backfilled with ``promtool`` before it starts, and
+optionally scrape targets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from ratelimit_service.testing.redis import free_port
+
+
+def prometheus_missing() -> str | None:
+    """Why no Prometheus can run here, or None."""
+    for tool in ("prometheus", "promtool"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (Debian package prometheus)"
+    return None
+
+
+def backfill(openmetrics: str, storage: Path, work: Path) -> None:
+    """Turn OpenMetrics text (ending in ``# EOF``) into TSDB blocks in ``storage``."""
+    storage.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    source = work / "history.om"
+    source.write_text(openmetrics)
+    result = subprocess.run(
+        ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(source), str(storage)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"promtool failed: {result.stderr.strip() or result.stdout.strip()}")
+
+
+class Prometheus:
+    """start/stop one prometheus server on loopback."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        scrape_targets: list[str] | None = None,
+        scrape_interval: str = "1s",
+    ) -> None:
+        self.directory = directory
+        self.storage = directory / "data"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._targets = scrape_targets or []
+        self._interval = scrape_interval
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def backfill(self, openmetrics: str) -> None:
+        backfill(openmetrics, self.storage, self.directory / "backfill")
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        config = self.directory / "prometheus.yml"
+        scrape = {
+            "job_name": "ratelimit",
+            "scrape_interval": self._interval,
+            "static_configs": [{"targets": self._targets}],
+        }
+        # JSON is YAML: no dumper needed for this small file.
+        config.write_text(
+            json.dumps(
+                {
+                    "global": {"scrape_interval": self._interval},
+                    "scrape_configs": [scrape] if self._targets else [],
+                }
+            )
+        )
+        log = (self.directory / "prometheus.log").open("wb")
+        command = [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={self.storage}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            # Backfilled weeks must outlive the default 15 days' retention.
+            "--storage.tsdb.retention.time=400d",
+        ]
+        self.process = subprocess.Popen(command, stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                text = (self.directory / "prometheus.log").read_text()[-2000:]
+                raise RuntimeError(f"prometheus exited: {text}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"prometheus on port {self.port} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None

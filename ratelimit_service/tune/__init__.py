@@ -1,0 +1,1 @@
+"""``ratelimit-service tune``: limits proposed from the traffic Prometheus observed."""

@@ -1,0 +1,129 @@
+"""What Prometheus saw of each rule over the window: its demand per unit, fleet-wide,
+at the resolution the scrapes allow, and the share of its hits that were (or, in
+shadow mode, would have been) denied.
+
+The PromQL, per rule with selector ``S`` (its stats key, or the pattern of its
+per-value keys less the keys of other rules):
+
+- demand: ``max(sum by (key) (rate(total_hits{S}[range])))`` every ``step``, times the
+  unit's seconds: summed across replicas, the busiest counter at each step;
+- the share: ``sum(increase(over_limit{S}[window])) / sum(increase(total_hits{S}[window]))``;
+- for shadow rules with per-value keys, who:
+  ``topk(5, sum by (key) (increase(shadow_mode{S}[window])))``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass, field
+
+from ratelimit_service.core.tuning import Resolution, Rule, excluded_patterns, resolution
+from ratelimit_service.tune.prometheus import PrometheusClient
+
+METRIC = "ratelimit_service_rate_limit_{}_total"
+"""engine/stats.py's per-rule counters as Prometheus exposes them (``_total`` added)."""
+TOP_KEYS = 5
+ASSUMED_SCRAPE = 60.0
+"""Prometheus's default scrape_interval, used when no recent sample shows the real one."""
+PROBE_SECONDS = 6 * 3600
+
+
+@dataclass(slots=True)
+class Observation:
+    """One rule's numbers. ``demand`` is empty for rules whose demand was not read."""
+
+    rule: Rule
+    resolution: Resolution | None = None
+    scrape_measured: bool = True
+    demand: list[tuple[float, float]] = field(default_factory=list)
+    hits: float = 0.0
+    denied: float = 0.0
+    top_keys: list[tuple[str, float]] = field(default_factory=list)
+    has_series: bool = False
+
+    @property
+    def share(self) -> float | None:
+        return self.denied / self.hits if self.hits > 0 else None
+
+
+def selector(rule: Rule, others: list[Rule]) -> str:
+    pattern = rule.key_pattern()
+    if pattern is None:
+        return f'{{key="{_quote(rule.key)}"}}'
+    matchers = [f'key=~"{_quote(pattern)}"']
+    excluded = excluded_patterns(rule, others)
+    if excluded:
+        matchers.append(f'key!~"{_quote("|".join(excluded))}"')
+    return "{" + ",".join(matchers) + "}"
+
+
+def _quote(text: str) -> str:
+    """A PromQL double-quoted string's content (Go escapes)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def scrape_interval(client: PrometheusClient, metric_selector: str, end: float) -> float | None:
+    """The median spacing of the raw samples of one series in the hours before ``end``."""
+    series = client.query(f"{METRIC.format('total_hits')}{metric_selector}[{PROBE_SECONDS}s]", end)
+    for one in series:
+        times = [t for t, _ in one.points]
+        if len(times) >= 2:
+            # Scrape timestamps wander by milliseconds; a tenth of a second is the grain.
+            gaps = [b - a for a, b in itertools.pairwise(times)]
+            return max(0.1, round(float(statistics.median(gaps)), 1))
+    return None
+
+
+def observe(
+    client: PrometheusClient,
+    rule: Rule,
+    others: list[Rule],
+    *,
+    end: float,
+    window: int,
+    scrape: float | None,
+    read_demand: bool,
+) -> Observation:
+    """Ask Prometheus about one rule. ``read_demand`` False: only the share (rules whose
+    counters cannot show one counter's demand)."""
+    seen = Observation(rule)
+    where = selector(rule, others)
+    hits_metric = METRIC.format("total_hits") + where
+    hits = client.query(f"sum(increase({hits_metric}[{window}s]))", end)
+    seen.has_series = bool(hits)
+    if not hits:
+        return seen
+    seen.hits = hits[0].points[0][1] if hits[0].points else 0.0
+    denied = client.query(f"sum(increase({METRIC.format('over_limit')}{where}[{window}s]))", end)
+    seen.denied = denied[0].points[0][1] if denied and denied[0].points else 0.0
+    if rule.limit.shadow_mode and rule.series_by_value():
+        top = client.query(
+            f"topk({TOP_KEYS}, sum by (key) "
+            f"(increase({METRIC.format('shadow_mode')}{where}[{window}s])) > 0)",
+            end,
+        )
+        seen.top_keys = sorted(
+            ((s.labels.get("key", ""), s.points[0][1]) for s in top if s.points),
+            key=lambda kv: (-kv[1], kv[0]),
+        )
+    if not read_demand:
+        return seen
+    measured = scrape if scrape is not None else scrape_interval(client, where, end)
+    seen.scrape_measured = measured is not None
+    res = resolution(
+        measured if measured is not None else ASSUMED_SCRAPE, rule.limit.window_seconds
+    )
+    seen.resolution = res
+    last = end - end % res.step_seconds
+    first = last - window + res.step_seconds
+    demand = client.query_range(
+        f"max(sum by (key) (rate({hits_metric}[{res.range_seconds}s])))",
+        first,
+        last,
+        res.step_seconds,
+    )
+    unit = rule.limit.window_seconds
+    seen.demand = [(t, round(v * unit, 6)) for s in demand for t, v in s.points]
+    seen.demand.sort()
+    return seen
