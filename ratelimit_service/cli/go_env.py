@@ -94,6 +94,10 @@ ACCEPTED = {
     "MEMCACHE_HOST_PORT": "there is no memcache backend",
     "MEMCACHE_SRV": "there is no memcache backend",
     "GRPC_UDS_MODE": "the socket keeps the process's umask",
+    "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL": "reconnects follow the"
+    " XDS_CLIENT_BACKOFF_* intervals",
+    "XDS_CLIENT_BACKOFF_RANDOM_FACTOR": "the backoff's random factor is 0.5",
+    "XDS_CLIENT_BACKOFF_JITTER": "the backoff always has jitter",
 }
 """Go settings that change nothing here, and why; a warning names each one that is set."""
 
@@ -107,6 +111,8 @@ _QUIET_WHEN = {
     "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION": _FALSE,
     "REDIS_PIPELINE_WINDOW": ("0", "0s"),
     "REDIS_PIPELINE_LIMIT": ("0",),
+    "XDS_CLIENT_BACKOFF_RANDOM_FACTOR": ("0.5",),
+    "XDS_CLIENT_BACKOFF_JITTER": _TRUE,
 }
 """Values of accepted settings that ask for what we do anyway: no warning for those."""
 
@@ -460,6 +466,46 @@ def _stats(r: _Reader) -> None:
         r.set("--prometheus-path", path, "PROMETHEUS_PATH")
 
 
+def _xds(r: _Reader) -> None:
+    config_type = r.text("CONFIG_TYPE", "FILE").upper() or "FILE"
+    if config_type not in ("FILE", "GRPC_XDS_SOTW"):
+        raise GoSettingError("CONFIG_TYPE", r.text("CONFIG_TYPE"), "choose FILE or GRPC_XDS_SOTW")
+    if config_type == "FILE":
+        return
+    server = r.text("CONFIG_GRPC_XDS_SERVER_URL", "localhost:18000") or "localhost:18000"
+    _check_host_port("CONFIG_GRPC_XDS_SERVER_URL", server, server)
+    r.set("--xds-server", server, "CONFIG_TYPE/CONFIG_GRPC_XDS_SERVER_URL")
+    for name, flag in (
+        ("CONFIG_GRPC_XDS_NODE_ID", "--xds-node-id"),
+        ("CONFIG_GRPC_XDS_NODE_METADATA", "--xds-node-metadata"),
+        ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "--xds-headers"),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "--xds-client-cert"),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "--xds-client-key"),
+        ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "--xds-server-ca"),
+        ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "--xds-server-san"),
+    ):
+        if r.text(name):
+            r.set(flag, r.text(name), name)
+    if r.boolean("CONFIG_GRPC_XDS_SERVER_USE_TLS"):
+        r.set("--xds-tls", "1", "CONFIG_GRPC_XDS_SERVER_USE_TLS")
+    for name, flag in (
+        ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "--xds-backoff-initial"),
+        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "--xds-backoff-max"),
+    ):
+        seconds = r.duration(name)
+        if seconds is not None:
+            if seconds <= 0:
+                raise GoSettingError(name, r.text(name), "must be positive")
+            r.set(flag, seconds, name)
+    size = r.text("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
+    if size:
+        if not size.isdigit() or int(size) < 1024:
+            raise GoSettingError(
+                "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", size, "expected a whole number, 1024 or more"
+            )
+        r.set("--xds-max-message-size", size, "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
+
+
 def _accepted(r: _Reader) -> None:
     for name, why in ACCEPTED.items():
         if not r.has(name):
@@ -480,5 +526,6 @@ _RULES: tuple[Callable[[_Reader], None], ...] = (
     _limiter,
     _headers,
     _stats,
+    _xds,
     _accepted,
 )

@@ -31,6 +31,7 @@ from ratelimit_service.core.headers import HeaderNames, HeaderStyle
 from ratelimit_service.server.logs import DEFAULT_LEVEL, configure_logging
 
 if TYPE_CHECKING:
+    from ratelimit_service.config.xds_settings import XdsSettings
     from ratelimit_service.server.app import Settings
 
 log = logging.getLogger("ratelimit_service")
@@ -112,6 +113,66 @@ def _add(
     parser.add_argument(flag, **kwargs)
 
 
+def _add_xds_flags(add: Callable[..., None]) -> None:
+    """serve's flags for rules by xDS (the Go service's CONFIG_TYPE=GRPC_XDS_SOTW)."""
+    add(
+        "--xds-server",
+        type=_host_port,
+        default=None,
+        help="HOST:PORT of an xDS (ADS) server: rules from it, as RateLimitConfig resources,"
+        " instead of --config",
+    )
+    add("--xds-node-id", default="default", help="this service's node id to the xDS server")
+    add("--xds-node-metadata", default="", help="k=v,k2=v2: node metadata for the xDS server")
+    add("--xds-headers", default="", help="k:v,k2:v2: gRPC metadata on the xDS stream")
+    add("--xds-tls", action="store_true", help="connect to the xDS server over TLS")
+    add("--xds-client-cert", default=None, help="PEM client certificate for the xDS server")
+    add("--xds-client-key", default=None, help="PEM key of --xds-client-cert")
+    add("--xds-server-ca", default=None, help="PEM CA bundle that signed the xDS server")
+    add("--xds-server-san", default=None, help="name the xDS server's certificate must hold")
+    add(
+        "--xds-backoff-initial",
+        type=_positive(float),
+        default=10.0,
+        help="seconds before the first reconnect to the xDS server (growing x1.5 per try)",
+    )
+    add(
+        "--xds-backoff-max",
+        type=_positive(float),
+        default=60.0,
+        help="most seconds between two reconnects",
+    )
+    add(
+        "--xds-max-message-size",
+        type=_positive(int),
+        default=4 << 20,
+        help="largest xDS response accepted, in bytes",
+    )
+
+
+def xds_settings_from(args: argparse.Namespace) -> XdsSettings | None:
+    """The xDS client's settings from serve's flags (None without --xds-server)."""
+    from ratelimit_service.config.xds_settings import XdsSettings, parse_key_values
+
+    if not args.xds_server:
+        return None
+    tls = bool(args.xds_tls)
+    return XdsSettings(
+        server_url=args.xds_server,
+        node_id=args.xds_node_id,
+        node_metadata=parse_key_values(args.xds_node_metadata),
+        headers=parse_key_values(args.xds_headers, ":"),
+        use_tls=tls,
+        client_cert=args.xds_client_cert if tls else None,
+        client_key=args.xds_client_key if tls else None,
+        server_ca=args.xds_server_ca if tls else None,
+        server_san=args.xds_server_san if tls else None,
+        backoff_initial=float(args.xds_backoff_initial),
+        backoff_max=max(float(args.xds_backoff_max), float(args.xds_backoff_initial)),
+        max_message_size=int(args.xds_max_message_size),
+    )
+
+
 def _help_with_sources(flag: str, kwargs: dict[str, Any]) -> str:
     """``help`` followed by ``(default: X; env: RATELIMIT_FLAG)``, as ``--help`` shows it."""
     name = _env_name(flag)
@@ -147,7 +208,10 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
     def add(flag: str, **kwargs: Any) -> None:
         _add(serve, flag, go, **kwargs)
 
-    add("--config", required=True, help="rule file, or directory of *.yaml/*.yml")
+    add(
+        "--config",
+        help="rule file, or directory of *.yaml/*.yml (required unless --xds-server is given)",
+    )
     add("--grpc-addr", default="0.0.0.0:8081", help="gRPC listen address")
     add(
         "--admin-addr",
@@ -356,6 +420,7 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
         help="HOST:PORT of a listener serving only the metrics (off unless given)",
     )
     add("--prometheus-path", default="/metrics", help="path of the metrics there")
+    _add_xds_flags(add)
     add(
         "--grpc-max-connection-age",
         type=_positive(float),
@@ -442,10 +507,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(str(args.log_level), str(args.log_format))
     for warning in args.go.warnings if args.go is not None else ():
         log.warning("%s", warning)
-    if int(args.workers) > 1:
-        return _serve_workers(args)
     try:
-        service = RateLimitService(settings_from(args))
+        settings = settings_from(args)
+    except ValueError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
+    if int(args.workers) > 1:
+        return _serve_workers(args, settings)
+    try:
+        service = RateLimitService(settings)
     except ConfigLoadError as exc:
         for error in exc.errors:
             print(error, file=sys.stderr)
@@ -463,8 +533,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
     """The service's Settings from the parsed ``serve`` flags."""
     from ratelimit_service.server.app import Settings
 
+    xds = xds_settings_from(args)
+    if not args.config and xds is None:
+        raise ValueError("--config (or RATELIMIT_CONFIG) is required, or --xds-server")
     return Settings(
-        config_path=args.config,
+        config_path=args.config or "",
+        xds=xds,
         grpc_addr=args.grpc_addr,
         admin_addr=args.admin_addr or None,
         mode=Mode(args.mode),
@@ -520,7 +594,7 @@ def _hint_config_source(args: argparse.Namespace) -> None:
         )
 
 
-def _serve_workers(args: argparse.Namespace) -> int:
+def _serve_workers(args: argparse.Namespace, settings: Settings) -> int:
     """Check what can be checked once, then hand over to the supervisor."""
     from ratelimit_service.server.app import load_rules
     from ratelimit_service.server.supervisor import Supervisor
@@ -532,6 +606,13 @@ def _serve_workers(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if not args.admin_addr or settings.xds is not None:
+        print(
+            "serve: --workers > 1 needs --admin-addr (the workers' merged /metrics) and rule"
+            " files (--config): each worker would keep its own xDS stream",
+            file=sys.stderr,
+        )
+        return 2
     if args.debug_addr:
         print(
             "serve: --debug-addr with --workers > 1: each worker would need the port; read"
@@ -540,7 +621,7 @@ def _serve_workers(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        load_rules(settings_from(args))
+        load_rules(settings)
     except ConfigLoadError as exc:
         for error in exc.errors:
             print(error, file=sys.stderr)

@@ -19,8 +19,10 @@ from prometheus_client.core import Metric
 
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.config.watcher import ConfigWatcher
+from ratelimit_service.config.xds import XdsConfigSource
+from ratelimit_service.config.xds_settings import XdsSettings
 from ratelimit_service.core.config_errors import ConfigLoadError
-from ratelimit_service.core.config_loader import load_config
+from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import Mode, RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
 from ratelimit_service.core.local_buckets import LocalBuckets
@@ -117,6 +119,10 @@ class Settings:
     grpc_max_connection_age: float | None = None
     grpc_max_connection_age_grace: float | None = None
     """gRPC connections asked to go away after this long, and the calls' grace then."""
+    xds: XdsSettings | None = None
+    """Rules from an xDS server (the Go service's CONFIG_TYPE=GRPC_XDS_SOTW) instead of
+    files; config_path is then unused. Unless force_start_without_initial_config, the
+    service listens only once the first rules are installed."""
 
 
 def load_rules(settings: Settings) -> RateLimitConfig:
@@ -169,13 +175,21 @@ class RateLimitService:
         )
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
         self.quota = QuotaCoordinator(lambda: self.limiter.config, self.stats, self.store)
-        self.watcher = ConfigWatcher(
-            settings.config_path,
-            load=lambda: load_rules(settings),
-            install=self.install_rules,
-            stats=self.stats,
-            interval=settings.watch_interval or 1.0,
-        )
+        # Where the rules come from: files (watched) or an xDS server.
+        self.watcher: ConfigWatcher | None = None
+        self.xds: XdsConfigSource | None = None
+        if settings.xds is not None:
+            self.xds = XdsConfigSource(
+                settings.xds, load=self._load_files, install=self.install_rules, stats=self.stats
+            )
+        else:
+            self.watcher = ConfigWatcher(
+                settings.config_path,
+                load=lambda: load_rules(settings),
+                install=self.install_rules,
+                stats=self.stats,
+                interval=settings.watch_interval or 1.0,
+            )
         # Exact batching on Redis follows the event loop's load (see loop_load).
         self._loop_load_task: BackgroundTask | None = None
         if isinstance(self.store, RedisStore) and self.store.holds_exact_batches:
@@ -222,6 +236,12 @@ class RateLimitService:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.xds is not None:
+            self.xds.start()
+            if not self.settings.force_start_without_initial_config:
+                server_url = self.xds.settings.server_url
+                log.info("waiting for the first rules from xDS server %s", server_url)
+                await self.xds.wait_first()
         # Port sharing only for --workers; otherwise a second server on the port must fail.
         reuse = 1 if self.settings.reuse_port else 0
         server = grpc.aio.server(options=self._grpc_options(reuse))
@@ -256,7 +276,7 @@ class RateLimitService:
         self.reconciler.start()
         if self._loop_load_task is not None:
             self._loop_load_task.start()
-        if self.settings.watch_interval > 0:
+        if self.watcher is not None and self.settings.watch_interval > 0:
             self.watcher.start()
         if self.statsd is not None:
             self.statsd.start()
@@ -354,7 +374,10 @@ class RateLimitService:
         await self.reconciler.stop()
         if self._loop_load_task is not None:
             await self._loop_load_task.stop()
-        await self.watcher.stop()
+        if self.watcher is not None:
+            await self.watcher.stop()
+        if self.xds is not None:
+            await self.xds.stop()
         await self._stop_listeners()
         if self.statsd is not None:
             await self.statsd.stop()  # the last counts go out too
@@ -387,7 +410,7 @@ class RateLimitService:
 
         loop.add_signal_handler(signal.SIGTERM, terminate)
         loop.add_signal_handler(signal.SIGINT, stop.set)  # Ctrl-C: at once
-        loop.add_signal_handler(signal.SIGHUP, self.watcher.reload)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
         await self.start()
         # What exists now (modules, config, listeners) lives as long as the process:
         # frozen, it is out of the collector's reach, so a full collection under
@@ -430,9 +453,26 @@ class RateLimitService:
         for name in HEALTH_NAMES:
             await self.health.set(name, state)
 
+    def _reload(self) -> None:
+        """SIGHUP: read the rule files again (rules by xDS come when the server sends them)."""
+        if self.watcher is not None:
+            self.watcher.reload()
+        else:
+            log.info("SIGHUP: rules come from xDS; nothing to reload")
+
+    def _load_files(self, files: list[ConfigFile]) -> RateLimitConfig:
+        """Rule files from a config source loaded as the service loads its own."""
+        settings = self.settings
+        return load_config(
+            files, default_mode=settings.mode, merge_domains=settings.merge_domain_config
+        )
+
     def _initial_rules(self) -> RateLimitConfig:
         """The rules at start; with force_start_without_initial_config, rules that do
-        not load are logged and the service starts with none (the watcher keeps looking)."""
+        not load are logged and the service starts with none (the watcher keeps looking).
+        Rules by xDS start empty: the first response brings them."""
+        if self.settings.xds is not None:
+            return load_config([])
         try:
             config = load_rules(self.settings)
         except ConfigLoadError as exc:

@@ -25,11 +25,16 @@ def make_ca(directory: Path, name: str = "ca") -> CertPair:
     return CertPair(cert, key)
 
 
-def make_cert(directory: Path, ca: CertPair, name: str, client: bool = False) -> CertPair:
-    """A leaf certificate for localhost / 127.0.0.1 signed by ``ca``."""
+def make_cert(
+    directory: Path, ca: CertPair, name: str, client: bool = False, server: bool | None = None
+) -> CertPair:
+    """A leaf certificate for localhost / 127.0.0.1 signed by ``ca``: a server's, or with
+    ``client`` a client's; ``client`` and ``server`` both for one used both ways (as Envoy
+    Gateway's certificate for the rate-limit service is)."""
     key, csr, cert = (directory / f"{name}.{ext}" for ext in ("key", "csr", "pem"))
     ext = directory / f"{name}.ext"
-    usage = "clientAuth" if client else "serverAuth"
+    server = not client if server is None else server
+    usage = ",".join(u for u, on in (("serverAuth", server), ("clientAuth", client)) if on)
     ext.write_text(
         f"subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\n"
         "basicConstraints=CA:FALSE\n"
