@@ -369,6 +369,7 @@ class RateLimitService:
         await self.health.enter_graceful_shutdown()
         if drain and self.settings.drain_timeout > 0:
             await self._drain()
+        self.quota.close_streams()  # RLQS streams end with a status, not the grace's cancel
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace)
         await self.reconciler.stop()
