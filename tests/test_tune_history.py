@@ -234,8 +234,8 @@ def test_the_report_proposes_exact_limits_from_the_peaks(
     # The diff touches the three numbers only; the file is untouched without --write.
     assert out.endswith(
         textwrap.dedent(f"""\
-        --- a/{rules_dir}/shop.yaml
-        +++ b/{rules_dir}/shop.yaml
+        --- {rules_dir}/shop.yaml
+        +++ {rules_dir}/shop.yaml
         @@ -6,11 +6,11 @@
              value: search
              rate_limit:

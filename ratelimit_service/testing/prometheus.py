@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -71,7 +72,10 @@ class Prometheus:
         config.write_text(
             json.dumps(
                 {
-                    "global": {"scrape_interval": self._interval},
+                    "global": {
+                        "scrape_interval": self._interval,
+                        "scrape_timeout": self._interval,
+                    },
                     "scrape_configs": [scrape] if self._targets else [],
                 }
             )
@@ -92,14 +96,33 @@ class Prometheus:
             if self.process.poll() is not None:
                 text = (self.directory / "prometheus.log").read_text()[-2000:]
                 raise RuntimeError(f"prometheus exited: {text}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                pass
+            if self._ready():
+                break
             time.sleep(0.1)
-        raise RuntimeError(f"prometheus on port {self.port} not ready after {timeout} s")
+        else:
+            raise RuntimeError(f"prometheus on port {self.port} not ready after {timeout} s")
+        while self._targets and not self._scraped():
+            # Discovery hands targets to the scrape loop about 5 s after start.
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prometheus has not scraped {self._targets} in {timeout} s")
+            time.sleep(0.2)
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
+
+    def _scraped(self) -> bool:
+        """Every target has been scraped successfully at least once."""
+        query = urllib.parse.urlencode({"query": 'up{job="ratelimit"} == 1'})
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/query?{query}", timeout=1) as answer:
+                result = json.load(answer)["data"]["result"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return len(result) == len(self._targets)
 
     def stop(self) -> None:
         if self.process is not None:

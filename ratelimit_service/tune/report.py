@@ -186,8 +186,8 @@ def unified_diff(before: Mapping[str, str], after: Mapping[str, str]) -> str:
                 difflib.unified_diff(
                     text.splitlines(keepends=True),
                     new.splitlines(keepends=True),
-                    fromfile=f"a/{name}",
-                    tofile=f"b/{name}",
+                    fromfile=name,
+                    tofile=name,
                 )
             )
     return "".join(parts)
