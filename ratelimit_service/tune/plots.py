@@ -50,8 +50,9 @@ def plot_rule(outcome: Outcome, path: Path) -> None:
     axes.set_ylabel(f"requests per {unit}")
     if seen.resolution is not None:
         axes.set_xlabel(seen.resolution.describe(), fontsize=8)
-    axes.set_ylim(bottom=0)
-    axes.legend(loc="upper left", fontsize=8)
+    top = max([v for _, v in seen.demand] + [limit.requests_per_unit, outcome.proposed or 0])
+    axes.set_ylim(0, top * 1.15 or 1)
+    axes.legend(loc="best", fontsize=8)
     figure.autofmt_xdate()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
