@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import textwrap
 import threading
 import time
@@ -394,3 +395,17 @@ def test_promtool_is_beside_prometheus() -> None:
     """The Debian package that .ci/run installs brings both."""
     if prometheus_missing() is None:
         assert shutil.which("promtool") is not None
+
+
+def test_plot_without_matplotlib_says_so_before_asking_prometheus(
+    rules_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    code, out, err = tune(
+        capsys, f"http://127.0.0.1:{free_port()}", rules_dir, "--plot", str(tmp_path / "p")
+    )
+    assert (code, out) == (1, "")
+    assert err == "tune: --plot needs matplotlib: pip install matplotlib (or the test extra)\n"
