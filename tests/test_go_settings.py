@@ -444,3 +444,17 @@ def test_without_force_start_missing_rules_stop_the_start(tmp_path: Path) -> Non
     lines = result.stderr.splitlines()
     assert f"{tmp_path}/none/config: no such file or directory" in lines[-2]
     assert lines[-1].startswith(f"serve: rules read from {tmp_path}/none/config (RUNTIME_ROOT")
+
+
+def test_docs_settings_table_names_every_go_setting_read_and_only_those() -> None:
+    """docs/settings.md's table and cli/go_env.py name the same Go settings."""
+    source = (REPO / "ratelimit_service" / "cli" / "go_env.py").read_text()
+    values_not_names = {"FILE", "GRPC_XDS_SOTW", "SINGLE", "SENTINEL", "CLUSTER", "TRUE", "FALSE"}
+    values_not_names |= {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
+    read = set(re.findall(r'"([A-Z][A-Z0-9_]{2,})"', source)) - values_not_names
+    table = (REPO / "docs" / "settings.md").read_text().split("## The table", 1)[1]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    documented = {name for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row)}
+    assert sorted(read - documented) == []
+    # Documented without being read: only families no code names one by one.
+    assert sorted(documented - read) == []

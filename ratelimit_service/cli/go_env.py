@@ -93,6 +93,9 @@ ACCEPTED = {
     "RESPONSE_DYNAMIC_METADATA": "no dynamic metadata is returned",
     "MEMCACHE_HOST_PORT": "there is no memcache backend",
     "MEMCACHE_SRV": "there is no memcache backend",
+    "MEMCACHE_SRV_REFRESH": "there is no memcache backend",
+    "MEMCACHE_MAX_IDLE_CONNS": "there is no memcache backend",
+    "MEMCACHE_TLS": "there is no memcache backend",
     "GRPC_UDS_MODE": "the socket keeps the process's umask",
     "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL": "reconnects follow the"
     " XDS_CLIENT_BACKOFF_* intervals",

@@ -283,9 +283,10 @@ class RateLimitService:
         self._serving = True
         await self._publish_health()
         log.info(
-            "serving RLS and RLQS on port %d, admin on %s, store=%s, default mode=%s,"
-            " domains=%s",
-            self.grpc_port,
+            "serving RLS on %s, admin on %s, store=%s, default mode=%s, domains=%s",
+            self.settings.grpc_addr
+            if self.settings.grpc_addr.startswith("unix:")
+            else f"port {self.grpc_port}",
             f"{self.settings.admin_addr} (port {self.admin.port})"
             if self.settings.admin_addr
             else "(off)",
