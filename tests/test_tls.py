@@ -223,3 +223,34 @@ async def test_rlqs_streams_on_the_mtls_port(write_config, start_service, pki) -
     assert action.quota_assignment_action.rate_limit_strategy.token_bucket.max_tokens == 5
     with pytest.raises(grpc.aio.AioRpcError):
         await first_answer(None)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+async def test_redis_tls_with_a_client_certificate_from_the_go_settings(pki) -> None:
+    """REDIS_TLS with REDIS_TLS_CLIENT_CERT/KEY and REDIS_TLS_CACERT, as Envoy Gateway sets
+    them, reach a Redis that requires client certificates; without one it refuses."""
+    from ratelimit_service.cli.go_env import read_go_environment
+
+    server = pki["server"]
+    process, port = _redis(["--port", "0", "--tls-port", "{port}",
+                            "--tls-cert-file", str(server.cert), "--tls-key-file", str(server.key),
+                            "--tls-ca-cert-file", str(pki["ca"].cert),
+                            "--tls-auth-clients", "yes"])  # fmt: skip
+    go = {"REDIS_SOCKET_TYPE": "tcp", "REDIS_URL": f"127.0.0.1:{port}", "REDIS_TLS": "true"}
+    go |= {"REDIS_TLS_CACERT": str(pki["ca"].cert)}
+    try:
+        anonymous = read_go_environment(go, go_mode=False).values["--redis-url"].value
+        go |= {"REDIS_TLS_CLIENT_CERT": str(pki["client"].cert)}
+        go |= {"REDIS_TLS_CLIENT_KEY": str(pki["client"].key)}
+        url = read_go_environment(go, go_mode=False).values["--redis-url"].value
+        store = RedisStore(url, request_timeout=1)
+        assert (await store.hit([ExactHit("k", 2, 60, 1)], True))[0].remaining == 1
+        await store.sync([], 0.25)
+        await store.close()
+        refused = RedisStore(anonymous, request_timeout=1)
+        with pytest.raises(StoreUnavailable):
+            await refused.hit([ExactHit("k", 2, 60, 1)], True)
+        await refused.close()
+    finally:
+        process.kill()
+        process.wait()
