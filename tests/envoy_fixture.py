@@ -10,11 +10,15 @@ Import the fixtures a module uses by name: ``from envoy_fixture import envoy_bin
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from ratelimit_service.testing.envoy import (
     Address,
@@ -107,3 +111,130 @@ def shipped_bootstrap(
         },
     )
     return result
+
+
+# ------------------------------------------------------------------ RLQS
+
+
+def rlqs_bootstrap(config: Path, service: ServiceProcess, upstream_port: int, node: str) -> Any:
+    """The bootstrap ``envoy-config --rlqs --bootstrap`` prints for ``config``: one
+    listener, the rate_limit_quota filter on ``service`` with node id ``node``, admin
+    and listener on free ports."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ratelimit_service", "envoy-config", "--config", str(config),
+         "--rlqs", "--bootstrap", "--node-id", node, "--listen", "127.0.0.1:0",
+         "--admin-address", "127.0.0.1:0", "--service-address",
+         f"127.0.0.1:{service.grpc_port}", "--upstream-address", f"127.0.0.1:{upstream_port}"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def answering_itself(bootstrap: Any) -> Any:
+    """``bootstrap`` with every route answering 200 from a ``direct_response`` instead
+    of going upstream. The filters before the router (rate_limit_quota) still run; the
+    upstream leaves the path, and with it a Python HTTP server that, through Envoy's
+    keep-alive connections, tops out near 25 requests a second per connection
+    (delayed ACKs) and would measure itself instead of the limit."""
+    if isinstance(bootstrap, list):
+        return [answering_itself(item) for item in bootstrap]
+    if isinstance(bootstrap, dict):
+        if "match" in bootstrap and "route" in bootstrap:
+            rest = {k: v for k, v in bootstrap.items() if k != "route"}
+            return {**rest, "direct_response": {"status": 200, "body": {"inline_string": "ok"}}}
+        return {key: answering_itself(value) for key, value in bootstrap.items()}
+    return bootstrap
+
+
+def log_level(envoy: Envoy, component: str, level: str) -> None:
+    """Set one of Envoy's log components' level through its admin port (a POST)."""
+    assert envoy.admin is not None, "envoy is not started"
+    host, port = envoy.admin
+    url = f"http://{host}:{port}/logging?{component}={level}"
+    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as page:
+        assert page.status == 200
+
+
+def scrape(service: ServiceProcess) -> dict[str, float]:
+    """The service's /metrics, by sample name (labels included)."""
+    url = f"http://127.0.0.1:{service.admin_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return {
+        name: float(value)
+        for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))
+    }
+
+
+class Load:
+    """h2load on one Envoy listener, one phase after the other ((requests/s, seconds)
+    each), in the background: a fixed rate (``--rps`` per connection, 2 connections),
+    whatever Envoy answers. Every request's start time and status go to h2load's
+    --log-file, one file per phase, read back by :meth:`per_second`. h2load, not a
+    Python client: it keeps its schedule on a loaded machine, where a Python loop of
+    requests falls behind."""
+
+    CONNECTIONS = 2
+
+    def __init__(
+        self, port: int, phases: Sequence[tuple[float, float]], directory: Path, name: str,
+        headers: Mapping[str, str],
+    ) -> None:  # fmt: skip
+        directory.mkdir(parents=True, exist_ok=True)
+        self.logs = [directory / f"h2load-{name}.{n}.tsv" for n in range(len(phases))]
+        header_args = " ".join(f"-H '{k}: {v}'" for k, v in headers.items())
+        script = " && ".join(
+            f"h2load -c {self.CONNECTIONS} -m 1 -t 1 --rps {rate / self.CONNECTIONS:g} "
+            f"-D {round(seconds * 1000)}ms {header_args} --log-file {log} "
+            f"http://127.0.0.1:{port}/api/x > /dev/null"
+            for log, (rate, seconds) in zip(self.logs, phases, strict=True)
+        )
+        self.process = subprocess.Popen(["bash", "-c", script])
+
+    def wait(self, timeout: float) -> None:
+        assert self.process.wait(timeout) == 0, "h2load failed"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def phase_start_us(self, phase: int) -> int:
+        """When phase ``phase`` sent its first request (µs since the epoch)."""
+        return min(int(line.split("\t")[0]) for line in self.logs[phase].read_text().splitlines())
+
+    def per_second(self, start_us: int, seconds: int, status: int | None = 200) -> list[int]:
+        """Requests answered ``status`` (None: any) by the second they were sent in,
+        counted from ``start_us``, over every phase."""
+        counts = [0] * seconds
+        for log in self.logs:
+            if not log.exists():
+                continue
+            for line in log.read_text().splitlines():
+                cols = line.split("\t")
+                if len(cols) >= 3 and (status is None or cols[1] == str(status)):
+                    second = (int(cols[0]) - start_us) // 1_000_000
+                    if 0 <= second < seconds:
+                        counts[second] += 1
+        return counts
+
+
+@pytest.fixture
+def start_load(tmp_path: Path) -> Iterator[Callable[..., Load]]:
+    """Factory: ``start_load(envoy, phases, name, headers)`` runs a :class:`Load` on the
+    Envoy's only listener; any still running is killed at teardown."""
+    started: list[Load] = []
+
+    def start(
+        envoy: Envoy, phases: Sequence[tuple[float, float]], name: str,
+        headers: Mapping[str, str],
+    ) -> Load:  # fmt: skip
+        port = envoy.listener_port(envoy.bootstrap["static_resources"]["listeners"][0]["name"])
+        load = Load(port, phases, tmp_path / "load", name, headers)
+        started.append(load)
+        return load
+
+    yield start
+    for load in started:
+        load.stop()

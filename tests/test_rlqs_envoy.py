@@ -4,17 +4,21 @@ assigns. Envoy reports every 5 s (hard-coded in 1.40) and at once for a new buck
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
-from envoy_fixture import REPO, envoy_binary, spawn_service, start_envoy, upstream
+from envoy_fixture import (
+    envoy_binary,
+    rlqs_bootstrap,
+    scrape,
+    spawn_service,
+    start_envoy,
+    upstream,
+)
 
 from ratelimit_service.testing.envoy import Envoy, ServiceProcess, Upstream, validate
 
@@ -42,15 +46,7 @@ def rules(tmp_path: Path) -> Path:
 
 
 def bootstrap(config: Path, service: ServiceProcess, upstream: Upstream, node: str) -> Any:
-    result = subprocess.run(
-        [sys.executable, "-m", "ratelimit_service", "envoy-config", "--config", str(config),
-         "--rlqs", "--bootstrap", "--node-id", node, "--listen", "127.0.0.1:0",
-         "--admin-address", "127.0.0.1:0", "--service-address",
-         f"127.0.0.1:{service.grpc_port}", "--upstream-address", f"127.0.0.1:{upstream.port}"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return yaml.safe_load(result.stdout)
+    return rlqs_bootstrap(config, service, upstream.port, node)
 
 
 def codes(envoy: Envoy, tenant: str, count: int) -> list[int]:
@@ -112,16 +108,6 @@ def test_envoy_enforces_the_assigned_token_bucket_and_it_refills(
     hits = metrics['ratelimit_service_rate_limit_total_hits_total{key="quota.tenant"}']
     denied = metrics['ratelimit_service_rate_limit_over_limit_total{key="quota.tenant"}']
     assert denied >= 3 and hits - denied >= 5
-
-
-def scrape(service: ServiceProcess) -> dict[str, float]:
-    url = f"http://127.0.0.1:{service.admin_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        lines = response.read().decode().splitlines()
-    return {
-        name: float(value)
-        for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))
-    }
 
 
 SHARED = """\
