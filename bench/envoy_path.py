@@ -158,14 +158,36 @@ def rlqs_filter(cluster: str) -> dict[str, Any]:
     }}  # fmt: skip
 
 
+def generated_rlqs_filter(cluster: str) -> dict[str, Any]:
+    """The rate_limit_quota filter ``ratelimit-service envoy-config --rlqs`` prints for
+    the bench rule, as a bootstrap dict."""
+    from google.protobuf import json_format
+
+    from ratelimit_service.cli.envoy_rlqs import rlqs_filter as generator
+    from ratelimit_service.core.config_loader import ConfigFile, load_config
+
+    domain = load_config([ConfigFile("bench.yaml", CONFIG)]).domains["bench"]
+    message = generator(domain, cluster, None)
+    # Through JSON: MessageToDict leaves OrderedDicts in Any fields, which YAML refuses.
+    text = json_format.MessageToJson(message, preserving_proto_field_name=True)
+    return dict(json.loads(text))
+
+
 def listener(
-    name: str, route_cluster: str, ratelimit_cluster: str | None, rlqs: bool = False
+    name: str,
+    route_cluster: str,
+    ratelimit_cluster: str | None,
+    rlqs: bool = False,
+    generated: bool = False,
 ) -> dict[str, Any]:
     """A listener on a free loopback port: HCM -> (ratelimit filter ->) router -> the
     route cluster; the route sends the descriptor (k, v1). ``rlqs``: the
-    rate_limit_quota filter instead of the ratelimit filter."""
+    rate_limit_quota filter instead of the ratelimit filter (``generated``: the one the
+    generator prints)."""
     filters: list[dict[str, Any]] = []
-    if ratelimit_cluster is not None and rlqs:
+    if ratelimit_cluster is not None and rlqs and generated:
+        filters.append(generated_rlqs_filter(ratelimit_cluster))
+    elif ratelimit_cluster is not None and rlqs:
         filters.append(rlqs_filter(ratelimit_cluster))
     elif ratelimit_cluster is not None:
         filters.append({"name": "envoy.filters.http.ratelimit", "typed_config": {
@@ -239,12 +261,16 @@ class Target:
     """A fixed total rate (h2load --rps, per connection, is rps / connections)."""
     rlqs: bool = False
     """The rate_limit_quota filter (RLQS) instead of the ratelimit filter."""
+    generated: bool = False
+    """With rlqs: the filter ``envoy-config --rlqs`` prints for the bench rule (a bucket
+    matcher on the ``x-k`` header, the bucket id read from it), and requests carry it."""
 
     def h2load_load(self) -> list[str]:
+        load = [*self.load, "-H", "x-k: v1"] if self.generated else self.load
         if not self.rps:
-            return self.load
-        connections = int(self.load[self.load.index("-c") + 1])
-        return [*self.load, "--rps", f"{self.rps / connections:g}"]
+            return load
+        connections = int(load[load.index("-c") + 1])
+        return [*load, "--rps", f"{self.rps / connections:g}"]
 
 
 @dataclass
@@ -308,6 +334,7 @@ PATH_TARGETS = [
     *(Target(f"filter → {name}", name) for name in PATH_SERVICES),
     Target("RLQS → ours, embedded", "probabilistic, embedded", rlqs=True),
     Target(f"RLQS → {NULL_RLQS}", NULL_RLQS, rlqs=True),
+    Target("RLQS, generated filter → ours", "probabilistic, embedded", rlqs=True, generated=True),
 ]
 
 STUDY_SERVICES = {
@@ -578,7 +605,9 @@ def run_suite(
                     rl = f"rl{index}"
                     clusters.append(service_cluster(
                         rl, started[target.service].port, target.cluster_changes))  # fmt: skip
-                listeners.append(listener(target.name, f"up{index}", rl, target.rlqs))
+                listeners.append(
+                    listener(target.name, f"up{index}", rl, target.rlqs, target.generated)
+                )
             bootstrap = {"admin": admin(),
                          "static_resources": {"listeners": listeners, "clusters": clusters}}
             front = Envoy(binary, bootstrap, directory / "envoy-front")  # fmt: skip
