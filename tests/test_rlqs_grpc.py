@@ -146,3 +146,20 @@ async def test_sigterm_ends_rlqs_streams_with_a_status_and_at_once(
     finally:
         service.stop()
         print(service.log())
+
+
+async def test_a_fleet_starting_together_is_not_held_to_one_token(
+    start_service, write_config
+) -> None:
+    """The first of a fleet gets the whole limit, the next an even share: first shares
+    add up to more than the limit. At its next report an instance's room counts an
+    instance not measured yet at its even share, not at the whole limit it was first
+    given: b gets its half, not 1 token per fill until a reports again."""
+    service = await start_service(write_config(RULES.replace("LIMIT", "10")))
+    a, b = Stream(service.channel, "envoy-a"), Stream(service.channel, "envoy-b")
+    assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [10]  # alone
+    assert tokens(await b.ask(report("q", {"tenant": "t"}))) == [5]  # just seen
+    await asyncio.sleep(0.6)  # a demand is measured over at least 0.5 s
+    assert tokens(await b.ask(report("q", {"tenant": "t"}, allowed=30))) == [5]
+    a.call.cancel()
+    b.call.cancel()
