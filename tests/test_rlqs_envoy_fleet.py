@@ -103,11 +103,13 @@ def test_a_demand_shift_between_two_envoys_is_rebalanced_within_two_reports(
     # h2load kept its schedule (else the figures below would measure the machine).
     assert mean(offered_b[shift_s + 1 :]) >= 0.8 * high, offered_b
     fair = limit - low  # B's share after the shift: all that A, asking 6/s, leaves
-    # Before the shift, settled (two reports after the start: the first ones divide
-    # by a fleet still half unmeasured): B admits what it asks, A the rest.
+    # Before the shift, after two reports (the first ones divide by a fleet still
+    # half unmeasured): B admits what it asks, A most of the limit: the rest (34/s),
+    # or 27/s while B still holds the part of the spare it was given when A's demand
+    # was not known (B reporting after A in a round: it lets go at its next report).
     settled = slice(int(2 * REPORT) + 1, shift_s)
     assert mean(admitted_b[settled]) >= 0.8 * low, admitted_b
-    assert 0.8 * fair <= mean(admitted_a[settled]) <= 1.2 * fair, admitted_a
+    assert 0.6 * limit <= mean(admitted_a[settled]) <= 1.2 * fair, admitted_a
     # After it: B's admitted rate (2 s means) reaches 80 % of its new share and stays
     # there, within two report intervals (+2 s slack: the phases' edges, h2load's
     # start, the machine).
