@@ -4,7 +4,9 @@ assigned by one real service; skewed traffic (0.5 / 0.3 / 0.2), 0.5x the limit, 
 a step to 3x. Admitted per second against the limit, the steady-state error and the
 reaction time (bounded below by Envoy's 5 s reports).
 
-    python bench/rlqs_envoys.py [--limit 100] [--plot docs/img/rlqs_envoys.png]   # ~50 s
+    python bench/rlqs_envoys.py [--limit 100] [--rounds 3] [--plot docs/img/rlqs_envoys.png]
+
+About 50 s a round, each round on fresh processes; medians and ranges over the rounds.
 
 Only loopback traffic; every process is stopped at the end.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -106,47 +109,85 @@ def run(limit: int, before: float, after: float) -> list[int]:
             service.kill()
 
 
+def phases(rows: list[int], step: int, limit: int) -> dict[str, float | None]:
+    """One round's figures: admitted / limit by phase, the reaction time and the
+    steady-state error."""
+    ratio = [r / limit for r in rows]
+    after = ratio[step:]
+    within = next(
+        (s for s in range(len(after)) if all(abs(r - 1) <= 0.1 for r in after[s:])), None
+    )
+    steady = after[15:] or after[-5:]
+
+    def mean(part: list[float]) -> float | None:
+        return sum(part) / len(part) if part else None
+
+    return {
+        "0.5x offered (mean)": mean(ratio[1:step]),
+        "first second after the step": after[0] if after else None,
+        "seconds 2-5": mean(after[1:5]),
+        "seconds 6-10": mean(after[5:10]),
+        "from second 11 on": mean(after[10:]),
+        "steady-state error (15 s on)": (mean(steady) or 0.0) - 1.0,
+        "reaction, s (every later second within +-10 %)": within,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--before", type=float, default=15.0, help="seconds at 0.5x")
     parser.add_argument("--after", type=float, default=30.0, help="seconds at 3x")
+    parser.add_argument("--rounds", type=int, default=3, help="runs, each on fresh processes")
     parser.add_argument("--plot", default=None)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out")
     args = parser.parse_args()
-    rows = run(args.limit, args.before, args.after)
-    step = int(args.before)
-    limit = args.limit
-    within = next(
-        (s for s in range(step, len(rows)) if all(abs(r / limit - 1) <= 0.1 for r in rows[s:])),
-        None,
-    )
-    steady = rows[step + 15 :] or rows[-5:]
-    print(f"3 Envoys (skew {SKEW}), limit {limit}/s, 0.5x then 3x at t={step}s")
-    print("second  admitted/limit")
-    for second, count in enumerate(rows):
-        print(f"{second:6d}  {count / limit:5.2f}")
-    print(f"reaction (every later second within +-10 %): "
-          f"{'never' if within is None else f'{within - step} s'}")  # fmt: skip
-    print(f"steady state from 15 s after the step: {sum(steady) / len(steady) / limit - 1:+.1%}")
+    step, limit = int(args.before), args.limit
+    rounds: list[list[int]] = []
+    for n in range(args.rounds):
+        rows = run(limit, args.before, args.after)
+        rounds.append(rows)
+        print(f"round {n + 1}: " + " ".join(f"{r / limit:.2f}" for r in rows), flush=True)
+    figures = [phases(rows, step, limit) for rows in rounds]
+    print(f"\n3 Envoys (skew {SKEW}), limit {limit}/s, 0.5x then 3x at t={step}s,"
+          f" {args.rounds} rounds: median (min-max)\n")  # fmt: skip
+    print("| phase | admitted / limit |\n|---|---|")
+    for name in figures[0]:
+        values = sorted(v for f in figures if (v := f[name]) is not None)
+        missing = len(figures) - len(values)
+        if not values:
+            print(f"| {name} | never |")
+            continue
+        text = f"{statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})"
+        print(f"| {name} | {text}{f', never in {missing}' if missing else ''} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rlqs_envoys.json").write_text(json.dumps({"limit": limit, "rows": rows}))
+    (args.out / "rlqs_envoys.json").write_text(
+        json.dumps({"limit": limit, "step": step, "rounds": rounds, "figures": figures})
+    )
     if args.plot:
-        import matplotlib
+        plot(rounds, limit, args.before, args.plot)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        ax.plot(range(len(rows)), [r / limit for r in rows], label="admitted / limit")
-        ax.axhline(1.0, color="grey", linestyle="--", label="limit")
-        ax.axvline(args.before, color="red", linestyle=":", label="step 0.5x -> 3x")
-        ax.set_xlabel("second")
-        ax.set_ylabel("admitted / limit")
-        ax.set_title("RLQS through 3 real Envoys (reports every 5 s)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot)
+def plot(rounds: list[list[int]], limit: int, before: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for n, rows in enumerate(rounds):
+        ax.plot(range(len(rows)), [r / limit for r in rows], linewidth=0.8, alpha=0.6,
+                label=f"round {n + 1}")  # fmt: skip
+    medians = [statistics.median(col) / limit for col in zip(*rounds, strict=True)]
+    ax.plot(range(len(medians)), medians, color="black", linewidth=1.6, label="median")
+    ax.axhline(1.0, color="grey", linestyle="--", label="limit")
+    ax.axvline(before, color="red", linestyle=":", label="step 0.5x -> 3x")
+    ax.set_xlabel("second")
+    ax.set_ylabel("admitted / limit")
+    ax.set_title(f"RLQS through 3 real Envoys, {len(rounds)} rounds (reports every 5 s)")
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 if __name__ == "__main__":
