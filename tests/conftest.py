@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
@@ -128,3 +131,32 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         pytest.skip("redis-server is not installed")
     with redis_process(tmp_path) as server:
         yield server
+
+
+def settings_free_env() -> dict[str, str]:
+    """The test's environment without anything the service reads as a setting (ours
+    or envoyproxy/ratelimit's), for a process started as a Go deployment starts it."""
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
+    return {name: value for name, value in os.environ.items() if name in keep}
+
+
+@contextlib.contextmanager
+def ratelimit_command(env: Mapping[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``ratelimit`` (the image's /bin/ratelimit) with ``env`` alone, output to ``log``;
+    terminated (SIGTERM, then SIGKILL) at the end."""
+    binary = Path(sys.executable).with_name("ratelimit")
+    assert binary.exists(), "the `ratelimit` console script is installed with the package"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [str(binary)], stdout=sink, stderr=subprocess.STDOUT,
+            env={**settings_free_env(), **env},
+        )  # fmt: skip
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -6,15 +6,11 @@ mTLS, a real redis-server at REDIS_URL=host:port, gRPC served over mTLS, probes 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +23,7 @@ from ratelimit_service.config import rls_conf_pb2 as rls
 from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
 from ratelimit_service.testing.redis import RedisServer, free_port
 from ratelimit_service.testing.xds import AdsServer, domain, limit
-from tests.conftest import make_request
+from tests.conftest import make_request, ratelimit_command
 
 GO_PORTS = {"PORT": 8080, "GRPC_PORT": 8081, "DEBUG_PORT": 6070}
 """The Go service's default ports, which Envoy Gateway's deployment relies on."""
@@ -94,29 +90,6 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CertPair]:
     }
 
 
-def _clean_env() -> dict[str, str]:
-    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
-    return {name: value for name, value in os.environ.items() if name in keep}
-
-
-@contextlib.contextmanager
-def _ratelimit(env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    binary = Path(sys.executable).with_name("ratelimit")
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [str(binary)], stdout=sink, stderr=subprocess.STDOUT, env={**_clean_env(), **env}
-        )
-    try:
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def _healthcheck(port: int) -> int:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=2) as page:
@@ -179,7 +152,7 @@ async def test_envoy_gateways_deployment_runs_and_takes_rules_by_xds(
     http_port, grpc_port = int(ports.get("PORT", 8080)), int(ports.get("GRPC_PORT", 8081))
     log = tmp_path / "ratelimit.log"
     try:
-        with _ratelimit(env, log):
+        with ratelimit_command(env, log):
             await _until(lambda: _healthcheck(http_port) == 200, 20, "/healthcheck 200", log)
             first = await ads.request()
             assert first.node.id == "envoy-ratelimit"

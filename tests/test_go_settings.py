@@ -5,7 +5,6 @@ Go service's environment alone against real Redis, statsd and HTTP sockets."""
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import socket
 import subprocess
@@ -13,7 +12,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -24,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ratelimit_service.cli.go_env import GoSettingError, parse_go_duration, read_go_environment
 from ratelimit_service.cli.main import _go_environment, build_parser
 from ratelimit_service.testing.redis import RedisServer, free_port
-from tests.conftest import make_request
+from tests.conftest import make_request, ratelimit_command, settings_free_env
 
 REPO = Path(__file__).resolve().parent.parent
 OK, OVER = 1, 2
@@ -207,7 +205,7 @@ def test_a_bad_value_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> N
         capture_output=True,
         text=True,
         timeout=30,
-        env={**_clean_env(), "REDIS_SOCKET_TYPE": "tcp", "REDIS_URL": "localhost"},
+        env={**settings_free_env(), "REDIS_SOCKET_TYPE": "tcp", "REDIS_URL": "localhost"},
         cwd=tmp_path,
     )
     assert result.returncode == 2
@@ -254,12 +252,6 @@ def test_a_flag_wins_then_ours_then_the_go_name(monkeypatch: pytest.MonkeyPatch)
 # -- `ratelimit` from a Go deployment's environment alone --------------------------------
 
 
-def _clean_env() -> dict[str, str]:
-    """The test's environment without anything the service reads as a setting."""
-    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
-    return {name: value for name, value in os.environ.items() if name in keep}
-
-
 def _get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -279,25 +271,6 @@ def _wait_for(url: str, status: int, process: subprocess.Popen[bytes], log: Path
                 return body
         time.sleep(0.05)
     pytest.fail(f"{url} never answered {status}:\n{log.read_text()}")
-
-
-@contextlib.contextmanager
-def _ratelimit(env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    binary = Path(sys.executable).with_name("ratelimit")
-    assert binary.exists(), "the `ratelimit` console script is installed with the package"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [str(binary)], stdout=sink, stderr=subprocess.STDOUT, env={**_clean_env(), **env}
-        )
-    try:
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _go_ports() -> dict[str, str]:
@@ -342,7 +315,7 @@ def test_ratelimit_runs_from_a_go_deployments_environment(
         "TRACING_ENABLED": "true",
     }
     log = tmp_path / "ratelimit.log"
-    with _ratelimit(env, log) as process:
+    with ratelimit_command(env, log) as process:
         assert _wait_for(f"http://127.0.0.1:{env['PORT']}/healthcheck", 200, process, log) == "OK"
         with grpc.insecure_channel(f"127.0.0.1:{env['GRPC_PORT']}") as channel:
             stub = channel.unary_unary(
@@ -410,7 +383,7 @@ def test_force_start_and_health_wait_for_a_first_config(tmp_path: Path) -> None:
     }
     health_url = f"http://127.0.0.1:{env['PORT']}/healthcheck"
     log = tmp_path / "ratelimit.log"
-    with _ratelimit(env, log) as process:
+    with ratelimit_command(env, log) as process:
         _wait_for(health_url, 500, process, log)  # serving, but no rules yet
         with grpc.insecure_channel(f"127.0.0.1:{env['GRPC_PORT']}") as channel:
             check = health_pb2_grpc.HealthStub(channel).Check
@@ -438,7 +411,7 @@ def test_without_force_start_missing_rules_stop_the_start(tmp_path: Path) -> Non
         capture_output=True,
         text=True,
         timeout=30,
-        env={**_clean_env(), **_go_ports(), "RUNTIME_ROOT": str(tmp_path / "none")},
+        env={**settings_free_env(), **_go_ports(), "RUNTIME_ROOT": str(tmp_path / "none")},
     )
     assert result.returncode == 1
     lines = result.stderr.splitlines()

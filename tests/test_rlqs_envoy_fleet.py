@@ -146,6 +146,23 @@ def sleep_until(start_s: float, offset: float) -> float:
     return time.time()
 
 
+def measured(
+    loads: Sequence[Load], seconds: float, event: float, what: str
+) -> tuple[int, float, list[list[int]], list[int]]:
+    """Wait for both loads; the first request's time (µs), the event's second from it,
+    each Envoy's admitted per second, and the two together (printed, for a failing
+    run)."""
+    for load in loads:
+        load.wait(seconds + 30)
+    start = min(load.phase_start_us(0) for load in loads)
+    event_s = (event * 1e6 - start) / 1e6
+    admitted = [load.per_second(start, int(seconds)) for load in loads]
+    together = [x + y for x, y in zip(*admitted, strict=True)]
+    print(f"{what} at {event_s:.1f} s; admitted/s a, b, together:")
+    print(*admitted, together, sep="\n")
+    return start, event_s, admitted, together
+
+
 def test_a_limit_edited_in_the_yaml_is_followed_within_one_report(
     start_envoy: Callable[..., Envoy],
     spawn_service: Callable[..., ServiceProcess],
@@ -161,14 +178,7 @@ def test_a_limit_edited_in_the_yaml_is_followed_within_one_report(
     begun = time.time()
     edited = sleep_until(begun, edit_at)
     rule(config, new)
-    for load in loads:
-        load.wait(seconds + 30)
-    start = min(load.phase_start_us(0) for load in loads)
-    edit_s = (edited * 1e6 - start) / 1e6
-    admitted = [load.per_second(start, int(seconds)) for load in loads]
-    together = [x + y for x, y in zip(*admitted, strict=True)]
-    print(f"limit {old} -> {new}/s at {edit_s:.1f} s; admitted/s a, b, together:")
-    print(*admitted, together, sep="\n")
+    start, edit_s, admitted, together = measured(loads, seconds, edited, f"limit {old} -> {new}/s")
     offered = [sum(load.per_second(start, int(seconds), status=None)) for load in loads]
     assert all(count >= 0.8 * rate * seconds for count in offered), offered
     # Before the edit, settled: the two admit the old limit together.
@@ -200,15 +210,8 @@ def test_with_redis_down_the_envoys_keep_the_last_split_and_their_streams(
     stopped = sleep_until(begun, down_at)
     redis_server.stop()
     answered_at_stop = scrape(service)["ratelimit_rlqs_assignments_total"]
-    for load in loads:
-        load.wait(seconds + 30)
+    _, down_s, admitted, together = measured(loads, seconds, stopped, "Redis stopped")
     metrics = scrape(service)
-    start = min(load.phase_start_us(0) for load in loads)
-    down_s = (stopped * 1e6 - start) / 1e6
-    admitted = [load.per_second(start, int(seconds)) for load in loads]
-    together = [x + y for x, y in zip(*admitted, strict=True)]
-    print(f"Redis stopped at {down_s:.1f} s; admitted/s a, b, together:")
-    print(*admitted, together, sep="\n")
     # Redis was away and the service answered the reports meanwhile (at 15, 20, 25 s
     # from each Envoy), on both streams.
     assert metrics["ratelimit_rlqs_store_errors_total"] >= 2, metrics
@@ -244,14 +247,9 @@ def test_sigterm_closes_the_streams_and_envoy_keeps_enforcing(
     service.terminate()
     assert service.wait(10) == 0
     exited = time.time() - terminated
-    for load in loads:
-        load.wait(seconds + 30)
-    start = min(load.phase_start_us(0) for load in loads)
-    term_s = (terminated * 1e6 - start) / 1e6
-    admitted = [load.per_second(start, int(seconds)) for load in loads]
-    together = [x + y for x, y in zip(*admitted, strict=True)]
-    print(f"SIGTERM at {term_s:.1f} s, exited {exited:.1f} s later; admitted/s a, b, together:")
-    print(*admitted, together, sep="\n")
+    _, term_s, _, together = measured(
+        loads, seconds, terminated, f"SIGTERM (exited {exited:.1f} s later)"
+    )
     for envoy in envoys:
         # Each Envoy's stream ended with the status the service sent (UNAVAILABLE,
         # 14), not a reset and not gRPC's own "Cancelling all calls" after the grace;
