@@ -5,6 +5,7 @@ them, reporting every 5 s at staggered moments as Envoy 1.40 does. Traffic is sk
 
     python bench/rlqs_fleet.py                    # 1,000 Envoys, 10,000/s, ~1 min
     python bench/rlqs_fleet.py --envoys 10 --limit 100 --plot docs/img/rlqs_fleet.png
+    python bench/rlqs_fleet.py --no-push          # only answers to reports, to compare
 
 Prints admitted per second against the limit, the steady-state error after the step,
 and the reaction time (until each second is within +-10 % of the limit). Envoy's side
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.shares import TokenBucket
-from ratelimit_service.engine.quota import REPORT_INTERVAL, QuotaCoordinator, Usage
+from ratelimit_service.engine.quota import REPORT_INTERVAL, Action, QuotaCoordinator, Usage
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.embedded import EmbeddedStore
 
@@ -60,7 +61,20 @@ class SimEnvoy:
         return admitted
 
 
-async def run(envoys: int, limit: int, seconds: float, step_at: float, seed: int) -> list[float]:
+async def run(
+    envoys: int,
+    limit: int,
+    seconds: float,
+    step_at: float,
+    seed: int,
+    push: bool = True,
+    shift_at: float | None = None,
+    after: float = 3.0,
+) -> list[float]:
+    """Admitted per second. ``push``: buckets the coordinator pushes between an
+    Envoy's reports reach it at once (as on a real stream); without, only the answers
+    to its own reports (to compare the two side by side). ``shift_at``: from then on
+    the skew is reversed (the busiest Envoy becomes the quietest), at the same total."""
     rng = random.Random(seed)
     config = load_config(
         [ConfigFile("q.yaml", f"domain: q\ndescriptors:\n  - key: tenant\n"
@@ -79,13 +93,21 @@ async def run(envoys: int, limit: int, seconds: float, step_at: float, seed: int
     fleet = [
         SimEnvoy(f"e{i}", w / total, rng.uniform(0, REPORT_INTERVAL)) for i, w in enumerate(weights)
     ]
+    if push:
+        for envoy in fleet:
+            quota.attach(envoy.name, lambda actions, e=envoy: deliver(e, actions))
     per_second: list[float] = [0.0] * math.ceil(seconds)
     next_report = {e.name: e.phase for e in fleet}
     first = {e.name: True for e in fleet}
     t = 0.0
+    shifted = False
     while t < seconds:
         clock[0] = t
-        offered = (0.5 if t < step_at else 3.0) * limit
+        if shift_at is not None and t >= shift_at and not shifted:
+            shifted = True
+            for envoy, weight in zip(fleet, reversed([e.weight for e in fleet]), strict=True):
+                envoy.weight = weight
+        offered = (0.5 if t < step_at else after) * limit
         for envoy in fleet:
             envoy.debt += offered * envoy.weight * TICK
             requests = int(envoy.debt)
@@ -104,6 +126,12 @@ async def run(envoys: int, limit: int, seconds: float, step_at: float, seed: int
     return per_second
 
 
+def deliver(envoy: SimEnvoy, actions: list[Action]) -> bool:
+    for action in actions:
+        envoy.assign(action.token_bucket)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--envoys", type=int, default=1000)
@@ -112,8 +140,18 @@ def main() -> None:
     parser.add_argument("--step-at", type=float, default=25.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--plot", default=None, help="write a PNG of admitted per second")
+    parser.add_argument(
+        "--no-push", action="store_true", help="only answers to reports, no pushed buckets"
+    )
+    parser.add_argument(
+        "--shift-at", type=float, default=None, help="reverse the skew at this second"
+    )
+    parser.add_argument("--after", type=float, default=3.0, help="offered x limit after the step")
     args = parser.parse_args()
-    rows = asyncio.run(run(args.envoys, args.limit, args.seconds, args.step_at, args.seed))
+    rows = asyncio.run(
+        run(args.envoys, args.limit, args.seconds, args.step_at, args.seed, not args.no_push,
+            args.shift_at, args.after)
+    )  # fmt: skip
     limit = args.limit
     step = int(args.step_at)
     within = next(
@@ -122,7 +160,8 @@ def main() -> None:
     )
     steady = rows[step + 15 :] or rows[-5:]
     error = sum(steady) / len(steady) / limit - 1
-    print(f"{args.envoys} Envoys, limit {limit}/s, 0.5x then 3x at t={step}s")
+    shift = "" if args.shift_at is None else f", skew reversed at t={args.shift_at:g}s"
+    print(f"{args.envoys} Envoys, limit {limit}/s, 0.5x then {args.after:g}x at t={step}s{shift}")
     print("second  admitted/limit")
     for second, admitted in enumerate(rows):
         print(f"{second:6d}  {admitted / limit:5.2f}")

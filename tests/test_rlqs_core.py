@@ -13,6 +13,7 @@ from ratelimit_service.engine.quota import (
     ABANDON_AFTER,
     ALLOW_ALL,
     DENY_ALL,
+    Action,
     QuotaCoordinator,
     Usage,
 )
@@ -177,6 +178,48 @@ async def test_a_demand_shift_is_rebalanced_within_two_reports() -> None:
     first = await both(50, 400)
     assert sum(first) <= 100 and first[1] > 15
     assert await both(50, 400) == (15, 85)
+
+
+async def test_room_a_report_frees_is_pushed_at_once_to_the_instance_that_waits() -> None:
+    """b asks for more while a still holds most of the limit: b is held to the room
+    left. When a reports its smaller demand, b's larger bucket is pushed at once,
+    not at b's next report; the two never hold more than the limit."""
+    quota, clock, _ = coordinator()
+    bucket = {"tenant": "t"}
+    pushed: dict[str, list[list[Action]]] = {"a": [], "b": []}
+    for name in ("a", "b"):
+        quota.attach(name, lambda actions, name=name: pushed[name].append(actions) or True)
+        await quota.report(name, "q", [Usage(bucket, 1, 0)])
+
+    async def one(name: str, hits: int) -> int:
+        (action,) = await quota.report(name, "q", [Usage(bucket, hits, 0)])
+        assert action.token_bucket is not None
+        return action.token_bucket.tokens_per_fill
+
+    for _ in range(3):
+        clock.now += 5.0
+        held = (await one("a", 400), await one("b", 50))  # a asks 80/s, b 10/s
+    assert held == (85, 15)
+    pushed["a"].clear()
+    pushed["b"].clear()
+    before = quota.pushed
+    clock.now += 5.0
+    assert await one("b", 400) == 15  # b now asks 80/s: the room a leaves is 15
+    assert pushed == {"a": [], "b": []}
+    assert await one("a", 50) == 15  # a asks 10/s: its demand and half the spare
+    ((grown,),) = pushed["b"]
+    assert grown.bucket == bucket and grown.token_bucket is not None
+    assert grown.token_bucket.tokens_per_fill == 85  # into the room, not beyond it
+    assert pushed["a"] == [] and quota.pushed == before + 1
+    # The traffic moves back, and a's outbox is full: the push is dropped (counted),
+    # and a's next report brings its bucket.
+    quota.attach("a", lambda actions: False)
+    clock.now += 5.0
+    assert await one("a", 400) == 15  # a is held to the room b leaves
+    assert await one("b", 50) == 15
+    assert quota.pushes_dropped == 1
+    clock.now += 5.0
+    assert await one("a", 400) == 85
 
 
 def test_a_share_grows_only_into_room_and_small_rises_keep_the_bucket() -> None:

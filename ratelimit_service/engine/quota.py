@@ -102,6 +102,9 @@ class _Seen:
     last_report: float
     demand: float | None = None
     idle: int = 0
+    bucket: Mapping[str, str] | None = None
+    """The bucket id the instance last reported for the counter (what a pushed
+    assignment names)."""
 
 
 @dataclass(slots=True)
@@ -138,6 +141,9 @@ class QuotaCoordinator:
         the metrics page)."""
         self._shares: dict[str, dict[str, float]] = {}
         """Each counter's share last assigned to each instance, in hits per window."""
+        self._pushers: dict[str, Callable[[list[Action]], bool]] = {}
+        """Each connected instance's way to receive assignments between its reports
+        (its stream's outbox; False when it is full)."""
 
         self.closing = asyncio.Event()
         """Set by close_streams: every stream ends, and a new one ends at once."""
@@ -148,6 +154,10 @@ class QuotaCoordinator:
         self.malformed = 0
         """Buckets with an empty id (Envoy ignores any answer to them)."""
         self.store_errors = 0
+        self.pushed = 0
+        """Assignments sent between an instance's reports (a share grown into room
+        another instance's report freed)."""
+        self.pushes_dropped = 0
 
     async def report(self, instance: str, domain: str, usages: Iterable[Usage]) -> list[Action]:
         """Account one report of ``instance`` and answer each of its buckets."""
@@ -178,6 +188,7 @@ class QuotaCoordinator:
                 actions.append(answer)
         self.assignments += sum(1 for a in actions if a.kind != ABANDON)
         self.abandons += sum(1 for a in actions if a.kind == ABANDON)
+        self._grow_others(instance, pending, views)
         return actions
 
     def _observe(self, instance: str, usage: Usage, match: Match, now: float) -> _Pending:
@@ -188,6 +199,7 @@ class QuotaCoordinator:
         if seen is None:
             seen = self._seen[(instance, match.bucket_key)] = _Seen(now)
         offered = usage.allowed + usage.denied
+        seen.bucket = usage.bucket
         seen.idle = seen.idle + 1 if offered == 0 else 0
         if elapsed is not None and elapsed >= MIN_ELAPSED:
             seen.demand = offered / elapsed
@@ -255,6 +267,59 @@ class QuotaCoordinator:
         bucket = token_bucket(share, limit.requests_per_unit, window, limit.burst)
         return Action(usage.bucket, "token_bucket", bucket)
 
+    def _grow_others(
+        self, instance: str, pending: list[_Pending], views: Mapping[str, QuotaView]
+    ) -> None:
+        """Push, now, a larger bucket to every other instance on this process whose
+        fair share the room ``instance``'s report just freed lets grow. Without it a
+        share grows only at the instance's own next report, after the one that freed
+        the room: a shift of demand from one Envoy to another waited up to two and a
+        half report intervals. Shares only grow here, into room nobody holds, so the
+        fleet still never holds more than the limit; shrinking waits for each
+        instance's own report, which measures its demand."""
+        pushes: dict[str, list[Action]] = {}
+        for item in pending:
+            limit, key = item.match.limit, item.match.bucket_key
+            view, assigned = views[key], self._shares.get(key)
+            window, most = limit.window_seconds, limit.requests_per_unit
+            if assigned is None or limit.shadow_mode or most == 0:
+                continue
+            if window > 1 and view.used >= most:  # DENY_ALL until the window resets
+                continue
+            demands = {n: None if d is None else d * window for n, d in view.demands.items()}
+            fair = fair_shares(float(most), demands)
+            even = most / len(demands) if demands else float(most)
+            counted = {n: counted_share(h, demands.get(n), even) for n, h in assigned.items()}
+            held_in_all = sum(counted.values())
+            for other, held in list(assigned.items()):
+                seen = self._seen.get((other, key))
+                if other == instance or other not in self._pushers or other not in fair:
+                    continue
+                if seen is None or seen.bucket is None:
+                    continue
+                room = most - (held_in_all - counted[other])
+                share = settle_share(fair[other], held, room)
+                if share <= held:
+                    continue
+                # Granted one after the other: each grows into what is left.
+                assigned[other] = share
+                now_counted = counted_share(share, demands.get(other), even)
+                held_in_all += now_counted - counted[other]
+                counted[other] = now_counted
+                bucket = token_bucket(share, most, window, limit.burst)
+                pushes.setdefault(other, []).append(Action(seen.bucket, "token_bucket", bucket))
+        for other, actions in pushes.items():
+            log.debug("pushed to %s: %s", other, [a.bucket for a in actions])
+            if self._pushers[other](actions):
+                self.pushed += len(actions)
+                self.assignments += len(actions)
+            else:
+                self.pushes_dropped += len(actions)
+
+    def attach(self, instance: str, push: Callable[[list[Action]], bool]) -> None:
+        """``instance``'s stream takes assignments between its reports through ``push``."""
+        self._pushers[instance] = push
+
     def _count(self, stats_key: str, usage: Usage, shadow: bool, allowance: float) -> None:
         """Envoy's decisions, counted as the RLS path counts its own; for a shadow
         rule, the hits beyond the instance's share (``allowance``: hits it may admit
@@ -285,6 +350,7 @@ class QuotaCoordinator:
         """A stream ended: drop what this process kept of it (the store forgets the
         instance once it has been silent for FORGET_AFTER)."""
         self.streams -= 1
+        self._pushers.pop(instance, None)
         counters = [k[1] for k in self._seen if k[0] == instance]
         for counter in counters:
             del self._seen[(instance, counter)]
@@ -348,7 +414,13 @@ def held_elsewhere(
     for five)."""
     even = limit / len(demands) if demands else limit
     return sum(
-        min(share, even) if demands.get(name) is None else share
+        counted_share(share, demands.get(name), even)
         for name, share in assigned.items()
         if name != instance
     )
+
+
+def counted_share(share: float, demand: float | None, even: float) -> float:
+    """What an instance's share counts for in the others' room: in full once its
+    demand is measured, else at most an even share (see held_elsewhere)."""
+    return min(share, even) if demand is None else share

@@ -102,6 +102,14 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric]:
     counters = {
         "reports": ("RLQS usage reports received", quota.reports),
         "assignments": ("RLQS bucket assignments sent", quota.assignments),
+        "pushed": (
+            "RLQS assignments sent between an instance's reports (room another freed)",
+            quota.pushed,
+        ),
+        "pushes_dropped": (
+            "RLQS pushes dropped: the stream's outbox was full",
+            quota.pushes_dropped,
+        ),
         "abandons": ("RLQS buckets abandoned (idle)", quota.abandons),
         "malformed_buckets": ("RLQS buckets with an empty id (ignored)", quota.malformed),
         "store_errors": (

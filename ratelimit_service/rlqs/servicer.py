@@ -7,7 +7,9 @@ when Envoy sends it (``rlqs_server.grpc_service.initial_metadata``), else by its
 address and the stream, so two Envoys behind one address still count as two. Every
 report is answered at once with an action for each of its buckets: the token bucket
 is re-sent each time, which renews its TTL (an identical bucket keeps its tokens in
-Envoy). Never ``requests_per_time_unit``: Envoy 1.40 ignores it.
+Envoy). Never ``requests_per_time_unit``: Envoy 1.40 ignores it. Between reports a
+stream also carries the larger buckets another Envoy's report made room for
+(QuotaCoordinator._grow_others): the protocol lets the server push at any time.
 
 When the service stops (QuotaCoordinator.close_streams), every stream ends at once with
 UNAVAILABLE ("shutting down"): an orderly end with a status, not the cancellation gRPC
@@ -45,6 +47,9 @@ _Action = rlqs_pb2.RateLimitQuotaResponse.BucketAction
 _BLANKET = {ALLOW_ALL: _Strategy.ALLOW_ALL, DENY_ALL: _Strategy.DENY_ALL}
 _streams = itertools.count(1)
 SHUTTING_DOWN = "the rate limit service is shutting down: reconnect"
+PUSH_QUEUE = 8
+"""Pushed answers a stream may hold before its writer takes them; beyond, a push is
+dropped (and counted): the instance's next report is answered in full anyway."""
 
 
 class QuotaServicer:
@@ -61,18 +66,23 @@ class QuotaServicer:
         instance = instance_name(context)
         coordinator = self.coordinator
         coordinator.connected()
+        pushed: asyncio.Queue[list[Action]] = asyncio.Queue(PUSH_QUEUE)
+        coordinator.attach(instance, lambda actions: offer(pushed, actions))
         log.debug("RLQS stream from %s", instance)
         try:
-            async for reports in until_closing(request_iterator, coordinator.closing):
-                usages = [
-                    Usage(
-                        dict(usage.bucket_id.bucket),
-                        usage.num_requests_allowed,
-                        usage.num_requests_denied,
-                    )
-                    for usage in reports.bucket_quota_usages
-                ]
-                actions = await coordinator.report(instance, reports.domain, usages)
+            async for item in incoming(request_iterator, coordinator.closing, pushed):
+                if isinstance(item, list):  # assignments pushed between reports
+                    actions = item
+                else:
+                    usages = [
+                        Usage(
+                            dict(usage.bucket_id.bucket),
+                            usage.num_requests_allowed,
+                            usage.num_requests_denied,
+                        )
+                        for usage in item.bucket_quota_usages
+                    ]
+                    actions = await coordinator.report(instance, item.domain, usages)
                 if actions:
                     yield rlqs_pb2.RateLimitQuotaResponse(
                         bucket_action=[bucket_action(a) for a in actions]
@@ -85,29 +95,53 @@ class QuotaServicer:
             log.debug("RLQS stream from %s ended", instance)
 
 
-async def until_closing(
-    messages: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports], closing: asyncio.Event
-) -> AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports]:
-    """The stream's reports until the client ends it or ``closing`` is set, whichever
-    comes first: a stream waits for its next report most of the time (5 s apart), so
-    the wait itself must give way. One task per report is nothing at that rate."""
+def offer(queue: asyncio.Queue[list[Action]], actions: list[Action]) -> bool:
+    """Queue pushed assignments; False when the stream's outbox is full (the stream is
+    not being read: the instance's next report brings them anyway)."""
+    try:
+        queue.put_nowait(actions)
+    except asyncio.QueueFull:
+        return False
+    return True
+
+
+async def incoming(
+    messages: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports],
+    closing: asyncio.Event,
+    pushed: asyncio.Queue[list[Action]],
+) -> AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports | list[Action]]:
+    """The stream's reports, and the assignments pushed to it, until the client ends
+    it or ``closing`` is set, whichever comes first: a stream waits for its next report
+    most of the time (5 s apart), so the wait itself must give way. A few tasks per
+    report are nothing at that rate."""
     stop = asyncio.ensure_future(closing.wait())
     next_message: asyncio.Future[rlqs_pb2.RateLimitQuotaUsageReports] | None = None
+    next_push: asyncio.Future[list[Action]] | None = None
     try:
         while not closing.is_set():
-            next_message = asyncio.ensure_future(anext(messages))
-            await asyncio.wait((next_message, stop), return_when=asyncio.FIRST_COMPLETED)
-            if not next_message.done():
+            if next_message is None:
+                next_message = asyncio.ensure_future(anext(messages))
+            if next_push is None:
+                next_push = asyncio.ensure_future(pushed.get())
+            waiting = (next_message, next_push, stop)
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if closing.is_set():
                 return
+            if next_push.done():
+                actions, next_push = next_push.result(), None
+                yield actions
+                continue
             try:
                 message = next_message.result()
             except StopAsyncIteration:
                 return
+            next_message = None
             yield message
     finally:
         stop.cancel()
-        if next_message is not None:
-            next_message.cancel()
+        for future in (next_message, next_push):
+            if future is not None:
+                future.cancel()
 
 
 def instance_name(context: grpc.aio.ServicerContext) -> str:
