@@ -189,3 +189,42 @@ async def _ack(ads: AdsServer, version: str) -> Any:
         if request.response_nonce and request.version_info == version:
             return request
     pytest.fail(f"no ACK/NACK naming {version}")
+
+
+async def test_without_force_start_the_service_listens_once_xds_sent_rules(
+    tmp_path: Path,
+) -> None:
+    """FORCE_START_WITHOUT_INITIAL_CONFIG=false (the Go default): nothing listens until
+    the xDS server has sent rules that load; then the rules are served at once."""
+    ads = await AdsServer().start()
+    ports = {name: str(free_port()) for name in GO_PORTS}
+    env = {
+        "CONFIG_TYPE": "GRPC_XDS_SOTW",
+        "CONFIG_GRPC_XDS_SERVER_URL": f"127.0.0.1:{ads.port}",
+        "USE_STATSD": "false",
+        "HOST": "127.0.0.1",
+        "DEBUG_HOST": "127.0.0.1",
+        **ports,
+    }
+    log = tmp_path / "ratelimit.log"
+    http_port = int(ports["PORT"])
+    try:
+        with ratelimit_command(env, log):
+            first = await ads.request()  # the service asked for rules...
+            assert first.node.id == "default"
+            await asyncio.sleep(1.0)
+            assert await asyncio.to_thread(_healthcheck, http_port) == 0  # ...and waits
+            ads.push("v1", [domain("gateway", limit("user", 2))])
+            await _until(lambda: _healthcheck(http_port) == 200, 10, "/healthcheck 200", log)
+            codes = await asyncio.to_thread(_plain_codes, int(ports["GRPC_PORT"]), 3)
+            assert codes == [1, 1, 2]
+    finally:
+        await ads.stop()
+    assert "waiting for the first rules from xDS server" in log.read_text()
+
+
+def _plain_codes(port: int, times: int) -> list[int]:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+        request = make_request("gateway", [("user", "bob")])
+        return [stub.ShouldRateLimit(request, timeout=5).overall_code for _ in range(times)]
