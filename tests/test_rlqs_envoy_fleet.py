@@ -111,16 +111,17 @@ def test_a_demand_shift_between_two_envoys_is_rebalanced_within_two_reports(
     assert mean(admitted_b[settled]) >= 0.8 * low, admitted_b
     assert 0.6 * limit <= mean(admitted_a[settled]) <= 1.2 * fair, admitted_a
     # After it: B's admitted rate (2 s means) reaches 80 % of its new share and stays
-    # there, within two report intervals. In fact within one (+3 s slack: the phases'
-    # edges, h2load's start, the machine): A's next report frees the room and B's
-    # larger bucket is pushed to it at once, not at B's own next report (measured:
-    # 5 s; 10 s when B waited for its own report).
+    # there, within two report intervals (+2 s slack: the phases' edges, h2load's
+    # start, the machine). A's next report frees the room and B's larger bucket is
+    # pushed at once, as large as B's last measured demand allows: all of it when B
+    # reported the shift before A did (5 s measured), else part, and the rest at B's
+    # own next report (10 s).
     b_after = windows(admitted_b[shift_s:], 2)
     reached = next(
         (s for s in range(len(b_after)) if all(w >= 0.8 * fair for w in b_after[s:])), None
     )
     print(f"B reached 80 % of its share {reached} s after the shift")
-    assert reached is not None and reached <= REPORT + 3, b_after
+    assert reached is not None and reached <= 2 * REPORT + 2, b_after
     # And the two together admit no more than the limit meanwhile (5 s means: a
     # changed bucket starts full, one second's burst of the share).
     together = [x + y for x, y in zip(admitted_a, admitted_b, strict=True)]
