@@ -100,14 +100,21 @@ def _healthcheck(port: int) -> int:
         return 0
 
 
-def _codes(port: int, certs: dict[str, CertPair], times: int, key: str = "user") -> list[int]:
-    """Decisions over mTLS, as Envoy Gateway's Envoys ask for them."""
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=certs["ca"].cert.read_bytes(),
-        private_key=certs["envoy"].key.read_bytes(),
-        certificate_chain=certs["envoy"].cert.read_bytes(),
-    )
-    with grpc.secure_channel(f"localhost:{port}", credentials) as channel:
+def _codes(
+    port: int, certs: dict[str, CertPair] | None, times: int, key: str = "user"
+) -> list[int]:
+    """Decisions over mTLS, as Envoy Gateway's Envoys ask for them (``certs`` None:
+    plain gRPC)."""
+    if certs is None:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    else:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=certs["ca"].cert.read_bytes(),
+            private_key=certs["envoy"].key.read_bytes(),
+            certificate_chain=certs["envoy"].cert.read_bytes(),
+        )
+        channel = grpc.secure_channel(f"localhost:{port}", credentials)
+    with channel:
         stub = rls_pb2_grpc.RateLimitServiceStub(channel)
         request = make_request("gateway", [(key, "alice")])
         return [stub.ShouldRateLimit(request, timeout=5).overall_code for _ in range(times)]
@@ -216,15 +223,9 @@ async def test_without_force_start_the_service_listens_once_xds_sent_rules(
             assert await asyncio.to_thread(_healthcheck, http_port) == 0  # ...and waits
             ads.push("v1", [domain("gateway", limit("user", 2))])
             await _until(lambda: _healthcheck(http_port) == 200, 10, "/healthcheck 200", log)
-            codes = await asyncio.to_thread(_plain_codes, int(ports["GRPC_PORT"]), 3)
+            codes = await asyncio.to_thread(_codes, int(ports["GRPC_PORT"]), None, 3)
             assert codes == [1, 1, 2]
     finally:
         await ads.stop()
     assert "waiting for the first rules from xDS server" in log.read_text()
 
-
-def _plain_codes(port: int, times: int) -> list[int]:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = rls_pb2_grpc.RateLimitServiceStub(channel)
-        request = make_request("gateway", [("user", "bob")])
-        return [stub.ShouldRateLimit(request, timeout=5).overall_code for _ in range(times)]

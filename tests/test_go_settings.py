@@ -222,9 +222,7 @@ def test_durations_read_as_go_writes_them() -> None:
         parse_go_duration("X", "1d")
 
 
-def test_accepted_settings_warn_only_when_they_ask_for_something(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_accepted_settings_warn_only_when_they_ask_for_something() -> None:
     go = read_go_environment(
         {"TRACING_ENABLED": "true", "RESPONSE_DYNAMIC_METADATA": "false", "REDIS_PERSECOND": "1"},
         go_mode=False,

@@ -243,7 +243,7 @@ class QuotaCoordinator:
             return Action(usage.bucket, ABANDON)
         window = limit.window_seconds
         # Demands are per second, the limit per window: shares are per window.
-        demands = {n: None if d is None else d * window for n, d in view.demands.items()}
+        demands = per_window(view, window)
         demands.setdefault(instance, None)
         assigned = self._shares.setdefault(pending.match.bucket_key, {})
         for name in [n for n in assigned if n not in demands]:  # gone from the fleet
@@ -286,7 +286,7 @@ class QuotaCoordinator:
                 continue
             if window > 1 and view.used >= most:  # DENY_ALL until the window resets
                 continue
-            demands = {n: None if d is None else d * window for n, d in view.demands.items()}
+            demands = per_window(view, window)
             fair = fair_shares(float(most), demands)
             even = most / len(demands) if demands else float(most)
             counted = {n: counted_share(h, demands.get(n), even) for n, h in assigned.items()}
@@ -378,6 +378,11 @@ class QuotaCoordinator:
         """Each counter's share last assigned to each instance of this process's
         streams, in hits per window."""
         return {key: dict(shares) for key, shares in self._shares.items()}
+
+
+def per_window(view: QuotaView, window: int) -> dict[str, float | None]:
+    """The fleet's demands (per second) as hits per window, the unit of shares."""
+    return {n: None if d is None else d * window for n, d in view.demands.items()}
 
 
 def settle_share(fair: float, held: float | None, room: float) -> float:
