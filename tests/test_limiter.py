@@ -430,7 +430,11 @@ async def test_admitted_request_with_exact_quota_over_still_consumes() -> None:
 
 class DownStore(EmbeddedStore):
     async def hit(
-        self, hits: Sequence[ExactHit], commit: bool, owe: bool = False
+        self,
+        hits: Sequence[ExactHit],
+        commit: bool,
+        owe: bool = False,
+        deadline: float | None = None,
     ) -> list[ExactResult]:
         raise StoreUnavailable("down")
 

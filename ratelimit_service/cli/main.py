@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ratelimit_service.cli.go_env import (
     GoEnvironment,
@@ -58,6 +58,15 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
         return value
 
     return parse
+
+
+def _redis_url(text: str) -> str:
+    from ratelimit_service.storage.redis_connect import normalize_url
+
+    try:
+        return normalize_url(text, os.environ.get("REDIS_SOCKET_TYPE", "tcp").lower())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def _not_negative(text: str) -> float:
@@ -196,11 +205,17 @@ def _env_name(flag: str) -> str:
     return "RATELIMIT_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line: the wrong thing, and where the flags are listed (the
+    whole usage of ``serve`` would bury it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
     """``go``: envoyproxy/ratelimit's settings, read from the environment for ``serve``."""
-    parser = argparse.ArgumentParser(
-        prog="ratelimit-service", description="Envoy external rate-limit service"
-    )
+    parser = _Parser(prog="ratelimit-service", description="Envoy external rate-limit service")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the service")
@@ -231,12 +246,34 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
         default=DEFAULT_SYNC_INTERVAL,
         help="seconds between probabilistic syncs",
     )
-    add("--redis-url", default=None, help="Redis URL; without it, the embedded store")
+    add(
+        "--redis-url",
+        type=_redis_url,
+        default=None,
+        help="Redis: redis://, rediss://, unix://, redis+sentinel://, redis+cluster:// URL,"
+        " or HOST:PORT as the Go service writes it; without it, the embedded store",
+    )
     add(
         "--redis-timeout",
         type=_positive(float),
-        default=0.010,
-        help="seconds an exact decision may wait for Redis before its failure_mode applies",
+        default=1.0,
+        help="the longest an exact decision waits for Redis before its failure_mode applies:"
+        " the bound for callers with no deadline; a gRPC deadline (less --deadline-margin)"
+        " shortens it",
+    )
+    add(
+        "--deadline-margin",
+        type=_not_negative,
+        default=0.002,
+        help="seconds before the caller's gRPC deadline at which an exact decision stops"
+        " waiting for Redis and answers by failure_mode",
+    )
+    add(
+        "--redis-silence",
+        type=_positive(float),
+        default=1.0,
+        help="seconds with calls outstanding and no byte from Redis after which Redis counts"
+        " as down (the circuit breaker opens); a slow reply never opens it",
     )
     add(
         "--exact-batch-hold",
@@ -545,6 +582,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         sync_interval=float(args.sync_interval),
         redis_url=args.redis_url or None,
         redis_timeout=float(args.redis_timeout),
+        redis_silence=float(args.redis_silence),
+        deadline_margin=float(args.deadline_margin),
         redis_pool_size=int(args.redis_pool_size),
         redis_key_prefix=str(args.redis_key_prefix),
         exact_batch_hold=float(args.exact_batch_hold),

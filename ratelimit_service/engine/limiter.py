@@ -89,6 +89,7 @@ class _Step:
         "rule_stats",
         "stats_key",
         "window_seconds",
+        "zero",
     )
 
     def __init__(
@@ -98,6 +99,9 @@ class _Step:
         self.limit = limit
         self.hits = hits
         self.exact = limit.mode is Mode.EXACT
+        self.zero = limit.requests_per_unit == 0
+        """A limit of 0 denies every hit: decided in the process in every mode, with
+        no bucket and no store (so a store that is away cannot turn it into an OK)."""
         self.role = _role(limit)
         self.enforce = self.role is HitRole.ENFORCE
         self.quota = self.role is HitRole.QUOTA
@@ -175,7 +179,9 @@ class RateLimiter:
         self.config = config
         self._matches = {}
 
-    async def should_rate_limit(self, request: Request) -> Response:
+    async def should_rate_limit(self, request: Request, deadline: float | None = None) -> Response:
+        """``deadline``: the event loop's time after which the caller cannot use the
+        answer; exact rules wait for the store until then (None: the store's bound)."""
         plan = request.plan
         if not (isinstance(plan, _Plan) and plan.config is self.config and plan.limiter is self):
             plan = self._plan(request)
@@ -206,7 +212,7 @@ class RateLimiter:
             else:
                 hits, owe = plan.exact_hits, commit and plan.exact_owe
             try:
-                results = await self.store.hit(hits, commit, owe)
+                results = await self.store.hit(hits, commit, owe, deadline)
             except StoreUnavailable as exc:
                 self.stats.store_error += 1
                 log.debug("exact store unavailable: %s", exc)
@@ -301,8 +307,8 @@ class RateLimiter:
                     continue
                 hits = hits_for(descriptor, request.hits_addend)
                 steps.append(_Step(index, limit, match, hits, self.near_ratio))
-        exact = tuple(step for step in steps if step.exact)
-        local = tuple(step for step in steps if not step.exact)
+        exact = tuple(step for step in steps if step.exact and not step.zero)
+        local = tuple(step for step in steps if not step.exact or step.zero)
         exact_hits = tuple(_exact_hits(exact, quota_met=False))
         plan = _Plan(
             self,
@@ -364,24 +370,30 @@ class RateLimiter:
         stale = local.stale(now)
         denied = quota_seen = quota_ok = False
         for step in steps:
-            limit = step.requests_per_unit
-            bucket = local.get(
-                step.bucket_key, limit, step.window_seconds, now, step.stats_key, step.burst
-            )
-            hits = step.hits
-            before = max(0, limit - bucket.remaining())
-            if stale:
-                admitted = local.fail(bucket, hits, step.fail_open)
-                self._count_failure_mode(step, admitted)
+            if step.zero:
+                window = step.window_seconds
+                status = DescriptorStatus(_OK, step.limit, 0, window - now % window)
+                statuses[step.index] = status
+                self._account(step, 0, admitted := False, status)
             else:
-                admitted = bucket.take(hits, None if draw is None else draw())
-                if admitted and hits:
-                    taken.append((bucket, hits))
-            status = DescriptorStatus(
-                _OK, step.limit, bucket.remaining(), bucket.reset_estimate(now)
-            )
-            statuses[step.index] = status
-            self._account(step, before, admitted, status)
+                limit = step.requests_per_unit
+                bucket = local.get(
+                    step.bucket_key, limit, step.window_seconds, now, step.stats_key, step.burst
+                )
+                hits = step.hits
+                before = max(0, limit - bucket.remaining())
+                if stale:
+                    admitted = local.fail(bucket, hits, step.fail_open)
+                    self._count_failure_mode(step, admitted)
+                else:
+                    admitted = bucket.take(hits, None if draw is None else draw())
+                    if admitted and hits:
+                        taken.append((bucket, hits))
+                status = DescriptorStatus(
+                    _OK, step.limit, bucket.remaining(), bucket.reset_estimate(now)
+                )
+                statuses[step.index] = status
+                self._account(step, before, admitted, status)
             if step.quota:
                 quota_seen = True
                 quota_ok = quota_ok or admitted

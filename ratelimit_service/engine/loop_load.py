@@ -22,6 +22,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from ratelimit_service.core.histogram import Histogram
+
 log = logging.getLogger(__name__)
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -121,3 +123,25 @@ class LoopLoad:
         while True:
             self.sample()
             await asyncio.sleep(self.interval)
+
+
+LAG_INTERVAL = 0.1
+"""Seconds between two measurements of the event loop's lag."""
+
+
+class LoopLag:
+    """How late the event loop runs a timer that is due: the wait of any callback that
+    is ready (the loop busy with other work, or the process not scheduled on a CPU).
+    Read beside the store's reply time: replies slow and lag low is a slow store;
+    both high is this process starved, its replies read late."""
+
+    def __init__(self, interval: float = LAG_INTERVAL) -> None:
+        self.interval = interval
+        self.histogram = Histogram()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.interval
+            await asyncio.sleep(self.interval)
+            self.histogram.observe(max(0.0, loop.time() - due))

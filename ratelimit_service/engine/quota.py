@@ -136,9 +136,9 @@ class QuotaCoordinator:
         self._wall = wall
         self._seen: dict[tuple[str, str], _Seen] = {}
         """(instance, counter) → what this process knows of the instance's reports."""
-        self._last: dict[str, QuotaView] = {}
-        """Each counter's last view from the store (kept for a store outage, and for
-        the metrics page)."""
+        self._last: dict[str, tuple[QuotaView, int]] = {}
+        """Each counter's last view from the store, with the index of the fixed window
+        it counts (kept for a store outage, and for the metrics page)."""
         self._shares: dict[str, dict[str, float]] = {}
         """Each counter's share last assigned to each instance, in hits per window."""
         self._pushers: dict[str, Callable[[list[Action]], bool]] = {}
@@ -175,6 +175,10 @@ class QuotaCoordinator:
             match = None if rules is None else find_limit(rules, entries)
             if match is None or match.limit.unlimited:
                 answers.append(Action(usage.bucket, ALLOW_ALL))
+            elif match.limit.requests_per_unit == 0 and not match.limit.shadow_mode:
+                # A limit of 0 needs no count: denied whatever the store says or does.
+                self._count(match.stats_key, usage, False, 0.0)
+                answers.append(Action(usage.bucket, DENY_ALL))
             else:
                 answers.append(self._observe(instance, usage, match, now))
         pending = [a for a in answers if isinstance(a, _Pending)]
@@ -225,14 +229,20 @@ class QuotaCoordinator:
             views = await self._store.quota(reports, FORGET_AFTER)
         except StoreUnavailable:
             self.store_errors += 1
-            views = []
-            for report in reports:
-                last = self._last.get(report.key, QuotaView({}, 0))
-                demands = {**last.demands, instance: report.demand}
-                views.append(QuotaView(demands, last.used + report.allowed))
+            views = [self._without_store(instance, report) for report in reports]
+        wall = self._wall()
         for report, view in zip(reports, views, strict=True):
-            self._last[report.key] = view
+            self._last[report.key] = (view, window_index(wall, report.window_seconds))
         return {report.key: view for report, view in zip(reports, views, strict=True)}
+
+    def _without_store(self, instance: str, report: QuotaReport) -> QuotaView:
+        """The counter's last view with this report added, while the store is away. The
+        window's allowed hits start again at 0 when its window has passed, so a rule
+        that used up a minute is not held at DENY_ALL for the whole outage."""
+        last, index = self._last.get(report.key, (QuotaView({}, 0), -1))
+        used = last.used if index == window_index(self._wall(), report.window_seconds) else 0
+        demands = {**last.demands, instance: report.demand}
+        return QuotaView(demands, used + report.allowed)
 
     def _decide(self, instance: str, pending: _Pending, view: QuotaView) -> Action:
         usage, limit, seen = pending.usage, pending.match.limit, pending.seen
@@ -372,12 +382,17 @@ class QuotaCoordinator:
     def demands(self) -> dict[str, dict[str, float | None]]:
         """Each counter's instances and their demand, as last read from the store (for
         the metrics page)."""
-        return {key: dict(view.demands) for key, view in self._last.items()}
+        return {key: dict(view.demands) for key, (view, _) in self._last.items()}
 
     def shares(self) -> dict[str, dict[str, float]]:
         """Each counter's share last assigned to each instance of this process's
         streams, in hits per window."""
         return {key: dict(shares) for key, shares in self._shares.items()}
+
+
+def window_index(wall: float, window_seconds: int) -> int:
+    """Which fixed window (aligned to the epoch) the wall-clock time ``wall`` is in."""
+    return int(wall // window_seconds)
 
 
 def per_window(view: QuotaView, window: int) -> dict[str, float | None]:

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ratelimit_service.core.drop_ratio import SyncResult
+from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
 from ratelimit_service.engine.background import BackgroundTask
-from ratelimit_service.engine.stats import LatencyHistogram
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Reconciler:
         self.errors = 0
         self.failing = False
         self.last_duration = 0.0
-        self.durations = LatencyHistogram()
+        self.durations = Histogram()
         self._background = BackgroundTask("reconciler", self.run)
 
     async def sync_once(self) -> int:

@@ -84,6 +84,13 @@ def store_metrics(store: Store) -> Iterator[Metric]:
         family.add_metric([store.name, name], value)
     family.add_metric([store.name, "healthy"], 1.0 if store.healthy() else 0.0)
     yield family
+    for name, histogram in store.histograms().items():
+        yield histogram_family(
+            f"ratelimit_store_{name}_seconds",
+            f"Store {name} time as this process saw it (from writing a call to reading"
+            " its reply: includes time this process was not running)",
+            histogram,
+        )
 
 
 def reconciler_metrics(reconciler: Reconciler) -> Iterator[Metric]:

@@ -9,7 +9,6 @@ so on) as the Prometheus statsd exporter would name them.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import (
@@ -19,8 +18,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from ratelimit_service.core.histogram import Histogram
+
 OVERFLOW_KEY = "_overflow"
-LATENCY_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class RuleStats:
@@ -53,20 +53,6 @@ class RuleStats:
         (refused with RESOURCE_EXHAUSTED, or denied by failure_mode: closed)."""
 
 
-class LatencyHistogram:
-    __slots__ = ("buckets", "count", "sum")
-
-    def __init__(self) -> None:
-        self.buckets = [0] * (len(LATENCY_BOUNDS) + 1)
-        self.count = 0
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.buckets[bisect_left(LATENCY_BOUNDS, seconds)] += 1
-        self.count += 1
-        self.sum += seconds
-
-
 class Stats:
     """All service counters. The number of distinct stats keys is bounded: keys past
     ``max_keys`` (per-request overrides or detailed_metric on high-cardinality values)
@@ -84,7 +70,7 @@ class Stats:
         self.total_requests = 0
         self.config_load_success = 0
         self.config_load_error = 0
-        self.latency = LatencyHistogram()
+        self.latency = Histogram()
 
     def rule(self, key: str) -> RuleStats:
         stats = self.rules.get(key)
@@ -174,10 +160,9 @@ def _service_counters(stats: Stats) -> Iterator[Metric]:
         yield CounterMetricFamily(name, help_text, value=value)
 
 
-def histogram_family(name: str, help_text: str, latency: LatencyHistogram) -> Metric:
-    cumulative = 0
-    buckets: list[tuple[str, float]] = []
-    for bound, count in zip((*LATENCY_BOUNDS, float("inf")), latency.buckets, strict=True):
-        cumulative += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-    return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=latency.sum)
+def histogram_family(name: str, help_text: str, histogram: Histogram) -> Metric:
+    buckets = [
+        ("+Inf" if bound == float("inf") else repr(bound), count)
+        for bound, count in histogram.cumulative()
+    ]
+    return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=histogram.sum)

@@ -26,8 +26,9 @@ import logging
 import socket
 from collections.abc import Iterable, Iterator
 
+from ratelimit_service.core.histogram import LATENCY_BOUNDS
 from ratelimit_service.engine.background import BackgroundTask
-from ratelimit_service.engine.stats import LATENCY_BOUNDS, Stats
+from ratelimit_service.engine.stats import Stats
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ This module and rls_wire are the only ones that touch the Envoy wire types
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -25,6 +26,9 @@ from ratelimit_service.rls.wire import LimitHeads, RequestCache, encode_response
 log = logging.getLogger(__name__)
 
 RLS_SERVICE = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
+DEADLINE_MARGIN = 0.002
+"""Seconds before the caller's gRPC deadline at which an exact decision stops waiting
+for the store and answers by failure_mode, by default: time to send the answer."""
 
 
 def request_from_proto(message: Any) -> Request:
@@ -65,8 +69,10 @@ class RateLimitServicer:
         limiter: RateLimiter,
         header_style: HeaderStyle = HeaderStyle.OFF,
         header_names: HeaderNames | None = None,
+        deadline_margin: float = DEADLINE_MARGIN,
     ) -> None:
         self.limiter = limiter
+        self.deadline_margin = deadline_margin
         self.header_style = header_style
         self._headers = header_style is not HeaderStyle.OFF
         self.header_names = header_names or HeaderNames()
@@ -93,8 +99,12 @@ class RateLimitServicer:
             if request is None:
                 request = self._requests.get(raw)
             response = self.limiter.decide_locally(request)
-            if response is None:
-                response = await self.limiter.should_rate_limit(request)
+            if response is None:  # the store decides: it may wait until the caller's deadline
+                remaining = context.time_remaining()
+                deadline = None
+                if remaining is not None:
+                    deadline = asyncio.get_running_loop().time() + remaining - self.deadline_margin
+                response = await self.limiter.should_rate_limit(request, deadline)
             headers = None
             if self._headers:
                 headers = rate_limit_headers(

@@ -29,7 +29,7 @@ from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.engine.background import BackgroundTask
 from ratelimit_service.engine.limiter import RateLimiter
-from ratelimit_service.engine.loop_load import LoopLoad
+from ratelimit_service.engine.loop_load import LoopLag, LoopLoad
 from ratelimit_service.engine.quota import QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.state_metrics import (
@@ -38,7 +38,7 @@ from ratelimit_service.engine.state_metrics import (
     reconciler_metrics,
     store_metrics,
 )
-from ratelimit_service.engine.stats import Stats, StatsCollector
+from ratelimit_service.engine.stats import Stats, StatsCollector, histogram_family
 from ratelimit_service.engine.statsd import StatsdSink
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
@@ -63,7 +63,14 @@ class Settings:
     mode: Mode = Mode.PROBABILISTIC
     sync_interval: float = 0.25
     redis_url: str | None = None
-    redis_timeout: float = 0.010
+    redis_timeout: float = 1.0
+    """The longest an exact decision waits for Redis: the bound for a caller with no
+    deadline; a gRPC deadline (less deadline_margin) shortens it."""
+    redis_silence: float = 1.0
+    """Seconds with calls outstanding and no byte from Redis after which it counts as
+    down (the breaker opens)."""
+    deadline_margin: float = 0.002
+    """Seconds before a caller's gRPC deadline at which an exact decision stops waiting."""
     redis_pool_size: int = 64
     redis_key_prefix: str = "rl:"
     """Every key this service writes to Redis starts with it (CACHE_KEY_PREFIX)."""
@@ -139,6 +146,7 @@ def make_store(settings: Settings) -> Store:
         return RedisStore(
             settings.redis_url,
             request_timeout=settings.redis_timeout,
+            silence=settings.redis_silence,
             batch_hold=settings.exact_batch_hold,
             max_pending=settings.exact_max_pending,
             node_ttl=max(2.0, 5 * settings.sync_interval),
@@ -192,6 +200,8 @@ class RateLimitService:
             )
         # Exact batching on Redis follows the event loop's load (see loop_load).
         self._loop_load_task: BackgroundTask | None = None
+        self.loop_lag = LoopLag()
+        self._loop_lag_task = BackgroundTask("loop-lag", self.loop_lag.run)
         if isinstance(self.store, RedisStore) and self.store.holds_exact_batches:
             sensor = LoopLoad(self.store.loop_saturated)
             self._loop_load_task = BackgroundTask("loop-load", sensor.run)
@@ -246,7 +256,10 @@ class RateLimitService:
         reuse = 1 if self.settings.reuse_port else 0
         server = grpc.aio.server(options=self._grpc_options(reuse))
         servicer = self.servicer = RateLimitServicer(
-            self.limiter, self.settings.response_headers, self.settings.header_names
+            self.limiter,
+            self.settings.response_headers,
+            self.settings.header_names,
+            self.settings.deadline_margin,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
         rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(QuotaServicer(self.quota), server)
@@ -276,6 +289,7 @@ class RateLimitService:
         self.reconciler.start()
         if self._loop_load_task is not None:
             self._loop_load_task.start()
+        self._loop_lag_task.start()
         if self.watcher is not None and self.settings.watch_interval > 0:
             self.watcher.start()
         if self.statsd is not None:
@@ -376,6 +390,7 @@ class RateLimitService:
         await self.reconciler.stop()
         if self._loop_load_task is not None:
             await self._loop_load_task.stop()
+        await self._loop_lag_task.stop()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.xds is not None:
@@ -518,6 +533,11 @@ class RateLimitService:
     def _gauges(self) -> Iterator[Metric]:
         yield from bucket_metrics(self.local)
         yield from store_metrics(self.store)
+        yield histogram_family(
+            "ratelimit_event_loop_lag_seconds",
+            "How late the event loop ran a timer that was due (busy, or not scheduled)",
+            self.loop_lag.histogram,
+        )
         yield from reconciler_metrics(self.reconciler)
         yield from quota_metrics(self.quota)
 

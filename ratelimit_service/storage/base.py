@@ -13,6 +13,7 @@ from typing import Protocol
 
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.exact import ExactHit, ExactResult
+from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.shares import QuotaReport, QuotaView
 
@@ -31,11 +32,18 @@ class Store(Protocol):
     name: str
 
     def hit(
-        self, hits: Sequence[ExactHit], commit: bool, owe: bool = False
+        self,
+        hits: Sequence[ExactHit],
+        commit: bool,
+        owe: bool = False,
+        deadline: float | None = None,
     ) -> Awaitable[list[ExactResult]]:
         """Decide ``hits`` (index-aligned results); consume only if ``commit`` and the
         request is not denied. ``owe``: the caller admits the request if the store
         fails, so a store that can should count its hits later (see owed_hits).
+        ``deadline``: the event loop's time after which the caller cannot use the
+        answer (None: the store's own bound); a store that must wait raises
+        StoreUnavailable then.
         Raises StoreUnavailable when the store fails, and StoreOverloaded when too
         many requests are already waiting for it. Any awaitable will do (an ``async
         def``, or a future a store resolves itself: no coroutine layer on the request
@@ -58,6 +66,11 @@ class Store(Protocol):
 
     def stats(self) -> dict[str, float]:
         """Gauges and counters for the metrics page (e.g. keys, evictions)."""
+        ...
+
+    def histograms(self) -> dict[str, Histogram]:
+        """Histograms for the metrics page by name (a remote store: ``reply``, the
+        seconds from writing a call to reading its reply as this process saw them)."""
         ...
 
     async def close(self) -> None: ...

@@ -47,6 +47,8 @@ class CircuitBreaker:
         self.total_failures = 0
         self.outages = 0
         """Times the store became unavailable (several failures in a row)."""
+        self.recoveries = 0
+        """Times it became available again."""
         self.name = name
         self.summary_every = summary_every
         self._down_since = 0.0
@@ -69,6 +71,7 @@ class CircuitBreaker:
         self.successes_in_row += 1
         if not self.healthy and self.successes_in_row >= self.flip_after:
             self.healthy = True
+            self.recoveries += 1
             log.info(
                 "%s answering again after %.1f s unavailable (%d failed calls)",
                 self.name,
@@ -88,6 +91,13 @@ class CircuitBreaker:
         self._backoff = min(self.max_backoff, max(self.base_backoff, self._backoff * 2))
         jitter = 0.5 + self._draw()  # 0.5x .. 1.5x
         self._open_until = self._clock() + self._backoff * jitter
+
+    def down(self, reason: str) -> None:
+        """Evidence that the store is gone, not merely slow (a connection silent with
+        calls outstanding): unhealthy and open at once, without waiting for more
+        failures in a row."""
+        self.failures_in_row = max(self.failures_in_row, self.flip_after, self.open_after) - 1
+        self.failure(reason)
 
     def _unhealthy(self, reason: str) -> None:
         now = self._clock()

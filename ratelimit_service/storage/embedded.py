@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity, refill, take
 from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
+from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.lru import LruMap
 from ratelimit_service.core.shares import QuotaReport, QuotaView
@@ -83,12 +84,19 @@ class EmbeddedStore:
         )
 
     async def hit(
-        self, hits: Sequence[ExactHit], commit: bool, owe: bool = False
+        self,
+        hits: Sequence[ExactHit],
+        commit: bool,
+        owe: bool = False,
+        deadline: float | None = None,
     ) -> list[ExactResult]:
-        """``owe`` means nothing here: this store never fails."""
+        """``owe`` and ``deadline`` mean nothing here: this store never fails or waits."""
         now = self._clock()
         windows = [self._window(hit.key, hit.window_seconds) for hit in hits]
         return evaluate(hits, windows, now, commit)
+
+    def histograms(self) -> dict[str, Histogram]:
+        return {}  # nothing is remote
 
     async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
         now = self._clock()

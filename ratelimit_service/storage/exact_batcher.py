@@ -7,9 +7,7 @@ latency), and requests that arrive while every slot is busy wait for the first t
 come back and then all go together, as one EVALSHA of exact_window.lua. The script
 decides them one after the other, so the outcome is the same as separate calls;
 under load the batches grow instead of the number of calls. Many slots keep a slow
-Redis (milliseconds away) from adding a round trip of queueing to requests: with 4
-slots, a Redis 5 ms away at 1,000 requests/s pushed queued requests past a 10 ms
-deadline (44 % answered by failure_mode in bench/throughput.py --suite redis-delay).
+Redis (milliseconds away) from adding a round trip of queueing to requests.
 
 While the event loop is saturated (``hold`` > 0, set by the store from
 loop_load.LoopLoad) the batcher works the other way: a batch opens with the first
@@ -19,17 +17,21 @@ sending at once would mean one request per call however high the load; held for 
 millisecond, calls carry several requests and each costs the process and Redis far
 less per request. Not saturated, nothing is held: no added latency.
 
-A call's deadline measures Redis, not this process: it runs from when the command is
-written to the socket, and a call whose deadline has passed gets one more turn of the
-event loop's I/O polling before it is given up (CONFIRM_AFTER), so a reply that
-arrived while the loop was busy elsewhere (a burst of requests, a CPU shared with other
-processes) is read and used instead of being taken for a Redis failure. Time queued
-in the batcher is not bounded by the deadline but by the number of requests waiting
-(``max_pending``): past it, :meth:`ExactBatcher.submit` refuses at once with
-:class:`StoreOverloaded`, which the limiter answers explicitly.
+Each request waits for its reply until its own deadline: the caller's (the gRPC
+deadline less a margin, which the limiter passes down) or, without one, ``timeout``
+after it was submitted. One timer serves every request. When it fires, the channel
+first reads what is already on the socket (Channel.poll): a reply that arrived while
+the process was descheduled or its loop busy is used, not taken for a Redis failure.
+Only then are the requests past their deadline answered with StoreUnavailable (their
+rules' failure_mode applies). Giving up on a request says nothing about Redis, so it
+is no breaker event; the channel decides from evidence (errors, a silent connection)
+when Redis is down. The number of requests waiting is bounded too (``max_pending``):
+past it, :meth:`ExactBatcher.submit` refuses at once with :class:`StoreOverloaded`,
+which the limiter answers explicitly.
 
 A request whose caller admits it when Redis fails (``owe``: its rules fail open) is
-not lost to the window when that happens: see owed_hits, which the batcher feeds.
+not lost to the window when that happens: see owed_hits, which the batcher feeds. A
+reply that comes after its request was given up still tells whether Redis counted it.
 
 The batcher is written with callbacks, not tasks: at one request per batch (a lightly
 loaded service) a task and a chain of coroutines per call cost more CPU than the
@@ -65,30 +67,27 @@ MAX_PENDING = 2048
 one more is refused with StoreOverloaded. At the few thousand exact decisions a
 second one process makes, that is several hundred milliseconds of queue: far past any
 caller's deadline, so nothing useful is refused."""
-CONFIRM_AFTER = 0.001
-"""Seconds between finding a call past its deadline and giving it up. A timer of a
-whole millisecond fires in a later loop iteration than the one that set it, after
-an I/O poll, in asyncio's loop and in uvloop (libuv runs due timers before polling;
-a timer set for "now" may run in the same pass)."""
 
 
 class Channel(Protocol):
     """How the batcher reaches Redis (implemented by the Redis store)."""
 
-    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> float:
+    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
         """Send one script call now; ``deliver`` gets its flat reply, or the exception
-        it failed with, exactly once (perhaps before ``start`` returns). Returns the
-        seconds that may pass before the command is written (0 when it was written;
-        the connect timeout when a connection must be opened first): the reply's
-        deadline starts after them."""
+        it failed with, exactly once (perhaps before ``start`` returns)."""
         ...
 
     def settle(self, reply: Any) -> Any:
         """A delivered reply's value, after accounting; or raise StoreUnavailable."""
         ...
 
-    def expire(self, timeout: float) -> StoreUnavailable:
-        """Account a call that did not answer in time; the error its waiters get."""
+    def poll(self) -> None:
+        """Deliver now the replies already received (read the socket), and fail the
+        calls of a connection known to be dead."""
+        ...
+
+    def timed_out(self, requests: int) -> None:
+        """Account requests given up at their deadline."""
         ...
 
 
@@ -120,32 +119,38 @@ def decode(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
 FORCE = 2
 """``commit`` of a request counted whatever the window holds (owed hits)."""
 
-_Waiter = tuple["asyncio.Future[list[ExactResult]] | None", int, float | None]
-"""A request in a batch: who waits for its results (None: owed hits, nobody), its
-descriptor count, and, if its hits are owed to Redis should the call fail, since when
-(an owed request sent again keeps its first time, so it still expires with its
-window however long Redis stays away)."""
+
+class _Waiter:
+    """A request in a batch."""
+
+    __slots__ = ("count", "deadline", "future", "open", "since", "submitted")
+
+    def __init__(
+        self,
+        future: asyncio.Future[list[ExactResult]] | None,
+        count: int,
+        since: float | None,
+        deadline: float,
+        submitted: float,
+    ) -> None:
+        self.future = future
+        """Who waits for its results (None: owed hits, nobody)."""
+        self.count = count
+        """Its descriptors."""
+        self.since = since
+        """If its hits are owed to Redis should the call fail, since when (an owed
+        request sent again keeps its first time, so it still expires with its window
+        however long Redis stays away)."""
+        self.deadline = deadline
+        self.submitted = submitted
+        self.open = future is not None
+        """Counted in ``pending``: not answered, given up or cancelled yet."""
 
 
 class _Batch:
-    __slots__ = (
-        "args",
-        "deadline",
-        "done",
-        "due",
-        "forced",
-        "keys",
-        "late",
-        "overdue",
-        "release",
-        "waiters",
-    )
+    __slots__ = ("args", "done", "due", "forced", "keys", "release", "waiters")
 
     def __init__(self, slices: int) -> None:
-        self.deadline = 0.0
-        """When its reply is due: set when it is sent."""
-        self.overdue = False
-        """Found past its deadline; given up at the next check unless answered."""
         self.release: asyncio.TimerHandle | None = None
         """The end of its hold, while held."""
         self.due = False
@@ -154,14 +159,14 @@ class _Batch:
         self.args: list[Any] = [slices, 0]
         self.waiters: list[_Waiter] = []
         self.done = False
-        self.late = False
-        """Given up at its deadline; a reply may still come and tell what Redis did."""
+        """Its call slot is free: answered, or every caller gave up (a reply may
+        still come and tell what Redis did with owed hits)."""
         self.forced = 0
         """Owed requests in it (nobody waits for them)."""
 
     def add(self, waiter: _Waiter, keys: Sequence[str], commit: int, args: Sequence[Any]) -> None:
         self.waiters.append(waiter)
-        if waiter[0] is None:
+        if waiter.future is None:
             self.forced += 1
         self.keys += keys
         self.args[1] += 1
@@ -172,32 +177,40 @@ class _Batch:
         """Each request with its keys and its per-descriptor ARGV part."""
         out, key, arg = [], 0, 2
         for waiter in self.waiters:
-            count = waiter[1]
+            count = waiter.count
             hits = self.args[arg + 2 : arg + 2 + 4 * count]
             out.append((waiter, self.keys[key : key + count], hits))
             key += count
             arg += 2 + 4 * count
         return out
 
+    def waited_for(self) -> bool:
+        """Whether a caller still waits, or owed hits ride in it."""
+        return any(w.open or w.since is not None for w in self.waiters)
+
 
 class ExactBatcher:
     def __init__(
         self, channel: Channel, slices: int, timeout: float, max_pending: int = MAX_PENDING
     ) -> None:
+        """``timeout``: how long a request without a deadline of its own waits, and the
+        longest any request waits."""
         self._channel = channel
         self._slices = slices
         self._timeout = timeout
         self.max_pending = max_pending
         self.pending = 0
-        """Requests submitted and not yet answered or failed."""
+        """Requests submitted and not yet answered, given up or cancelled."""
         self.overloaded = 0
         """Requests refused because ``max_pending`` were waiting."""
+        self.given_up = 0
+        """Requests answered with StoreUnavailable at their deadline."""
         self.owed = OwedHits()
         self._open: _Batch | None = None
         self._in_flight = 0
-        # Batches sent and not yet answered or expired, oldest first, and one timer
-        # for the earliest deadline: a timer per call would cost more than the rest
-        # of the batcher.
+        # Batches sent and not yet answered, oldest first, and one timer for the
+        # earliest deadline: a timer per request would cost more than the rest of the
+        # batcher.
         self._flying: deque[_Batch] = deque()
         self._timer: asyncio.Handle | None = None
         self._timer_at = 0.0
@@ -212,16 +225,26 @@ class ExactBatcher:
         """Batches that opened with a hold (sent when it ended, or when full)."""
 
     def submit(
-        self, keys: Sequence[str], args: tuple[Any, ...], commit: bool, owe: bool = False
+        self,
+        keys: Sequence[str],
+        args: tuple[Any, ...],
+        commit: bool,
+        owe: bool = False,
+        deadline: float | None = None,
     ) -> asyncio.Future[list[ExactResult]]:
         """One request: its keys and its hits' ARGV part (:func:`hit_args`). ``owe``:
         the caller admits the request if the call fails, so its hits are owed to Redis
-        then (see owed_hits). Raises StoreOverloaded, sending nothing, when
-        ``max_pending`` requests are waiting."""
+        then (see owed_hits). ``deadline`` (the loop's clock): when the caller can no
+        longer use the answer; at most ``timeout`` from now. Raises StoreOverloaded,
+        sending nothing, when ``max_pending`` requests are waiting."""
         if self.pending >= self.max_pending:
             self.overloaded += 1
             raise StoreOverloaded(f"redis: {self.pending} exact requests already waiting")
         loop = asyncio.get_running_loop()
+        now = loop.time()
+        latest = now + self._timeout
+        if deadline is None or deadline > latest:
+            deadline = latest
         batch = self._open
         if batch is None:
             batch = self._open = _Batch(self._slices)
@@ -231,12 +254,14 @@ class ExactBatcher:
             else:
                 batch.due = True
             if self.owed:  # owed hits land first: the requests below see them
-                for owed_keys, owed_args, since in self.owed.drain(loop.time()):
-                    batch.add((None, len(owed_keys), since), owed_keys, FORCE, owed_args)
+                for owed_keys, owed_args, since in self.owed.drain(now):
+                    forced = _Waiter(None, len(owed_keys), since, latest, now)
+                    batch.add(forced, owed_keys, FORCE, owed_args)
         future: asyncio.Future[list[ExactResult]] = loop.create_future()
         self.pending += 1
-        owed_since = loop.time() if owe and commit else None
-        batch.add((future, len(keys), owed_since), keys, 1 if commit else 0, args)
+        owed_since = now if owe and commit else None
+        batch.add(_Waiter(future, len(keys), owed_since, deadline, now), keys, int(commit), args)
+        self._arm(loop, deadline)
         full = len(batch.keys) >= MAX_BATCH_DESCRIPTORS
         if full or (batch.due and self._in_flight < MAX_IN_FLIGHT):
             self._send(loop)
@@ -256,8 +281,7 @@ class ExactBatcher:
         if batch is not None:
             if batch.release is not None:
                 batch.release.cancel()
-            self.pending -= _callers(batch)
-            self._fail(batch, "redis: store closed")
+            self._settle(batch, None, "redis: store closed")
 
     def _release(self, batch: _Batch) -> None:
         """A held batch's time is up: it goes now, or when a call slot frees."""
@@ -282,99 +306,108 @@ class ExactBatcher:
         if batch is None:
             return
         self._open = None
+        if batch.release is not None:
+            batch.release.cancel()
+            batch.release = None
+        if not batch.waited_for():  # every caller gave up before it left: not sent
+            return
         self._in_flight += 1
         self.batches += 1
         self.requests += _callers(batch)
         self._flying.append(batch)
-        deliver = functools.partial(self._delivered, batch)
-        # The deadline measures Redis: it starts once the command is written.
-        allowance = self._channel.start(batch.keys, batch.args, deliver)
-        if not batch.done:  # not answered at once (as when the circuit is open)
-            batch.deadline = loop.time() + allowance + self._timeout
-            self._arm(loop, batch.deadline)
+        self._channel.start(batch.keys, batch.args, functools.partial(self._delivered, batch))
 
     def _delivered(self, batch: _Batch, reply: Any) -> None:
-        if batch.done:  # it expired: only what Redis did with owed hits matters now
-            if batch.late:
-                self._settle_late(batch, reply)
-            return
-        self._close(batch)
+        if not batch.done:
+            self._close(batch)
         try:
             raw = self._channel.settle(reply)
-            results, start = [], 0
-            for _, count, _ in batch.waiters:
-                results.append(decode(raw, start, count))
-                start += count
         except StoreUnavailable as exc:
-            self._fail(batch, str(exc))
+            self._settle(batch, None, str(exc))
         except Exception as exc:  # a bug or a malformed reply: fail the batch, loudly
             log.exception("exact batch failed")
-            self._fail(batch, f"redis: unexpected {type(exc).__name__}")
+            self._settle(batch, None, f"redis: unexpected {type(exc).__name__}")
         else:
-            for (future, _, _), result in zip(batch.waiters, results, strict=True):
-                if future is not None and not future.done():  # None: owed; done: gave up
-                    future.set_result(result)
+            self._settle(batch, raw, "")
         self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
 
-    def _fail(self, batch: _Batch, reason: str, late: bool = False) -> None:
-        """Every waiter hears ``reason``; the hits of requests admitted on failure
-        are owed to Redis, or, for a call that may still be answered (``late``),
-        once its reply shows what Redis did not count."""
-        batch.late = late
-        for (future, _, since), keys, args in batch.requests():
-            # One exception object per waiter: a shared one would collect every
-            # waiter's traceback.
-            if future is not None and not future.done():
-                future.set_exception(StoreUnavailable(reason))
-            if since is not None and not late:
-                self.owed.add(keys, args, since)
-
-    def _settle_late(self, batch: _Batch, reply: Any) -> None:
-        """The reply of a call given up at its deadline: owe the hits of requests
-        admitted on failure that Redis did not count (all of them if the reply is an
-        error: whether the script ran is unknown, and counting twice only denies
-        sooner)."""
-        batch.late = False
+    def _settle(self, batch: _Batch, raw: Any, error: str) -> None:
+        """Hand each request its results (or ``error`` when ``raw`` is None). Hits of
+        requests admitted on failure are owed to Redis when the call failed, or when
+        their caller gave up and the reply shows Redis did not count them (its
+        failure_mode admitted them)."""
         start = 0
-        for (future, count, since), keys, args in batch.requests():
-            if since is not None:
-                counted = future is None  # forced hits always count
-                if not counted and not isinstance(reply, BaseException):
-                    admitted = [r.admitted for r in decode(reply, start, count)]
-                    roles = [HitRole(role) for role in args[3::4]]
-                    counted = not request_denied(roles, admitted)
-                if not counted:
-                    self.owed.add(keys, args, since)
-            start += count
+        for waiter, keys, args in batch.requests():
+            future = waiter.future
+            if raw is None:
+                if future is not None and not future.done():
+                    # One exception object per waiter: a shared one would collect every
+                    # waiter's traceback.
+                    future.set_exception(StoreUnavailable(error))
+                if waiter.since is not None and not (future is not None and future.cancelled()):
+                    self.owed.add(keys, args, waiter.since)
+            else:
+                if future is not None:
+                    if not future.done():
+                        future.set_result(decode(raw, start, waiter.count))
+                    elif waiter.since is not None and not future.cancelled():
+                        self._owe_if_denied(waiter, keys, args, raw, start)
+            self._finish(waiter)
+            start += waiter.count
+
+    def _owe_if_denied(
+        self, waiter: _Waiter, keys: list[str], args: list[Any], raw: Any, start: int
+    ) -> None:
+        """A request given up and admitted by failure_mode: owe its hits if Redis,
+        deciding it late, did not count them."""
+        assert waiter.since is not None
+        admitted = [r.admitted for r in decode(raw, start, waiter.count)]
+        roles = [HitRole(role) for role in args[3::4]]
+        if request_denied(roles, admitted):
+            self.owed.add(keys, args, waiter.since)
+
+    def _finish(self, waiter: _Waiter) -> None:
+        if waiter.open:
+            waiter.open = False
+            self.pending -= 1
 
     def _check_deadlines(self) -> None:
-        """Fail every call that was already past its deadline at the previous check
-        and is still unanswered; mark those newly past it, and look again after the
-        next I/O poll (CONFIRM_AFTER): a reply that came while the loop was busy is
-        read in that poll. Then wait for the next deadline."""
+        """Read what Redis has already answered, then answer every request past its
+        deadline with StoreUnavailable; a batch in flight whose callers have all given
+        up frees its call slot (its reply still settles owed hits). Then wait for the
+        next deadline."""
         self._timer = None
         loop = asyncio.get_running_loop()
+        self._channel.poll()
         now = loop.time()
-        expired = [b for b in self._flying if b.overdue and not b.done]
-        # All are closed before any is accounted: accounting may drop a stuck
-        # connection, which would otherwise fail the others as "connection lost".
-        for batch in expired:
-            self._close(batch)
-        confirm, upcoming = False, None
-        for batch in self._flying:  # a few dozen at most (MAX_IN_FLIGHT, full batches)
+        upcoming, expired = None, 0
+        batches = list(self._flying)
+        if self._open is not None:
+            batches.append(self._open)
+        for batch in batches:
             if batch.done:
                 continue
-            if batch.deadline <= now:
-                batch.overdue = confirm = True
-            elif upcoming is None or batch.deadline < upcoming:
-                upcoming = batch.deadline
-        for batch in expired:
-            self._fail(batch, str(self._channel.expire(self._timeout)), late=True)
-        if self._in_flight < MAX_IN_FLIGHT:  # the timer of an answered call frees nothing
-            self._send_queued(loop)  # what queued behind the expired calls goes out now
-        if confirm:
-            self._arm(loop, now + CONFIRM_AFTER)
-        elif upcoming is not None:
+            for waiter in batch.waiters:
+                future = waiter.future
+                if not waiter.open or future is None:
+                    continue
+                if future.done():  # cancelled by its caller
+                    self._finish(waiter)
+                elif waiter.deadline <= now:
+                    waited = (now - waiter.submitted) * 1000
+                    future.set_exception(StoreUnavailable(f"redis: no answer in {waited:.0f} ms"))
+                    self._finish(waiter)
+                    expired += 1
+                elif upcoming is None or waiter.deadline < upcoming:
+                    upcoming = waiter.deadline
+            if batch is not self._open and not any(w.open for w in batch.waiters):
+                self._close(batch)
+        if expired:
+            self.given_up += expired
+            self._channel.timed_out(expired)
+        if self._in_flight < MAX_IN_FLIGHT:
+            self._send_queued(loop)  # what queued behind the given-up calls goes out now
+        if upcoming is not None:
             self._arm(loop, upcoming)
 
     def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
@@ -388,9 +421,9 @@ class ExactBatcher:
         self._timer_at = when
 
     def _close(self, batch: _Batch) -> None:
+        """Free the batch's call slot."""
         batch.done = True
         self._in_flight -= 1
-        self.pending -= _callers(batch)
         flying = self._flying
         while flying and flying[0].done:  # keep the line short; the timer skips the rest
             flying.popleft()

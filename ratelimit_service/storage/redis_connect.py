@@ -56,10 +56,50 @@ def parse_target(url: str) -> Target:
     return Target("sentinel", hosts, unquote(path[0]), db, username, password, sentinel_password)
 
 
+SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
+
+
+def normalize_url(text: str, socket_type: str = "tcp") -> str:
+    """The store URL for a ``--redis-url`` value, checked: one of SCHEMES, or a Go-style
+    ``host:port`` (``socket_type`` tcp) or socket path (unix). Raises ValueError with
+    the cause, so a bad value is refused at start-up and never reaches a connect."""
+    text = text.strip()
+    if "://" not in text:
+        if text.startswith("/") or (socket_type == "unix" and ":" not in text):
+            if not text:
+                raise ValueError("empty socket path")
+            return f"unix://{text}"
+        _host(text)
+        return f"redis://{text}"
+    scheme = text.split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"unknown scheme {scheme + '://'!r}: use {', '.join(s + '://' for s in SCHEMES)}"
+            " or HOST:PORT"
+        )
+    parsed = urlparse(text)
+    if scheme == "unix":
+        if not parsed.path:
+            raise ValueError("unix:// needs a socket path")
+        return text
+    if scheme in ("redis", "rediss"):
+        try:
+            port = parsed.port
+        except ValueError:
+            raise ValueError(f"bad port in {parsed.netloc.rpartition('@')[2]!r}") from None
+        if not parsed.hostname:
+            raise ValueError("no host given")
+        if port == 0:
+            raise ValueError("port 0")
+        return text
+    parse_target(text)
+    return text
+
+
 def _host(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
-    if not host:
-        raise ValueError(f"'{text}': expected host:port")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host.strip("[]"), int(port)
 
 

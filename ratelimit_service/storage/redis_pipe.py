@@ -9,6 +9,17 @@ command came with, in order. The request path needs no future per command, and t
 reply reaches the batcher in the same loop turn that read it. A caller that gives up
 early leaves nothing broken: its reply is read and dropped.
 
+The socket is read by this module itself (``loop.add_reader``, and TLS through an
+``ssl.SSLObject`` on memory buffers), not through an asyncio transport, so that
+:meth:`RedisPipe.poll` can read what the kernel already holds at any moment. A caller
+about to give up on a reply polls first: a reply that came while this process was
+descheduled or its loop busy elsewhere is used, not charged to Redis as a timeout
+(uvloop runs due timers before it polls for I/O, so a timer alone would not see it).
+
+The connection also knows when it last read a byte: "no byte at all for a while with
+commands outstanding" (:meth:`RedisPipe.silent_for`) is the evidence that a peer is
+gone without a reset, which a slow reply is not.
+
 Only single-server URLs (``redis://``, ``rediss://``, ``unix://``) use it; Sentinel
 and Cluster stay with redis-py, which follows failovers and slots. Reconnecting is
 lazy (the next command after a loss) and one at a time; the store's circuit breaker
@@ -20,10 +31,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import hiredis
 from redis.asyncio.connection import RedisSSLContext, SSLConnection, UnixDomainSocketConnection
@@ -35,9 +47,8 @@ log = logging.getLogger(__name__)
 
 MAX_OUTSTANDING = 10_000
 """Commands waiting for a reply on the connection; beyond it, new commands fail."""
-STUCK_AFTER = 3.0
-"""Seconds the oldest command may wait before the connection is presumed dead and
-dropped (a silent network partition would otherwise hold it forever)."""
+RECV_SIZE = 256 * 1024
+"""Bytes asked of the socket per read."""
 
 
 def supports(url: str) -> bool:
@@ -47,31 +58,117 @@ def supports(url: str) -> bool:
 Deliver = Callable[[Any], None]
 """Receives a command's reply exactly once: the reply's value, or the exception it
 failed with (ResponseError for an error reply, ConnectionError for a lost connection).
-It runs inside the protocol's reading, so it must be quick and must not raise."""
+It runs inside the connection's reading, so it must be quick and must not raise."""
+Observe = Callable[[float], None]
+"""Gets the seconds from a command's write to its reply's read, for each reply."""
+
+_Retry = tuple[str, tuple[Any, ...]]
+"""A script's source and the EVALSHA command that runs it."""
 
 
-class _Protocol(asyncio.Protocol):
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+class _Tls:
+    """TLS over memory buffers: the connection moves the bytes itself."""
+
+    def __init__(self, context: ssl.SSLContext, host: str | None) -> None:
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.obj = context.wrap_bio(self.incoming, self.outgoing, server_hostname=host)
+
+    async def handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        while True:
+            try:
+                self.obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await _send_all(loop, sock, self.outgoing.read())
+                data = await loop.sock_recv(sock, RECV_SIZE)
+                if not data:
+                    raise ConnectionError("connection closed during the TLS handshake") from None
+                self.incoming.write(data)
+        await _send_all(loop, sock, self.outgoing.read())
+
+    def decrypt(self, data: bytes) -> bytes:
+        """The plain bytes ``data`` completes (may be none). Raises ssl.SSLError,
+        SSLZeroReturnError when the server closed the TLS session."""
+        self.incoming.write(data)
+        chunks = []
+        while True:
+            try:
+                chunks.append(self.obj.read(RECV_SIZE))
+            except ssl.SSLWantReadError:
+                return b"".join(chunks)
+
+    def encrypt(self, data: bytes) -> bytes:
+        if data:
+            self.obj.write(data)
+        return self.outgoing.read()
+
+
+async def _send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes) -> None:
+    if data:
+        await loop.sock_sendall(sock, data)
+
+
+class _Connection:
+    """One socket, read and written here; replies delivered in command order."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        tls: _Tls | None,
+        observe: Observe | None,
+    ) -> None:
         self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._tls = tls
+        self._observe = observe
         self._reader = hiredis.Reader()
         # (whom to deliver to, sent at, the script and EVALSHA command to retry as EVAL
         # on NOSCRIPT)
         self._waiting: deque[tuple[Deliver, float, _Retry | None]] = deque()
-        self._transport: asyncio.Transport | None = None
+        self._unsent = bytearray()
         self.closed = False
+        self.last_read = loop.time()
+        loop.add_reader(self._fd, self.poll)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports do not subclass asyncio.Transport; they have its methods.
-        self._transport = cast(asyncio.Transport, transport)
+    # -- reading -------------------------------------------------------------------
 
-    def data_received(self, data: bytes) -> None:
+    def poll(self) -> None:
+        """Read everything the socket holds now and deliver the replies in it."""
+        while not self.closed:
+            try:
+                data = self._sock.recv(RECV_SIZE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._fail(RedisConnectionError(f"redis connection lost: {exc}"))
+                return
+            if not data:
+                self._fail(RedisConnectionError("redis connection lost: closed by the server"))
+                return
+            self.last_read = self._loop.time()
+            received = len(data)
+            if self._tls is not None:
+                try:
+                    data = self._tls.decrypt(data)
+                    self._write_raw(self._tls.encrypt(b""))  # session tickets, key updates
+                except ssl.SSLError as exc:
+                    self._fail(RedisConnectionError(f"redis TLS error: {exc}"))
+                    return
+            self._parse(data)
+            if received < RECV_SIZE:
+                return  # the socket is drained (a full read may have left more)
+
+    def _parse(self, data: bytes) -> None:
         reader, waiting = self._reader, self._waiting
         try:
             reader.feed(data)
-            while (reply := reader.gets()) is not False:
+            while not self.closed and (reply := reader.gets()) is not False:
                 if not waiting:
                     raise hiredis.ProtocolError("a reply nobody asked for")
-                deliver, _, retry = waiting.popleft()
+                deliver, sent_at, retry = waiting.popleft()
                 if isinstance(reply, hiredis.ReplyError):
                     if retry is not None and str(reply).startswith("NOSCRIPT"):
                         # Redis lost the script (restart, SCRIPT FLUSH): send it whole.
@@ -79,6 +176,8 @@ class _Protocol(asyncio.Protocol):
                         self._write(deliver, _pack_eval(retry), None)
                         continue
                     reply = ResponseError(str(reply))
+                if self._observe is not None:
+                    self._observe(self.last_read - sent_at)
                 try:
                     deliver(reply)
                 except Exception:  # a bug in a caller: keep the connection in step
@@ -86,13 +185,11 @@ class _Protocol(asyncio.Protocol):
         except hiredis.ProtocolError as exc:
             self._fail(RedisConnectionError(f"redis protocol error: {exc!r}"))
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._fail_waiters(RedisConnectionError(f"redis connection lost: {exc or 'closed'}"))
+    # -- writing -------------------------------------------------------------------
 
     def request(self, packed: bytes, deliver: Deliver, retry: _Retry | None = None) -> None:
         """Send a command; ``deliver`` gets its reply (at once if it cannot be sent)."""
-        if self.closed or self._transport is None:
+        if self.closed:
             deliver(RedisConnectionError("redis connection closed"))
         elif len(self._waiting) >= MAX_OUTSTANDING:
             deliver(RedisConnectionError("redis: too many commands outstanding"))
@@ -105,20 +202,57 @@ class _Protocol(asyncio.Protocol):
         return future
 
     def _write(self, deliver: Deliver, packed: bytes, retry: _Retry | None) -> None:
-        assert self._transport is not None
         self._waiting.append((deliver, self._loop.time(), retry))
-        self._transport.write(packed)
+        if self._tls is not None:
+            packed = self._tls.encrypt(packed)
+        self._write_raw(packed)
 
-    def oldest_wait(self) -> float:
-        return self._loop.time() - self._waiting[0][1] if self._waiting else 0.0
+    def _write_raw(self, data: bytes) -> None:
+        if not data or self.closed:
+            return
+        if self._unsent:  # earlier bytes are still waiting for room: keep the order
+            self._unsent += data
+            return
+        try:
+            sent = self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self._fail(RedisConnectionError(f"redis connection lost: {exc}"))
+            return
+        if sent < len(data):
+            self._unsent += data[sent:]
+            self._loop.add_writer(self._fd, self._writable)
+
+    def _writable(self) -> None:
+        try:
+            sent = self._sock.send(self._unsent)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fail(RedisConnectionError(f"redis connection lost: {exc}"))
+            return
+        del self._unsent[:sent]
+        if not self._unsent:
+            self._loop.remove_writer(self._fd)
+
+    # -- state ---------------------------------------------------------------------
+
+    def silent_for(self) -> float:
+        """Seconds since both the last byte read and the oldest command outstanding
+        was sent; 0 with nothing outstanding."""
+        if not self._waiting:
+            return 0.0
+        since = max(self.last_read, self._waiting[0][1])
+        return max(0.0, self._loop.time() - since)
 
     def _fail(self, error: Exception) -> None:
-        self.closed = True
-        if self._transport is not None:
-            self._transport.abort()
-        self._fail_waiters(error)
-
-    def _fail_waiters(self, error: Exception) -> None:
+        if not self.closed:
+            self.closed = True
+            self._loop.remove_reader(self._fd)
+            if self._unsent:
+                self._loop.remove_writer(self._fd)
+            self._sock.close()
         while self._waiting:
             deliver = self._waiting.popleft()[0]
             try:
@@ -126,8 +260,8 @@ class _Protocol(asyncio.Protocol):
             except Exception:
                 log.exception("redis reply callback failed")
 
-    def abort(self) -> None:
-        self._fail(RedisConnectionError("redis connection dropped: no reply in time"))
+    def abort(self, reason: str = "redis connection dropped") -> None:
+        self._fail(RedisConnectionError(reason))
 
 
 def _resolve(future: asyncio.Future[Any], reply: Any) -> None:
@@ -140,14 +274,17 @@ def _resolve(future: asyncio.Future[Any], reply: Any) -> None:
 
 
 class RedisPipe:
-    def __init__(self, url: str, *, connect_timeout: float) -> None:
+    def __init__(
+        self, url: str, *, connect_timeout: float, observe: Observe | None = None
+    ) -> None:
         self._options: dict[str, Any] = dict(redis_parse_url(url))
         self._connect_timeout = connect_timeout
-        self._protocol: _Protocol | None = None
-        self._connecting: asyncio.Task[_Protocol] | None = None
+        self._observe = observe
+        self._connection: _Connection | None = None
+        self._connecting: asyncio.Task[_Connection] | None = None
         self.connects = 0
 
-    async def connected(self) -> _Protocol:
+    async def connected(self) -> _Connection:
         """The open connection, opening one if needed. The attempt runs as its own
         task, shared by every caller and shielded from their deadlines: a request's
         few milliseconds may be too short for a TLS handshake, and cancelling
@@ -160,9 +297,9 @@ class RedisPipe:
 
     async def evalsha(self, sha: str, script: str, keys: list[str], args: list[Any]) -> Any:
         """The script's reply, connecting first if needed."""
-        protocol = await self.connected()
+        connection = await self.connected()
         future = asyncio.get_running_loop().create_future()
-        _evalsha(protocol, sha, script, keys, args, functools.partial(_resolve, future))
+        _evalsha(connection, sha, script, keys, args, functools.partial(_resolve, future))
         return await future
 
     def evalsha_now(
@@ -171,51 +308,64 @@ class RedisPipe:
         """Like :meth:`evalsha` but with neither a coroutine nor a future: ``deliver``
         gets the reply. False, and nothing sent, when there is no open connection (use
         :meth:`evalsha` then)."""
-        protocol = self._protocol
-        if protocol is None or protocol.closed:
+        connection = self._connection
+        if connection is None or connection.closed:
             return False
-        _evalsha(protocol, sha, script, keys, args, deliver)
+        _evalsha(connection, sha, script, keys, args, deliver)
         return True
 
-    def drop_if_stuck(self) -> None:
-        """Called after a timeout: a connection whose oldest command has waited far
-        too long is dropped, so the next command opens a fresh one."""
-        protocol = self._protocol
-        if protocol is not None and not protocol.closed and protocol.oldest_wait() > STUCK_AFTER:
-            protocol.abort()
+    def poll(self) -> None:
+        """Read and deliver the replies already on the socket, now."""
+        connection = self._connection
+        if connection is not None and not connection.closed:
+            connection.poll()
 
-    async def _connect(self) -> _Protocol:
-        if self._protocol is not None and not self._protocol.closed:
-            return self._protocol
+    def silent_for(self) -> float:
+        """Seconds with commands outstanding and no byte read (see _Connection)."""
+        connection = self._connection
+        if connection is None or connection.closed:
+            return 0.0
+        return connection.silent_for()
+
+    def drop(self, reason: str) -> None:
+        """Close the connection: every outstanding command fails with ``reason``, and
+        the next command opens a fresh one."""
+        connection = self._connection
+        if connection is not None and not connection.closed:
+            connection.abort(reason)
+
+    async def _connect(self) -> _Connection:
+        if self._connection is not None and not self._connection.closed:
+            return self._connection
         async with asyncio.timeout(self._connect_timeout):
-            protocol = await self._open()
-            await self._handshake(protocol)
-        self._protocol = protocol
+            connection = await self._open()
+            await self._handshake(connection)
+        self._connection = connection
         self.connects += 1
-        return protocol
+        return connection
 
-    async def _open(self) -> _Protocol:
+    async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
         options = self._options
         cls = options.get("connection_class")
         if cls is UnixDomainSocketConnection:
-            _, protocol = await loop.create_unix_connection(
-                lambda: _Protocol(loop), options["path"]
-            )
-            return protocol
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            await _sock_connect(loop, sock, options["path"])
+            return _Connection(loop, sock, None, self._observe)
         host = options.get("host", "localhost")
         port = int(options.get("port", 6379))
-        context = _tls_context(options) if cls is SSLConnection else None
-        _, protocol = await loop.create_connection(
-            lambda: _Protocol(loop),
-            host,
-            port,
-            ssl=context,
-            server_hostname=host if context is not None else None,
-        )
-        return protocol
+        sock = await _tcp_connect(loop, host, port)
+        tls = None
+        if cls is SSLConnection:
+            try:
+                tls = _Tls(_tls_context(options), host)
+                await tls.handshake(loop, sock)
+            except BaseException:
+                sock.close()
+                raise
+        return _Connection(loop, sock, tls, self._observe)
 
-    async def _handshake(self, protocol: _Protocol) -> None:
+    async def _handshake(self, connection: _Connection) -> None:
         options = self._options
         commands: list[tuple[Any, ...]] = []
         if options.get("password") is not None:
@@ -227,27 +377,53 @@ class RedisPipe:
             commands.append(("SELECT", int(options["db"])))
         try:
             await asyncio.gather(
-                *(protocol.request_future(hiredis.pack_command(c)) for c in commands)
+                *(connection.request_future(hiredis.pack_command(c)) for c in commands)
             )
         except BaseException:
-            protocol.abort()
+            connection.abort()
             raise
 
     async def close(self) -> None:
-        if self._protocol is not None:
-            self._protocol.abort()
-            self._protocol = None
+        if self._connection is not None:
+            self._connection.abort("redis connection closed")
+            self._connection = None
 
 
-_Retry = tuple[str, tuple[Any, ...]]
-"""A script's source and the EVALSHA command that runs it."""
+async def _sock_connect(loop: asyncio.AbstractEventLoop, sock: socket.socket, address: Any) -> None:
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, address)
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def _tcp_connect(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to the first address of ``host`` that answers."""
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    error: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            await _sock_connect(loop, sock, address)
+        except OSError as exc:
+            error = exc
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    raise error
 
 
 def _evalsha(
-    protocol: _Protocol, sha: str, script: str, keys: list[str], args: list[Any], deliver: Deliver
+    connection: _Connection,
+    sha: str,
+    script: str,
+    keys: list[str],
+    args: list[Any],
+    deliver: Deliver,
 ) -> None:
     command = ("EVALSHA", sha, len(keys), *keys, *args)
-    protocol.request(hiredis.pack_command(command), deliver, (script, command))
+    connection.request(hiredis.pack_command(command), deliver, (script, command))
 
 
 def _pack_eval(retry: _Retry) -> bytes:

@@ -4,9 +4,17 @@ pipelined connection: redis_pipe), and the fleet totals of probabilistic mode in
 round trip per sync (redis-py).
 
 Time is Redis's (``TIME`` inside the scripts), so service clocks need not agree.
-Every call is bounded (``request_timeout`` on the request path, ``sync_timeout``
-for the reconciler) and goes through a circuit breaker; a failure surfaces as
-:class:`StoreUnavailable`, which callers turn into their failure policy.
+Every call is bounded (on the request path by the caller's deadline, at most
+``request_timeout``; ``sync_timeout`` for the reconciler) and goes through a circuit
+breaker; a failure surfaces as :class:`StoreUnavailable`, which callers turn into
+their failure policy.
+
+The breaker opens on evidence that Redis is down, never on a slow reply: errors,
+refused or reset connections, or no byte at all from Redis for ``silence`` seconds
+while calls are outstanding. A call given up at its deadline is only counted
+(``timeouts``): on a busy machine most late replies are late because this process
+was not running, and any reply proves Redis alive. The time each reply took, as this
+process saw it, goes to the ``reply_time`` histogram.
 """
 
 from __future__ import annotations
@@ -22,10 +30,11 @@ from importlib import resources
 from typing import Any, TypeVar
 
 from redis.crc import key_slot
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity
 from ratelimit_service.core.exact import ExactHit, ExactResult, request_denied
+from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.shares import QuotaReport, QuotaView
 from ratelimit_service.core.window import DEFAULT_SLICES
@@ -77,7 +86,14 @@ def _forget(task: asyncio.Future[Any]) -> None:
 LATE_TURNS = 3
 """Loop turns, a millisecond apart, that a redis-py call past its deadline gets to
 finish before it is given up: a reply that came while the loop was busy elsewhere
-needs a poll to be read and a turn or two for redis-py's task to parse it."""
+needs a poll to be read and a turn or two for redis-py's task to parse it (redis-py's
+sockets are not ours to read directly, as the request path's pipe is)."""
+REQUEST_TIMEOUT = 1.0
+"""Seconds an exact decision waits for Redis at most, by default: the bound for a
+caller that sets no deadline (Envoy's filter sets one: 20 ms by default)."""
+SILENCE = 1.0
+"""Seconds with calls outstanding and no byte from Redis, by default, after which
+Redis counts as down (the connection is dropped and the breaker opens)."""
 
 
 async def _answered_late(command: asyncio.Future[Any]) -> bool:
@@ -130,7 +146,8 @@ class RedisStore:
         self,
         url: str,
         *,
-        request_timeout: float = 0.010,
+        request_timeout: float = REQUEST_TIMEOUT,
+        silence: float = SILENCE,
         sync_timeout: float = 1.0,
         connect_timeout: float = 0.5,
         prefix: str = "rl:",
@@ -142,6 +159,7 @@ class RedisStore:
     ) -> None:
         self.url = url
         self.request_timeout = request_timeout
+        self.silence = silence
         self.connect_timeout = connect_timeout
         self.sync_timeout = sync_timeout
         self.prefix = prefix
@@ -162,26 +180,40 @@ class RedisStore:
         self._init_lock = asyncio.Lock()
         self.calls = 0
         self.timeouts = 0
+        self.silences = 0
+        """Times Redis was found silent (see SILENCE)."""
+        self.reply_time = Histogram()
+        """Seconds from writing a call to reading its reply, as this process saw them."""
+        self._last_reply = 0.0
+        """The loop's time of the last reply of any kind (redis-py calls)."""
         self._batcher = ExactBatcher(self, slices, request_timeout, max_pending)
         # Held batches count against the timeout: keep the hold well inside it.
         self.batch_hold = min(batch_hold, request_timeout / 4)
         self._prepared: dict[int, _Prepared] = {}
         # The request path's own connection (single server only): see redis_pipe.
-        self._pipe = RedisPipe(url, connect_timeout=connect_timeout) if supports(url) else None
+        self._pipe = (
+            RedisPipe(url, connect_timeout=connect_timeout, observe=self.reply_time.observe)
+            if supports(url)
+            else None
+        )
 
     # -- request path ------------------------------------------------------------
 
     def hit(
-        self, hits: Sequence[ExactHit], commit: bool, owe: bool = False
+        self,
+        hits: Sequence[ExactHit],
+        commit: bool,
+        owe: bool = False,
+        deadline: float | None = None,
     ) -> Awaitable[list[ExactResult]]:
         if not self.cluster:  # one server sees every key: batch with concurrent requests
             prepared = self._prepared.get(id(hits))
             if prepared is None or prepared[0] is not hits:
                 prepared = self._prepare(hits)
-            return self._batcher.submit(prepared[1], prepared[2], commit, owe)
+            return self._batcher.submit(prepared[1], prepared[2], commit, owe, deadline)
         # A Cluster's keys live on several nodes: hits admitted while one is away are
         # not carried to it later (owed hits need the batcher's single connection).
-        return self._hit_cluster(hits, commit)
+        return self._hit_cluster(hits, commit, deadline)
 
     def _prepare(self, hits: Sequence[ExactHit]) -> _Prepared:
         """Keys and ARGV of a request's hits. The limiter passes the same tuple each
@@ -196,49 +228,52 @@ class RedisStore:
             self._prepared[id(hits)] = prepared
         return prepared
 
-    async def _hit_cluster(self, hits: Sequence[ExactHit], commit: bool) -> list[ExactResult]:
+    async def _hit_cluster(
+        self, hits: Sequence[ExactHit], commit: bool, deadline: float | None
+    ) -> list[ExactResult]:
+        timeout = self.request_timeout
+        if deadline is not None:
+            timeout = max(0.0, min(timeout, deadline - asyncio.get_running_loop().time()))
         groups = self._by_slot([self._exact_key(hit.key, hit.window_seconds) for hit in hits], hits)
         if len(groups) == 1:
-            return await self._hit_group(groups[0], commit)
+            return await self._hit_group(groups[0], commit, timeout)
         # Redis Cluster, descriptors in several slots: one script cannot see them all.
         # Check everywhere first, then consume only if the whole request goes through;
         # the second pass re-checks each key, so a race can deny a hit, never overshoot.
-        checks = await asyncio.gather(*(self._hit_group(g, False) for g in groups))
+        checks = await asyncio.gather(*(self._hit_group(g, False, timeout) for g in groups))
         results = _reorder(groups, checks, len(hits))
         roles = [hit.role for hit in hits]
         if not commit or request_denied(roles, [r.admitted for r in results]):
             return results
-        committed = await asyncio.gather(*(self._hit_group(g, True) for g in groups))
+        committed = await asyncio.gather(*(self._hit_group(g, True, timeout) for g in groups))
         return _reorder(groups, committed, len(hits))
 
-    async def _hit_group(self, group: _Group, commit: bool) -> list[ExactResult]:
+    async def _hit_group(self, group: _Group, commit: bool, timeout: float) -> list[ExactResult]:
         args: list[Any] = [self.slices, 1]
         encode(group.hits, commit, args)
-        raw = await self._call(self._exact, group.keys, args, self.request_timeout)
+        raw = await self._call(self._exact, group.keys, args, timeout)
         return decode(raw, 0, len(group.hits))
 
     # The batcher's channel (see exact_batcher.Channel): callbacks, no coroutines, on
     # the pipelined connection when there is one.
 
-    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> float:
+    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
         if not self.breaker.allow():
             deliver(StoreUnavailable("redis: circuit open after recent failures"))
-            return 0.0
+            return
         self.calls += 1
         pipe, script = self._pipe, self._exact
         if pipe is not None and pipe.evalsha_now(script.sha, script.script, keys, args, deliver):
-            return 0.0
+            return
         if pipe is None:  # Sentinel: redis-py, left to finish even past the deadline
-            call = asyncio.ensure_future(self._run(script, keys, args))
+            call = asyncio.ensure_future(self._run_timed(script, keys, args))
         else:  # not connected yet: connect first
             call = asyncio.ensure_future(pipe.evalsha(script.sha, script.script, keys, args))
         call.add_done_callback(lambda done: deliver(_outcome(done)))
-        # redis-py may open a connection (and Sentinel look up the master) first.
-        return self.connect_timeout
 
     def settle(self, reply: Any) -> Any:
         if not isinstance(reply, BaseException):
-            self.breaker.success()
+            self._replied()
             return reply
         if isinstance(reply, StoreUnavailable):  # the circuit was open: nothing was sent
             raise reply
@@ -247,10 +282,21 @@ class RedisStore:
             raise StoreUnavailable(f"redis: {reply}") from reply
         raise reply
 
-    def expire(self, timeout: float) -> StoreUnavailable:
-        if self._pipe is not None:
-            self._pipe.drop_if_stuck()
-        return self._timed_out(timeout)
+    def poll(self) -> None:
+        """Read the replies already on the socket; drop a connection that has been
+        silent too long (every call on it fails, and the breaker opens)."""
+        pipe = self._pipe
+        if pipe is None:
+            return
+        pipe.poll()
+        silent = pipe.silent_for()
+        if silent >= self.silence:
+            reason = f"no byte from redis for {silent:.1f} s with calls outstanding"
+            self._silent(reason)
+            pipe.drop(reason)
+
+    def timed_out(self, requests: int) -> None:
+        self.timeouts += requests
 
     # -- reconciler --------------------------------------------------------------
 
@@ -350,7 +396,7 @@ class RedisStore:
         # instead would drop the connection, and the next call would pay a new
         # connection's handshake (several round trips) inside its own deadline: under a
         # slow Redis that spirals into every call timing out.
-        command = asyncio.ensure_future(self._run(script, keys, args))
+        command = asyncio.ensure_future(self._run_timed(script, keys, args))
         try:
             try:
                 async with asyncio.timeout(timeout):
@@ -360,22 +406,39 @@ class RedisStore:
                     command.add_done_callback(_forget)
                     raise self._timed_out(timeout) from None
                 raw = command.result()
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             self.breaker.failure(str(exc) or type(exc).__name__)
             raise StoreUnavailable(f"redis: {exc}") from exc
-        self.breaker.success()
+        self._replied()
         return raw
 
+    def _replied(self) -> None:
+        """A reply came: Redis is alive."""
+        self._last_reply = asyncio.get_running_loop().time()
+        self.breaker.success()
+
     def _timed_out(self, timeout: float) -> StoreUnavailable:
+        """A redis-py call got no reply within ``timeout``: counted; evidence that
+        Redis is down only if no call at all has been answered for ``silence``."""
         self.timeouts += 1
         reason = f"no answer within {timeout * 1000:.0f} ms"
-        self.breaker.failure(reason)
+        if asyncio.get_running_loop().time() - self._last_reply >= self.silence:
+            self._silent(f"{reason}, and none to any call for {self.silence:.1f} s")
         return StoreUnavailable(f"redis: {reason}")
 
-    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+    def _silent(self, reason: str) -> None:
+        self.silences += 1
+        self.breaker.down(reason)
+
+    async def _run_timed(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """A redis-py script call, its reply time observed."""
         if not self._initialized:
             await self._initialize()
-        return await script(keys=keys, args=args)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        reply = await script(keys=keys, args=args)
+        self.reply_time.observe(loop.time() - started)
+        return reply
 
     async def warm(self, connections: int = 4) -> None:
         """Open a few connections and load the scripts before traffic, outside any
@@ -389,8 +452,14 @@ class RedisStore:
                     await self._client.script_load(script.script)
                 if self._pipe is not None:
                     await self._pipe.connected()
-        except (TimeoutError, RedisError, OSError) as exc:
-            log.warning("redis not reachable at start-up: %s", exc)
+        except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
+            reason = str(exc) or type(exc).__name__
+            log.warning(
+                "redis at %s not reachable at start-up (%s): serving by failure_mode until"
+                " it answers",
+                _display(self.url),
+                reason,
+            )
 
     async def _initialize(self) -> None:
         """Discover the cluster once, before concurrent use: redis-py's lazy discovery
@@ -421,14 +490,20 @@ class RedisStore:
         if self.holds_exact_batches:
             self._batcher.set_hold(self.batch_hold if saturated else 0.0)
 
+    def histograms(self) -> dict[str, Histogram]:
+        return {"reply": self.reply_time}
+
     def stats(self) -> dict[str, float]:
         return {
             "calls": self.calls,
             "errors": self.breaker.total_failures,
             "timeouts": self.timeouts,
+            "silences": self.silences,
             "circuit_open": 1.0 if self.breaker.open else 0.0,
             "healthy": 1.0 if self.breaker.healthy else 0.0,
             "outages": self.breaker.outages,
+            "recoveries": self.breaker.recoveries,
+            "exact_given_up": self._batcher.given_up,
             "exact_batches": self._batcher.batches,
             "exact_batched_requests": self._batcher.requests,
             "exact_held_batches": self._batcher.held,
