@@ -5,21 +5,17 @@ request is answered with a gRPC error or by failure_mode."""
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import re
 import shutil
 import struct
 import subprocess
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ratelimit_service.cli.client import build_request
-from ratelimit_service.testing.fleet import redis_server, service_fleet
+from ratelimit_service.testing.fleet import cpu_hog, fleet_sum, redis_server, service_fleet
+from ratelimit_service.testing.fleet import rule_counter as _rule_counter
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("h2load") is None,
@@ -36,24 +32,6 @@ descriptors:
     mode: exact
     rate_limit: {unit: minute, requests_per_unit: 100}
 """
-
-
-def _spin(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
-
-
-@contextlib.contextmanager
-def cpu_hog(seconds: float = 120.0) -> Iterator[None]:
-    """A busy-loop process beside the services, as on any busy node."""
-    process = multiprocessing.get_context("spawn").Process(target=_spin, args=(seconds,))
-    process.start()
-    try:
-        yield
-    finally:
-        process.terminate()
-        process.join(5)
 
 
 def grpc_body(directory: Path, descriptor: str) -> Path:
@@ -87,27 +65,6 @@ def burst(ports: list[int], body: Path, count: int, in_flight: int) -> None:
         assert re.search(rf"{per_port} succeeded, 0 failed, 0 errored", out), out
 
 
-def scrape(admin_port: int) -> dict[str, float]:
-    """Every sample of the service's /metrics, by its name and labels as printed."""
-    url = f"http://127.0.0.1:{admin_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def fleet_sum(admin_ports: list[int], name: str) -> float:
-    return sum(scrape(port).get(name, 0.0) for port in admin_ports)
-
-
-def rule_counter(admin_ports: list[int], name: str, rule: str) -> float:
-    return fleet_sum(admin_ports, f'ratelimit_service_rate_limit_{name}_total{{key="load.{rule}"}}')
-
-
 def test_three_processes_beside_cpu_hogs_admit_exactly_the_limit(tmp_path: Path) -> None:
     config = tmp_path / "config"
     config.mkdir()
@@ -121,9 +78,9 @@ def test_three_processes_beside_cpu_hogs_admit_exactly_the_limit(tmp_path: Path)
         with cpu_hog():
             for key, count, in_flight in bursts:
                 burst(ports, grpc_body(tmp_path, key), count, in_flight)
-        slow = rule_counter(admin, "within_limit", "slow")
-        fast = rule_counter(admin, "within_limit", "burst")
-        by_failure_mode = rule_counter(admin, "failure_mode_allowed", "slow")
+        slow = _rule_counter(admin, "within_limit", "load.slow")
+        fast = _rule_counter(admin, "within_limit", "load.burst")
+        by_failure_mode = _rule_counter(admin, "failure_mode_allowed", "load.slow")
         total = fleet_sum(admin, "ratelimit_server_should_rate_limit_total_requests_total")
         errors = fleet_sum(admin, "ratelimit_service_call_should_rate_limit_store_error_total")
         timeouts = fleet_sum(admin, 'ratelimit_store{name="timeouts",store="redis"}')

@@ -99,7 +99,7 @@ async def test_a_silent_connection_is_dropped_and_opens_the_breaker(redis_server
         assert store.stats()["silences"] == 0
         with pytest.raises(StoreUnavailable, match="no answer"):
             await store.hit(HIT, True)  # its deadline check finds 0.2 s of silence
-        with pytest.raises(StoreUnavailable, match="no byte from redis for 0.3 s"):
+        with pytest.raises(StoreUnavailable, match=r"no byte from redis for 0\.3 s"):
             await store.hit(HIT, True)  # 0.3 s: dropped at its deadline check
         assert store.stats()["silences"] == 1
         assert store.breaker.open and not store.healthy()

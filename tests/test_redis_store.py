@@ -171,7 +171,7 @@ async def test_paused_redis_times_out_within_bound(redis_server) -> None:
         redis_server.pause()
         for _ in range(3):  # late replies are not evidence: the circuit stays closed
             started = time.monotonic()
-            with pytest.raises(StoreUnavailable, match="no answer in 2[0-9] ms"):
+            with pytest.raises(StoreUnavailable, match=r"no answer in 2[0-9] ms"):
                 await store.hit([ExactHit("k", 5, 60, 1)], True)
             assert time.monotonic() - started < 0.5
         assert not store.breaker.open

@@ -205,10 +205,14 @@ class _Aborted(Exception):
 
 
 class _JsonCallContext:
-    """What RateLimitServicer.should_rate_limit uses of a gRPC call's context: abort."""
+    """What RateLimitServicer.should_rate_limit uses of a gRPC call's context: abort,
+    and the time left (an HTTP call has no deadline: the store's bound applies)."""
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise _Aborted(code, details)
+
+    def time_remaining(self) -> float | None:
+        return None
 
 
 class GoEndpoints:

@@ -50,6 +50,8 @@ class CircuitBreaker:
         self.recoveries = 0
         """Times it became available again."""
         self.name = name
+        self._evidence = False
+        """Within down(): the transition has a cause of its own, not a count."""
         self.summary_every = summary_every
         self._down_since = 0.0
         self._failures_at_down = 0
@@ -96,8 +98,10 @@ class CircuitBreaker:
         """Evidence that the store is gone, not merely slow (a connection silent with
         calls outstanding): unhealthy and open at once, without waiting for more
         failures in a row."""
+        self._evidence = True
         self.failures_in_row = max(self.failures_in_row, self.flip_after, self.open_after) - 1
         self.failure(reason)
+        self._evidence = False
 
     def _unhealthy(self, reason: str) -> None:
         now = self._clock()
@@ -106,12 +110,17 @@ class CircuitBreaker:
             self.outages += 1
             self._down_since = self._summary_at = now
             self._failures_at_down = self.total_failures - self.failures_in_row
+            cause = (
+                f"({reason})"
+                if self._evidence
+                else f"after {self.failures_in_row} failed calls in a row"
+                f" ({reason or 'no reason given'})"
+            )
             log.warning(
-                "%s unavailable after %d failed calls in a row (%s): exact rules answer"
-                " by their failure_mode, probabilistic rules keep their last drop ratios",
+                "%s unavailable %s: exact rules answer by their failure_mode,"
+                " probabilistic rules keep their last drop ratios",
                 self.name,
-                self.failures_in_row,
-                reason or "no reason given",
+                cause,
             )
         elif now - self._summary_at >= self.summary_every:
             self._summary_at = now

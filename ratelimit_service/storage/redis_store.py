@@ -454,12 +454,8 @@ class RedisStore:
                     await self._pipe.connected()
         except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
             reason = str(exc) or type(exc).__name__
-            log.warning(
-                "redis at %s not reachable at start-up (%s): serving by failure_mode until"
-                " it answers",
-                _display(self.url),
-                reason,
-            )
+            # The breaker says it once; calls go on trying, and the first reply closes it.
+            self.breaker.down(f"not reachable at start-up: {reason}; tried until it answers")
 
     async def _initialize(self) -> None:
         """Discover the cluster once, before concurrent use: redis-py's lazy discovery

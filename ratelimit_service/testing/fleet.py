@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import signal
 import socket
@@ -16,12 +17,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from envoy.service.ratelimit.v3 import rls_pb2_grpc
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from ratelimit_service.cli.client import build_request
 from ratelimit_service.testing.redis import RedisServer, free_port
@@ -190,3 +192,87 @@ def write_config(directory: Path, limit: int, unit: str, mode: str) -> Path:
         f"    rate_limit: {{unit: {unit}, requests_per_unit: {limit}}}\n"
     )
     return path
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+@contextlib.contextmanager
+def cpu_hog(seconds: float = 300.0) -> Iterator[None]:
+    """A busy-loop process beside the services, as on any busy node."""
+    process = multiprocessing.get_context("spawn").Process(target=_spin, args=(seconds,))
+    process.start()
+    try:
+        yield
+    finally:
+        process.terminate()
+        process.join(5)
+
+
+def scrape(admin_port: int) -> dict[str, float]:
+    """Every sample of a service's /metrics, by its name and labels as printed."""
+    url = f"http://127.0.0.1:{admin_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def fleet_sum(admin_ports: Sequence[int], name: str) -> float:
+    """A sample summed over several services."""
+    return sum(scrape(port).get(name, 0.0) for port in admin_ports)
+
+
+def rule_counter(admin_ports: Sequence[int], name: str, rule: str) -> float:
+    """A per-rule counter (``within_limit``, ``failure_mode_allowed`` ...) summed."""
+    return fleet_sum(admin_ports, f'ratelimit_service_rate_limit_{name}_total{{key="{rule}"}}')
+
+
+def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    """Wait until ``check()`` holds, looking every 50 ms; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what or check}")
+        time.sleep(0.05)
+
+
+async def python_burst(
+    ports: Sequence[int],
+    domain: str,
+    descriptor: str,
+    count: int,
+    in_flight: int,
+    timeout: float | None = 5.0,
+) -> Counter[str]:
+    """``count`` ShouldRateLimit calls spread round-robin over ``ports``, ``in_flight``
+    at a time, from grpc.aio stubs (a client as heavy as a real Python one): each
+    outcome's name (OK, OVER_LIMIT, or the gRPC status code) and how many."""
+    request = build_request(domain, [descriptor], 0)
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for port in ports]
+    stubs = [rls_pb2_grpc.RateLimitServiceStub(channel) for channel in channels]
+    gate = asyncio.Semaphore(in_flight)
+    outcomes: Counter[str] = Counter()
+
+    async def one(i: int) -> None:
+        async with gate:
+            try:
+                response = await stubs[i % len(stubs)].ShouldRateLimit(request, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                outcomes[exc.code().name] += 1
+            else:
+                outcomes[rls_pb2.RateLimitResponse.Code.Name(response.overall_code)] += 1
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(count)))
+    finally:
+        for channel in channels:
+            await channel.close()
+    return outcomes
