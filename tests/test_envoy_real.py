@@ -389,7 +389,9 @@ descriptors:
     )
     replicas = [spawn_service(config, "--redis-url", redis_server.url) for _ in range(2)]
     envoy = start_envoy(shipped_bootstrap(upstream, replicas))
-    assert envoy.healthy_hosts("ratelimit") == {f"127.0.0.1:{r.grpc_port}" for r in replicas}
+    # Envoy health-checks each replica on its own schedule: wait until both are in.
+    expected = {f"127.0.0.1:{r.grpc_port}" for r in replicas}
+    envoy.wait_for("both replicas healthy", lambda: envoy.healthy_hosts("ratelimit") == expected)
 
     assert writes(envoy, "acme", 24) == [200] * 7 + [429] * 17
     assert writes(envoy, "globex", 10) == [200] * 7 + [429] * 3

@@ -670,3 +670,68 @@ async def test_decide_locally_answers_only_requests_without_the_store() -> None:
 
 def vars_of(rule: object) -> dict[str, int]:
     return {name: getattr(rule, name) for name in rule.__slots__}  # type: ignore[attr-defined]
+
+
+ZERO = """
+domain: z
+descriptors:
+  - key: blocked
+    mode: exact
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: pblocked
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: open
+    mode: exact
+    rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: free
+    mode: exact
+    rate_limit: {unlimited: true}
+"""
+
+
+class CountingDownStore(DownStore):
+    """A store that is away, and counts how often it was asked."""
+
+    asked = 0
+
+    async def hit(
+        self,
+        hits: Sequence[ExactHit],
+        commit: bool,
+        owe: bool = False,
+        deadline: float | None = None,
+    ) -> list[ExactResult]:
+        self.asked += 1
+        return await super().hit(hits, commit, owe, deadline)
+
+
+@pytest.mark.parametrize("descriptor", ["blocked=x", "pblocked=x"])
+async def test_a_limit_of_0_denies_without_the_store(descriptor: str) -> None:
+    """In exact and probabilistic mode, with the store away and failure_mode open:
+    a limit of 0 needs no count, so nothing can turn it into an OK."""
+    clock = Clock()
+    store = CountingDownStore(clock=clock)
+    limiter = RateLimiter(config(ZERO), store, clock=clock, draw=Draw(0.0))
+    for _ in range(3):
+        response = await limiter.should_rate_limit(Request("z", [_parse(descriptor)]))
+        assert response.overall is OVER
+        assert response.statuses[0].remaining == 0
+        assert 0 < response.statuses[0].reset_after <= 1
+    assert store.asked == 0
+    rule = limiter.stats.rules[f"z.{descriptor.split('=')[0]}"]
+    assert (rule.over_limit, rule.failure_mode_allowed) == (3, 0)
+
+
+async def test_a_limit_of_0_beside_a_store_rule_denies_and_consumes_nothing() -> None:
+    clock = Clock()
+    store = EmbeddedStore(clock=clock)
+    limiter = RateLimiter(config(ZERO), store, clock=clock, draw=Draw(0.0))
+    request = Request("z", [_parse("blocked=x"), _parse("open=y"), _parse("free=z")])
+    for _ in range(7):
+        response = await limiter.should_rate_limit(request)
+        assert response.overall is OVER
+        assert [s.code for s in response.statuses] == [OVER, OK, OK]
+    alone = await limiter.should_rate_limit(Request("z", [_parse("open=y")]))
+    assert alone.statuses[0].remaining == 4  # the denied requests took none of it
+    unlimited = await limiter.should_rate_limit(Request("z", [_parse("free=z")]))
+    assert unlimited.overall is OK

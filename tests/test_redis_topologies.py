@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import pytest
 
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.storage.redis_connect import Target, parse_target
+from ratelimit_service.storage.redis_connect import Target, normalize_url, parse_target
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup
 
@@ -122,3 +123,38 @@ async def test_sentinel_both_modes_and_failover(sentinel: RedisSentinelSetup) ->
         assert (await store.hit([ExactHit("k", 3, 60, 0)], True))[0].before >= 1
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    ("given", "socket_type", "url"),
+    [
+        ("localhost:6379", "tcp", "redis://localhost:6379"),
+        ("localhost:6379", "unix", "redis://localhost:6379"),  # a port: TCP whatever it says
+        ("/run/redis.sock", "tcp", "unix:///run/redis.sock"),
+        ("redis.sock", "unix", "unix://redis.sock"),
+        ("redis://h:1/2", "tcp", "redis://h:1/2"),
+        ("rediss://u:p@h:6380", "tcp", "rediss://u:p@h:6380"),
+        ("redis+cluster://a:1,b:2", "tcp", "redis+cluster://a:1,b:2"),
+    ],
+)
+def test_store_urls_as_the_go_service_and_we_write_them(
+    given: str, socket_type: str, url: str
+) -> None:
+    assert normalize_url(given, socket_type) == url
+
+
+@pytest.mark.parametrize(
+    ("given", "cause"),
+    [
+        ("redis://127.0.0.1:notaport", "bad port"),
+        ("ftp://h:1", "unknown scheme 'ftp://'"),
+        ("localhost", "expected HOST:PORT"),
+        ("h:99999", "expected HOST:PORT"),
+        ("redis://:1", "no host"),
+        ("redis+sentinel://s1:26379", "master name"),
+        ("unix://", "socket path"),
+    ],
+)
+def test_bad_store_urls_say_why(given: str, cause: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(cause)):
+        normalize_url(given)

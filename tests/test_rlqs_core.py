@@ -269,3 +269,55 @@ async def test_what_is_kept_follows_the_buckets_in_use() -> None:
     for n in range(50):
         quota.forget(f"e{n}")
     assert quota.demands() == {} and quota.shares() == {}
+
+
+async def test_with_the_store_away_a_used_up_window_resets_on_time() -> None:
+    """A minute rule that reached DENY_ALL while the store is away gets buckets again
+    once its minute has passed, not after the outage."""
+    from ratelimit_service.storage.base import StoreUnavailable
+
+    class Down(EmbeddedStore):
+        async def quota(self, reports, forget_after):  # type: ignore[no-untyped-def]
+            raise StoreUnavailable("down")
+
+    config = load_config(
+        [ConfigFile("q.yaml", "domain: q\ndescriptors:\n  - key: m\n"
+                    "    rate_limit: {unit: minute, requests_per_unit: 10}\n")]
+    )  # fmt: skip
+    clock, stats = Clock(), Stats()
+    clock.now = 60 * 1_000_000 + 10.0  # 10 s into a minute
+    quota = QuotaCoordinator(lambda: config, stats, Down(clock=clock), clock=clock, wall=clock)
+    bucket = {"m": "x"}
+    (first,) = await quota.report("a", "q", [Usage(bucket, 4, 0)])
+    assert first.token_bucket is not None
+    clock.now += 5.0
+    (used,) = await quota.report("a", "q", [Usage(bucket, 6, 3)])  # 10 of 10
+    assert used.kind == DENY_ALL and used.ttl_seconds == 45
+    clock.now += 5.0
+    (still,) = await quota.report("a", "q", [Usage(bucket, 0, 9)])  # same minute
+    assert still.kind == DENY_ALL
+    clock.now += 45.0  # the next minute
+    (fresh,) = await quota.report("a", "q", [Usage(bucket, 0, 9)])
+    assert fresh.token_bucket is not None
+    assert quota.store_errors == 4
+
+
+async def test_a_limit_of_0_is_denied_without_the_store() -> None:
+    from ratelimit_service.storage.base import StoreUnavailable
+
+    class Down(EmbeddedStore):
+        asked = 0
+
+        async def quota(self, reports, forget_after):  # type: ignore[no-untyped-def]
+            self.asked += 1
+            raise StoreUnavailable("down")
+
+    config = load_config(
+        [ConfigFile("q.yaml", "domain: q\ndescriptors:\n  - key: tenant\n    value: blocked\n"
+                    "    rate_limit: {unit: second, requests_per_unit: 0}\n")]
+    )  # fmt: skip
+    clock = Clock()
+    store = Down(clock=clock)
+    quota = QuotaCoordinator(lambda: config, Stats(), store, clock=clock, wall=clock)
+    (action,) = await quota.report("a", "q", [Usage({"tenant": "blocked"}, 0, 3)])
+    assert action.kind == DENY_ALL and store.asked == 0
