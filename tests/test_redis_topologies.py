@@ -158,3 +158,14 @@ def test_store_urls_as_the_go_service_and_we_write_them(
 def test_bad_store_urls_say_why(given: str, cause: str) -> None:
     with pytest.raises(ValueError, match=re.escape(cause)):
         normalize_url(given)
+
+
+def test_store_errors_are_one_short_line() -> None:
+    from redis.sentinel import MasterNotFoundError
+
+    from ratelimit_service.storage.redis_store import MAX_REASON, describe
+
+    dump = "No master found for 'main' : <redis.asyncio.client.Redis(<" + "x" * 1000 + ">)>"
+    assert describe(MasterNotFoundError(dump)) == "No master found for 'main'"
+    assert len(describe(OSError("y" * 1000))) == MAX_REASON
+    assert describe(TimeoutError()) == "TimeoutError"

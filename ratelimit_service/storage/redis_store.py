@@ -112,6 +112,18 @@ def _outcome(done: asyncio.Future[Any]) -> Any:
     return done.exception() or done.result()
 
 
+MAX_REASON = 200
+"""Characters of an error kept for a log line or a status message."""
+
+
+def describe(exc: BaseException) -> str:
+    """An error in one short line: redis-py appends the repr of its client (a kilobyte
+    of connection pools) to some messages, such as Sentinel's "No master found"."""
+    text = " ".join((str(exc) or type(exc).__name__).split())
+    text = text.split(" : <redis.", 1)[0]
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
+
+
 def _display(url: str) -> str:
     """A URL fit for a log line: without its password."""
     scheme, sep, rest = url.partition("://")
@@ -278,8 +290,9 @@ class RedisStore:
         if isinstance(reply, StoreUnavailable):  # the circuit was open: nothing was sent
             raise reply
         if isinstance(reply, RedisError | OSError):
-            self.breaker.failure(str(reply))
-            raise StoreUnavailable(f"redis: {reply}") from reply
+            reason = describe(reply)
+            self.breaker.failure(reason)
+            raise StoreUnavailable(f"redis: {reason}") from reply
         raise reply
 
     def poll(self) -> None:
@@ -407,8 +420,9 @@ class RedisStore:
                     raise self._timed_out(timeout) from None
                 raw = command.result()
         except (RedisError, RedisClusterException, OSError) as exc:
-            self.breaker.failure(str(exc) or type(exc).__name__)
-            raise StoreUnavailable(f"redis: {exc}") from exc
+            reason = describe(exc)
+            self.breaker.failure(reason)
+            raise StoreUnavailable(f"redis: {reason}") from exc
         self._replied()
         return raw
 
@@ -453,7 +467,7 @@ class RedisStore:
                 if self._pipe is not None:
                     await self._pipe.connected()
         except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
-            reason = str(exc) or type(exc).__name__
+            reason = describe(exc)
             # The breaker says it once; calls go on trying, and the first reply closes it.
             self.breaker.down(f"not reachable at start-up: {reason}; tried until it answers")
 
