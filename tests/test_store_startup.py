@@ -109,3 +109,41 @@ def test_a_cluster_started_after_the_service_is_used_once_up(tmp_path: Path) -> 
             assert "store: redis healthy" in _health(admin)
     finally:
         cluster.stop()
+
+
+ZERO_RULES = """\
+domain: load
+descriptors:
+  - key: slow
+    mode: exact
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: tenant
+    value: blocked
+    mode: exact
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: closed
+    mode: exact
+    failure_mode: closed
+    rate_limit: {unit: minute, requests_per_unit: 2}
+"""
+
+
+def test_a_redis_that_is_not_there_at_start_up(tmp_path: Path) -> None:
+    """Nothing listens at the Redis port: the service starts, says why in its health,
+    answers each rule by its failure_mode, and a limit of 0 denies."""
+    config = tmp_path / "zero"
+    config.mkdir()
+    (config / "load.yaml").write_text(ZERO_RULES)
+    closed_port = free_port()
+    with service_fleet(1, config, f"redis://127.0.0.1:{closed_port}/0") as nodes:
+        port, admin = nodes[0].grpc_port, nodes[0].admin_port
+        assert "store: redis unavailable" in _health(admin)
+        assert asyncio.run(python_burst([port], "load", "slow=a", 4, 2)) == Counter({"OK": 4})
+        blocked = asyncio.run(python_burst([port], "load", "tenant=blocked", 4, 2))
+        assert blocked == Counter({"OVER_LIMIT": 4})
+        closed = asyncio.run(python_burst([port], "load", "closed=a", 4, 2))
+        assert closed == Counter({"OVER_LIMIT": 4})
+        metrics = scrape(admin)
+    assert metrics['ratelimit_service_rate_limit_failure_mode_allowed_total{key="load.slow"}'] == 4
+    assert metrics['ratelimit_service_rate_limit_failure_mode_denied_total{key="load.closed"}'] == 4
+    assert metrics['ratelimit_store{name="healthy",store="redis"}'] == 0

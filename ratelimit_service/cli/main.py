@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -26,18 +25,14 @@ from ratelimit_service.cli.go_env import (
 from ratelimit_service.cli.tune import add_tune_parser, cmd_tune
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import check_config
-from ratelimit_service.core.config_model import Mode
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle
-from ratelimit_service.server.logs import DEFAULT_LEVEL, configure_logging
+from ratelimit_service.server.logs import configure_logging
+from ratelimit_service.server.settings import GROUPS, SETTINGS, Setting, fields_from, positive
 
 if TYPE_CHECKING:
     from ratelimit_service.config.xds_settings import XdsSettings
-    from ratelimit_service.server.app import Settings
+    from ratelimit_service.server.settings import Settings
 
 log = logging.getLogger("ratelimit_service")
-
-DEFAULT_SYNC_INTERVAL = 0.25
-
 
 def _env(flag: str, default: Any) -> Any:
     return os.environ.get(_env_name(flag), default)
@@ -50,51 +45,52 @@ def _env_flag(flag: str, go: GoValue | None = None) -> bool:
     return str(value or "").lower() in ("1", "true", "yes", "on")
 
 
-def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
+def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A parser of server.settings as argparse wants it: its ValueError's text is the
+    message (argparse would otherwise say only "invalid value")."""
 
-    return parse
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-
-def _redis_url(text: str) -> str:
-    from ratelimit_service.storage.redis_connect import normalize_url
-
-    try:
-        return normalize_url(text, os.environ.get("REDIS_SOCKET_TYPE", "tcp").lower())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
 
-def _not_negative(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number, 0 or more, got {text}")
-    return value
-
-
-def _ratio(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
-    return value
-
-
-def _host_port(text: str) -> str:
-    """HOST:PORT (the host may be empty: every address; IPv6 in brackets)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    if host.startswith("[") != host.endswith("]"):
-        raise argparse.ArgumentTypeError(f"unbalanced brackets in {text!r}")
-    return text
+def _add_setting(
+    serve: argparse.ArgumentParser,
+    group: Any,
+    setting: Setting,
+    go: GoEnvironment | None,
+) -> None:
+    """One declared setting as a flag of ``serve``, in its group of ``--help``."""
+    if setting.hidden:
+        group.add_argument(setting.flag, action="store_true", help=argparse.SUPPRESS)
+        return
+    kwargs: dict[str, Any] = {"help": setting.help}
+    if setting.switch:
+        kwargs["action"] = "store_true"
+    else:
+        default = setting.default
+        if go is not None and go.go_mode and setting.go_default != "same":
+            default = setting.go_default
+        kwargs["type"] = _arg_type(setting.parse)
+        kwargs["default"] = default
+        if setting.choices is not None:
+            kwargs["choices"] = list(setting.choices)
+        else:
+            kwargs["metavar"] = setting.metavar
+    _add(serve, setting.flag, go, target=group, **kwargs)
 
 
 def _add(
-    parser: argparse.ArgumentParser, flag: str, go: GoEnvironment | None = None, **kwargs: Any
+    parser: argparse.ArgumentParser,
+    flag: str,
+    go: GoEnvironment | None = None,
+    target: Any = None,
+    **kwargs: Any,
 ) -> None:
     """Add a flag whose default comes from RATELIMIT_<FLAG>, else from the Go service's
     setting for it (``go``); required flags become optional when the environment
@@ -119,44 +115,7 @@ def _add(
             parser.error(f"{flag} from {source}={env_value!r}: choose from {', '.join(choices)}")
         kwargs["default"] = value
         kwargs.pop("required", None)
-    parser.add_argument(flag, **kwargs)
-
-
-def _add_xds_flags(add: Callable[..., None]) -> None:
-    """serve's flags for rules by xDS (the Go service's CONFIG_TYPE=GRPC_XDS_SOTW)."""
-    add(
-        "--xds-server",
-        type=_host_port,
-        default=None,
-        help="HOST:PORT of an xDS (ADS) server: rules from it, as RateLimitConfig resources,"
-        " instead of --config",
-    )
-    add("--xds-node-id", default="default", help="this service's node id to the xDS server")
-    add("--xds-node-metadata", default="", help="k=v,k2=v2: node metadata for the xDS server")
-    add("--xds-headers", default="", help="k:v,k2:v2: gRPC metadata on the xDS stream")
-    add("--xds-tls", action="store_true", help="connect to the xDS server over TLS")
-    add("--xds-client-cert", default=None, help="PEM client certificate for the xDS server")
-    add("--xds-client-key", default=None, help="PEM key of --xds-client-cert")
-    add("--xds-server-ca", default=None, help="PEM CA bundle that signed the xDS server")
-    add("--xds-server-san", default=None, help="name the xDS server's certificate must hold")
-    add(
-        "--xds-backoff-initial",
-        type=_positive(float),
-        default=10.0,
-        help="seconds before the first reconnect to the xDS server (growing x1.5 per try)",
-    )
-    add(
-        "--xds-backoff-max",
-        type=_positive(float),
-        default=60.0,
-        help="most seconds between two reconnects",
-    )
-    add(
-        "--xds-max-message-size",
-        type=_positive(int),
-        default=4 << 20,
-        help="largest xDS response accepted, in bytes",
-    )
+    (parser if target is None else target).add_argument(flag, **kwargs)
 
 
 def xds_settings_from(args: argparse.Namespace) -> XdsSettings | None:
@@ -218,259 +177,16 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="ratelimit-service", description="Envoy external rate-limit service")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the service")
-
-    def add(flag: str, **kwargs: Any) -> None:
-        _add(serve, flag, go, **kwargs)
-
-    add(
-        "--config",
-        help="rule file, or directory of *.yaml/*.yml (required unless --xds-server is given)",
+    serve = commands.add_parser(
+        "serve",
+        help="run the service",
+        usage="%(prog)s (--config PATH | --xds-server HOST:PORT) [flags]",
+        description="Run the service. Every flag can also be set by its environment"
+        " variable (RATELIMIT_<FLAG>), or by envoyproxy/ratelimit's name for it.",
     )
-    add("--grpc-addr", default="0.0.0.0:8081", help="gRPC listen address")
-    add(
-        "--admin-addr",
-        default=None if go is not None and go.go_mode else "127.0.0.1:6070",
-        help="admin HTTP listen address: /healthcheck, /metrics, /rlconfig (off by default"
-        " when started from envoyproxy/ratelimit's settings: the debug port serves them)",
-    )
-    add(
-        "--mode",
-        default="probabilistic",
-        choices=[m.value for m in Mode],
-        help="mode of rules that declare none",
-    )
-    add(
-        "--sync-interval",
-        type=_positive(float),
-        default=DEFAULT_SYNC_INTERVAL,
-        help="seconds between probabilistic syncs",
-    )
-    add(
-        "--redis-url",
-        type=_redis_url,
-        default=None,
-        help="Redis: redis://, rediss://, unix://, redis+sentinel://, redis+cluster:// URL,"
-        " or HOST:PORT as the Go service writes it; without it, the embedded store",
-    )
-    add(
-        "--redis-timeout",
-        type=_positive(float),
-        default=1.0,
-        help="the longest an exact decision waits for Redis before its failure_mode applies:"
-        " the bound for callers with no deadline; a gRPC deadline (less --deadline-margin)"
-        " shortens it",
-    )
-    add(
-        "--deadline-margin",
-        type=_not_negative,
-        default=0.002,
-        help="seconds before the caller's gRPC deadline at which an exact decision stops"
-        " waiting for Redis and answers by failure_mode",
-    )
-    add(
-        "--redis-silence",
-        type=_positive(float),
-        default=1.0,
-        help="seconds with calls outstanding and no byte from Redis after which Redis counts"
-        " as down (the circuit breaker opens); a slow reply never opens it",
-    )
-    add(
-        "--exact-batch-hold",
-        type=_not_negative,
-        default=0.001,
-        help="while the event loop is saturated, seconds exact decisions wait to share one"
-        " Redis call (0: never wait; at most a quarter of --redis-timeout)",
-    )
-    add(
-        "--exact-max-pending",
-        type=_positive(int),
-        default=2048,
-        help="exact requests that may wait for Redis at once; one more is refused"
-        " (gRPC RESOURCE_EXHAUSTED, or denied by failure_mode: closed rules)",
-    )
-    add(
-        "--stale-after",
-        type=_positive(float),
-        default=3.0,
-        help="seconds without a successful sync before probabilistic rules use failure_mode",
-    )
-    add(
-        "--log-level",
-        default=DEFAULT_LEVEL,
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="log level",
-    )
-    add(
-        "--max-buckets",
-        type=_positive(int),
-        default=100_000,
-        help="bound on per-descriptor-value state (LRU beyond it)",
-    )
-    add(
-        "--max-stats-keys",
-        type=_positive(int),
-        default=10_000,
-        help="bound on distinct per-rule stats keys",
-    )
-    add(
-        "--merge-domain-config",
-        action="store_true",
-        help="merge files with the same domain instead of rejecting them",
-    )
-    add(
-        "--shadow-mode",
-        action="store_true",
-        help="global shadow mode: report OVER_LIMIT per descriptor, never deny",
-    )
-    add(
-        "--max-descriptors",
-        type=_positive(int),
-        default=64,
-        help="most descriptors one request may carry (more: INVALID_ARGUMENT)",
-    )
-    add(
-        "--max-entries",
-        type=_positive(int),
-        default=32,
-        help="most entries one descriptor may carry (more: INVALID_ARGUMENT)",
-    )
-    add(
-        "--max-request-bytes",
-        type=_positive(int),
-        default=1 << 20,
-        help="largest request accepted (gRPC answers RESOURCE_EXHAUSTED beyond)",
-    )
-    add(
-        "--response-headers",
-        default="off",
-        choices=[s.value for s in HeaderStyle],
-        help="add rate-limit headers to responses: RateLimit-* or draft-03 X-RateLimit-*",
-    )
-    add("--header-limit", default="RateLimit-Limit", help="name of the limit header")
-    add(
-        "--header-remaining",
-        default="RateLimit-Remaining",
-        help="name of the remaining header",
-    )
-    add("--header-reset", default="RateLimit-Reset", help="name of the reset header")
-    add(
-        "--event-loop",
-        default="auto",
-        choices=["auto", "asyncio", "uvloop"],
-        help="event loop: uvloop when installed (auto), or asyncio's own",
-    )
-    add("--log-format", default="text", choices=["text", "json"], help="log format")
-    add("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS")
-    add("--tls-key", default=None, help="PEM private key of --tls-cert")
-    add(
-        "--tls-client-ca",
-        default=None,
-        help="PEM CA bundle: require client certificates signed by it (mTLS)",
-    )
-    add(
-        "--workers",
-        type=_positive(int),
-        default=1,
-        help="worker processes on one gRPC port (SO_REUSEPORT); more than 1 needs Redis",
-    )
-    serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
-    add(
-        "--drain-timeout",
-        type=_not_negative,
-        default=15.0,
-        help="on SIGTERM, seconds the service keeps answering while its health reports"
-        " NOT_SERVING, so a health-checking Envoy moves away first (0: stop at once;"
-        " SIGINT always stops at once)",
-    )
-    add(
-        "--drain-quiet",
-        type=_positive(float),
-        default=1.0,
-        help="draining ends once no call came for this many seconds",
-    )
-    add(
-        "--http-addr",
-        type=_host_port,
-        default=None,
-        help="envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (off unless given)",
-    )
-    add(
-        "--debug-addr",
-        type=_host_port,
-        default=None,
-        help="envoyproxy/ratelimit's debug port: /rlconfig and /metrics (off unless given)",
-    )
-    add(
-        "--statsd-addr",
-        type=_host_port,
-        default=None,
-        help="HOST:PORT of a statsd agent: envoyproxy/ratelimit's stats over UDP"
-        " (off unless given)",
-    )
-    add(
-        "--statsd-flush-interval",
-        type=_positive(float),
-        default=10.0,
-        help="seconds between two statsd flushes",
-    )
-    add(
-        "--watch-interval",
-        type=float,
-        default=1.0,
-        help="seconds between checks of the config files for changes (0: never; SIGHUP "
-        "always reloads)",
-    )
-    add(
-        "--force-start-without-initial-config",
-        action="store_true",
-        help="start (and keep watching) even when the rules do not load at start; until"
-        " they do, no domain is known",
-    )
-    add(
-        "--healthy-with-at-least-one-config-loaded",
-        action="store_true",
-        help="health checks fail until rules with at least one domain are loaded",
-    )
-    add(
-        "--near-limit-ratio",
-        type=_ratio,
-        default=0.8,
-        help="share of a limit past which admitted hits count as near_limit",
-    )
-    add(
-        "--redis-pool-size",
-        type=_positive(int),
-        default=64,
-        help="most connections to Redis (the request path adds one of its own)",
-    )
-    add(
-        "--redis-key-prefix",
-        default="rl:",
-        help="prefix of every key this service writes to Redis",
-    )
-    add(
-        "--prometheus-addr",
-        type=_host_port,
-        default=None,
-        help="HOST:PORT of a listener serving only the metrics (off unless given)",
-    )
-    add("--prometheus-path", default="/metrics", help="path of the metrics there")
-    _add_xds_flags(add)
-    add(
-        "--grpc-max-connection-age",
-        type=_positive(float),
-        default=None,
-        help="seconds after which a gRPC connection is asked to go away (spreads clients"
-        " over new replicas; off unless given)",
-    )
-    add(
-        "--grpc-max-connection-age-grace",
-        type=_not_negative,
-        default=None,
-        help="seconds calls may take to finish on a connection asked to go away",
-    )
+    groups = {name: serve.add_argument_group(name) for name in GROUPS}
+    for setting in SETTINGS:
+        _add_setting(serve, groups[setting.group], setting, go)
 
     check = commands.add_parser("check-config", help="validate rule files")
     check.add_argument(
@@ -530,7 +246,7 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
         help="k=v[,k2=v2]; repeat for several descriptors",
     )
     _add(client, "--hits-addend", type=int, default=0)
-    _add(client, "--timeout", type=_positive(float), default=5.0)
+    _add(client, "--timeout", type=_arg_type(positive(float)), default=5.0)
     _add(client, "--tls-ca", default=None, help="PEM CA bundle: connect over TLS")
     _add(client, "--tls-cert", default=None, help="PEM client certificate (mTLS)")
     _add(client, "--tls-key", default=None, help="PEM key of --tls-cert")
@@ -567,59 +283,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    """The service's Settings from the parsed ``serve`` flags."""
-    from ratelimit_service.server.app import Settings
+    """The service's Settings from the parsed ``serve`` flags (server/settings.py)."""
+    from ratelimit_service.server.settings import Settings
 
     xds = xds_settings_from(args)
     if not args.config and xds is None:
         raise ValueError("--config (or RATELIMIT_CONFIG) is required, or --xds-server")
-    return Settings(
-        config_path=args.config or "",
-        xds=xds,
-        grpc_addr=args.grpc_addr,
-        admin_addr=args.admin_addr or None,
-        mode=Mode(args.mode),
-        sync_interval=float(args.sync_interval),
-        redis_url=args.redis_url or None,
-        redis_timeout=float(args.redis_timeout),
-        redis_silence=float(args.redis_silence),
-        deadline_margin=float(args.deadline_margin),
-        redis_pool_size=int(args.redis_pool_size),
-        redis_key_prefix=str(args.redis_key_prefix),
-        exact_batch_hold=float(args.exact_batch_hold),
-        exact_max_pending=int(args.exact_max_pending),
-        stale_after=float(args.stale_after),
-        max_buckets=int(args.max_buckets),
-        max_stats_keys=int(args.max_stats_keys),
-        merge_domain_config=bool(args.merge_domain_config),
-        shadow_mode=bool(args.shadow_mode),
-        near_limit_ratio=float(args.near_limit_ratio),
-        watch_interval=float(args.watch_interval),
-        force_start_without_initial_config=bool(args.force_start_without_initial_config),
-        healthy_with_at_least_one_config_loaded=bool(
-            args.healthy_with_at_least_one_config_loaded
-        ),
-        drain_timeout=float(args.drain_timeout),
-        drain_quiet=float(args.drain_quiet),
-        max_descriptors=int(args.max_descriptors),
-        max_entries=int(args.max_entries),
-        max_request_bytes=int(args.max_request_bytes),
-        response_headers=HeaderStyle(args.response_headers),
-        header_names=HeaderNames(args.header_limit, args.header_remaining, args.header_reset),
-        log_format=args.log_format,
-        reuse_port=bool(args.reuse_port),
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        grpc_max_connection_age=args.grpc_max_connection_age,
-        grpc_max_connection_age_grace=args.grpc_max_connection_age_grace,
-        http_addr=args.http_addr or None,
-        debug_addr=args.debug_addr or None,
-        statsd_addr=args.statsd_addr or None,
-        statsd_flush_interval=float(args.statsd_flush_interval),
-        prometheus_addr=args.prometheus_addr or None,
-        prometheus_path=str(args.prometheus_path),
-    )
+    return Settings(xds=xds, **fields_from(vars(args)))
 
 
 def _hint_config_source(args: argparse.Namespace) -> None:

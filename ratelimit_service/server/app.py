@@ -8,7 +8,6 @@ import gc
 import logging
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import grpc
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
@@ -20,11 +19,9 @@ from prometheus_client.core import Metric
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.config.watcher import ConfigWatcher
 from ratelimit_service.config.xds import XdsConfigSource
-from ratelimit_service.config.xds_settings import XdsSettings
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import ConfigFile, load_config
-from ratelimit_service.core.config_model import Mode, RateLimitConfig
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle
+from ratelimit_service.core.config_model import RateLimitConfig
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.engine.background import BackgroundTask
@@ -44,6 +41,7 @@ from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
 from ratelimit_service.server.admin_http import AdminServer
 from ratelimit_service.server.go_http import GoEndpoints, HttpServer
+from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.tls import CertificateReloader
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
@@ -52,84 +50,6 @@ from ratelimit_service.storage.redis_store import RedisStore
 log = logging.getLogger(__name__)
 
 HEALTH_NAMES = ("", RLS_SERVICE, RLQS_SERVICE, "ratelimit")
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    config_path: str
-    grpc_addr: str = "0.0.0.0:8081"
-    admin_addr: str | None = "127.0.0.1:6070"
-    """Our admin listener: /healthcheck, /metrics, /rlconfig (None: off)."""
-    mode: Mode = Mode.PROBABILISTIC
-    sync_interval: float = 0.25
-    redis_url: str | None = None
-    redis_timeout: float = 1.0
-    """The longest an exact decision waits for Redis: the bound for a caller with no
-    deadline; a gRPC deadline (less deadline_margin) shortens it."""
-    redis_silence: float = 1.0
-    """Seconds with calls outstanding and no byte from Redis after which it counts as
-    down (the breaker opens)."""
-    deadline_margin: float = 0.002
-    """Seconds before a caller's gRPC deadline at which an exact decision stops waiting."""
-    redis_pool_size: int = 64
-    redis_key_prefix: str = "rl:"
-    """Every key this service writes to Redis starts with it (CACHE_KEY_PREFIX)."""
-    exact_batch_hold: float = 0.001
-    """While the event loop is saturated, exact Redis calls wait this long to batch."""
-    exact_max_pending: int = 2048
-    """Exact requests waiting for Redis at most; one more is refused (see limiter)."""
-    stale_after: float = 3.0
-    max_buckets: int = 100_000
-    max_stats_keys: int = 10_000
-    merge_domain_config: bool = False
-    shadow_mode: bool = False
-    near_limit_ratio: float = 0.8
-    force_start_without_initial_config: bool = False
-    """Rules that do not load at start: serve with no domain and keep watching, instead
-    of refusing to start."""
-    healthy_with_at_least_one_config_loaded: bool = False
-    """Health fails until rules with a domain are loaded."""
-    shutdown_grace: float = 5.0
-    drain_timeout: float = 0.0
-    """On SIGTERM, keep answering for up to this many seconds while health reports
-    NOT_SERVING, so that Envoy's health check takes the replica out before it stops
-    (0: stop at once)."""
-    drain_quiet: float = 1.0
-    """Draining ends early once no ShouldRateLimit call came for this long: the
-    callers have moved on."""
-    max_descriptors: int = 64
-    max_entries: int = 32
-    max_request_bytes: int = 1 << 20
-    """Larger requests are refused by gRPC itself (RESOURCE_EXHAUSTED)."""
-    response_headers: HeaderStyle = HeaderStyle.OFF
-    header_names: HeaderNames = field(default_factory=HeaderNames)
-    log_format: str = "text"
-    watch_interval: float = 1.0
-    """Seconds between looks at the config files for a change (0: no watching)."""
-    reuse_port: bool = False
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    """With tls_cert and tls_key the gRPC listener speaks TLS; with tls_client_ca too,
-    clients must present a certificate signed by it (mTLS)."""
-    http_addr: str | None = None
-    """envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (None: off)."""
-    debug_addr: str | None = None
-    """envoyproxy/ratelimit's debug port: /rlconfig and /metrics (None: off)."""
-    statsd_addr: str | None = None
-    """HOST:PORT of a statsd agent: the Go service's stat names over UDP (None: off)."""
-    statsd_flush_interval: float = 10.0
-    """Seconds between two statsd flushes (the Go service's STATS_FLUSH_INTERVAL)."""
-    prometheus_addr: str | None = None
-    """A listener serving only the metrics, at ``prometheus_path`` (USE_PROMETHEUS)."""
-    prometheus_path: str = "/metrics"
-    grpc_max_connection_age: float | None = None
-    grpc_max_connection_age_grace: float | None = None
-    """gRPC connections asked to go away after this long, and the calls' grace then."""
-    xds: XdsSettings | None = None
-    """Rules from an xDS server (the Go service's CONFIG_TYPE=GRPC_XDS_SOTW) instead of
-    files; config_path is then unused. Unless force_start_without_initial_config, the
-    service listens only once the first rules are installed."""
 
 
 def load_rules(settings: Settings) -> RateLimitConfig:
