@@ -92,3 +92,30 @@ def test_help_shows_the_declared_default(flag: str) -> None:
     serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     action = next(a for a in serve._actions if flag in a.option_strings)
     assert f"default: {BY_FLAG[flag].default}" in action.help
+
+
+def _help(*command: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "ratelimit_service", *command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def test_version_and_plain_help_with_defaults_for_every_command() -> None:
+    version = subprocess.run(
+        [sys.executable, "-m", "ratelimit_service", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert re.fullmatch(r"ratelimit-service \d+\.\d+\.\d+\n", version)
+    envoy = " ".join(_help("envoy-config").split())
+    assert "Envoy cluster name (default: ratelimit)" in envoy
+    assert "the filter's timeout (default: 0.02s)" in envoy
+    tune = _help("tune")
+    assert "``" not in tune and "(default" in tune
+    client = " ".join(_help("client").split())
+    assert "(default: 127.0.0.1:8081" in client
+    assert "default: ;" not in _help("serve", "--config", "x")

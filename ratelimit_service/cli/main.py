@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import ratelimit_service
 from ratelimit_service.cli.go_env import (
     GoEnvironment,
     GoSettingError,
@@ -26,13 +27,22 @@ from ratelimit_service.cli.tune import add_tune_parser, cmd_tune
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import check_config
 from ratelimit_service.server.logs import configure_logging
-from ratelimit_service.server.settings import GROUPS, SETTINGS, Setting, fields_from, positive
+from ratelimit_service.server.settings import (
+    BY_FLAG,
+    GROUPS,
+    SETTINGS,
+    Setting,
+    fields_from,
+    positive,
+)
 
 if TYPE_CHECKING:
     from ratelimit_service.config.xds_settings import XdsSettings
     from ratelimit_service.server.settings import Settings
 
 log = logging.getLogger("ratelimit_service")
+
+MERGE_HELP = BY_FLAG["--merge-domain-config"].help
 
 def _env(flag: str, default: Any) -> Any:
     return os.environ.get(_env_name(flag), default)
@@ -150,7 +160,7 @@ def _help_with_sources(flag: str, kwargs: dict[str, Any]) -> str:
     else:
         if kwargs.get("required"):
             sources.append(f"required unless {name} is set")
-        elif kwargs.get("default") is not None:
+        elif kwargs.get("default") not in (None, ""):
             sources.append(f"default: {kwargs['default']}")
         sources.append(f"env: {name}")
     env_value = os.environ.get(name)
@@ -172,9 +182,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless it already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, "", False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
     """``go``: envoyproxy/ratelimit's settings, read from the environment for ``serve``."""
-    parser = _Parser(prog="ratelimit-service", description="Envoy external rate-limit service")
+    parser = _Parser(
+        prog="ratelimit-service",
+        description="Envoy external rate-limit service",
+        formatter_class=_Formatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {ratelimit_service.__version__}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
@@ -195,7 +223,7 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
         default=_env("--config", None),
         help="rule file, or directory of *.yaml/*.yml (env: RATELIMIT_CONFIG)",
     )
-    _add(check, "--merge-domain-config", action="store_true")
+    _add(check, "--merge-domain-config", action="store_true", help=MERGE_HELP)
 
     envoy = commands.add_parser(
         "envoy-config",
@@ -207,7 +235,7 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
     envoy.add_argument("--cluster", default="ratelimit", help="Envoy cluster name")
     envoy.add_argument("--timeout", default="0.02s", help="the filter's timeout")
     envoy.add_argument("--service-address", default="ratelimit:8081", help="HOST:PORT")
-    _add(envoy, "--merge-domain-config", action="store_true")
+    _add(envoy, "--merge-domain-config", action="store_true", help=MERGE_HELP)
     envoy.add_argument(
         "--bootstrap",
         action="store_true",
@@ -251,6 +279,8 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
     _add(client, "--tls-cert", default=None, help="PEM client certificate (mTLS)")
     _add(client, "--tls-key", default=None, help="PEM key of --tls-cert")
     add_tune_parser(commands)
+    for command in commands.choices.values():
+        command.formatter_class = _Formatter
     return parser
 
 

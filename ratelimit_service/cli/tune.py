@@ -78,7 +78,7 @@ def add_tune_parser(commands: Any) -> None:
     tune = commands.add_parser(
         "tune",
         help="propose limits from the demand Prometheus observed (--write: apply them)",
-        description=__doc__,
+        description=(__doc__ or "").replace("``", ""),
     )
     tune.add_argument("--prometheus", required=True, help="Prometheus base URL, http://HOST:PORT")
     tune.add_argument("--config", required=True, help="rule file, or directory of *.yaml/*.yml")
