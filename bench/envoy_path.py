@@ -345,8 +345,14 @@ STUDY_SERVICES = {
 }
 _S = "probabilistic, embedded"
 ENVOY_METADATA = [
-    "-H", "grpc-timeout: 20m", "-H", "x-forwarded-for: 192.0.2.2",
-    "-H", "x-envoy-internal: true", "-H", "x-envoy-expected-rq-timeout-ms: 20",
+    "-H",
+    "grpc-timeout: 20m",
+    "-H",
+    "x-forwarded-for: 192.0.2.2",
+    "-H",
+    "x-envoy-internal: true",
+    "-H",
+    "x-envoy-expected-rq-timeout-ms: 20",
 ]
 """What Envoy's ratelimit filter sends with each call besides h2load's headers (seen by
 a grpc.aio handler's invocation_metadata and time_remaining)."""
@@ -608,8 +614,10 @@ def run_suite(
                 listeners.append(
                     listener(target.name, f"up{index}", rl, target.rlqs, target.generated)
                 )
-            bootstrap = {"admin": admin(),
-                         "static_resources": {"listeners": listeners, "clusters": clusters}}
+            bootstrap = {
+                "admin": admin(),
+                "static_resources": {"listeners": listeners, "clusters": clusters},
+            }
             front = Envoy(binary, bootstrap, directory / "envoy-front")  # fmt: skip
             envoys.append(front)
             front.start()
@@ -796,10 +804,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, 2 s runs")
     parser.add_argument("--out", type=Path, default=BENCH / "out")
     parser.add_argument("--keep-logs", action="store_true")
-    parser.add_argument("--pin", action="store_true",
-                        help="services on CPU 0; h2load, the Envoys and redis-server on CPU 1")
-    parser.add_argument("--plot", action="store_true",
-                        help="only draw docs/img/envoy_path*.png from the JSON in --out")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="services on CPU 0; h2load, the Envoys and redis-server on CPU 1",
+    )
+    parser.add_argument(
+        "--plot",
+        action="store_true",
+        help="only draw docs/img/envoy_path*.png from the JSON in --out",
+    )
     args = parser.parse_args()
     if args.plot:
         for path in plot(args.out, REPO / "docs" / "img"):
@@ -832,8 +846,10 @@ def main() -> None:
     progress(f"done; wrote {out}")
     print()
     print(markdown(rows, study=args.suite == "study"))
-    print("\nservice CPU with no load: " + ", ".join(
-        f"{name} {share:.2%} of a core" for name, share in idle.items()))
+    print(
+        "\nservice CPU with no load: "
+        + ", ".join(f"{name} {share:.2%} of a core" for name, share in idle.items())
+    )
     problems = [p for row in rows for p in row["problems"]]
     if problems:
         print(f"\n{len(problems)} run(s) with problems: {problems[:5]}")

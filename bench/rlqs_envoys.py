@@ -114,9 +114,7 @@ def phases(rows: list[int], step: int, limit: int) -> dict[str, float | None]:
     steady-state error."""
     ratio = [r / limit for r in rows]
     after = ratio[step:]
-    within = next(
-        (s for s in range(len(after)) if all(abs(r - 1) <= 0.1 for r in after[s:])), None
-    )
+    within = next((s for s in range(len(after)) if all(abs(r - 1) <= 0.1 for r in after[s:])), None)
     steady = after[15:] or after[-5:]
 
     def mean(part: list[float]) -> float | None:

@@ -228,4 +228,3 @@ async def test_without_force_start_the_service_listens_once_xds_sent_rules(
     finally:
         await ads.stop()
     assert "waiting for the first rules from xDS server" in log.read_text()
-

@@ -291,4 +291,3 @@ def test_check_config_output_closed_early_is_no_traceback() -> None:
     result = run_with_closed_stdout("check-config", "config/")
     assert result.stderr == ""
     assert result.returncode == 0
-

@@ -44,6 +44,7 @@ log = logging.getLogger("ratelimit_service")
 
 MERGE_HELP = BY_FLAG["--merge-domain-config"].help
 
+
 def _env(flag: str, default: Any) -> Any:
     return os.environ.get(_env_name(flag), default)
 

@@ -274,9 +274,7 @@ def _resolve(future: asyncio.Future[Any], reply: Any) -> None:
 
 
 class RedisPipe:
-    def __init__(
-        self, url: str, *, connect_timeout: float, observe: Observe | None = None
-    ) -> None:
+    def __init__(self, url: str, *, connect_timeout: float, observe: Observe | None = None) -> None:
         self._options: dict[str, Any] = dict(redis_parse_url(url))
         self._connect_timeout = connect_timeout
         self._observe = observe
