@@ -78,3 +78,24 @@ def test_the_core_imports_no_io() -> None:
         text = path.read_text()
         for banned in ("import grpc", "import redis", "import asyncio", "from redis", "from grpc"):
             assert banned not in text, f"{path.name}: {banned}"
+
+
+def test_nothing_casts_a_store() -> None:
+    """The engine and the front doors talk to the storage seam (storage/base.Store)
+    only: no isinstance() on a store, no getattr() for a method it may lack."""
+    casts = []
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] in ("storage", "testing"):
+            continue
+        text = path.read_text()
+        for pattern in (r"isinstance\([\w.]*store\b", r"getattr\([\w.]*store\b", r"RedisStore\)"):
+            casts += [f"{relative}: {m.group(0)}" for m in re.finditer(pattern, text)]
+    assert casts == []
+
+
+def test_the_pure_arithmetic_stays_pure() -> None:
+    """tune's arithmetic lives beside tune/ but, like the core, imports no I/O."""
+    text = (PACKAGE / "tune" / "arithmetic.py").read_text()
+    for banned in ("import grpc", "import redis", "import asyncio", "urllib", "import requests"):
+        assert banned not in text

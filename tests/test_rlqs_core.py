@@ -223,7 +223,7 @@ async def test_room_a_report_frees_is_pushed_at_once_to_the_instance_that_waits(
 
 
 def test_a_share_grows_only_into_room_and_small_rises_keep_the_bucket() -> None:
-    from ratelimit_service.engine.quota import settle_share
+    from ratelimit_service.core.shares import settle_share
 
     assert settle_share(50.0, None, 0.0) == 50.0  # just seen: its even share
     assert settle_share(105.0, 100.0, 200.0) == 100.0  # within 10 %: the same bucket

@@ -1,4 +1,4 @@
-"""core/tuning.py: the tuner's arithmetic and its in-place edits, without Prometheus."""
+"""tune/arithmetic.py: the tuner's arithmetic and its in-place edits, without Prometheus."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import pytest
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
-from ratelimit_service.core.tuning import (
+from ratelimit_service.tune.arithmetic import (
     edit,
     excluded_patterns,
     parse_duration,

@@ -18,7 +18,7 @@ from typing import Any
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import load_config
-from ratelimit_service.core.tuning import parse_duration, parse_stat, rules
+from ratelimit_service.tune.arithmetic import parse_duration, parse_stat, rules
 
 
 def _duration(text: str) -> int:

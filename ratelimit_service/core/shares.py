@@ -106,3 +106,62 @@ def window_reset(now: float, window_seconds: int) -> float:
     """Seconds until the fixed window holding ``now`` ends (windows aligned to the
     epoch, as the Go service's)."""
     return window_seconds - (now % window_seconds)
+
+
+KEEP_WITHIN = 0.1
+"""A new share up to this much above the one an instance holds keeps the old one:
+Envoy then keeps its bucket's tokens (an identical bucket is kept; a changed one is
+refilled), so small changes of demand do not hand out fresh bursts."""
+
+
+def window_index(wall: float, window_seconds: int) -> int:
+    """Which fixed window (aligned to the epoch) the wall-clock time ``wall`` is in."""
+    return int(wall // window_seconds)
+
+
+def per_window(view: QuotaView, window: int) -> dict[str, float | None]:
+    """The fleet's demands (per second) as hits per window, the unit of shares."""
+    return {n: None if d is None else d * window for n, d in view.demands.items()}
+
+
+def settle_share(fair: float, held: float | None, room: float) -> float:
+    """The share to assign. An instance just seen gets its fair (even) share. One that
+    holds a share gets the fair one, but never more than the limit less what the
+    others hold now (``room``: they keep their buckets until their own next report, so
+    handing out more would let the fleet admit beyond the limit meanwhile; see
+    held_elsewhere for the first shares of a fleet starting together), and keeps
+    the one it holds while the fair one is at most KEEP_WITHIN above it."""
+    if held is None:
+        return fair
+    share = max(0.0, min(fair, room))
+    if held <= share <= held * (1 + KEEP_WITHIN):
+        return held
+    return share
+
+
+def held_elsewhere(
+    instance: str,
+    assigned: Mapping[str, float],
+    demands: Mapping[str, float | None],
+    limit: float,
+) -> float:
+    """What the other instances hold of the limit, for ``instance``'s room. An instance
+    whose demand is not measured yet holds its first share, given before anyone knew
+    how many would come (the first of a fleet starting together gets the whole
+    limit, the second half of it ...); it counts for at most an even share of the
+    fleet seen now, as fair_shares counts it: counted in full, those first shares
+    would add up to several times the limit and leave no room for anyone. The price:
+    until such an instance reports, it may use its larger first bucket beside the
+    others' grown ones (docs/benchmarks.md measures both sides)."""
+    even = limit / len(demands) if demands else limit
+    return sum(
+        counted_share(share, demands.get(name), even)
+        for name, share in assigned.items()
+        if name != instance
+    )
+
+
+def counted_share(share: float, demand: float | None, even: float) -> float:
+    """What an instance's share counts for in the others' room: in full once its
+    demand is measured, else at most an even share (see held_elsewhere)."""
+    return min(share, even) if demand is None else share

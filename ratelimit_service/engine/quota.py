@@ -39,8 +39,13 @@ from ratelimit_service.core.shares import (
     QuotaReport,
     QuotaView,
     TokenBucket,
+    counted_share,
     fair_shares,
+    held_elsewhere,
+    per_window,
+    settle_share,
     token_bucket,
+    window_index,
     window_reset,
 )
 from ratelimit_service.engine.stats import Stats
@@ -60,10 +65,6 @@ abandon the bucket (it subscribes again with its next request)."""
 FORGET_AFTER = 3 * REPORT_INTERVAL
 """Seconds after which an instance that stopped reporting a bucket no longer takes a
 share of it."""
-KEEP_WITHIN = 0.1
-"""A new share up to this much above the one an instance holds keeps the old one:
-Envoy then keeps its bucket's tokens (an identical bucket is kept; a changed one is
-refilled), so small changes of demand do not hand out fresh bursts."""
 MIN_ELAPSED = 0.5
 """A report sooner than this after the previous one measures no demand (Envoy's first
 report of a bucket comes at once, then the periodic ones)."""
@@ -388,59 +389,3 @@ class QuotaCoordinator:
         """Each counter's share last assigned to each instance of this process's
         streams, in hits per window."""
         return {key: dict(shares) for key, shares in self._shares.items()}
-
-
-def window_index(wall: float, window_seconds: int) -> int:
-    """Which fixed window (aligned to the epoch) the wall-clock time ``wall`` is in."""
-    return int(wall // window_seconds)
-
-
-def per_window(view: QuotaView, window: int) -> dict[str, float | None]:
-    """The fleet's demands (per second) as hits per window, the unit of shares."""
-    return {n: None if d is None else d * window for n, d in view.demands.items()}
-
-
-def settle_share(fair: float, held: float | None, room: float) -> float:
-    """The share to assign. An instance just seen gets its fair (even) share. One that
-    holds a share gets the fair one, but never more than the limit less what the
-    others hold now (``room``: they keep their buckets until their own next report, so
-    handing out more would let the fleet admit beyond the limit meanwhile; see
-    held_elsewhere for the first shares of a fleet starting together), and keeps
-    the one it holds while the fair one is at most KEEP_WITHIN above it."""
-    if held is None:
-        return fair
-    share = max(0.0, min(fair, room))
-    if held <= share <= held * (1 + KEEP_WITHIN):
-        return held
-    return share
-
-
-def held_elsewhere(
-    instance: str,
-    assigned: Mapping[str, float],
-    demands: Mapping[str, float | None],
-    limit: float,
-) -> float:
-    """What the other instances hold of the limit, for ``instance``'s room. An instance
-    whose demand is not measured yet holds its first share, given before anyone knew
-    how many would come (the first of a fleet starting together gets the whole
-    limit, the second half of it ...); it counts for at most an even share of the
-    fleet seen now, as fair_shares counts it. Counted in full, those first shares add
-    up to several times the limit, leave no room, and every instance reporting before
-    them is held to one token per fill for a whole report interval (bench/rlqs_fleet.py:
-    0.15x of a 0.5x load). The price: until such an instance reports, it may use its
-    larger first bucket beside the others' grown ones (simulated, 3x offered from the
-    start: 1.5x the limit for one second at the second round, where it was 0.6-0.9x
-    for five)."""
-    even = limit / len(demands) if demands else limit
-    return sum(
-        counted_share(share, demands.get(name), even)
-        for name, share in assigned.items()
-        if name != instance
-    )
-
-
-def counted_share(share: float, demand: float | None, even: float) -> float:
-    """What an instance's share counts for in the others' room: in full once its
-    demand is measured, else at most an even share (see held_elsewhere)."""
-    return min(share, even) if demand is None else share

@@ -73,9 +73,8 @@ class Reconciler:
             # charged, so they must not eat the new credit either.
             self.local.forgive(reports)
         self.local.apply_all(reports, result, now, self.interval)
-        sweep = getattr(self.store, "sweep", None)
-        if sweep is not None and self.syncs % 40 == 0:
-            sweep()
+        if self.syncs % 40 == 0:
+            self.store.sweep()
         self.syncs += 1
         self.failing = False
         self.local.last_sync_ok = now

@@ -122,7 +122,7 @@ class RateLimitService:
         self._loop_load_task: BackgroundTask | None = None
         self.loop_lag = LoopLag()
         self._loop_lag_task = BackgroundTask("loop-lag", self.loop_lag.run)
-        if isinstance(self.store, RedisStore) and self.store.holds_exact_batches:
+        if self.store.wants_saturation:
             sensor = LoopLoad(self.store.loop_saturated)
             self._loop_load_task = BackgroundTask("loop-load", sensor.run)
         self.health = health.aio.HealthServicer()
@@ -203,9 +203,7 @@ class RateLimitService:
             await server.stop(0)
             self._server = None
             raise
-        warm = getattr(self.store, "warm", None)
-        if warm is not None:
-            await warm()
+        await self.store.start()
         self.reconciler.start()
         if self._loop_load_task is not None:
             self._loop_load_task.start()

@@ -62,6 +62,28 @@ class Store(Protocol):
         fleet the same way."""
         ...
 
+    async def start(self) -> None:
+        """Connect and load what the store needs before traffic, outside any request's
+        deadline. Never raises: a store that is away is marked unhealthy (requests
+        answer by failure_mode) and tried again until it answers."""
+        ...
+
+    def sweep(self) -> int:
+        """Forget state that holds nothing any more (an in-process store's empty
+        windows); returns how many entries went. The reconciler calls it now and then;
+        a store that expires its keys itself does nothing."""
+        ...
+
+    @property
+    def wants_saturation(self) -> bool:
+        """Whether the store acts on :meth:`loop_saturated` (the service then runs a
+        sensor of the event loop's load for it)."""
+        ...
+
+    def loop_saturated(self, saturated: bool) -> None:
+        """The event loop's thread is saturated (True) or no longer (False)."""
+        ...
+
     def healthy(self) -> bool: ...
 
     def stats(self) -> dict[str, float]:

@@ -132,6 +132,16 @@ class EmbeddedStore:
         self.swept += removed
         return removed
 
+    async def start(self) -> None:
+        """Nothing to connect to."""
+
+    @property
+    def wants_saturation(self) -> bool:
+        return False  # decisions never wait: nothing to batch
+
+    def loop_saturated(self, saturated: bool) -> None:
+        """Nothing is batched here."""
+
     def healthy(self) -> bool:
         return True
 

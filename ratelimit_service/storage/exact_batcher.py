@@ -72,9 +72,9 @@ caller's deadline, so nothing useful is refused."""
 class Channel(Protocol):
     """How the batcher reaches Redis (implemented by the Redis store)."""
 
-    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
+    def send(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
         """Send one script call now; ``deliver`` gets its flat reply, or the exception
-        it failed with, exactly once (perhaps before ``start`` returns)."""
+        it failed with, exactly once (perhaps before ``send`` returns)."""
         ...
 
     def settle(self, reply: Any) -> Any:
@@ -315,7 +315,7 @@ class ExactBatcher:
         self.batches += 1
         self.requests += _callers(batch)
         self._flying.append(batch)
-        self._channel.start(batch.keys, batch.args, functools.partial(self._delivered, batch))
+        self._channel.send(batch.keys, batch.args, functools.partial(self._delivered, batch))
 
     def _delivered(self, batch: _Batch, reply: Any) -> None:
         if not batch.done:

@@ -269,7 +269,7 @@ class RedisStore:
     # The batcher's channel (see exact_batcher.Channel): callbacks, no coroutines, on
     # the pipelined connection when there is one.
 
-    def start(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
+    def send(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
         if not self.breaker.allow():
             deliver(StoreUnavailable("redis: circuit open after recent failures"))
             return
@@ -454,9 +454,10 @@ class RedisStore:
         self.reply_time.observe(loop.time() - started)
         return reply
 
-    async def warm(self, connections: int = 4) -> None:
+    async def start(self, connections: int = 4) -> None:
         """Open a few connections and load the scripts before traffic, outside any
-        request deadline. Failures are left for the request path to meet."""
+        request deadline. A Redis that is not there is marked down (the breaker says
+        so once) and tried again by the calls that follow."""
         try:
             async with asyncio.timeout(self.sync_timeout * 2):
                 if not self._initialized:
@@ -487,6 +488,14 @@ class RedisStore:
 
     def healthy(self) -> bool:
         return self.breaker.healthy
+
+    def sweep(self) -> int:
+        """Redis expires every key itself."""
+        return 0
+
+    @property
+    def wants_saturation(self) -> bool:
+        return self.holds_exact_batches
 
     @property
     def holds_exact_batches(self) -> bool:

@@ -18,7 +18,7 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 
-from ratelimit_service.core.tuning import Resolution, Rule, excluded_patterns, resolution
+from ratelimit_service.tune.arithmetic import Resolution, Rule, excluded_patterns, resolution
 from ratelimit_service.tune.prometheus import PrometheusClient
 
 METRIC = "ratelimit_service_rate_limit_{}_total"

@@ -7,7 +7,7 @@ import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ratelimit_service.core.tuning import Stat, peak, propose, should_promote, stat_name
+from ratelimit_service.tune.arithmetic import Stat, peak, propose, should_promote, stat_name
 from ratelimit_service.tune.observe import Observation
 
 

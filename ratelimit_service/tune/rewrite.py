@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import ConfigFile, load_config
-from ratelimit_service.core.tuning import Span, edit, rule_places
+from ratelimit_service.tune.arithmetic import Span, edit, rule_places
 from ratelimit_service.tune.report import Outcome
 
 
