@@ -39,8 +39,8 @@ from ratelimit_service.engine.stats import Stats, StatsCollector, histogram_fami
 from ratelimit_service.engine.statsd import StatsdSink
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
-from ratelimit_service.server.admin_http import AdminServer
-from ratelimit_service.server.go_http import GoEndpoints, HttpServer
+from ratelimit_service.server.go_http import GoEndpoints
+from ratelimit_service.server.http_server import HttpServer, pages
 from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.tls import CertificateReloader
 from ratelimit_service.storage.base import Store
@@ -126,27 +126,31 @@ class RateLimitService:
             sensor = LoopLoad(self.store.loop_saturated)
             self._loop_load_task = BackgroundTask("loop-load", sensor.run)
         self.health = health.aio.HealthServicer()
-        self.admin = AdminServer(
-            {
-                "/healthcheck": self._healthcheck_page,
-                "/metrics": self._metrics_page,
-                "/rlconfig": self._rlconfig_page,
-                "/": self._index_page,
-            }
+        self.admin = HttpServer(
+            pages(
+                {
+                    "/healthcheck": self._healthcheck_page,
+                    "/metrics": self._metrics_page,
+                    "/rlconfig": self._rlconfig_page,
+                    "/": self._index_page,
+                }
+            )
         )
         # envoyproxy/ratelimit's own ports and its statsd stats, when asked for.
         self.http: HttpServer | None = None
-        self.debug: AdminServer | None = None
-        self.prometheus: AdminServer | None = None
+        self.debug: HttpServer | None = None
+        self.prometheus: HttpServer | None = None
         if settings.prometheus_addr:
-            self.prometheus = AdminServer({settings.prometheus_path: self._metrics_page})
+            self.prometheus = HttpServer(pages({settings.prometheus_path: self._metrics_page}))
         if settings.debug_addr:
-            self.debug = AdminServer(
-                {
-                    "/rlconfig": self._rlconfig_page,
-                    "/metrics": self._metrics_page,
-                    "/": self._debug_index_page,
-                }
+            self.debug = HttpServer(
+                pages(
+                    {
+                        "/rlconfig": self._rlconfig_page,
+                        "/metrics": self._metrics_page,
+                        "/": self._debug_index_page,
+                    }
+                )
             )
         self.statsd: StatsdSink | None = None
         if settings.statsd_addr:

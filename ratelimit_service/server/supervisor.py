@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ratelimit_service.server.admin_http import AdminServer
+from ratelimit_service.server.http_server import HttpServer, pages
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +122,15 @@ class Supervisor:
         self.workers = [Worker(i, argv) for i in range(workers)]
         self.admin_addr = admin_addr
         self.stopping = False
-        self.admin = AdminServer(
-            {
-                "/healthcheck": self._health,
-                "/metrics": self._metrics,
-                "/rlconfig": self._rlconfig,
-                "/": self._index,
-            }
+        self.admin = HttpServer(
+            pages(
+                {
+                    "/healthcheck": self._health,
+                    "/metrics": self._metrics,
+                    "/rlconfig": self._rlconfig,
+                    "/": self._index,
+                }
+            )
         )
 
     async def _health(self) -> tuple[int, str, bytes]:
