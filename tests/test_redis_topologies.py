@@ -149,7 +149,7 @@ def test_store_urls_as_the_go_service_and_we_write_them(
         ("redis://127.0.0.1:notaport", "bad port"),
         ("ftp://h:1", "unknown scheme 'ftp://'"),
         ("localhost", "expected HOST:PORT"),
-        ("h:99999", "expected HOST:PORT"),
+        ("h:99999", "port out of range"),
         ("redis://:1", "no host"),
         ("redis+sentinel://s1:26379", "master name"),
         ("unix://", "socket path"),
@@ -169,3 +169,38 @@ def test_store_errors_are_one_short_line() -> None:
     assert describe(MasterNotFoundError(dump)) == "No master found for 'main'"
     assert len(describe(OSError("y" * 1000))) == MAX_REASON
     assert describe(TimeoutError()) == "TimeoutError"
+
+
+@pytest.mark.parametrize(
+    ("text", "options", "expected"),
+    [
+        ("h:1", {}, ("h", 1)),
+        ("[::1]:6379", {}, ("::1", 6379)),
+        (":9090", {}, ("", 9090)),
+        ("127.0.0.1:0", {"any_port": True}, ("127.0.0.1", 0)),
+    ],
+)
+def test_one_address_parser(text: str, options: dict[str, bool], expected: tuple[str, int]) -> None:
+    from ratelimit_service.core.address import split_host_port
+
+    assert split_host_port(text, **options) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "options", "cause"),
+    [
+        ("h", {}, "expected HOST:PORT"),
+        ("h:x", {}, "expected HOST:PORT"),
+        ("[::1:80", {}, "unbalanced brackets"),
+        ("h:0", {}, "port out of range"),
+        ("h:70000", {}, "port out of range"),
+        (":80", {"need_host": True}, "no host"),
+    ],
+)
+def test_the_address_parser_says_what_is_wrong(
+    text: str, options: dict[str, bool], cause: str
+) -> None:
+    from ratelimit_service.core.address import split_host_port
+
+    with pytest.raises(ValueError, match=re.escape(cause)):
+        split_host_port(text, **options)

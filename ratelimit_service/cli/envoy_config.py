@@ -44,6 +44,7 @@ from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
 from ratelimit_service.config.files import read_config_files
+from ratelimit_service.core.address import split_host_port
 from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.core.config_model import (
     DescriptorNode,
@@ -158,11 +159,12 @@ def ratelimit_filter(domain: str, cluster: str, timeout: str) -> Message:
 
 
 def _socket(address: str, what: str) -> address_pb2.Address:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"{what} {address!r}: write HOST:PORT")
+    try:
+        host, port = split_host_port(address, need_host=True)
+    except ValueError as exc:
+        raise ValueError(f"{what} {address!r}: write HOST:PORT ({exc})") from None
     return address_pb2.Address(
-        socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))
+        socket_address=address_pb2.SocketAddress(address=host, port_value=port)
     )
 
 

@@ -34,6 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
+from ratelimit_service.core.address import split_host_port
+
 GO_LOG_LEVELS = {
     "trace": "DEBUG",
     "debug": "DEBUG",
@@ -387,9 +389,10 @@ def _userinfo(auth: str) -> str:
 
 
 def _check_host_port(name: str, value: str, part: str) -> None:
-    host, sep, port = part.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise GoSettingError(name, value, f"expected host:port, got {part!r}")
+    try:
+        split_host_port(part, need_host=True)
+    except ValueError:
+        raise GoSettingError(name, value, f"expected host:port, got {part!r}") from None
 
 
 def _tls_query(r: _Reader) -> str:
@@ -459,10 +462,11 @@ def _stats(r: _Reader) -> None:
         r.set("--statsd-flush-interval", seconds, "STATS_FLUSH_INTERVAL")
     if r.boolean("USE_PROMETHEUS") and not disabled:
         address = r.text("PROMETHEUS_ADDR", ":9090") or ":9090"
-        host, sep, port = address.rpartition(":")
-        if not sep or not port.isdigit() or int(port) > 65535:
-            raise GoSettingError("PROMETHEUS_ADDR", address, "expected [host]:port")
-        r.set("--prometheus-addr", _address(host.strip("[]"), int(port)), "PROMETHEUS_ADDR")
+        try:
+            host, port = split_host_port(address, any_port=True)
+        except ValueError:
+            raise GoSettingError("PROMETHEUS_ADDR", address, "expected [host]:port") from None
+        r.set("--prometheus-addr", _address(host, port), "PROMETHEUS_ADDR")
         path = r.text("PROMETHEUS_PATH", "/metrics") or "/metrics"
         if not path.startswith("/"):
             raise GoSettingError("PROMETHEUS_PATH", path, "must start with /")

@@ -19,6 +19,7 @@ from prometheus_client.core import Metric
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.config.watcher import ConfigWatcher
 from ratelimit_service.config.xds import XdsConfigSource
+from ratelimit_service.core.address import listen_host, split_host_port
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import RateLimitConfig
@@ -465,5 +466,5 @@ class RateLimitService:
 
 
 def _split_addr(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    host, port = split_host_port(addr, any_port=True)
+    return listen_host(host), port

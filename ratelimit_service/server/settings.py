@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratelimit_service.config.xds_settings import XdsSettings
+from ratelimit_service.core.address import split_host_port
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
 from ratelimit_service.storage.redis_connect import normalize_url
@@ -57,12 +58,9 @@ def listen_addr(text: str) -> str:
 
 
 def host_port(text: str) -> str:
-    """``HOST:PORT`` (the host may be empty: every address; IPv6 in brackets)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    if host.startswith("[") != host.endswith("]"):
-        raise ValueError(f"unbalanced brackets in {text!r}")
+    """``HOST:PORT`` (the host may be empty: every address; IPv6 in brackets; port 0:
+    any free one)."""
+    split_host_port(text, any_port=True)
     return text
 
 

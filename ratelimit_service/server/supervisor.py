@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ratelimit_service.core.address import listen_host, split_host_port
 from ratelimit_service.server.http_server import HttpServer, pages
 
 log = logging.getLogger(__name__)
@@ -176,8 +177,8 @@ class Supervisor:
             await asyncio.sleep(RESTART_DELAY)
 
     async def run(self) -> int:
-        host, _, port = self.admin_addr.rpartition(":")
-        await self.admin.start(host.strip("[]") or "0.0.0.0", int(port))
+        host, port = split_host_port(self.admin_addr, any_port=True)
+        await self.admin.start(listen_host(host), port)
         stop = asyncio.Event()
         received: list[int] = []
 

@@ -24,6 +24,8 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
+from ratelimit_service.core.address import split_host_port
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -97,10 +99,7 @@ def normalize_url(text: str, socket_type: str = "tcp") -> str:
 
 
 def _host(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
+    return split_host_port(text, need_host=True)
 
 
 def connect(
