@@ -13,7 +13,12 @@ import pytest
 
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.storage.redis_connect import Target, normalize_url, parse_target
+from ratelimit_service.storage.redis_connect import (
+    Target,
+    Topology,
+    normalize_url,
+    parse_target,
+)
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup
 
@@ -24,12 +29,12 @@ needs_redis = pytest.mark.skipif(
 
 
 def test_parse_targets() -> None:
-    assert parse_target("redis://h:1/0").kind == "single"
+    assert parse_target("redis://h:1/0").kind is Topology.SINGLE
     assert parse_target("redis+cluster://a:7000,b:7001") == Target(
-        "cluster", (("a", 7000), ("b", 7001))
+        Topology.CLUSTER, (("a", 7000), ("b", 7001))
     )
     assert parse_target("redis+sentinel://u:p@s1:26379,s2:26380/main/2") == Target(
-        "sentinel", (("s1", 26379), ("s2", 26380)), "main", 2, "u", "p"
+        Topology.SENTINEL, (("s1", 26379), ("s2", 26380)), "main", 2, "u", "p"
     )
     with pytest.raises(ValueError, match="master name"):
         parse_target("redis+sentinel://s1:26379")

@@ -27,6 +27,7 @@ reported a bucket, how long a bucket has been idle) stays here.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 import time
@@ -70,9 +71,19 @@ MIN_ELAPSED = 0.5
 report of a bucket comes at once, then the periodic ones)."""
 
 
-ALLOW_ALL = "allow_all"
-DENY_ALL = "deny_all"
-ABANDON = "abandon"
+class Kind(enum.Enum):
+    """What one bucket of a report is answered with."""
+
+    ALLOW_ALL = "allow_all"
+    DENY_ALL = "deny_all"
+    ABANDON = "abandon"
+    TOKEN_BUCKET = "token_bucket"
+
+
+ALLOW_ALL = Kind.ALLOW_ALL
+DENY_ALL = Kind.DENY_ALL
+ABANDON = Kind.ABANDON
+TOKEN_BUCKET = Kind.TOKEN_BUCKET
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +101,7 @@ class Action:
     or ABANDON."""
 
     bucket: Mapping[str, str]
-    kind: str
-    """ALLOW_ALL, DENY_ALL, ABANDON, or "token_bucket"."""
+    kind: Kind
     token_bucket: TokenBucket | None = None
     ttl_seconds: int = TTL_SECONDS
 
@@ -276,7 +286,7 @@ class QuotaCoordinator:
         if limit.requests_per_unit == 0:
             return Action(usage.bucket, DENY_ALL)
         bucket = token_bucket(share, limit.requests_per_unit, window, limit.burst)
-        return Action(usage.bucket, "token_bucket", bucket)
+        return Action(usage.bucket, TOKEN_BUCKET, bucket)
 
     def _grow_others(
         self, instance: str, pending: list[_Pending], views: Mapping[str, QuotaView]
@@ -318,7 +328,7 @@ class QuotaCoordinator:
                 held_in_all += now_counted - counted[other]
                 counted[other] = now_counted
                 bucket = token_bucket(share, most, window, limit.burst)
-                pushes.setdefault(other, []).append(Action(seen.bucket, "token_bucket", bucket))
+                pushes.setdefault(other, []).append(Action(seen.bucket, TOKEN_BUCKET, bucket))
         for other, actions in pushes.items():
             log.debug("pushed to %s: %s", other, [a.bucket for a in actions])
             if self._pushers[other](actions):

@@ -14,6 +14,7 @@ time bound.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -27,9 +28,15 @@ from redis.backoff import NoBackoff
 from ratelimit_service.core.address import split_host_port
 
 
+class Topology(enum.Enum):
+    SINGLE = "single"
+    SENTINEL = "sentinel"
+    CLUSTER = "cluster"
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
-    kind: str  # "single", "sentinel" or "cluster"
+    kind: Topology
     hosts: tuple[tuple[str, int], ...] = ()
     master: str = ""
     db: int = 0
@@ -42,7 +49,7 @@ def parse_target(url: str) -> Target:
     """Sentinel and Cluster URLs; single-node URLs are left to redis-py (kind "single")."""
     parsed = urlparse(url)
     if parsed.scheme not in ("redis+sentinel", "redis+cluster"):
-        return Target("single")
+        return Target(Topology.SINGLE)
     hosts = tuple(_host(part) for part in parsed.netloc.rpartition("@")[2].split(",") if part)
     if not hosts:
         raise ValueError(f"{url}: no host given")
@@ -50,12 +57,14 @@ def parse_target(url: str) -> Target:
     username = unquote(parsed.username) if parsed.username else None
     password = unquote(parsed.password) if parsed.password else None
     if parsed.scheme == "redis+cluster":
-        return Target("cluster", hosts, username=username, password=password)
+        return Target(Topology.CLUSTER, hosts, username=username, password=password)
     if not path:
         raise ValueError(f"{url}: the master name is missing (redis+sentinel://hosts/master)")
     db = int(path[1]) if len(path) > 1 else 0
     sentinel_password = parse_qs(parsed.query).get("sentinel_password", [None])[0]
-    return Target("sentinel", hosts, unquote(path[0]), db, username, password, sentinel_password)
+    return Target(
+        Topology.SENTINEL, hosts, unquote(path[0]), db, username, password, sentinel_password
+    )
 
 
 SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
@@ -112,7 +121,7 @@ def connect(
         "socket_connect_timeout": connect_timeout,
         "retry": Retry(NoBackoff(), 0),
     }
-    if target.kind == "cluster":
+    if target.kind is Topology.CLUSTER:
         nodes = [ClusterNode(host, port) for host, port in target.hosts]
         client: Any = RedisCluster(
             startup_nodes=nodes,
@@ -122,7 +131,7 @@ def connect(
             **common,
         )
         return client, True
-    if target.kind == "sentinel":
+    if target.kind is Topology.SENTINEL:
         sentinel_kwargs = dict(common)
         if target.sentinel_password:
             sentinel_kwargs["password"] = target.sentinel_password
