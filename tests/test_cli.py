@@ -24,6 +24,10 @@ import pytest
 from conftest import REPO, free_port, make_request
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from ratelimit_service.core.config_loader import UNIT_NAMES
+
+VALID_UNITS = f"; valid units: {UNIT_NAMES}"
+
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RATELIMIT_")}
@@ -337,12 +341,15 @@ def test_bad_config_exits_1_with_file_and_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 1
     errors = result.stderr.splitlines()
-    assert f"{bad}:4: config error, unknown key 'ratelimit'" in errors
-    assert f"{bad}:7: invalid rate limit unit 'fortnight'" in errors
+    assert f"{bad}:4: config error, unknown key 'ratelimit'; did you mean 'rate_limit'?" in errors
+    assert f"{bad}:7: invalid rate limit unit 'fortnight'" + VALID_UNITS in errors
     assert "Traceback" not in result.stderr
     checked = cli("check-config", str(directory))
     assert checked.returncode == 1
-    assert f"{bad}:4: config error, unknown key 'ratelimit'" in checked.stdout.splitlines()
+    assert (
+        f"{bad}:4: config error, unknown key 'ratelimit'; did you mean 'rate_limit'?"
+        in checked.stdout.splitlines()
+    )
 
 
 def test_missing_config_exits_1(tmp_path: Path) -> None:

@@ -21,10 +21,12 @@ import pytest
 from conftest import COMPAT, COMPAT_ENV
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service.core.config_loader import ConfigFile, check_config, load_config
+from ratelimit_service.core.config_loader import UNIT_NAMES, ConfigFile, check_config, load_config
 from ratelimit_service.core.config_model import DomainConfig, Mode
 from ratelimit_service.core.matching import Match, find_limit, override_stats_key
 from ratelimit_service.core.units import Unit
+
+VALID_UNITS = f"; valid units: {UNIT_NAMES}"
 
 if not COMPAT.is_dir():
     pytest.skip(
@@ -118,10 +120,19 @@ def test_rejected(row: RejectRow) -> None:
 def test_rejected_lines() -> None:
     """Where the reference names no line, we do; spot-check a few."""
     expected = {
-        "bad_limit_unit.yaml": (6, "invalid rate limit unit 'foo'"),
+        "bad_limit_unit.yaml": (
+            6,
+            "invalid rate limit unit 'foo'" + VALID_UNITS,
+        ),
         "duplicate_key.yaml": (6, "duplicate descriptor composite key 'test-domain.key1_value1'"),
-        "misspelled_key.yaml": (5, "config error, unknown key 'ratelimit'"),
-        "misspelled_key2.yaml": (7, "config error, unknown key 'requestsperunit'"),
+        "misspelled_key.yaml": (
+            5,
+            "config error, unknown key 'ratelimit'; did you mean 'rate_limit'?",
+        ),
+        "misspelled_key2.yaml": (
+            7,
+            "config error, unknown key 'requestsperunit'; did you mean 'requests_per_unit'?",
+        ),
         "non_map_list.yaml": (3, "config error, yaml file contains list of type other than map: a"),
         "replaces_self.yaml": (10, "replaces should not contain name of same descriptor"),
         "replaces_empty.yaml": (10, "should not have an empty replaces entry"),

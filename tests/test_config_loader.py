@@ -17,7 +17,7 @@ import pytest
 from ratelimit_service.cli.main import main as cli_main
 from ratelimit_service.config.files import config_paths, read_config_files
 from ratelimit_service.core.config_errors import ConfigError, ConfigLoadError
-from ratelimit_service.core.config_loader import ConfigFile, check_config, load_config
+from ratelimit_service.core.config_loader import UNIT_NAMES, ConfigFile, check_config, load_config
 from ratelimit_service.core.config_model import (
     DomainConfig,
     FailureMode,
@@ -27,6 +27,8 @@ from ratelimit_service.core.config_model import (
 )
 from ratelimit_service.core.matching import find_limit
 from ratelimit_service.core.units import UNIT_SECONDS, Unit
+
+VALID_UNITS = f"; valid units: {UNIT_NAMES}"
 
 NAME = "rules.yaml"
 ErrorTuple = tuple[str, int | None, str]
@@ -292,12 +294,36 @@ def test_same_key_with_different_values_is_not_a_duplicate() -> None:
 @pytest.mark.parametrize(
     ("rate_limit", "line", "message"),
     [
-        ("{unit: fortnight, requests_per_unit: 1}", 4, "invalid rate limit unit 'fortnight'"),
-        ("{unit: unknown, requests_per_unit: 1}", 4, "invalid rate limit unit 'unknown'"),
-        ("{unit: 5, requests_per_unit: 1}", 4, "invalid rate limit unit '5'"),
-        ("{unit: '', requests_per_unit: 1}", 4, "invalid rate limit unit ''"),
-        ("{requests_per_unit: 1}", 4, "invalid rate limit unit ''"),
-        ("{}", 4, "invalid rate limit unit ''"),
+        (
+            "{unit: fortnight, requests_per_unit: 1}",
+            4,
+            "invalid rate limit unit 'fortnight'" + VALID_UNITS,
+        ),
+        (
+            "{unit: unknown, requests_per_unit: 1}",
+            4,
+            "invalid rate limit unit 'unknown'" + VALID_UNITS,
+        ),
+        (
+            "{unit: 5, requests_per_unit: 1}",
+            4,
+            "invalid rate limit unit '5'" + VALID_UNITS,
+        ),
+        (
+            "{unit: '', requests_per_unit: 1}",
+            4,
+            "invalid rate limit unit ''" + VALID_UNITS,
+        ),
+        (
+            "{requests_per_unit: 1}",
+            4,
+            "invalid rate limit unit ''" + VALID_UNITS,
+        ),
+        (
+            "{}",
+            4,
+            "invalid rate limit unit ''" + VALID_UNITS,
+        ),
     ],
 )
 def test_invalid_rate_limit_unit(rate_limit: str, line: int, message: str) -> None:
@@ -323,8 +349,16 @@ def test_invalid_unit_in_block_mapping_points_at_unit_line() -> None:
               requests_per_unit: 5
         """
     assert errors_of(text) == [
-        (NAME, 6, "invalid rate limit unit 'secnd'"),
-        (NAME, 9, "invalid rate limit unit ''"),
+        (
+            NAME,
+            6,
+            "invalid rate limit unit 'secnd'" + VALID_UNITS,
+        ),
+        (
+            NAME,
+            9,
+            "invalid rate limit unit ''" + VALID_UNITS,
+        ),
     ]
 
 
@@ -437,12 +471,14 @@ def test_unknown_key_at_top_level() -> None:
         descriptor:
           - key: k
         """
-    assert errors_of(text) == [(NAME, 2, "config error, unknown key 'descriptor'")]
+    assert errors_of(text) == [
+        (NAME, 2, "config error, unknown key 'descriptor'; did you mean 'descriptors'?")
+    ]
 
 
 def test_misspelled_domain_reports_unknown_key_and_empty_domain() -> None:
     assert errors_of("domian: d\n") == [
-        (NAME, 1, "config error, unknown key 'domian'"),
+        (NAME, 1, "config error, unknown key 'domian'; did you mean 'domain'?"),
         (NAME, 1, "config file cannot have empty domain"),
     ]
 
@@ -457,7 +493,9 @@ def test_unknown_key_in_descriptor() -> None:
               unit: day
               requests_per_unit: 5
         """
-    assert errors_of(text) == [(NAME, 5, "config error, unknown key 'ratelimit'")]
+    assert errors_of(text) == [
+        (NAME, 5, "config error, unknown key 'ratelimit'; did you mean 'rate_limit'?")
+    ]
 
 
 def test_unknown_key_in_nested_descriptor() -> None:
@@ -469,7 +507,9 @@ def test_unknown_key_in_nested_descriptor() -> None:
               - key: s
                 shadowmode: true
         """
-    assert errors_of(text) == [(NAME, 6, "config error, unknown key 'shadowmode'")]
+    assert errors_of(text) == [
+        (NAME, 6, "config error, unknown key 'shadowmode'; did you mean 'shadow_mode'?")
+    ]
 
 
 def test_unknown_key_in_rate_limit() -> None:
@@ -481,7 +521,9 @@ def test_unknown_key_in_rate_limit() -> None:
               unit: day
               requestsperunit: 5
         """
-    assert errors_of(text) == [(NAME, 6, "config error, unknown key 'requestsperunit'")]
+    assert errors_of(text) == [
+        (NAME, 6, "config error, unknown key 'requestsperunit'; did you mean 'requests_per_unit'?")
+    ]
 
 
 def test_unknown_key_in_replaces_entry() -> None:
@@ -495,7 +537,7 @@ def test_unknown_key_in_replaces_entry() -> None:
                 - name: a
                   nmae: b
         """
-    assert errors_of(text) == [(NAME, 8, "config error, unknown key 'nmae'")]
+    assert errors_of(text) == [(NAME, 8, "config error, unknown key 'nmae'; did you mean 'name'?")]
 
 
 def test_mode_is_not_a_rate_limit_key() -> None:
@@ -720,7 +762,13 @@ def test_non_bool_unlimited() -> None:
     errors = errors_of(text)
     assert errors[0] == (NAME, 4, "'unlimited' must be true or false, found 'yes'")
     # A malformed flag counts as "not unlimited", so the missing unit is reported as well.
-    assert errors[1:] == [(NAME, 4, "invalid rate limit unit ''")]
+    assert errors[1:] == [
+        (
+            NAME,
+            4,
+            "invalid rate limit unit ''" + VALID_UNITS,
+        )
+    ]
 
 
 # --------------------------------------------------------------------------- mode / failure_mode
@@ -942,7 +990,11 @@ def test_several_errors_in_one_file_reported_in_one_pass() -> None:
         """
     assert errors_of(text, "many.yaml") == [
         ("many.yaml", 2, "invalid mode 'sometimes' (exact or probabilistic)"),
-        ("many.yaml", 5, "invalid rate limit unit 'lightyear'"),
+        (
+            "many.yaml",
+            5,
+            "invalid rate limit unit 'lightyear'" + VALID_UNITS,
+        ),
         ("many.yaml", 6, "descriptor has empty key"),
         (
             "many.yaml",
@@ -963,7 +1015,7 @@ def test_errors_in_several_files_reported_together() -> None:
     ]
     assert [str(e) for e in check_config(files)] == [
         "one.yaml:1: config file cannot have empty domain",
-        "three.yaml:4: invalid rate limit unit ''",
+        "three.yaml:4: invalid rate limit unit ''" + VALID_UNITS,
     ]
 
 
@@ -1423,7 +1475,7 @@ def test_cli_check_config_invalid(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert cli_main(["check-config", str(root)]) == 1
     out = capsys.readouterr().out
     assert out.splitlines() == [
-        f"{bad}:4: invalid rate limit unit 'parsec'",
+        f"{bad}:4: invalid rate limit unit 'parsec'" + VALID_UNITS,
         f"{bad}:5: duplicate descriptor composite key 'bad.k'",
         f"{dup}:2: duplicate domain 'good' in config file; first defined in {good}:1",
     ]

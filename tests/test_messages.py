@@ -69,7 +69,7 @@ def test_every_serve_flag_shows_its_default_and_environment_name() -> None:
             assert f"(env: {env}=1)" in action.help, flag
         elif action.required:
             assert f"(required unless {env} is set; env: {env})" in action.help, flag
-        elif action.default is None:
+        elif action.default in (None, ""):
             assert action.help.endswith(f"(env: {env})"), flag
         else:
             assert f"(default: {action.default}; env: {env})" in action.help, flag
@@ -156,7 +156,8 @@ def test_start_reload_and_shutdown_at_info_and_nothing_per_request(tmp_path: Pat
             stub = rls_pb2_grpc.RateLimitServiceStub(channel)
             for _ in range(20):  # over the limit after 5: still nothing logged
                 stub.ShouldRateLimit(make_request("msg", [("user", "u")]), timeout=5)
-            stub.ShouldRateLimit(make_request("unknown-domain", [("user", "u")]), timeout=5)
+            for _ in range(3):  # an unknown domain: said once, not per request
+                stub.ShouldRateLimit(make_request("unknown-domain", [("user", "u")]), timeout=5)
         process.send_signal(signal.SIGHUP)
         wait_for(log, "config reloaded")
         process.send_signal(signal.SIGTERM)
@@ -165,6 +166,7 @@ def test_start_reload_and_shutdown_at_info_and_nothing_per_request(tmp_path: Pat
     fields = [line.split(" ", 4)[2:] for line in lines]  # date, time, LEVEL, logger, message
     assert [(level, message.split(":")[0].split(",")[0]) for level, _, message in fields] == [
         ("INFO", f"serving RLS on port {grpc_addr.rpartition(':')[2]}"),
+        ("WARNING", "request for domain 'unknown-domain'"),
         ("INFO", "config reloaded"),
         ("INFO", "shutting down"),
         ("INFO", "drained"),  # SIGTERM with no traffic: after one quiet second
@@ -291,3 +293,96 @@ def test_check_config_output_closed_early_is_no_traceback() -> None:
     result = run_with_closed_stdout("check-config", "config/")
     assert result.stderr == ""
     assert result.returncode == 0
+
+
+def test_errors_suggest_the_key_list_the_units_and_come_in_file_and_line_order(
+    tmp_path: Path,
+) -> None:
+    from ratelimit_service.core.config_errors import ConfigError
+    from ratelimit_service.core.config_loader import in_file_order
+
+    text = (
+        "domain: d\ndescriptors:\n  - key: a\n"
+        "    rate_limit: {unit: minutes, requests_per_unit: 5}\n"
+        "  - key: b\n    rate_limit: {unit: minute, request_per_unit: 5}\n"
+    )
+    errors = [str(e) for e in check_config([ConfigFile("a.yaml", text)])]
+    assert errors == [
+        "a.yaml:4: invalid rate limit unit 'minutes'; valid units: second, minute, hour, day,"
+        " week, month, year",
+        "a.yaml:6: config error, unknown key 'request_per_unit'; did you mean 'requests_per_unit'?",
+    ]
+    files = [ConfigFile("b.yaml", ""), ConfigFile("a.yaml", "")]
+    shuffled = [ConfigError("a.yaml", 2, "x"), ConfigError("a.yaml", None, "y"),
+                ConfigError("b.yaml", 9, "z"), ConfigError("b.yaml", 3, "w")]  # fmt: skip
+    assert [(e.file, e.line) for e in in_file_order(shuffled, files)] == [
+        ("b.yaml", 3), ("b.yaml", 9), ("a.yaml", None), ("a.yaml", 2),
+    ]  # fmt: skip
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ratelimit_service", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**BASE_ENV, **(env or {})},
+        cwd=REPO,
+    )
+
+
+def test_no_rule_file_is_an_error_for_check_config_and_a_warning_for_serve(
+    tmp_path: Path,
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    checked = cli("check-config", str(empty))
+    assert checked.returncode == 1
+    assert checked.stdout.strip() == f"{empty}: no rule file (*.yaml, *.yml) found"
+    admin = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ratelimit_service", "serve", "--config", str(empty),
+             "--grpc-addr", f"127.0.0.1:{free_port()}", "--admin-addr", f"127.0.0.1:{admin}"],
+            stdout=out, stderr=subprocess.STDOUT, env=BASE_ENV, cwd=REPO,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 20
+            while "serving RLS" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            process.send_signal(signal.SIGINT)
+            process.wait(10)
+    text = log.read_text()
+    assert f"no rule file (*.yaml, *.yml) in {empty}" in text
+
+
+def test_a_busy_port_is_one_line_of_ours(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = f"127.0.0.1:{holder.getsockname()[1]}"
+        result = cli(
+            "serve", "--config", "config/", "--grpc-addr", taken,
+            "--admin-addr", f"127.0.0.1:{free_port()}", env={"RATELIMIT_LOG_LEVEL": "ERROR"},
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"serve: cannot listen on {taken} (gRPC): Address already in use"
+    ]
+
+
+async def test_an_unknown_domain_is_said_once_and_counted(caplog) -> None:
+    from ratelimit_service.engine.stats import Stats
+
+    stats = Stats()
+    with caplog.at_level("WARNING"):
+        for _ in range(5):
+            stats.count_domain_not_found("nope")
+        stats.count_domain_not_found("other")
+    lines = [r.getMessage() for r in caplog.records if "which no rule declares" in r.getMessage()]
+    assert len(lines) == 2 and "'nope'" in lines[0] and "'other'" in lines[1]
+    assert stats.domain_not_found == {"nope": 5, "other": 1}

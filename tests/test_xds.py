@@ -23,7 +23,7 @@ from ratelimit_service.config.xds import XdsConfigSource
 from ratelimit_service.config.xds_settings import Backoff, XdsSettings, parse_key_values
 from ratelimit_service.config.xds_yaml import TYPE_URL, to_config_file
 from ratelimit_service.core.config_errors import ConfigLoadError
-from ratelimit_service.core.config_loader import ConfigFile, load_config
+from ratelimit_service.core.config_loader import UNIT_NAMES, ConfigFile, load_config
 from ratelimit_service.core.config_model import FailureMode, Mode, RateLimitConfig
 from ratelimit_service.core.request import Code, Descriptor, Request
 from ratelimit_service.core.units import Unit
@@ -32,6 +32,8 @@ from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
 from ratelimit_service.testing.xds import TIMEOUT, AdsServer, domain, limit
+
+VALID_UNITS = f"; valid units: {UNIT_NAMES}"
 
 FAST = {"backoff_initial": 0.05, "backoff_max": 0.1}
 
@@ -162,7 +164,7 @@ async def test_a_config_that_does_not_load_is_nacked_and_the_old_one_kept(
     assert (nack.version_info, nack.response_nonce) == ("v1", nonce)
     assert nack.error_detail.code == 3  # INVALID_ARGUMENT
     assert nack.error_detail.message == (
-        "xds:api: descriptor user > path=/login: invalid rate limit unit 'UNKNOWN'"
+        "xds:api: descriptor user > path=/login: invalid rate limit unit 'UNKNOWN'" + VALID_UNITS
     )
     assert service.limiter.config is before
     assert source.version == "v1"
@@ -398,7 +400,10 @@ def test_every_proto_field_reaches_the_loaded_rule() -> None:
 def test_an_unknown_unit_number_is_a_loader_error() -> None:
     message = domain("d", rls.RateLimitDescriptor(
         key="k", rate_limit=rls.RateLimitPolicy(unit=42, requests_per_unit=1)))  # fmt: skip
-    with pytest.raises(ConfigLoadError, match="invalid rate limit unit '42'"):
+    with pytest.raises(
+        ConfigLoadError,
+        match="invalid rate limit unit '42'",
+    ):
         load_config([to_config_file(message)])
 
 

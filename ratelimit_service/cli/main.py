@@ -402,6 +402,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(error)
     if errors:
         return 1
+    if not files:
+        print(f"{args.path}: no rule file (*.yaml, *.yml) found")
+        return 1
     print(f"{args.path}: OK ({len(files)} file{'s' if len(files) != 1 else ''})")
     return 0
 

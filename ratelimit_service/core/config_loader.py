@@ -8,6 +8,7 @@ every error can name its line, and we keep going after an error so that
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -26,7 +27,7 @@ from ratelimit_service.core.config_model import (
     RateLimitConfig,
     WildcardPattern,
 )
-from ratelimit_service.core.units import Unit, parse_unit
+from ratelimit_service.core.units import UNIT_SECONDS, Unit, parse_unit
 
 UINT32_MAX = 2**32 - 1
 
@@ -121,7 +122,7 @@ class _FileLoader:
                 self.error(key_node, f"config error, key is not of type string: {key_node.value}")
                 continue
             if key not in allowed:
-                self.error(key_node, f"config error, unknown key '{key}'")
+                self.error(key_node, f"config error, unknown key '{key}'{_suggest(key, allowed)}")
                 continue
             if key in result:
                 self.error(key_node, f"config error, duplicate key '{key}'")
@@ -300,7 +301,8 @@ class _FileLoader:
             return None
         if not unlimited and unit is None:
             self.error(
-                limit_fields.get("unit", node), f"invalid rate limit unit '{unit_text or ''}'"
+                limit_fields.get("unit", node),
+                f"invalid rate limit unit '{unit_text or ''}'; valid units: {UNIT_NAMES}",
             )
             return None
         name = self.text(limit_fields.get("name"), "name") or ""
@@ -493,7 +495,7 @@ def load_config(
                 )
             )
     if errors:
-        raise ConfigLoadError(errors)
+        raise ConfigLoadError(in_file_order(errors, files))
     return RateLimitConfig(domains=domains)
 
 
@@ -538,3 +540,19 @@ def add_child(children: NodeChildren, node: DescriptorNode) -> bool:
             return False
         children.exact[(node.key, node.value)] = node
     return True
+
+
+UNIT_NAMES = ", ".join(unit.name.lower() for unit in sorted(Unit, key=lambda u: UNIT_SECONDS[u]))
+"""The units a rule may name, shortest first, for the error that names a wrong one."""
+
+
+def _suggest(key: str, allowed: frozenset[str]) -> str:
+    """ "; did you mean 'x'?" for the closest allowed key, or nothing when none is close."""
+    close = difflib.get_close_matches(key.lower(), sorted(allowed), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def in_file_order(errors: Sequence[ConfigError], files: Sequence[ConfigFile]) -> list[ConfigError]:
+    """Errors sorted by file (in the order the files were read), then by line."""
+    rank = {file.name: index for index, file in enumerate(files)}
+    return sorted(errors, key=lambda e: (rank.get(e.file, len(rank)), e.line or 0, e.column or 0))

@@ -9,6 +9,7 @@ so on) as the Prometheus statsd exporter would name them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import (
@@ -19,6 +20,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ratelimit_service.core.histogram import Histogram
+
+log = logging.getLogger(__name__)
 
 OVERFLOW_KEY = "_overflow"
 
@@ -84,8 +87,17 @@ class Stats:
         return stats
 
     def count_domain_not_found(self, domain: str) -> None:
-        if domain in self.domain_not_found or len(self.domain_not_found) < self.max_keys:
-            self.domain_not_found[domain] = self.domain_not_found.get(domain, 0) + 1
+        """Count a request for a domain no rule file declares; say so once per domain
+        (the first time), not per request."""
+        if domain in self.domain_not_found:
+            self.domain_not_found[domain] += 1
+        elif len(self.domain_not_found) < self.max_keys:
+            self.domain_not_found[domain] = 1
+            log.warning(
+                "request for domain %r, which no rule declares: answered OK (counted as"
+                " domain_not_found on /metrics; said once per domain)",
+                domain,
+            )
         else:
             self.domain_not_found[OVERFLOW_KEY] = self.domain_not_found.get(OVERFLOW_KEY, 0) + 1
 

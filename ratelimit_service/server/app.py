@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 from collections.abc import Iterator
 
 import grpc
@@ -55,8 +56,14 @@ HEALTH_NAMES = ("", RLS_SERVICE, RLQS_SERVICE, "ratelimit")
 
 def load_rules(settings: Settings) -> RateLimitConfig:
     """Read and load the rule files; raises ConfigLoadError listing every problem."""
+    files = read_config_files(settings.config_path)
+    if not files:
+        log.warning(
+            "no rule file (*.yaml, *.yml) in %s: no domain is limited until one appears",
+            settings.config_path,
+        )
     return load_config(
-        read_config_files(settings.config_path),
+        files,
         default_mode=settings.mode,
         merge_domains=settings.merge_domain_config,
     )
@@ -194,10 +201,11 @@ class RateLimitService:
         )
         try:
             self.grpc_port = self._bind(server)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {self.settings.grpc_addr} (gRPC): {exc}") from exc
+        except RuntimeError:
+            self.grpc_port = 0
         if self.grpc_port == 0:
-            raise OSError(f"cannot listen on {self.settings.grpc_addr} (gRPC)")
+            why = _bind_error(self.settings.grpc_addr, bool(self.settings.reuse_port))
+            raise OSError(f"cannot listen on {self.settings.grpc_addr} (gRPC): {why}")
         await server.start()
         self._server = server
         try:
@@ -463,6 +471,23 @@ class RateLimitService:
         )
         yield from reconciler_metrics(self.reconciler)
         yield from quota_metrics(self.quota)
+
+
+def _bind_error(addr: str, reuse_port: bool) -> str:
+    """Why gRPC could not bind ``addr``, in the system's words (gRPC's own message
+    only points at its debug log): bind a socket there ourselves and report the error."""
+    if addr.startswith("unix:"):
+        return "cannot bind the socket path"
+    try:
+        host, port = _split_addr(addr)
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, 1):
+            with socket.socket(family, kind, proto) as probe:
+                if reuse_port:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                probe.bind(address)
+    except (OSError, ValueError) as exc:
+        return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+    return "the address is not available"
 
 
 def _split_addr(addr: str) -> tuple[str, int]:
