@@ -19,11 +19,11 @@ descriptors per request, under two loads:
   queueing.
 
 Suite "redis-delay": one redis-server, bench/redis_delay_proxy.py in front of it
-with each --delays value (ms; plus the direct connection), and per path three
-services: exact (default --redis-timeout, 10 ms), exact with --redis-timeout 0.05,
-probabilistic; each driven at a fixed 1,000 requests/s (``h2load -c 4 -m 8 --rps
-250``). It also times the first command on a new connection of the service's own
-Redis client on each path, and counts the connections Redis accepts during each run.
+with each --delays value (ms; plus the direct connection), and per path two
+services, exact and probabilistic, each driven at a fixed 1,000 requests/s
+(``h2load -c 4 -m 8 --rps 250``), every call with Envoy's 20 ms deadline. It also
+times the first command on a new connection of the service's own Redis client on
+each path, and counts the connections Redis accepts during each run.
 
 With --pin (throughput suite, 2 CPUs or more) every server under test, the null
 server included, runs on CPU 0 and h2load and redis-server on CPU 1: each server has a
@@ -78,10 +78,13 @@ LOADS: dict[str, list[str]] = {
 }
 DELAY_MODES: list[tuple[str, str, list[str]]] = [
     ("exact", "exact", []),
-    ("exact", "exact (timeout 50 ms)", ["--redis-timeout", "0.05"]),
     ("probabilistic", "probabilistic", []),
 ]
 """redis-delay suite: (--mode, label, extra flags) of the services on each path."""
+ENVOY_DEADLINE = "20m"
+"""The redis-delay suite's calls carry Envoy's default deadline (the ratelimit filter's
+20 ms timeout), as gRPC's grpc-timeout header: exact decisions wait for Redis until
+2 ms before it."""
 HUGE_LIMIT = 1_000_000_000
 CONFIG = f"""domain: bench
 descriptors:
@@ -293,12 +296,20 @@ class H2load:
 
 
 def run_h2load(
-    port: int, body: Path, load: str, seconds: float, log: Path, cpus: frozenset[int] | None = None
+    port: int,
+    body: Path,
+    load: str,
+    seconds: float,
+    log: Path,
+    cpus: frozenset[int] | None = None,
+    deadline: str | None = None,
 ) -> H2load:
+    """``deadline``: a grpc-timeout value (``20m``) every call carries, as Envoy's do."""
     log.unlink(missing_ok=True)  # h2load appends to its log file
     command = [
         "h2load", *LOADS[load], "-D", f"{seconds:g}", "--log-file", str(log),
         "-H", "content-type: application/grpc", "-H", "te: trailers",
+        *(["-H", f"grpc-timeout: {deadline}"] if deadline else []),
         "-d", str(body), f"http://127.0.0.1:{port}{ROUTE}",
     ]  # fmt: skip
     result = subprocess.run(
@@ -393,11 +404,11 @@ class RedisSample:
 def measure(
     suite: str, server: Server, descriptors: int, load: str, round_: int,
     body: Path, seconds: float, log: Path, redis_server: RedisServer | None = None,
-    cpus: frozenset[int] | None = None,
+    cpus: frozenset[int] | None = None, deadline: str | None = None,
 ) -> Run:  # fmt: skip
     before = scrape(server.admin_port) if server.admin_port else {}
     redis_before, cpu_before = RedisSample.take(redis_server), cpu_seconds(server.pid)
-    h2 = run_h2load(server.port, body, load, seconds, log, cpus)
+    h2 = run_h2load(server.port, body, load, seconds, log, cpus, deadline)
     cpu_after, redis_after = cpu_seconds(server.pid), RedisSample.take(redis_server)
     run = Run(suite, server.name, descriptors, load, round_, h2)
     run.new_redis_connections = redis_after.connections - redis_before.connections
@@ -571,7 +582,8 @@ def suite_redis_delay(
                 progress(f"run {len(runs) + 1}/{total}: round {round_}, {server.name}, "
                          f"1000 req/s, {args.latency_seconds:g} s")  # fmt: skip
                 run = measure("redis-delay", server, 1, "1000/s", round_, bodies[1],
-                              args.latency_seconds, log, server_redis)  # fmt: skip
+                              args.latency_seconds, log, server_redis,
+                              deadline=ENVOY_DEADLINE)  # fmt: skip
                 runs.append(run)
                 report(progress, run)
     return runs, rtts

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RunningService, free_port, make_request
 from envoy.service.ratelimit.v3 import rls_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.server.app import RateLimitService, Settings
+from ratelimit_service.testing.fixtures import RunningService, free_port, make_request
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

@@ -21,10 +21,10 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import REPO, free_port, make_request
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from ratelimit_service.core.config_loader import UNIT_NAMES
+from ratelimit_service.testing.fixtures import REPO, free_port, make_request
 
 VALID_UNITS = f"; valid units: {UNIT_NAMES}"
 

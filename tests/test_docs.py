@@ -11,7 +11,8 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
-from conftest import REPO
+
+from ratelimit_service.testing.fixtures import REPO
 
 SKIPPED_DIRS = {".git", ".venv", "node_modules", "bench/out"}
 FENCE = re.compile(r"^ {0,3}(```|~~~)")

@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.route.v3 import route_components_pb2
@@ -45,6 +44,7 @@ from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, NodeChildren
 from ratelimit_service.core.matching import find_limit
 from ratelimit_service.server.app import HEALTH_NAMES
+from ratelimit_service.testing.fixtures import REPO
 
 HttpFilter = http_connection_manager_pb2.HttpFilter
 Hcm = http_connection_manager_pb2.HttpConnectionManager

@@ -21,9 +21,9 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
 from ratelimit_service.config import rls_conf_pb2 as rls
 from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
+from ratelimit_service.testing.fixtures import make_request, ratelimit_command
 from ratelimit_service.testing.redis import RedisServer, free_port
 from ratelimit_service.testing.xds import AdsServer, domain, limit
-from tests.conftest import make_request, ratelimit_command
 
 GO_PORTS = {"PORT": 8080, "GRPC_PORT": 8081, "DEBUG_PORT": 6070}
 """The Go service's default ports, which Envoy Gateway's deployment relies on."""

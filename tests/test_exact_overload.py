@@ -11,9 +11,9 @@ import urllib.request
 
 import grpc
 import pytest
-from conftest import make_request
 
 from ratelimit_service.core.config_model import Mode
+from ratelimit_service.testing.fixtures import make_request
 
 RULES = """\
 domain: over

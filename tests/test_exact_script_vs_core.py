@@ -16,7 +16,6 @@ import random
 
 import pytest
 import redis.asyncio as aioredis
-from conftest import window_slices
 
 from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, evaluate
 from ratelimit_service.core.window import SlidingWindow
@@ -24,6 +23,7 @@ from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.storage.exact_batcher import encode
 from ratelimit_service.storage.redis_store import RedisStore, _script
+from ratelimit_service.testing.fixtures import window_slices
 
 WINDOW = 3600
 ROLES = [HitRole.ENFORCE, HitRole.ENFORCE, HitRole.SHADOW, HitRole.QUOTA]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import make_request
 
 from ratelimit_service.core.config_model import Mode
+from ratelimit_service.testing.fixtures import make_request
 
 RULES = """\
 domain: fresh

@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ratelimit_service.cli.go_env import GoSettingError, parse_go_duration, read_go_environment
 from ratelimit_service.cli.main import _go_environment, build_parser
+from ratelimit_service.testing.fixtures import make_request, ratelimit_command, settings_free_env
 from ratelimit_service.testing.redis import RedisServer, free_port
-from tests.conftest import make_request, ratelimit_command, settings_free_env
 
 REPO = Path(__file__).resolve().parent.parent
 OK, OVER = 1, 2

@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import RunningService, make_request
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,6 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratelimit_service.core.config_model import Mode
+from ratelimit_service.testing.fixtures import RunningService, make_request
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import COMPAT_ENV, REPO, free_port, make_request
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
 from ratelimit_service.cli.main import build_parser
 from ratelimit_service.cli.main import main as cli_main
 from ratelimit_service.core.config_loader import ConfigFile, check_config
+from ratelimit_service.testing.fixtures import COMPAT_ENV, REPO, free_port, make_request
 
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RATELIMIT_")}
 BASE_ENV["PYTHONUNBUFFERED"] = "1"
@@ -236,12 +236,12 @@ def test_duplicate_domain_names_both_files(
 
 
 @pytest.mark.usefixtures("clean_env")
-def test_check_config_output_is_what_the_readme_shows(
+def test_check_config_output_is_what_the_docs_show(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    readme = (REPO / "README.md").read_text()
-    shown = re.search(r"\$ ratelimit-service check-config (\S+)\n\s*(.+)\n", readme)
-    assert shown is not None, "README shows no check-config run"
+    docs = (REPO / "docs" / "operations.md").read_text()
+    shown = re.search(r"\$ ratelimit-service check-config (\S+)\n\s*(.+)\n", docs)
+    assert shown is not None, "docs/operations.md shows no check-config run"
     monkeypatch.chdir(REPO)
     assert cli_main(["check-config", shown.group(1)]) == 0
     assert capsys.readouterr().out == shown.group(2) + "\n"

@@ -7,13 +7,13 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
-from conftest import window_slices
 
 from ratelimit_service.core.exact import ExactHit, HitRole
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.storage import redis_store
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.testing.fixtures import window_slices
 
 
 @pytest.fixture

@@ -11,18 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from envoy_fixture import (
-    envoy_binary,
-    rlqs_bootstrap,
-    scrape,
-    spawn_service,
-    start_envoy,
-    upstream,
-)
 
 from ratelimit_service.testing.envoy import Envoy, ServiceProcess, Upstream, validate
-
-__all__ = ["envoy_binary", "spawn_service", "start_envoy", "upstream"]  # fixtures, used
+from ratelimit_service.testing.envoy_fixtures import rlqs_bootstrap, scrape
 
 RULES = """\
 domain: quota

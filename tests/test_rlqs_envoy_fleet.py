@@ -16,23 +16,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from envoy_fixture import (
+from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
+from ratelimit_service.testing.envoy import Envoy, ServiceProcess
+from ratelimit_service.testing.envoy_fixtures import (
     Load,
     answering_itself,
-    envoy_binary,
     log_level,
     rlqs_bootstrap,
     scrape,
-    spawn_service,
-    start_envoy,
-    start_load,
 )
-
-from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
-from ratelimit_service.testing.envoy import Envoy, ServiceProcess
 from ratelimit_service.testing.redis import RedisServer
-
-__all__ = ["envoy_binary", "spawn_service", "start_envoy", "start_load"]  # fixtures, used
 
 REPORT = 5.0
 """Envoy 1.40's report interval, seconds."""

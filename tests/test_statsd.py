@@ -16,12 +16,12 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import REPO, RunningService, make_request
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.engine.statsd import MAX_DATAGRAM, pack, stat_name
+from ratelimit_service.testing.fixtures import REPO, RunningService, make_request
 from ratelimit_service.testing.redis import free_port
 
 OK = rls_pb2.RateLimitResponse.OK

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ratelimit_service.cli.main import main
+from ratelimit_service.core.config_loader import UNIT_NAMES
 from ratelimit_service.testing.prometheus import Prometheus, prometheus_missing
 from ratelimit_service.testing.redis import free_port
 
@@ -335,7 +336,8 @@ def test_a_config_that_does_not_load_gives_the_loaders_message(
     (rules_dir / "shop.yaml").write_text(RULES.replace("unit: minute", "unit: fortnight"))
     code, out, err = tune(capsys, prometheus.url, rules_dir)
     assert (code, out) == (1, "")
-    assert err == f"{rules_dir}/shop.yaml:13: invalid rate limit unit 'fortnight'\n"
+    where = f"{rules_dir}/shop.yaml:13"
+    assert err == f"{where}: invalid rate limit unit 'fortnight'; valid units: {UNIT_NAMES}\n"
 
 
 class _Failing(BaseHTTPRequestHandler):

@@ -160,7 +160,7 @@ def ratelimit_filter(domain: str, cluster: str, timeout: str) -> Message:
 
 def _socket(address: str, what: str) -> address_pb2.Address:
     try:
-        host, port = split_host_port(address, need_host=True)
+        host, port = split_host_port(address, need_host=True, any_port=True)
     except ValueError as exc:
         raise ValueError(f"{what} {address!r}: write HOST:PORT ({exc})") from None
     return address_pb2.Address(

@@ -4,7 +4,8 @@ path, and service processes. Everything started is stopped at teardown, and the 
 Envoy and of the services are printed there, so pytest shows them under a failing test
 ("Captured stdout teardown") and drops them for a passing one.
 
-Import the fixtures a module uses by name: ``from envoy_fixture import envoy_binary, ...``.
+A pytest plugin (tests/conftest.py names it): test modules take the fixtures as
+parameters and import the helpers (shipped_bootstrap, rlqs_bootstrap, Load, ...) from here.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ratelimit_service.testing.envoy import (
     substitute_addresses,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 SHIPPED_BOOTSTRAP = REPO / "envoy" / "envoy.yaml"
 CONFIG_DIR = REPO / "config"
 LOOPBACK_ANY: Address = ("127.0.0.1", 0)
