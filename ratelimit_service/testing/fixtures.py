@@ -168,3 +168,16 @@ def ratelimit_command(env: Mapping[str, str], log: Path) -> Iterator[subprocess.
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+PROCESS_FIXTURES = frozenset(
+    {"redis_server", "spawn_service", "start_envoy", "envoy_binary", "start_load"}
+)
+"""Fixtures that start real processes (redis-server, Envoy, services): a test using
+any of them is marked ``slow``, so that ``-m "not slow"`` is the fast run."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
