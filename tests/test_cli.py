@@ -26,6 +26,8 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from ratelimit_service.core.config_loader import UNIT_NAMES
 from ratelimit_service.testing.fixtures import REPO, free_port, make_request
 
+pytestmark = pytest.mark.slow  # starts processes
+
 VALID_UNITS = f"; valid units: {UNIT_NAMES}"
 
 OK = rls_pb2.RateLimitResponse.OK

@@ -25,6 +25,8 @@ from ratelimit_service.testing.fixtures import make_request, ratelimit_command
 from ratelimit_service.testing.redis import RedisServer, free_port
 from ratelimit_service.testing.xds import AdsServer, domain, limit
 
+pytestmark = pytest.mark.slow  # starts processes
+
 GO_PORTS = {"PORT": 8080, "GRPC_PORT": 8081, "DEBUG_PORT": 6070}
 """The Go service's default ports, which Envoy Gateway's deployment relies on."""
 

@@ -17,10 +17,13 @@ from ratelimit_service.cli.client import build_request
 from ratelimit_service.testing.fleet import cpu_hog, fleet_sum, redis_server, service_fleet
 from ratelimit_service.testing.fleet import rule_counter as _rule_counter
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("redis-server") is None or shutil.which("h2load") is None,
-    reason="needs redis-server and h2load (nghttp2-client) on the PATH",
-)
+pytestmark = [
+    pytest.mark.slow,  # starts processes
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None or shutil.which("h2load") is None,
+        reason="needs redis-server and h2load (nghttp2-client) on the PATH",
+    ),
+]
 
 RULES = """\
 domain: load

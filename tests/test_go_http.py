@@ -27,6 +27,8 @@ from ratelimit_service.server.app import RateLimitService, Settings
 from ratelimit_service.testing.fixtures import REPO, RunningService
 from ratelimit_service.testing.redis import free_port
 
+pytestmark = pytest.mark.slow  # starts processes
+
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
 

@@ -24,6 +24,8 @@ from ratelimit_service.cli.main import _go_environment, build_parser
 from ratelimit_service.testing.fixtures import make_request, ratelimit_command, settings_free_env
 from ratelimit_service.testing.redis import RedisServer, free_port
 
+pytestmark = pytest.mark.slow  # starts processes
+
 REPO = Path(__file__).resolve().parent.parent
 OK, OVER = 1, 2
 

@@ -22,6 +22,8 @@ from ratelimit_service.storage.redis_connect import (
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup
 
+pytestmark = pytest.mark.slow  # starts processes
+
 needs_redis = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
     reason="redis-server and redis-cli are needed",

@@ -19,6 +19,8 @@ from ratelimit_service.core.config_model import Mode
 from ratelimit_service.testing.fleet import wait_healthy
 from ratelimit_service.testing.redis import free_port
 
+pytestmark = pytest.mark.slow  # starts processes
+
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
 

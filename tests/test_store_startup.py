@@ -25,7 +25,10 @@ from ratelimit_service.testing.fleet import (
 )
 from ratelimit_service.testing.redis import RedisCluster, free_port
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
+pytestmark = [
+    pytest.mark.slow,  # starts processes
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server"),
+]
 
 RULES = """\
 domain: load

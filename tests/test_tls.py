@@ -20,7 +20,10 @@ from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
 from ratelimit_service.testing.redis import free_port
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+pytestmark = [
+    pytest.mark.slow,  # starts processes
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed"),
+]
 
 RULES = (
     "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: minute, requests_per_unit: 5}\n"

@@ -22,6 +22,8 @@ from ratelimit_service.core.config_loader import UNIT_NAMES
 from ratelimit_service.testing.prometheus import Prometheus, prometheus_missing
 from ratelimit_service.testing.redis import free_port
 
+pytestmark = pytest.mark.slow  # starts processes
+
 STEP = 300  # seconds between synthetic samples: the "scrape interval" of the history
 DAY = 86400
 END = (int(time.time()) // 3600) * 3600 - 3600  # the window's end, on the step grid

@@ -17,6 +17,8 @@ import pytest
 from ratelimit_service.cli.main import main
 from ratelimit_service.testing.prometheus import Prometheus, prometheus_missing
 
+pytestmark = pytest.mark.slow  # starts processes
+
 RULES = """\
 domain: live
 descriptors:
