@@ -25,6 +25,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from ratelimit_service.core.config_loader import UNIT_NAMES
 from ratelimit_service.testing.fixtures import REPO, free_port, make_request
+from ratelimit_service.testing.waiting import eventually
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -85,15 +86,12 @@ def http_get(url: str) -> tuple[int, str]:
 
 
 def wait_healthy(served: Served, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if served.process.poll() is not None:
             pytest.fail(f"serve exited {served.process.returncode}:\n{served.output()}")
-        with contextlib.suppress(OSError):
-            if http_get(served.admin_url + "/healthcheck")[0] == 200:
-                return
-        time.sleep(0.05)
-    pytest.fail(f"serve not healthy within {timeout} s:\n{served.output()}")
+        return http_get(served.admin_url + "/healthcheck")[0] == 200
+
+    eventually(healthy, timeout=timeout, what="serve healthy", context=served.output)
 
 
 @contextlib.contextmanager
@@ -284,12 +282,12 @@ def test_serve_freezes_start_up_objects(tmp_path: Path) -> None:
     """A full garbage collection under traffic would scan everything built at start-up
     (about 10 ms, stalling every request in flight); serve freezes it once it is up."""
     with serve(tmp_path, "--config", "config/", "--log-level", "DEBUG") as served:
-        deadline = time.monotonic() + 10
-        found = None
-        while found is None and time.monotonic() < deadline:
-            found = re.search(r"frozen for the garbage collector: (\d+)", served.output())
-            time.sleep(0.05)
-        assert found is not None, served.output()
+        found = eventually(
+            lambda: re.search(r"frozen for the garbage collector: (\d+)", served.output()),
+            timeout=10,
+            what="the freeze logged",
+            context=served.output,
+        )
         assert int(found.group(1)) > 10_000  # modules, config, listeners
 
 

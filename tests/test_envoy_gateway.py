@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from ratelimit_service.config import rls_conf_pb2 as rls
 from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
 from ratelimit_service.testing.fixtures import make_request, ratelimit_command
 from ratelimit_service.testing.redis import RedisServer, free_port
+from ratelimit_service.testing.waiting import eventually_async
 from ratelimit_service.testing.xds import AdsServer, domain, limit
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -134,12 +134,9 @@ def _refused_without_a_client_certificate(port: int, certs: dict[str, CertPair])
 
 
 async def _until(check: Callable[[], bool], timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await asyncio.to_thread(check):
-            return
-        await asyncio.sleep(0.1)
-    pytest.fail(f"{what} within {timeout} s:\n{log.read_text()}")
+    await eventually_async(
+        lambda: asyncio.to_thread(check), timeout=timeout, what=what, context=log.read_text
+    )
 
 
 async def test_envoy_gateways_deployment_runs_and_takes_rules_by_xds(

@@ -19,7 +19,6 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit_service.testing.fleet import (
     cpu_hog,
-    eventually,
     fleet_sum,
     python_burst,
     redis_server,
@@ -29,6 +28,7 @@ from ratelimit_service.testing.fleet import (
     wait_port,
 )
 from ratelimit_service.testing.redis import free_port
+from ratelimit_service.testing.waiting import eventually
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server"),
@@ -143,7 +143,7 @@ def test_killed_redis_opens_the_breaker_and_a_zero_limit_still_denies(tmp_path: 
             asyncio.run(python_burst([port], "load", "slow=k", 3, 3))
             return scrape(admin)['ratelimit_store{name="outages",store="redis"}'] == 1
 
-        eventually(opened, 10, "the breaker opens")
+        eventually(opened, timeout=10, what="the breaker opens")
         metrics = scrape(admin)
         assert metrics['ratelimit_store{name="healthy",store="redis"}'] == 0
         assert asyncio.run(python_burst([port], "load", "slow=k", 5, 5)) == Counter({"OK": 5})
@@ -156,5 +156,5 @@ def test_killed_redis_opens_the_breaker_and_a_zero_limit_still_denies(tmp_path: 
             asyncio.run(python_burst([port], "load", "slow=k2", 1, 1))
             return scrape(admin)['ratelimit_store{name="recoveries",store="redis"}'] == 1
 
-        eventually(recovered, 15, "the breaker closes again")
+        eventually(recovered, timeout=15, what="the breaker closes again")
         assert scrape(admin)['ratelimit_store{name="healthy",store="redis"}'] == 1

@@ -26,6 +26,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from ratelimit_service.server.app import RateLimitService, Settings
 from ratelimit_service.testing.fixtures import REPO, RunningService
 from ratelimit_service.testing.redis import free_port
+from ratelimit_service.testing.waiting import eventually
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -379,15 +380,12 @@ def test_serve_flags_and_environment(write_config: Callable[..., Path]) -> None:
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                assert _get(f"http://127.0.0.1:{http_at}/healthcheck") == (200, b"OK")
-                break
-            except OSError:
-                assert process.poll() is None, process.stdout and process.stdout.read()
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+
+        def healthy() -> bool:
+            assert process.poll() is None, process.stdout and process.stdout.read()
+            return _get(f"http://127.0.0.1:{http_at}/healthcheck") == (200, b"OK")
+
+        eventually(healthy, what="the HTTP port's /healthcheck OK")
         body = json.dumps({"domain": "d", "descriptors": [one("k", "cli")]}).encode()
         status, raw = _get(f"http://127.0.0.1:{http_at}/json", body)
         assert status == 200 and json.loads(raw)["statuses"][0]["limitRemaining"] == 2

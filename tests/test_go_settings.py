@@ -4,7 +4,6 @@ Go service's environment alone against real Redis, statsd and HTTP sockets."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from ratelimit_service.cli.go_env import GoSettingError, parse_go_duration, read
 from ratelimit_service.cli.main import _go_environment, build_parser
 from ratelimit_service.testing.fixtures import make_request, ratelimit_command, settings_free_env
 from ratelimit_service.testing.redis import RedisServer, free_port
+from ratelimit_service.testing.waiting import eventually
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -261,16 +261,13 @@ def _get(url: str) -> tuple[int, str]:
 
 
 def _wait_for(url: str, status: int, process: subprocess.Popen[bytes], log: Path) -> str:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    def answered() -> str | None:
         if process.poll() is not None:
             pytest.fail(f"exited {process.returncode}:\n{log.read_text()}")
-        with contextlib.suppress(OSError):
-            code, body = _get(url)
-            if code == status:
-                return body
-        time.sleep(0.05)
-    pytest.fail(f"{url} never answered {status}:\n{log.read_text()}")
+        code, body = _get(url)
+        return body if code == status else None
+
+    return eventually(answered, what=f"{url} answering {status}", context=log.read_text)
 
 
 def _go_ports() -> dict[str, str]:
@@ -394,14 +391,12 @@ def test_force_start_and_health_wait_for_a_first_config(tmp_path: Path) -> None:
             (root / "config").mkdir(parents=True)
             (root / "config" / "go.yaml").write_text(RULES)
             assert _wait_for(health_url, 200, process, log) == "OK"
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                request = health_pb2.HealthCheckRequest(service="ratelimit")
-                if check(request, timeout=5).status == serving:
-                    break
-                time.sleep(0.05)
-            else:
-                pytest.fail("gRPC health stayed NOT_SERVING with rules loaded")
+            request = health_pb2.HealthCheckRequest(service="ratelimit")
+            eventually(
+                lambda: check(request, timeout=5).status == serving,
+                timeout=5,
+                what="gRPC health SERVING with rules loaded",
+            )
     assert "config not loaded, starting without it" in log.read_text()
 
 

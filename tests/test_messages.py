@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from ratelimit_service.cli.main import build_parser
 from ratelimit_service.cli.main import main as cli_main
 from ratelimit_service.core.config_loader import ConfigFile, check_config
 from ratelimit_service.testing.fixtures import COMPAT_ENV, REPO, free_port, make_request
+from ratelimit_service.testing.waiting import eventually
 
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RATELIMIT_")}
 BASE_ENV["PYTHONUNBUFFERED"] = "1"
@@ -124,17 +124,13 @@ def serving(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[byte
             stdout=sink, stderr=subprocess.STDOUT, env=BASE_ENV, cwd=REPO,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 15
-        while True:
+
+        def healthy() -> bool:
             assert process.poll() is None, log.read_text()
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"http://{admin}/healthcheck", timeout=2) as page,
-            ):
-                if page.status == 200:
-                    break
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+            with urllib.request.urlopen(f"http://{admin}/healthcheck", timeout=2) as page:
+                return bool(page.status == 200)
+
+        eventually(healthy, timeout=15, what="serve healthy", context=log.read_text)
         yield process, grpc_addr, log
     finally:
         if process.poll() is None:
@@ -143,10 +139,9 @@ def serving(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[byte
 
 
 def wait_for(log: Path, text: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
+    eventually(
+        lambda: text in log.read_text(), timeout=timeout, what=repr(text), context=log.read_text
+    )
 
 
 def test_start_reload_and_shutdown_at_info_and_nothing_per_request(tmp_path: Path) -> None:
@@ -348,9 +343,7 @@ def test_no_rule_file_is_an_error_for_check_config_and_a_warning_for_serve(
             stdout=out, stderr=subprocess.STDOUT, env=BASE_ENV, cwd=REPO,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 20
-            while "serving RLS" not in log.read_text() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(log, "serving RLS", 20)
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(10)

@@ -14,6 +14,7 @@ from ratelimit_service.storage import redis_store
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.fixtures import window_slices
+from ratelimit_service.testing.waiting import eventually_async
 
 
 @pytest.fixture
@@ -201,22 +202,20 @@ async def test_recovers_after_restart(redis_server) -> None:
     try:
         await store.hit([ExactHit("k", 5, 60, 1)], True)
         redis_server.stop()
-        deadline = time.monotonic() + 5
-        while store.healthy() and time.monotonic() < deadline:
+
+        async def unhealthy() -> bool:
             with pytest.raises(StoreUnavailable):
                 await store.hit([ExactHit("k", 5, 60, 1)], True)
-            await asyncio.sleep(0.05)
-        assert not store.healthy()
+            return not store.healthy()
+
+        await eventually_async(unhealthy, timeout=5, what="the store marked unhealthy")
         redis_server.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                result = await store.hit([ExactHit("k", 5, 60, 1)], True)
-                break
-            except StoreUnavailable:
-                await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the store never recovered")
+        result = await eventually_async(
+            lambda: store.hit([ExactHit("k", 5, 60, 1)], True),
+            timeout=10,
+            what="the store recovered",
+            ignore=(StoreUnavailable,),
+        )
         assert result[0].admitted
         for _ in range(3):
             await store.hit([ExactHit("k2", 50, 60, 1)], True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 import shutil
 import time
@@ -21,6 +20,7 @@ from ratelimit_service.storage.redis_connect import (
 )
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup
+from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -112,21 +112,21 @@ async def test_sentinel_both_modes_and_failover(sentinel: RedisSentinelSetup) ->
         assert result.nodes == 1 and result.views[0].offered_total == 10
         old_master = sentinel.master()
         sentinel.failover()
-        deadline = time.monotonic() + 30
-        while sentinel.master() == old_master:
-            assert time.monotonic() < deadline, "no failover"
-            await asyncio.sleep(0.2)
+        await eventually_async(
+            lambda: sentinel.master() != old_master, timeout=30, what="a failover"
+        )
+
         # The client asks the Sentinel again and reaches the new master.
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                result = await store.sync([BucketReport("p", 100, 1, 5, 5)], 0.25)
-                if result.views[0].offered_total >= 15:
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "the store never reached the new master"
-            await asyncio.sleep(0.2)
+        async def synced_on_the_new_master() -> bool:
+            result = await store.sync([BucketReport("p", 100, 1, 5, 5)], 0.25)
+            return result.views[0].offered_total >= 15
+
+        await eventually_async(
+            synced_on_the_new_master,
+            timeout=30,
+            what="the store reaching the new master",
+            ignore=(Exception,),
+        )
         assert (await store.hit([ExactHit("k", 3, 60, 0)], True))[0].before >= 1
     finally:
         await store.close()

@@ -18,6 +18,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.testing.fleet import wait_healthy
 from ratelimit_service.testing.redis import free_port
+from ratelimit_service.testing.waiting import eventually, eventually_async
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -41,12 +42,7 @@ def rules(a: int = 3, b: int = 2, b_mode: str = "exact") -> str:
 
 
 async def wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    pytest.fail("condition not reached in time")
+    await eventually_async(predicate, timeout=timeout, what=predicate.__name__)
 
 
 async def test_changed_limit_applies_and_unchanged_state_survives(tmp_path, start_service) -> None:
@@ -167,10 +163,7 @@ def test_sighup_reloads_a_running_process(tmp_path: Path) -> None:
         time.sleep(0.3)
         assert _limit_of(grpc_port, "a") == 1  # no watching: nothing changed yet
         process.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 5
-        while _limit_of(grpc_port, "a") != 4:
-            assert time.monotonic() < deadline, "SIGHUP did not reload"
-            time.sleep(0.05)
+        eventually(lambda: _limit_of(grpc_port, "a") == 4, timeout=5, what="SIGHUP reloading")
     finally:
         process.terminate()
         process.wait(timeout=10)

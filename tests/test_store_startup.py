@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from ratelimit_service.testing.fleet import (
-    eventually,
     python_burst,
     redis_server,
     scrape,
     service_fleet,
 )
 from ratelimit_service.testing.redis import RedisCluster, free_port
+from ratelimit_service.testing.waiting import eventually
 
 pytestmark = [
     pytest.mark.slow,  # starts processes
@@ -108,7 +108,7 @@ def test_a_cluster_started_after_the_service_is_used_once_up(tmp_path: Path) -> 
                 outcomes = asyncio.run(python_burst([port], "load", key, 3, 1))
                 return outcomes == Counter({"OK": 2, "OVER_LIMIT": 1})
 
-            eventually(decided_by_redis, 30, "the service uses the cluster")
+            eventually(decided_by_redis, timeout=30, what="the service uses the cluster")
             assert "store: redis healthy" in _health(admin)
     finally:
         cluster.stop()

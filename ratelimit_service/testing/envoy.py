@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from ratelimit_service.testing.redis import free_port
+from ratelimit_service.testing.waiting import eventually
 
 Address = tuple[str, int]
 _BASE_IDS = itertools.count(1)
@@ -328,11 +329,7 @@ class Envoy:
         }
 
     def wait_for(self, what: str, check: Callable[[], bool], timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                raise EnvoyError(f"timed out waiting for {what}:\n{self.log(60)}")
-            time.sleep(0.05)
+        eventually(check, timeout=timeout, what=what, context=lambda: self.log(60), ignore=())
 
     # -- traffic -------------------------------------------------------------
 

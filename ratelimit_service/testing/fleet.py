@@ -27,6 +27,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from ratelimit_service.cli.client import build_request
 from ratelimit_service.testing.redis import RedisServer, free_port
+from ratelimit_service.testing.waiting import eventually
 
 OVER_LIMIT = 2
 
@@ -44,23 +45,24 @@ def redis_server(directory: Path) -> Iterator[RedisServer]:
 
 
 def wait_port(port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port}")
+    """Until something accepts connections on ``port`` (loopback)."""
+
+    def accepts() -> bool:
+        socket.create_connection(("127.0.0.1", port), 0.2).close()
+        return True
+
+    eventually(accepts, timeout=timeout, what=f"something listening on port {port}")
 
 
 def wait_healthy(admin_port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
+    """Until the service's /healthcheck answers 200."""
     url = f"http://127.0.0.1:{admin_port}/healthcheck"
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=0.5) as response:
-            if response.status == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"service with admin port {admin_port} never became healthy")
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(url, timeout=0.5) as response:
+            return bool(response.status == 200)
+
+    eventually(healthy, timeout=timeout, what=f"service with admin port {admin_port} healthy")
 
 
 @dataclass
@@ -233,15 +235,6 @@ def fleet_sum(admin_ports: Sequence[int], name: str) -> float:
 def rule_counter(admin_ports: Sequence[int], name: str, rule: str) -> float:
     """A per-rule counter (``within_limit``, ``failure_mode_allowed`` ...) summed."""
     return fleet_sum(admin_ports, f'ratelimit_service_rate_limit_{name}_total{{key="{rule}"}}')
-
-
-def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    """Wait until ``check()`` holds, looking every 50 ms; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what or check}")
-        time.sleep(0.05)
 
 
 async def python_burst(

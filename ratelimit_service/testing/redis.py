@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from ratelimit_service.testing.waiting import eventually
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -26,16 +28,14 @@ def spawn_redis(port: int, directory: Path, *extra: str) -> subprocess.Popen[byt
 
 
 def wait_ping(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-                sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing answers PING on port {port}")
+    """Until a Redis server on ``port`` answers PING."""
+
+    def pong() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+
+    eventually(pong, timeout=timeout, what=f"PONG on port {port}")
 
 
 def _cli(port: int, *args: str) -> str:
@@ -130,11 +130,11 @@ class RedisCluster(_Processes):
             check=True,
             timeout=60,
         )
-        deadline = time.monotonic() + 20
-        while not all("cluster_state:ok" in _cli(p, "cluster", "info") for p in self.ports):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the cluster never became ready")
-            time.sleep(0.1)
+        eventually(
+            lambda: all("cluster_state:ok" in _cli(p, "cluster", "info") for p in self.ports),
+            timeout=20,
+            what="the cluster ready",
+        )
 
 
 class RedisSentinelSetup(_Processes):
