@@ -16,6 +16,8 @@ from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.fixtures import window_slices
 
+pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
+
 
 @pytest.fixture
 async def store(redis_server, monkeypatch):

@@ -31,6 +31,7 @@ from ratelimit_service.testing.redis import free_port
 from ratelimit_service.testing.waiting import eventually
 
 pytestmark = [
+    pytest.mark.serial,  # timing: run alone, after the parallel part
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server"),
     pytest.mark.slow,
 ]

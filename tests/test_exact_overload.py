@@ -15,6 +15,8 @@ import pytest
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.testing.fixtures import make_request
 
+pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
+
 RULES = """\
 domain: over
 descriptors:

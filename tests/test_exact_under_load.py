@@ -18,6 +18,7 @@ from ratelimit_service.testing.fleet import cpu_hog, fleet_sum, redis_server, se
 from ratelimit_service.testing.fleet import rule_counter as _rule_counter
 
 pytestmark = [
+    pytest.mark.serial,  # timing: run alone, after the parallel part
     pytest.mark.slow,  # starts processes
     pytest.mark.skipif(
         shutil.which("redis-server") is None or shutil.which("h2load") is None,

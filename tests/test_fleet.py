@@ -25,7 +25,10 @@ from ratelimit_service.testing.fleet import (
     write_config,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.serial,  # timing: run alone, after the parallel part
+    pytest.mark.slow,
+]
 
 OVER_LIMIT = 2
 

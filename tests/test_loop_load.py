@@ -12,6 +12,8 @@ import pytest
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.engine.loop_load import LoopLoad, Saturation, read_schedstat
 
+pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
+
 
 def test_saturation_needs_high_demand_to_start_and_low_demand_to_stop() -> None:
     saturation = Saturation(busy_above=0.85, idle_below=0.6)

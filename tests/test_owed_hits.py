@@ -12,6 +12,8 @@ from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.owed_hits import OwedHits
 from ratelimit_service.storage.redis_store import RedisStore
 
+pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
+
 HIT = [ExactHit("k", 10, 60, 1)]
 PROBE = [ExactHit("k", 10, 60, 0)]  # check only: reads the window
 

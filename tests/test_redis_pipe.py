@@ -17,7 +17,10 @@ from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.redis import spawn_redis
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
+pytestmark = [
+    pytest.mark.serial,  # timing: run alone, after the parallel part
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server"),
+]
 
 HIT = [ExactHit("k", 5, 60, 1)]
 
