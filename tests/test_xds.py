@@ -371,6 +371,7 @@ def test_every_proto_field_reaches_the_loaded_rule() -> None:
             metadata=metadata,
             rate_limit=rls.RateLimitPolicy(
                 unit=rls.WEEK,
+                unit_multiplier=2,
                 requests_per_unit=7,
                 name="wide",
                 replaces=[rls.RateLimitReplace(name="narrow")],
@@ -388,6 +389,7 @@ def test_every_proto_field_reaches_the_loaded_rule() -> None:
     by_key = {lim.stats_key: lim for lim in config.limits()}
     wide = by_key["d.path_/api/*"]
     assert (wide.unit, wide.requests_per_unit, wide.name) == (Unit.WEEK, 7, "wide")
+    assert wide.unit_multiplier == 2 and wide.window_seconds == 14 * 86_400
     assert wide.replaces == frozenset({"narrow"})
     assert (wide.shadow_mode, wide.detailed_metric, wide.quota_mode) == (True, True, True)
     assert wide.metadata == {"team": "checkout", "tier": 2.0}
@@ -395,6 +397,18 @@ def test_every_proto_field_reaches_the_loaded_rule() -> None:
     assert by_key["d.path_/api/*.user"].unlimited
     hostile = by_key["d.path_/api/*.yes_no: 'quoted' \"too\""]
     assert hostile.requests_per_unit == 0
+
+
+def test_the_go_service_s_messages_and_ours_parse_both_ways() -> None:
+    """unit_multiplier is field 1000: a message without it parses as before, and the
+    Go service's decoder skips it as an unknown field."""
+    plain = rls.RateLimitPolicy(unit=rls.MINUTE, requests_per_unit=3)
+    assert rls.RateLimitPolicy.FromString(plain.SerializeToString()).unit_multiplier == 0
+    ours = rls.RateLimitPolicy(unit=rls.MINUTE, requests_per_unit=3, unit_multiplier=10)
+    wire = ours.SerializeToString()
+    assert wire.startswith(plain.SerializeToString())  # the Go fields first, unchanged
+    config = load_config([to_config_file(domain("d", limit("k", 3)))])
+    assert next(config.limits()).unit_multiplier == 1
 
 
 def test_an_unknown_unit_number_is_a_loader_error() -> None:

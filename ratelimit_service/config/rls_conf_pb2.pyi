@@ -58,18 +58,20 @@ class RateLimitDescriptor(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ..., rate_limit: _Optional[_Union[RateLimitPolicy, _Mapping]] = ..., descriptors: _Optional[_Iterable[_Union[RateLimitDescriptor, _Mapping]]] = ..., shadow_mode: bool = ..., detailed_metric: bool = ..., quota_mode: bool = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class RateLimitPolicy(_message.Message):
-    __slots__ = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
+    __slots__ = ("unit", "requests_per_unit", "unlimited", "name", "replaces", "unit_multiplier")
     UNIT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_PER_UNIT_FIELD_NUMBER: _ClassVar[int]
     UNLIMITED_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     REPLACES_FIELD_NUMBER: _ClassVar[int]
+    UNIT_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     unit: RateLimitUnit
     requests_per_unit: int
     unlimited: bool
     name: str
     replaces: _containers.RepeatedCompositeFieldContainer[RateLimitReplace]
-    def __init__(self, unit: _Optional[_Union[RateLimitUnit, str]] = ..., requests_per_unit: _Optional[int] = ..., unlimited: bool = ..., name: _Optional[str] = ..., replaces: _Optional[_Iterable[_Union[RateLimitReplace, _Mapping]]] = ...) -> None: ...
+    unit_multiplier: int
+    def __init__(self, unit: _Optional[_Union[RateLimitUnit, str]] = ..., requests_per_unit: _Optional[int] = ..., unlimited: bool = ..., name: _Optional[str] = ..., replaces: _Optional[_Iterable[_Union[RateLimitReplace, _Mapping]]] = ..., unit_multiplier: _Optional[int] = ...) -> None: ...
 
 class RateLimitReplace(_message.Message):
     __slots__ = ("name",)

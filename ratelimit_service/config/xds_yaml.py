@@ -73,6 +73,8 @@ def _policy(message: Any) -> dict[str, Any]:
         # Go service does; with `unlimited` an unset unit is the valid case.
         out["unit"] = "UNKNOWN"
     out["requests_per_unit"] = message.requests_per_unit
+    if message.unit_multiplier:
+        out["unit_multiplier"] = message.unit_multiplier
     if message.unlimited:
         out["unlimited"] = True
     if message.name:

@@ -48,7 +48,9 @@ DESCRIPTOR_KEYS = frozenset(
         "failure_mode",
     }
 )
-RATE_LIMIT_KEYS = frozenset({"unit", "requests_per_unit", "unlimited", "name", "replaces", "burst"})
+RATE_LIMIT_KEYS = frozenset(
+    {"unit", "unit_multiplier", "requests_per_unit", "unlimited", "name", "replaces", "burst"}
+)
 REPLACES_KEYS = frozenset({"name"})
 
 
@@ -299,6 +301,14 @@ class _FileLoader:
         if unlimited and unit_text:
             self.error(limit_fields["unit"], "should not specify rate limit unit when unlimited")
             return None
+        if unlimited and "unit_multiplier" in limit_fields:
+            self.error(
+                limit_fields["unit_multiplier"], "should not specify unit_multiplier when unlimited"
+            )
+            return None
+        multiplier = self.unit_multiplier(limit_fields.get("unit_multiplier"))
+        if multiplier is None:
+            return None
         if not unlimited and unit is None:
             self.error(
                 limit_fields.get("unit", node),
@@ -311,6 +321,7 @@ class _FileLoader:
         return RateLimit(
             requests_per_unit=requests_per_unit,
             unit=unit if unit is not None else Unit.SECOND,
+            unit_multiplier=multiplier,
             name=name,
             unlimited=unlimited,
             replaces=replaces,
@@ -338,6 +349,19 @@ class _FileLoader:
                 f"found {_describe(node)}",
             )
             return 0
+        return value
+
+    def unit_multiplier(self, node: yaml.Node | None) -> int | None:
+        """Ours: the period is this many units (default 1); None after an error."""
+        if node is None:
+            return 1
+        value = self.scalar(node)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            self.error(
+                node,
+                f"unit_multiplier must be a whole number of at least 1, found {_describe(node)}",
+            )
+            return None
         return value
 
     def burst(self, node: yaml.Node | None, requests_per_unit: int) -> int | None:

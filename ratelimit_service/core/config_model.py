@@ -35,6 +35,8 @@ class RateLimit:
 
     requests_per_unit: int
     unit: Unit
+    unit_multiplier: int = 1
+    """The period is this many units: {unit: minute, unit_multiplier: 10} is 10 minutes."""
     name: str = ""
     unlimited: bool = False
     replaces: frozenset[str] = frozenset()
@@ -52,7 +54,14 @@ class RateLimit:
 
     @property
     def window_seconds(self) -> int:
-        return UNIT_SECONDS[self.unit]
+        """The period's length: every mode counts, refills and resets over it."""
+        return UNIT_SECONDS[self.unit] * self.unit_multiplier
+
+    @property
+    def period(self) -> str:
+        """The period in words: ``minute``, or ``10 minutes``."""
+        unit = self.unit.name.lower()
+        return unit if self.unit_multiplier == 1 else f"{self.unit_multiplier} {unit}s"
 
 
 class WildcardPattern:
@@ -159,6 +168,8 @@ def _dump_children(children: NodeChildren, lines: list[str]) -> None:
                 text = "unlimited"
             else:
                 text = f"unit={limit.unit.name} requests_per_unit={limit.requests_per_unit}"
+                if limit.unit_multiplier != 1:
+                    text += f" unit_multiplier={limit.unit_multiplier}"
             flags = [f"mode={limit.mode.value}", f"failure_mode={limit.failure_mode.value}"]
             if limit.shadow_mode:
                 flags.append("shadow_mode")

@@ -39,7 +39,7 @@ def plot_rule(outcome: Outcome, path: Path) -> None:
 
     seen = outcome.seen
     limit = seen.rule.limit
-    unit = limit.unit.name.lower()
+    unit = limit.period
     figure, axes = plt.subplots(figsize=(9, 3.6))
     times: list[Any] = [datetime.fromtimestamp(t, UTC) for t, _ in seen.demand]
     axes.plot(times, [v for _, v in seen.demand], linewidth=0.8, label="observed demand")

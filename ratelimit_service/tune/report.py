@@ -116,7 +116,7 @@ def table(outcomes: Sequence[Outcome], options: Options) -> str:
             (
                 limit.stats_key,
                 mode,
-                f"{limit.requests_per_unit}/{limit.unit.name.lower()}",
+                f"{limit.requests_per_unit}/{limit.period}",
                 _number(outcome.peak),
                 proposed,
                 _share(outcome.seen),
@@ -154,7 +154,7 @@ def shadow_report(outcomes: Sequence[Outcome], options: Options) -> str:
         share = seen.share
         text = (
             f"shadow {limit.stats_key}: the written limit {limit.requests_per_unit}/"
-            f"{limit.unit.name.lower()} would have denied {seen.denied:.0f} of "
+            f"{limit.period} would have denied {seen.denied:.0f} of "
             f"{seen.hits:.0f} hits over {options.window_text}"
         )
         if share is not None:
