@@ -3,7 +3,12 @@ both modes, the response headers, RLQS's token buckets and the rule dump."""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import textwrap
+import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +22,7 @@ from ratelimit_service.core.units import Unit
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.embedded import EmbeddedStore
+from ratelimit_service.testing.fleet import python_burst, redis_server, service_fleet
 
 RULES = """\
 domain: d
@@ -142,3 +148,18 @@ def test_rlqs_token_buckets_spread_the_period_in_whole_second_fills() -> None:
 def test_a_status_carries_its_limit() -> None:
     limit = RateLimit(5, Unit.SECOND, unit_multiplier=10)
     assert DescriptorStatus(Code.OK, limit, 4, 9.0).limit is limit
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
+def test_exact_5_per_10_seconds_across_three_processes_on_redis(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "r.yaml").write_text(RULES)
+    with redis_server(tmp_path) as redis, service_fleet(3, config, redis.url) as nodes:
+        ports = [node.grpc_port for node in nodes]
+        first = asyncio.run(python_burst(ports, "d", "ten=a", 7, 7))
+        time.sleep(2)  # the second burst must come two seconds later: the period's point
+        second = asyncio.run(python_burst(ports, "d", "ten=a", 3, 3))
+    assert first == Counter({"OK": 5, "OVER_LIMIT": 2})
+    assert second == Counter({"OVER_LIMIT": 3})
