@@ -37,6 +37,7 @@ DESCRIPTOR_KEYS = frozenset(
         "key",
         "value",
         "rate_limit",
+        "rate_limits",
         "descriptors",
         "shadow_mode",
         "quota_mode",
@@ -250,11 +251,22 @@ class _FileLoader:
                 f"but found key '{element}'",
             )
         flags = self.rule_flags(fields)
-        limit = self.rate_limit(fields.get("rate_limit"), config_path, inherited, flags)
+        if "rate_limit" in fields and "rate_limits" in fields:
+            self.error(
+                fields["rate_limits"],
+                "a descriptor has rate_limit or rate_limits, not both: put every limit in"
+                " rate_limits",
+            )
+        if "rate_limits" in fields:
+            limits = self.rate_limits(fields["rate_limits"], config_path, inherited, flags)
+        else:
+            single = self.rate_limit(fields.get("rate_limit"), config_path, inherited, flags)
+            limits = () if single is None else (single,)
         descriptor = DescriptorNode(
             key=key,
             value=value,
-            limit=limit,
+            limit=limits[0] if limits else None,
+            limits=limits,
             children=NodeChildren(),
             config_path=config_path,
             pattern=WildcardPattern(value) if is_wildcard and value is not None else None,
@@ -282,6 +294,39 @@ class _FileLoader:
             detailed_metric=self.flag(fields.get("detailed_metric"), "detailed_metric"),
             metadata=metadata,
         )
+
+    def rate_limits(
+        self, node: yaml.Node, config_path: str, inherited: _Inherited, flags: _RuleFlags
+    ) -> tuple[RateLimit, ...]:
+        """Ours: several limits on one descriptor, each told apart by a label (its name,
+        or its period) in its stats key and its counter."""
+        if not isinstance(node, yaml.SequenceNode) or not node.value:
+            self.error(node, f"rate_limits must be a non-empty list, found {_describe(node)}")
+            return ()
+        limits: list[RateLimit] = []
+        labels: dict[str, int] = {}
+        for item in node.value:
+            keys = item.value if isinstance(item, yaml.MappingNode) else []
+            unlimited = [
+                k for k, _ in keys if isinstance(k, yaml.ScalarNode) and k.value == "unlimited"
+            ]
+            if unlimited:
+                self.error(unlimited[0], "unlimited has no place in rate_limits")
+                continue
+            limit = self.rate_limit(item, config_path, inherited, flags)
+            if limit is None:
+                continue
+            label = limit.name or "per_" + limit.period.replace(" ", "_")
+            if label in labels:
+                self.error(
+                    item,
+                    f"rate_limits has two limits labelled '{label}' (line {labels[label]}):"
+                    " give them different names or periods",
+                )
+                continue
+            labels[label] = item.start_mark.line + 1
+            limits.append(replace(limit, label=label, stats_key=f"{config_path}.{label}"))
+        return tuple(limits)
 
     def rate_limit(
         self,

@@ -51,6 +51,10 @@ class RateLimit:
     stats_key: str = ""
     metadata: Mapping[str, Any] | None = None
     source: str = ""
+    label: str = ""
+    """Within a ``rate_limits`` list, what tells this limit from the others (its name,
+    or its period: ``per_second``, ``per_10_minutes``): its stats key and its counter
+    carry it. Empty for a single ``rate_limit``."""
 
     @property
     def window_seconds(self) -> int:
@@ -115,6 +119,7 @@ class DescriptorNode:
     key: str
     value: str | None
     limit: RateLimit | None
+    """The node's limit; with ``rate_limits``, the first of them."""
     children: NodeChildren
     config_path: str
     pattern: WildcardPattern | None = None
@@ -122,6 +127,13 @@ class DescriptorNode:
     value_to_metric: bool = False
     detailed_metric: bool = False
     line: int | None = None
+    limits: tuple[RateLimit, ...] = ()
+    """Every limit of the node: the one of ``rate_limit``, or each of ``rate_limits``
+    (a request is denied if any of them is over)."""
+
+    def __post_init__(self) -> None:
+        if not self.limits and self.limit is not None:
+            self.limits = (self.limit,)
 
     def stats_element(self) -> str:
         """The part of the roll-up stats key this node contributes (``key`` or ``key_value``)."""
@@ -155,15 +167,13 @@ class RateLimitConfig:
 
 def _walk_limits(children: NodeChildren) -> Iterator[RateLimit]:
     for node in children:
-        if node.limit is not None:
-            yield node.limit
+        yield from node.limits
         yield from _walk_limits(node.children)
 
 
 def _dump_children(children: NodeChildren, lines: list[str]) -> None:
     for node in children:
-        limit = node.limit
-        if limit is not None:
+        for limit in node.limits:
             if limit.unlimited:
                 text = "unlimited"
             else:
@@ -177,5 +187,6 @@ def _dump_children(children: NodeChildren, lines: list[str]) -> None:
                 flags.append("quota_mode")
             if limit.name:
                 flags.append(f"name={limit.name}")
-            lines.append(f"{node.config_path}: {text}, {', '.join(flags)}")
+            where = f"{node.config_path}[{limit.label}]" if limit.label else node.config_path
+            lines.append(f"{where}: {text}, {', '.join(flags)}")
         _dump_children(node.children, lines)

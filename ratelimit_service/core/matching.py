@@ -84,19 +84,28 @@ def bucket_entries(domain: DomainConfig, bucket: Mapping[str, str]) -> Entries:
     return tuple(entries)
 
 
-def find_limit(domain: DomainConfig, entries: Entries) -> Match | None:
-    """The limit for ``entries`` in ``domain``, with its stats and bucket keys; None if none."""
+def find_limits(domain: DomainConfig, entries: Entries) -> tuple[Match, ...]:
+    """Every limit for ``entries`` in ``domain`` (one, or each of a ``rate_limits``
+    list), with its stats and bucket keys; empty if none."""
     path = match_nodes(domain, entries)
-    if not path:
-        return None
-    limit = path[-1].limit
-    if limit is None:
-        return None
-    return Match(
-        limit=limit,
-        stats_key=stats_key(domain.name, path, entries, limit),
-        bucket_key=with_window(bucket_key(domain.name, path, entries), limit),
+    if not path or not path[-1].limits:
+        return ()
+    values = bucket_key(domain.name, path, entries)
+    return tuple(
+        Match(
+            limit=limit,
+            stats_key=stats_key(domain.name, path, entries, limit),
+            bucket_key=with_window(values, limit),
+        )
+        for limit in path[-1].limits
     )
+
+
+def find_limit(domain: DomainConfig, entries: Entries) -> Match | None:
+    """The limit for ``entries`` in ``domain`` (the first, for a ``rate_limits`` list),
+    with its stats and bucket keys; None if none."""
+    matches = find_limits(domain, entries)
+    return matches[0] if matches else None
 
 
 def stats_key(domain: str, path: list[DescriptorNode], entries: Entries, limit: RateLimit) -> str:
@@ -107,7 +116,7 @@ def stats_key(domain: str, path: list[DescriptorNode], entries: Entries, limit: 
             node.stats_element() if node.share_threshold else _element(key, value)
             for node, (key, value) in zip(path, entries, strict=True)
         ]
-        return ".".join([domain, *parts])
+        return ".".join([domain, *parts, *([limit.label] if limit.label else [])])
     if not any(node.value_to_metric for node in path):
         return limit.stats_key
     parts = [
@@ -116,7 +125,7 @@ def stats_key(domain: str, path: list[DescriptorNode], entries: Entries, limit: 
         else node.stats_element()
         for node, (key, value) in zip(path, entries, strict=True)
     ]
-    return ".".join([domain, *parts])
+    return ".".join([domain, *parts, *([limit.label] if limit.label else [])])
 
 
 def override_stats_key(domain: str, entries: Entries) -> str:
@@ -143,7 +152,10 @@ def bucket_key(domain: str, path: list[DescriptorNode], entries: Entries) -> str
 
 def with_window(key: str, limit: RateLimit) -> str:
     """A counter is per descriptor values *and* window: the same values under another
-    unit (after a reload, or in a per-request override) must not share its count."""
+    unit (after a reload, or in a per-request override) must not share its count; nor
+    two limits of one ``rate_limits`` list (their labels differ)."""
+    if limit.label:
+        return f"{key}\x1d{limit.label}\x1f{limit.window_seconds}"
     return f"{key}\x1f{limit.window_seconds}"
 
 

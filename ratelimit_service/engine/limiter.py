@@ -31,7 +31,7 @@ from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, request
 from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
 from ratelimit_service.core.matching import (
     Match,
-    find_limit,
+    find_limits,
     override_bucket_key,
     override_stats_key,
     with_window,
@@ -53,7 +53,6 @@ from ratelimit_service.storage.base import Store, StoreOverloaded, StoreUnavaila
 log = logging.getLogger(__name__)
 
 MATCH_CACHE_SIZE = 10_000
-_MISSING = object()
 # Enum members read through the class cost ~50 ns each (3.11); the request path reads
 # these module constants instead.
 _OK = Code.OK
@@ -172,7 +171,7 @@ class RateLimiter:
         self.global_shadow = global_shadow
         self._clock = clock
         self._draw = draw
-        self._matches: dict[tuple[str, tuple[tuple[str, str], ...]], object] = {}
+        self._matches: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Match, ...]] = {}
 
     def swap_config(self, config: RateLimitConfig) -> None:
         """Install a new config; in-flight requests finish on the one they started with."""
@@ -275,7 +274,7 @@ class RateLimiter:
             plan = self._plan(request)
         if not plan.all_local:
             return None
-        statuses: list[DescriptorStatus] = [_PLACEHOLDER] * len(plan.local)
+        statuses: list[DescriptorStatus] = [_PLACEHOLDER] * len(request.descriptors)
         taken: list[tuple[ProbabilisticBucket, int]] = []
         commit, _ = self._decide_local(plan.local, False, statuses, taken)
         if commit:  # nothing denied: OK, with nothing to give back
@@ -294,19 +293,24 @@ class RateLimiter:
         unlimited: list[int] = []
         unmatched: list[int] = []
         if domain is not None:
-            matches = [self._match(domain, d) for d in request.descriptors]
-            limits = [m.limit if m is not None else None for m in matches]
+            found = [self._match(domain, d) for d in request.descriptors]
+            limits: list[RateLimit | None] = [m.limit for matches in found for m in matches]
             drop_replaced(limits)
+            remaining = iter(limits)
             for index, descriptor in enumerate(request.descriptors):
-                limit, match = limits[index], matches[index]
-                if limit is None or match is None:
+                kept = []
+                for match in found[index]:  # a descriptor may have several (rate_limits)
+                    limit = next(remaining)
+                    if limit is not None:
+                        kept.append((limit, match))
+                if not kept:
                     unmatched.append(index)
-                    continue
-                if limit.unlimited:
+                elif kept[0][0].unlimited:  # only ever alone
                     unlimited.append(index)
-                    continue
-                hits = hits_for(descriptor, request.hits_addend)
-                steps.append(_Step(index, limit, match, hits, self.near_ratio))
+                else:
+                    hits = hits_for(descriptor, request.hits_addend)
+                    for limit, match in kept:
+                        steps.append(_Step(index, limit, match, hits, self.near_ratio))
         exact = tuple(step for step in steps if step.exact and not step.zero)
         local = tuple(step for step in steps if not step.exact or step.zero)
         exact_hits = tuple(_exact_hits(exact, quota_met=False))
@@ -321,24 +325,26 @@ class RateLimiter:
             tuple(unmatched),
             exact_hits,
             _admitted_on_failure(exact, exact_hits),
-            domain is not None and len(local) == len(request.descriptors),
+            domain is not None and not (exact or unlimited or unmatched),
         )
         request.plan = plan
         return plan
 
-    def _match(self, domain: DomainConfig, descriptor: Descriptor) -> Match | None:
+    def _match(self, domain: DomainConfig, descriptor: Descriptor) -> tuple[Match, ...]:
+        """The descriptor's limits: none, one, or each of a ``rate_limits`` list; a
+        limit the request carries replaces them."""
         if descriptor.override is None:
             # Matching builds key strings; most traffic repeats a few descriptors, so the
             # result is remembered (per config, bounded: cleared when full).
             cache_key = (domain.name, descriptor.entries)
             cache = self._matches
-            match = cache.get(cache_key, _MISSING)
-            if match is _MISSING:
-                match = find_limit(domain, descriptor.entries)
+            matches = cache.get(cache_key)
+            if matches is None:
+                matches = find_limits(domain, descriptor.entries)
                 if len(cache) >= MATCH_CACHE_SIZE:
                     cache.clear()
-                cache[cache_key] = match
-            return match  # type: ignore[return-value]
+                cache[cache_key] = matches
+            return matches
         domain_name = domain.name
         requests_per_unit, unit = descriptor.override
         assert unit is not None  # validate() rejects UNKNOWN units
@@ -350,7 +356,7 @@ class RateLimiter:
             stats_key=key,
         )
         bucket = with_window(override_bucket_key(domain_name, descriptor.entries), limit)
-        return Match(limit, key, bucket)
+        return (Match(limit, key, bucket),)
 
     def _decide_local(
         self,
@@ -373,8 +379,8 @@ class RateLimiter:
             if step.zero:
                 window = step.window_seconds
                 status = DescriptorStatus(_OK, step.limit, 0, window - now % window)
-                statuses[step.index] = status
                 self._account(step, 0, admitted := False, status)
+                _put(statuses, step.index, status)
             else:
                 limit = step.requests_per_unit
                 bucket = local.get(
@@ -392,8 +398,8 @@ class RateLimiter:
                 status = DescriptorStatus(
                     _OK, step.limit, bucket.remaining(), bucket.reset_estimate(now)
                 )
-                statuses[step.index] = status
                 self._account(step, before, admitted, status)
+                _put(statuses, step.index, status)
             if step.quota:
                 quota_seen = True
                 quota_ok = quota_ok or admitted
@@ -408,8 +414,8 @@ class RateLimiter:
     ) -> None:
         for step, result in zip(steps, results, strict=True):
             status = DescriptorStatus(_OK, step.limit, result.remaining, result.reset_after)
-            statuses[step.index] = status
             self._account(step, result.before, result.admitted, status)
+            _put(statuses, step.index, status)
 
     def _account(self, step: _Step, before: int, admitted: bool, status: DescriptorStatus) -> None:
         """Count the descriptor's hits in its rule's stats; deny it unless in shadow."""
@@ -442,6 +448,24 @@ class RateLimiter:
                 self.stats.global_shadow_mode += 1
                 overall = _OK
         return Response(overall, statuses)
+
+
+def _put(statuses: list[DescriptorStatus], index: int, status: DescriptorStatus) -> None:
+    """A descriptor's status: with several limits (rate_limits), the most restrictive
+    one's: an over-limit one first, then the one with the least remaining."""
+    current = statuses[index]
+    if current is _PLACEHOLDER or _tighter(status, current):
+        statuses[index] = status
+
+
+def _tighter(a: DescriptorStatus, b: DescriptorStatus) -> bool:
+    if (a.code is _OVER) != (b.code is _OVER):
+        return a.code is _OVER
+    return _left(a) < _left(b)
+
+
+def _left(status: DescriptorStatus) -> int:
+    return UINT32_MAX if status.remaining is None else status.remaining
 
 
 def _give_back(taken: list[tuple[ProbabilisticBucket, int]]) -> None:
