@@ -153,3 +153,35 @@ async def test_two_limits_of_one_period_need_names_and_count_apart() -> None:
     # Each limit's stats count every hit it saw, as separate descriptors' do.
     assert rate.stats.rules["d.user.a"].over_limit == 6
     assert rate.stats.rules["d.user.b"].over_limit == 0
+
+
+def test_tune_proposes_each_limit_of_a_list_in_place() -> None:
+    from ratelimit_service.tune.arithmetic import edit, rule_places, rules
+
+    text = RULES.format(mode="exact")
+    config = load_config([ConfigFile("r.yaml", text)])
+    assert [rule.key for rule in rules(config)] == ["d.user.per_second", "d.user.sustained"]
+    places = rule_places(text)
+    assert sorted(places) == ["d.user.per_second", "d.user.sustained"]
+    second, minute = places["d.user.per_second"], places["d.user.sustained"]
+    assert second.requests_per_unit is not None and minute.requests_per_unit is not None
+    edited = edit(text, {second.requests_per_unit: "4", minute.requests_per_unit: "9"})
+    assert "{unit: second, requests_per_unit: 4}" in edited
+    assert "{unit: minute, requests_per_unit: 9, name: sustained}" in edited
+    load_config([ConfigFile("r.yaml", edited)])  # and it still loads
+
+
+async def test_an_rlqs_bucket_gets_the_tightest_of_its_limits() -> None:
+    from ratelimit_service.engine.quota import TOKEN_BUCKET, QuotaCoordinator, Usage
+    from ratelimit_service.engine.stats import Stats
+
+    clock = Clock()
+    config = load_config([ConfigFile("r.yaml", RULES.format(mode="exact"))])
+    quota = QuotaCoordinator(
+        lambda: config, Stats(), EmbeddedStore(clock=clock), clock=clock, wall=clock
+    )
+    (action,) = await quota.report("envoy-1", "d", [Usage({"user": "u"}, 1, 0)])
+    assert action.kind is TOKEN_BUCKET and action.token_bucket is not None
+    bucket = action.token_bucket
+    # 5 a minute is tighter than 3 a second: its rate, not 3 a second.
+    assert bucket.tokens_per_fill / bucket.fill_seconds == pytest.approx(5 / 60, rel=0.25)

@@ -411,6 +411,24 @@ def test_the_go_service_s_messages_and_ours_parse_both_ways() -> None:
     assert next(config.limits()).unit_multiplier == 1
 
 
+def test_rate_limits_by_xds() -> None:
+    message = domain(
+        "d",
+        rls.RateLimitDescriptor(
+            key="user",
+            rate_limits=[
+                rls.RateLimitPolicy(unit=rls.SECOND, requests_per_unit=3),
+                rls.RateLimitPolicy(unit=rls.MINUTE, requests_per_unit=5, name="sustained"),
+            ],
+        ),
+    )
+    config = load_config([to_config_file(message)])
+    assert [(lim.stats_key, lim.requests_per_unit) for lim in config.limits()] == [
+        ("d.user.per_second", 3),
+        ("d.user.sustained", 5),
+    ]
+
+
 def test_an_unknown_unit_number_is_a_loader_error() -> None:
     message = domain("d", rls.RateLimitDescriptor(
         key="k", rate_limit=rls.RateLimitPolicy(unit=42, requests_per_unit=1)))  # fmt: skip

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'ratelimit_service/config/rls_conf.proto\x12\x1dratelimit.config.ratelimit.v3\x1a\x1cgoogle/protobuf/struct.proto\"x\n\x0fRateLimitConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64omain\x18\x02 \x01(\t\x12G\n\x0b\x64\x65scriptors\x18\x03 \x03(\x0b\x32\x32.ratelimit.config.ratelimit.v3.RateLimitDescriptor\"\xab\x02\n\x13RateLimitDescriptor\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x42\n\nrate_limit\x18\x03 \x01(\x0b\x32..ratelimit.config.ratelimit.v3.RateLimitPolicy\x12G\n\x0b\x64\x65scriptors\x18\x04 \x03(\x0b\x32\x32.ratelimit.config.ratelimit.v3.RateLimitDescriptor\x12\x13\n\x0bshadow_mode\x18\x05 \x01(\x08\x12\x17\n\x0f\x64\x65tailed_metric\x18\x06 \x01(\x08\x12\x12\n\nquota_mode\x18\x07 \x01(\x08\x12)\n\x08metadata\x18\x08 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xe6\x01\n\x0fRateLimitPolicy\x12:\n\x04unit\x18\x01 \x01(\x0e\x32,.ratelimit.config.ratelimit.v3.RateLimitUnit\x12\x19\n\x11requests_per_unit\x18\x02 \x01(\r\x12\x11\n\tunlimited\x18\x03 \x01(\x08\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x41\n\x08replaces\x18\x05 \x03(\x0b\x32/.ratelimit.config.ratelimit.v3.RateLimitReplace\x12\x18\n\x0funit_multiplier\x18\xe8\x07 \x01(\r\" \n\x10RateLimitReplace\x12\x0c\n\x04name\x18\x01 \x01(\t*f\n\rRateLimitUnit\x12\x0b\n\x07UNKNOWN\x10\x00\x12\n\n\x06SECOND\x10\x01\x12\n\n\x06MINUTE\x10\x02\x12\x08\n\x04HOUR\x10\x03\x12\x07\n\x03\x44\x41Y\x10\x04\x12\t\n\x05MONTH\x10\x05\x12\x08\n\x04YEAR\x10\x06\x12\x08\n\x04WEEK\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'ratelimit_service/config/rls_conf.proto\x12\x1dratelimit.config.ratelimit.v3\x1a\x1cgoogle/protobuf/struct.proto\"x\n\x0fRateLimitConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64omain\x18\x02 \x01(\t\x12G\n\x0b\x64\x65scriptors\x18\x03 \x03(\x0b\x32\x32.ratelimit.config.ratelimit.v3.RateLimitDescriptor\"\xf1\x02\n\x13RateLimitDescriptor\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x42\n\nrate_limit\x18\x03 \x01(\x0b\x32..ratelimit.config.ratelimit.v3.RateLimitPolicy\x12G\n\x0b\x64\x65scriptors\x18\x04 \x03(\x0b\x32\x32.ratelimit.config.ratelimit.v3.RateLimitDescriptor\x12\x13\n\x0bshadow_mode\x18\x05 \x01(\x08\x12\x17\n\x0f\x64\x65tailed_metric\x18\x06 \x01(\x08\x12\x12\n\nquota_mode\x18\x07 \x01(\x08\x12)\n\x08metadata\x18\x08 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x44\n\x0brate_limits\x18\xe8\x07 \x03(\x0b\x32..ratelimit.config.ratelimit.v3.RateLimitPolicy\"\xe6\x01\n\x0fRateLimitPolicy\x12:\n\x04unit\x18\x01 \x01(\x0e\x32,.ratelimit.config.ratelimit.v3.RateLimitUnit\x12\x19\n\x11requests_per_unit\x18\x02 \x01(\r\x12\x11\n\tunlimited\x18\x03 \x01(\x08\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x41\n\x08replaces\x18\x05 \x03(\x0b\x32/.ratelimit.config.ratelimit.v3.RateLimitReplace\x12\x18\n\x0funit_multiplier\x18\xe8\x07 \x01(\r\" \n\x10RateLimitReplace\x12\x0c\n\x04name\x18\x01 \x01(\t*f\n\rRateLimitUnit\x12\x0b\n\x07UNKNOWN\x10\x00\x12\n\n\x06SECOND\x10\x01\x12\n\n\x06MINUTE\x10\x02\x12\x08\n\x04HOUR\x10\x03\x12\x07\n\x03\x44\x41Y\x10\x04\x12\t\n\x05MONTH\x10\x05\x12\x08\n\x04YEAR\x10\x06\x12\x08\n\x04WEEK\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ratelimit_service.config.rls_conf_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RATELIMITUNIT']._serialized_start=795
-  _globals['_RATELIMITUNIT']._serialized_end=897
+  _globals['_RATELIMITUNIT']._serialized_start=865
+  _globals['_RATELIMITUNIT']._serialized_end=967
   _globals['_RATELIMITCONFIG']._serialized_start=104
   _globals['_RATELIMITCONFIG']._serialized_end=224
   _globals['_RATELIMITDESCRIPTOR']._serialized_start=227
-  _globals['_RATELIMITDESCRIPTOR']._serialized_end=526
-  _globals['_RATELIMITPOLICY']._serialized_start=529
-  _globals['_RATELIMITPOLICY']._serialized_end=759
-  _globals['_RATELIMITREPLACE']._serialized_start=761
-  _globals['_RATELIMITREPLACE']._serialized_end=793
+  _globals['_RATELIMITDESCRIPTOR']._serialized_end=596
+  _globals['_RATELIMITPOLICY']._serialized_start=599
+  _globals['_RATELIMITPOLICY']._serialized_end=829
+  _globals['_RATELIMITREPLACE']._serialized_start=831
+  _globals['_RATELIMITREPLACE']._serialized_end=863
 # @@protoc_insertion_point(module_scope)

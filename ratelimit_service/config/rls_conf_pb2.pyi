@@ -38,7 +38,7 @@ class RateLimitConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., domain: _Optional[str] = ..., descriptors: _Optional[_Iterable[_Union[RateLimitDescriptor, _Mapping]]] = ...) -> None: ...
 
 class RateLimitDescriptor(_message.Message):
-    __slots__ = ("key", "value", "rate_limit", "descriptors", "shadow_mode", "detailed_metric", "quota_mode", "metadata")
+    __slots__ = ("key", "value", "rate_limit", "descriptors", "shadow_mode", "detailed_metric", "quota_mode", "metadata", "rate_limits")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     RATE_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class RateLimitDescriptor(_message.Message):
     DETAILED_METRIC_FIELD_NUMBER: _ClassVar[int]
     QUOTA_MODE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMITS_FIELD_NUMBER: _ClassVar[int]
     key: str
     value: str
     rate_limit: RateLimitPolicy
@@ -55,7 +56,8 @@ class RateLimitDescriptor(_message.Message):
     detailed_metric: bool
     quota_mode: bool
     metadata: _struct_pb2.Struct
-    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ..., rate_limit: _Optional[_Union[RateLimitPolicy, _Mapping]] = ..., descriptors: _Optional[_Iterable[_Union[RateLimitDescriptor, _Mapping]]] = ..., shadow_mode: bool = ..., detailed_metric: bool = ..., quota_mode: bool = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    rate_limits: _containers.RepeatedCompositeFieldContainer[RateLimitPolicy]
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ..., rate_limit: _Optional[_Union[RateLimitPolicy, _Mapping]] = ..., descriptors: _Optional[_Iterable[_Union[RateLimitDescriptor, _Mapping]]] = ..., shadow_mode: bool = ..., detailed_metric: bool = ..., quota_mode: bool = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., rate_limits: _Optional[_Iterable[_Union[RateLimitPolicy, _Mapping]]] = ...) -> None: ...
 
 class RateLimitPolicy(_message.Message):
     __slots__ = ("unit", "requests_per_unit", "unlimited", "name", "replaces", "unit_multiplier")

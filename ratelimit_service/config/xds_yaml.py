@@ -54,6 +54,8 @@ def _descriptor(message: Any) -> dict[str, Any]:
         out["value"] = message.value
     if message.HasField("rate_limit"):
         out["rate_limit"] = _policy(message.rate_limit)
+    if message.rate_limits:
+        out["rate_limits"] = [_policy(policy) for policy in message.rate_limits]
     for flag in ("shadow_mode", "detailed_metric", "quota_mode"):
         if getattr(message, flag):
             out[flag] = True

@@ -26,6 +26,7 @@ from ratelimit_service.core.config_model import (
     RateLimit,
     RateLimitConfig,
     WildcardPattern,
+    list_label,
 )
 from ratelimit_service.core.units import UNIT_SECONDS, Unit, parse_unit
 
@@ -316,7 +317,7 @@ class _FileLoader:
             limit = self.rate_limit(item, config_path, inherited, flags)
             if limit is None:
                 continue
-            label = limit.name or "per_" + limit.period.replace(" ", "_")
+            label = list_label(limit.name, limit.unit, limit.unit_multiplier)
             if label in labels:
                 self.error(
                     item,

@@ -64,8 +64,19 @@ class RateLimit:
     @property
     def period(self) -> str:
         """The period in words: ``minute``, or ``10 minutes``."""
-        unit = self.unit.name.lower()
-        return unit if self.unit_multiplier == 1 else f"{self.unit_multiplier} {unit}s"
+        return period_text(self.unit, self.unit_multiplier)
+
+
+def period_text(unit: Unit, multiplier: int = 1) -> str:
+    """A period in words: ``minute``, or ``10 minutes``."""
+    name = unit.name.lower()
+    return name if multiplier == 1 else f"{multiplier} {name}s"
+
+
+def list_label(name: str, unit: Unit, multiplier: int = 1) -> str:
+    """What tells a limit of a ``rate_limits`` list from the others: its name, else its
+    period (``per_second``, ``per_10_minutes``)."""
+    return name or "per_" + period_text(unit, multiplier).replace(" ", "_")
 
 
 class WildcardPattern:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ratelimit_service.core.config_model import RateLimitConfig
-from ratelimit_service.core.matching import Match, bucket_entries, find_limit
+from ratelimit_service.core.matching import Match, bucket_entries, find_limits
 from ratelimit_service.core.shares import (
     QuotaReport,
     QuotaView,
@@ -183,7 +183,7 @@ class QuotaCoordinator:
                 self.malformed += 1
                 continue
             entries = () if rules is None else bucket_entries(rules, usage.bucket)
-            match = None if rules is None else find_limit(rules, entries)
+            match = None if rules is None else tightest(find_limits(rules, entries))
             if match is None or match.limit.unlimited:
                 answers.append(Action(usage.bucket, ALLOW_ALL))
             elif match.limit.requests_per_unit == 0 and not match.limit.shadow_mode:
@@ -399,3 +399,12 @@ class QuotaCoordinator:
         """Each counter's share last assigned to each instance of this process's
         streams, in hits per window."""
         return {key: dict(shares) for key, shares in self._shares.items()}
+
+
+def tightest(matches: tuple[Match, ...]) -> Match | None:
+    """The limit an RLQS bucket is held to when its rule has several (rate_limits):
+    Envoy enforces one token bucket per bucket, so the one of the lowest rate (limit
+    per second of its period) wins; the others are not enforced separately."""
+    if not matches:
+        return None
+    return min(matches, key=lambda m: m.limit.requests_per_unit / m.limit.window_seconds)

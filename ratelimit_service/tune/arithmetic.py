@@ -21,7 +21,9 @@ from ratelimit_service.core.config_model import (
     NodeChildren,
     RateLimit,
     RateLimitConfig,
+    list_label,
 )
+from ratelimit_service.core.units import parse_unit
 
 Stat = float | None
 """The statistic of the demand series: None for its maximum, else a quantile in (0, 1]."""
@@ -202,8 +204,9 @@ def _collect(
 ) -> None:
     for node in children:
         here = (*path, node)
-        if node.limit is not None and not node.limit.unlimited:
-            into.append(Rule(node.limit, here, domain))
+        for limit in node.limits:  # one, or each of a rate_limits list
+            if not limit.unlimited:
+                into.append(Rule(limit, here, domain))
         _collect(node.children, here, domain, into)
 
 
@@ -299,14 +302,43 @@ def _walk(
         value = fields.get("value")
         value_text = str(value.value) if isinstance(value, yaml.ScalarNode) else ""
         config_path = f"{path}.{key.value}_{value_text}" if value_text else f"{path}.{key.value}"
-        limit = fields.get("rate_limit")
-        count = (
-            _fields(limit).get("requests_per_unit") if isinstance(limit, yaml.MappingNode) else None
-        )
         shadow = fields.get("shadow_mode")
-        shared = tuple(n for n in (item, limit, count, shadow) if n is not None)
-        into.append((config_path, shared, count, shadow))
+        for stats_key, limit in _limit_nodes(fields, config_path):
+            count = _fields(limit).get("requests_per_unit")
+            shared = tuple(n for n in (item, limit, count, shadow) if n is not None)
+            into.append((stats_key, shared, count, shadow))
         _walk(fields.get("descriptors"), config_path, into)
+
+
+def _limit_nodes(
+    fields: dict[str, yaml.Node], config_path: str
+) -> list[tuple[str, yaml.MappingNode]]:
+    """A descriptor's limits with their stats keys: ``rate_limit``'s, or each of
+    ``rate_limits`` (labelled as the loader labels them)."""
+    single = fields.get("rate_limit")
+    if isinstance(single, yaml.MappingNode):
+        return [(config_path, single)]
+    listed = fields.get("rate_limits")
+    if not isinstance(listed, yaml.SequenceNode):
+        return []
+    out = []
+    for limit in listed.value:
+        if not isinstance(limit, yaml.MappingNode):
+            continue
+        own = _fields(limit)
+        name = own.get("name")
+        unit = (
+            parse_unit(str(own["unit"].value))
+            if isinstance(own.get("unit"), yaml.ScalarNode)
+            else None
+        )
+        multiplier = own.get("unit_multiplier")
+        times = int(multiplier.value) if isinstance(multiplier, yaml.ScalarNode) else 1
+        if unit is None:
+            continue
+        text = str(name.value) if isinstance(name, yaml.ScalarNode) else ""
+        out.append((f"{config_path}.{list_label(text, unit, times)}", limit))
+    return out
 
 
 def _span(node: yaml.Node | None) -> Span | None:
