@@ -260,7 +260,9 @@ def test_quickstart_config_serves_and_answers(tmp_path: Path) -> None:
             'ratelimit_service_rate_limit_total_hits_total{key="edge.remote_address"} 1.0' in body
         )
         premium = rls_call(served.grpc_addr, "edge", [("tenant", "premium")])
-        assert premium.statuses[0].current_limit.requests_per_unit == 6000
+        # Two limits (rate_limits): the status is the tighter one's, the burst (199 left).
+        assert premium.statuses[0].current_limit.requests_per_unit == 200
+        assert premium.statuses[0].limit_remaining == 199
         blocked = rls_call(served.grpc_addr, "edge", [("tenant", "blocked")])
         assert blocked.overall_code == OVER
 

@@ -4,6 +4,11 @@ most restrictive limit's; each limit has its own counter and stats key."""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
 import pytest
 
 from ratelimit_service.core.config_loader import ConfigFile, check_config, load_config
@@ -12,6 +17,7 @@ from ratelimit_service.core.request import Code, Descriptor, Request
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.embedded import EmbeddedStore
+from ratelimit_service.testing.fleet import python_burst, redis_server, service_fleet
 
 RULES = """\
 domain: d
@@ -185,3 +191,18 @@ async def test_an_rlqs_bucket_gets_the_tightest_of_its_limits() -> None:
     bucket = action.token_bucket
     # 5 a minute is tighter than 3 a second: its rate, not 3 a second.
     assert bucket.tokens_per_fill / bucket.fill_seconds == pytest.approx(5 / 60, rel=0.25)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
+def test_3_a_second_and_5_a_minute_across_three_processes_on_redis(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "r.yaml").write_text(RULES.format(mode="exact"))
+    with redis_server(tmp_path) as redis, service_fleet(3, config, redis.url) as nodes:
+        ports = [node.grpc_port for node in nodes]
+        bursts = []
+        for _ in range(3):
+            bursts.append(asyncio.run(python_burst(ports, "d", "user=u", 6, 6))["OK"])
+            time.sleep(1.25)  # the scenario: the next burst a second later
+    assert bursts == [3, 2, 0]

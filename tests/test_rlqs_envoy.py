@@ -169,3 +169,34 @@ def test_assignments_outlive_a_service_restart_and_envoy_reconnects(
     )
     time.sleep(1.1)
     assert codes(envoy, "acme", 6) == [200] * 4 + [429] * 2
+
+
+PERIOD = """\
+domain: quota
+descriptors:
+  - key: tenant
+    rate_limit: {unit: second, unit_multiplier: 10, requests_per_unit: 4}
+"""
+
+
+def test_a_period_of_several_units_through_a_real_envoy(
+    start_envoy: Callable[..., Envoy],
+    spawn_service: Callable[..., ServiceProcess],
+    upstream: Upstream,
+    tmp_path: Path,
+) -> None:
+    """4 per 10 s becomes a token bucket of whole-second fills at that rate: after
+    the stored tokens, about one request in 2.5 s passes, where 4 a second would let
+    four a second through."""
+    directory = tmp_path / "period"
+    directory.mkdir()
+    (directory / "quota.yaml").write_text(PERIOD)
+    service = spawn_service(directory)
+    envoy = start_envoy(bootstrap(directory, service, upstream, "envoy-p"))
+    assert codes(envoy, "acme", 1) == [200]
+    envoy.wait_for("the first assignment", lambda: 429 in codes(envoy, "acme", 6), timeout=10)
+    passed = 0
+    for _ in range(10):  # two seconds, a request every 0.2 s
+        passed += codes(envoy, "acme", 1) == [200]
+        time.sleep(0.2)
+    assert passed <= 2  # 4 a second would have passed about 8

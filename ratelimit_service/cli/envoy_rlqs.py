@@ -122,8 +122,8 @@ def _bucket_settings(chain: tuple[DescriptorNode, ...]) -> Any:
                     name=source.name, typed_config=source.typed_config
                 )
             )
-    limit = chain[-1].limit
-    first = _Strategy.DENY_ALL if limit is not None and limit.requests_per_unit == 0 else None
+    zero = any(limit.requests_per_unit == 0 for limit in chain[-1].limits)
+    first = _Strategy.DENY_ALL if zero else None
     return _Settings(
         bucket_id_builder=builder,
         reporting_interval=_duration("5s"),
