@@ -206,3 +206,36 @@ def test_3_a_second_and_5_a_minute_across_three_processes_on_redis(tmp_path: Pat
             bursts.append(asyncio.run(python_burst(ports, "d", "user=u", 6, 6))["OK"])
             time.sleep(1.25)  # the scenario: the next burst a second later
     assert bursts == [3, 2, 0]
+
+
+async def test_shadow_mode_detailed_metric_and_replaces_work_on_each_limit() -> None:
+    text = """\
+domain: d
+descriptors:
+  - key: watch
+    shadow_mode: true
+    detailed_metric: true
+    mode: exact
+    rate_limits:
+      - {unit: second, requests_per_unit: 1}
+      - {unit: minute, requests_per_unit: 2}
+  - key: old
+    mode: exact
+    rate_limit: {unit: minute, requests_per_unit: 1, name: old}
+  - key: new
+    mode: exact
+    rate_limits:
+      - {unit: minute, requests_per_unit: 3, name: wide, replaces: [{name: old}]}
+"""
+    clock = Clock()
+    rate = RateLimiter(
+        load_config([ConfigFile("r.yaml", text)]), EmbeddedStore(clock=clock), clock=clock
+    )
+    watch = Request("d", [Descriptor((("watch", "x"),))])
+    codes = [(await rate.should_rate_limit(watch)).overall for _ in range(4)]
+    assert codes == [Code.OK] * 4  # shadow: counted, never denied
+    assert rate.stats.rules["d.watch_x.per_second"].shadow_mode == 3
+    assert rate.stats.rules["d.watch_x.per_minute"].shadow_mode == 2
+    both = Request("d", [Descriptor((("old", "o"),)), Descriptor((("new", "n"),))])
+    admitted = [(await rate.should_rate_limit(both)).overall for _ in range(4)]
+    assert admitted == [Code.OK] * 3 + [Code.OVER_LIMIT]  # old (1 a minute) replaced by wide
