@@ -131,14 +131,17 @@ descriptors:
 """
 
 
-def test_a_redis_that_is_not_there_at_start_up(tmp_path: Path) -> None:
-    """Nothing listens at the Redis port: the service starts, says why in its health,
-    answers each rule by its failure_mode, and a limit of 0 denies."""
+@pytest.mark.parametrize("kind", ["single", "sentinel"])
+def test_a_redis_that_is_not_there_at_start_up(tmp_path: Path, kind: str) -> None:
+    """Nothing listens at the Redis (or Sentinel) ports: the service starts, says why
+    in its health, answers each rule by its failure_mode, and a limit of 0 denies."""
     config = tmp_path / "zero"
     config.mkdir()
     (config / "load.yaml").write_text(ZERO_RULES)
-    closed_port = free_port()
-    with service_fleet(1, config, f"redis://127.0.0.1:{closed_port}/0") as nodes:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    if kind == "sentinel":
+        url = f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/main"
+    with service_fleet(1, config, url) as nodes:
         port, admin = nodes[0].grpc_port, nodes[0].admin_port
         assert "store: redis unavailable" in _health(admin)
         assert asyncio.run(python_burst([port], "load", "slow=a", 4, 2)) == Counter({"OK": 4})
