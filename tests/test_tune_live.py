@@ -17,10 +17,7 @@ import pytest
 from ratelimit_service.cli.main import main
 from ratelimit_service.testing.prometheus import Prometheus, prometheus_missing
 
-pytestmark = [
-    pytest.mark.serial,  # timing: run alone, after the parallel part
-    pytest.mark.slow,  # starts processes,
-]
+pytestmark = pytest.mark.slow  # starts processes
 
 RULES = """\
 domain: live
