@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.server.app import RateLimitService, Settings
 from ratelimit_service.testing.fixtures import RunningService, free_port, make_request
+from ratelimit_service.testing.waiting import eventually_async
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -136,8 +137,9 @@ async def test_healthcheck_503_once_stop_begins(start: Starter) -> None:
     # A connection opened while serving, used once shutdown has begun.
     reader, writer = await asyncio.open_connection("127.0.0.1", svc.service.admin.port)
     stopping = asyncio.create_task(svc.service.stop())
-    await asyncio.sleep(0.05)
-    assert svc.service._healthcheck_page()[0] == 503
+    await eventually_async(
+        lambda: svc.service._healthcheck_page()[0] == 503, timeout=5, what="503 once stopping"
+    )
     writer.write(b"GET /healthcheck HTTP/1.1\r\nHost: x\r\n\r\n")
     await writer.drain()
     raw = await asyncio.wait_for(reader.read(), 10)

@@ -11,6 +11,7 @@ from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.owed_hits import OwedHits
 from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
@@ -20,12 +21,14 @@ PROBE = [ExactHit("k", 10, 60, 0)]  # check only: reads the window
 
 async def until_answered(store: RedisStore) -> int:
     """Hits in the window, once Redis answers again (the breaker may need a trial)."""
-    for _ in range(100):
-        try:
-            return (await store.hit(PROBE, True))[0].before
-        except StoreUnavailable:
-            await asyncio.sleep(0.05)
-    raise AssertionError("redis never answered")
+
+    async def before() -> list[int]:
+        return [(await store.hit(PROBE, True))[0].before]  # a list: 0 is an answer too
+
+    answered = await eventually_async(
+        before, timeout=5, what="redis answering", ignore=(StoreUnavailable,)
+    )
+    return answered[0]
 
 
 async def test_hits_admitted_while_redis_was_down_land_when_it_is_back(redis_server) -> None:

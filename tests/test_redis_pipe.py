@@ -16,6 +16,7 @@ from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.redis import spawn_redis
+from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = [
     pytest.mark.serial,  # timing: run alone, after the parallel part
@@ -28,12 +29,12 @@ HIT = [ExactHit("k", 5, 60, 1)]
 async def hit_once_recovered(store: RedisStore) -> list[ExactResult]:
     """A hit, retried while the circuit breaker still holds calls back (its backoff
     lets a trial call through within a second)."""
-    for _ in range(50):
-        try:
-            return await store.hit(HIT, True)
-        except StoreUnavailable:
-            await asyncio.sleep(0.05)
-    pytest.fail("the store never recovered")
+    return await eventually_async(
+        lambda: store.hit(HIT, True),
+        timeout=5,
+        what="the store recovered",
+        ignore=(StoreUnavailable,),
+    )
 
 
 async def test_selects_the_database_in_the_url(redis_server) -> None:

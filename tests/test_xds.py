@@ -31,6 +31,7 @@ from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
+from ratelimit_service.testing.waiting import eventually_async
 from ratelimit_service.testing.xds import TIMEOUT, AdsServer, domain, limit
 
 VALID_UNITS = f"; valid units: {UNIT_NAMES}"
@@ -83,10 +84,7 @@ async def running(server: AdsServer) -> AsyncIterator[tuple[Service, XdsConfigSo
 
 
 async def until(condition: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+    await eventually_async(condition, timeout=timeout, what=condition.__name__)
 
 
 # -- tests --------------------------------------------------------------------------------
