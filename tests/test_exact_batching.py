@@ -308,9 +308,9 @@ async def test_closing_the_store_fails_a_held_batch_instead_of_sending_it(
 
 
 async def test_no_hold_without_a_single_server_or_with_a_hold_of_zero(make_store) -> None:
-    assert make_store().holds_exact_batches
+    assert make_store().wants_saturation
     store = make_store(batch_hold=0.0)
-    assert not store.holds_exact_batches
+    assert not store.wants_saturation
     store.loop_saturated(True)
     assert store.stats()["exact_batch_hold_seconds"] == 0
 

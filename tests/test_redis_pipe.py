@@ -214,14 +214,12 @@ async def test_a_reply_that_came_while_the_loop_was_blocked_is_used(redis_server
     the socket, and it is used, whichever runs first on waking: the deadline timer
     (uvloop runs due timers before polling for I/O) or the read."""
     store = RedisStore(redis_server.url, request_timeout=0.05, silence=10)
-    loop = asyncio.get_running_loop()
     try:
         await store.hit(HIT, True)  # connected
         for _ in range(5):
             call = asyncio.ensure_future(store.hit(HIT, True))
             await asyncio.sleep(0)  # the call is written
             time.sleep(0.2)  # blocked: four times the deadline
-            assert loop.time() > 0  # (the loop's clock has moved on)
             results = await call
             assert results[0].admitted is not None
         stats = store.stats()

@@ -16,7 +16,7 @@ from ratelimit_service.core.config_loader import ConfigFile, check_config, load_
 from ratelimit_service.core.config_model import RateLimit
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
 from ratelimit_service.core.matching import find_limit
-from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus, Request
+from ratelimit_service.core.request import Code, Descriptor, Request
 from ratelimit_service.core.shares import token_bucket
 from ratelimit_service.core.units import Unit
 from ratelimit_service.engine.limiter import RateLimiter
@@ -143,11 +143,6 @@ def test_rlqs_token_buckets_spread_the_period_in_whole_second_fills() -> None:
     assert bucket.fill_seconds >= 1 and bucket.fill_seconds == int(bucket.fill_seconds)
     rate = bucket.tokens_per_fill / bucket.fill_seconds
     assert rate == pytest.approx(100 / 600, rel=0.05)  # not 100 a minute
-
-
-def test_a_status_carries_its_limit() -> None:
-    limit = RateLimit(5, Unit.SECOND, unit_multiplier=10)
-    assert DescriptorStatus(Code.OK, limit, 4, 9.0).limit is limit
 
 
 @pytest.mark.slow

@@ -50,8 +50,6 @@ class CircuitBreaker:
         self.recoveries = 0
         """Times it became available again."""
         self.name = name
-        self._evidence = False
-        """Within down(): the transition has a cause of its own, not a count."""
         self.summary_every = summary_every
         self._down_since = 0.0
         self._failures_at_down = 0
@@ -81,13 +79,15 @@ class CircuitBreaker:
                 self.total_failures - self._failures_at_down,
             )
 
-    def failure(self, reason: str = "") -> None:
+    def failure(self, reason: str = "", evidence: bool = False) -> None:
+        """A failed call. ``evidence``: it proves the store gone (see down), so the
+        outage's first log line gives the reason, not a count."""
         self.total_failures += 1
         self._trial_running = False
         self.successes_in_row = 0
         self.failures_in_row += 1
         if self.failures_in_row >= self.flip_after:
-            self._unhealthy(reason)
+            self._unhealthy(reason, evidence)
         if self.failures_in_row < self.open_after and self._backoff == 0.0:
             return  # a stray timeout does not stop traffic to a store that works
         self._backoff = min(self.max_backoff, max(self.base_backoff, self._backoff * 2))
@@ -98,12 +98,10 @@ class CircuitBreaker:
         """Evidence that the store is gone, not merely slow (a connection silent with
         calls outstanding): unhealthy and open at once, without waiting for more
         failures in a row."""
-        self._evidence = True
         self.failures_in_row = max(self.failures_in_row, self.flip_after, self.open_after) - 1
-        self.failure(reason)
-        self._evidence = False
+        self.failure(reason, evidence=True)
 
-    def _unhealthy(self, reason: str) -> None:
+    def _unhealthy(self, reason: str, evidence: bool) -> None:
         now = self._clock()
         if self.healthy:
             self.healthy = False
@@ -112,7 +110,7 @@ class CircuitBreaker:
             self._failures_at_down = self.total_failures - self.failures_in_row
             cause = (
                 f"({reason})"
-                if self._evidence
+                if evidence
                 else f"after {self.failures_in_row} failed calls in a row"
                 f" ({reason or 'no reason given'})"
             )

@@ -495,10 +495,6 @@ class RedisStore:
 
     @property
     def wants_saturation(self) -> bool:
-        return self.holds_exact_batches
-
-    @property
-    def holds_exact_batches(self) -> bool:
         """Whether loop_saturated does anything: exact calls are batched on a single
         server only (a Cluster spreads keys over nodes), and a hold of 0 turns it off."""
         return not self.cluster and self.batch_hold > 0
@@ -506,7 +502,7 @@ class RedisStore:
     def loop_saturated(self, saturated: bool) -> None:
         """While the event loop is saturated, exact calls are held to batch requests
         (see exact_batcher and loop_load)."""
-        if self.holds_exact_batches:
+        if self.wants_saturation:
             self._batcher.set_hold(self.batch_hold if saturated else 0.0)
 
     def histograms(self) -> dict[str, Histogram]:
