@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity
 from ratelimit_service.core.exact import ExactHit, ExactResult, request_denied
@@ -456,18 +457,26 @@ class RedisStore:
 
     async def start(self, connections: int = 4) -> None:
         """Open a few connections and load the scripts before traffic, outside any
-        request deadline. A Redis that is not there is marked down (the breaker says
-        so once) and tried again by the calls that follow."""
+        request deadline. A Redis that refuses or errs is marked down (the breaker says
+        so once) and tried again by the calls that follow; one that is only slow to
+        answer is no evidence of an outage: said once, and left to the request path."""
         try:
             async with asyncio.timeout(self.sync_timeout * 2):
                 if not self._initialized:
                     await self._initialize()
-                await asyncio.gather(*(self._client.ping() for _ in range(connections)))
-                for script in (self._exact, self._sync):
-                    await self._client.script_load(script.script)
+                calls = [self._client.ping() for _ in range(connections)]
+                calls += [self._client.script_load(s.script) for s in (self._exact, self._sync)]
                 if self._pipe is not None:
-                    await self._pipe.connected()
-        except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
+                    calls.append(self._pipe.connected())
+                await asyncio.gather(*calls)
+        except (TimeoutError, RedisTimeoutError):
+            log.warning(
+                "redis at %s slow to answer at start-up (more than %.1f s): serving, and"
+                " counting on it",
+                _display(self.url),
+                self.sync_timeout * 2,
+            )
+        except (RedisError, RedisClusterException, OSError) as exc:
             reason = describe(exc)
             # The breaker says it once; calls go on trying, and the first reply closes it.
             self.breaker.down(f"not reachable at start-up: {reason}; tried until it answers")
