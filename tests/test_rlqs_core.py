@@ -73,6 +73,9 @@ def test_bucket_ids_are_ordered_as_the_rules_nest_their_keys() -> None:
     assert bucket_entries(domain, {"zone": "z", "tenant": "t"}) == (("tenant", "t"), ("zone", "z"))
 
 
+KEY = "q\x1ftenant\x1et\x1f1"
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -98,9 +101,9 @@ async def test_two_instances_share_a_limit_by_demand() -> None:
     (a,) = await quota.report("a", "q", [Usage(bucket, 100, 0)])  # 20/s
     (b,) = await quota.report("b", "q", [Usage(bucket, 250, 1000)])  # 250/s
     assert a.token_bucket is not None and b.token_bucket is not None
-    # a: its 20 plus half of what b (not measured yet: 50) leaves; b wants 250, fair
-    # 80, but gets only the 65 a does not hold: a keeps its bucket until it reports
-    assert (a.token_bucket.tokens_per_fill, b.token_bucket.tokens_per_fill) == (35, 65)
+    # a asks 20 and gets it; b asks 250 and gets what a leaves
+    assert (a.token_bucket.tokens_per_fill, b.token_bucket.tokens_per_fill) == (20, 80)
+    await quota.tick()  # the next publish divides the part by the demands measured
     clock.now += 5.0
     (a,) = await quota.report("a", "q", [Usage(bucket, 100, 0)])
     (b,) = await quota.report("b", "q", [Usage(bucket, 1250, 0)])
@@ -153,7 +156,7 @@ async def test_idle_buckets_are_abandoned_and_a_closed_stream_is_forgotten() -> 
     quota.forget("b")
     clock.now += 16.0  # past FORGET_AFTER: the store no longer counts b (nor idle a)
     await quota.report("c", "q", [Usage(bucket, 1, 0)])
-    assert list(quota.demands()["q\x1ftenant\x1et\x1f1"]) == ["c"]
+    assert list(quota.demands()[KEY]) == ["c"]
 
 
 async def test_a_demand_shift_is_rebalanced_within_two_reports() -> None:
@@ -166,6 +169,7 @@ async def test_a_demand_shift_is_rebalanced_within_two_reports() -> None:
         clock.now += 5.0
         (x,) = await quota.report("a", "q", [Usage(bucket, a, 0)])
         (y,) = await quota.report("b", "q", [Usage(bucket, b, 0)])
+        await quota.tick()  # publishes come between the reports
         assert x.token_bucket is not None and y.token_bucket is not None
         return x.token_bucket.tokens_per_fill, y.token_bucket.tokens_per_fill
 
@@ -180,10 +184,10 @@ async def test_a_demand_shift_is_rebalanced_within_two_reports() -> None:
     assert await both(50, 400) == (15, 85)
 
 
-async def test_room_a_report_frees_is_pushed_at_once_to_the_instance_that_waits() -> None:
+async def test_room_a_report_frees_is_pushed_to_the_instance_that_waits() -> None:
     """b asks for more while a still holds most of the limit: b is held to the room
-    left. When a reports its smaller demand, b's larger bucket is pushed at once,
-    not at b's next report; the two never hold more than the limit."""
+    left. When a reports its smaller demand, b's larger bucket is pushed at the next
+    publish, not at b's next report; the two never hold more than the limit."""
     quota, clock, _ = coordinator()
     bucket = {"tenant": "t"}
     pushed: dict[str, list[list[Action]]] = {"a": [], "b": []}
@@ -199,6 +203,7 @@ async def test_room_a_report_frees_is_pushed_at_once_to_the_instance_that_waits(
     for _ in range(3):
         clock.now += 5.0
         held = (await one("a", 400), await one("b", 50))  # a asks 80/s, b 10/s
+        await quota.tick()
     assert held == (85, 15)
     pushed["a"].clear()
     pushed["b"].clear()
@@ -207,6 +212,8 @@ async def test_room_a_report_frees_is_pushed_at_once_to_the_instance_that_waits(
     assert await one("b", 400) == 15  # b now asks 80/s: the room a leaves is 15
     assert pushed == {"a": [], "b": []}
     assert await one("a", 50) == 15  # a asks 10/s: its demand and half the spare
+    assert pushed["b"] == []
+    await quota.tick()  # within a publish interval (1 s), not b's next report (5 s)
     ((grown,),) = pushed["b"]
     assert grown.bucket == bucket and grown.token_bucket is not None
     assert grown.token_bucket.tokens_per_fill == 85  # into the room, not beyond it
@@ -217,6 +224,7 @@ async def test_room_a_report_frees_is_pushed_at_once_to_the_instance_that_waits(
     clock.now += 5.0
     assert await one("a", 400) == 15  # a is held to the room b leaves
     assert await one("b", 50) == 15
+    await quota.tick()
     assert quota.pushes_dropped == 1
     clock.now += 5.0
     assert await one("a", 400) == 85
@@ -238,10 +246,10 @@ async def test_with_the_store_away_the_last_fleet_divides_the_limit() -> None:
     class Flaky(EmbeddedStore):
         down = False
 
-        async def quota(self, reports, forget_after):  # type: ignore[no-untyped-def]
+        async def publish(self, reports, forget_after):  # type: ignore[no-untyped-def]
             if self.down:
                 raise StoreUnavailable("down")
-            return await super().quota(reports, forget_after)
+            return await super().publish(reports, forget_after)
 
     clock = Clock()
     store = Flaky(clock=clock)
@@ -252,10 +260,11 @@ async def test_with_the_store_away_the_last_fleet_divides_the_limit() -> None:
     await quota.report("b", "q", [Usage(bucket, 1, 0)])
     store.down = True
     clock.now += 5.0
+    await quota.tick()
     (a,) = await quota.report("a", "q", [Usage(bucket, 100, 0)])
     assert a.token_bucket is not None  # still a share of the two, not the whole limit
     assert a.token_bucket.tokens_per_fill < 100
-    assert quota.store_errors == 1
+    assert quota.store_errors == 1 and quota.parts()[KEY][0] == 100.0  # fail-static
 
 
 async def test_what_is_kept_follows_the_buckets_in_use() -> None:
@@ -277,7 +286,7 @@ async def test_with_the_store_away_a_used_up_window_resets_on_time() -> None:
     from ratelimit_service.storage.base import StoreUnavailable
 
     class Down(EmbeddedStore):
-        async def quota(self, reports, forget_after):  # type: ignore[no-untyped-def]
+        async def publish(self, reports, forget_after):  # type: ignore[no-untyped-def]
             raise StoreUnavailable("down")
 
     config = load_config(
@@ -299,7 +308,7 @@ async def test_with_the_store_away_a_used_up_window_resets_on_time() -> None:
     clock.now += 45.0  # the next minute
     (fresh,) = await quota.report("a", "q", [Usage(bucket, 0, 9)])
     assert fresh.token_bucket is not None
-    assert quota.store_errors == 4
+    assert quota.store_errors == 1  # the first publish; no tick ran
 
 
 async def test_a_limit_of_0_is_denied_without_the_store() -> None:
@@ -308,7 +317,7 @@ async def test_a_limit_of_0_is_denied_without_the_store() -> None:
     class Down(EmbeddedStore):
         asked = 0
 
-        async def quota(self, reports, forget_after):  # type: ignore[no-untyped-def]
+        async def publish(self, reports, forget_after):  # type: ignore[no-untyped-def]
             self.asked += 1
             raise StoreUnavailable("down")
 

@@ -1,8 +1,10 @@
 """RLQS on a real redis-server: two service replicas, each with its own Envoys,
-divide one limit over the whole fleet and agree on the split; the window's allowed
-hits are counted fleet-wide."""
+divide one limit over the whole fleet from the totals each publishes; the window's
+allowed hits are counted fleet-wide."""
 
 from __future__ import annotations
+
+import pytest
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.engine.quota import DENY_ALL, QuotaCoordinator, Usage
@@ -27,23 +29,41 @@ class Clock:
         return self.now
 
 
-async def test_two_replicas_compute_the_same_split(redis_server) -> None:
+KEY = "q\x1ftenant\x1et\x1f1"
+
+
+async def test_two_replicas_divide_one_limit_from_totals(redis_server) -> None:
     config = load_config([ConfigFile("q.yaml", RULES)])
     clock = Clock()  # the replicas' own clocks measure demand; Redis's keeps the windows
     stores = [RedisStore(redis_server.url), RedisStore(redis_server.url)]
     one, two = (QuotaCoordinator(lambda: config, Stats(), s, clock=clock) for s in stores)
     bucket = {"tenant": "t"}
-    try:
-        await one.report("a", "q", [Usage(bucket, 1, 0)])
-        await two.report("b", "q", [Usage(bucket, 1, 0)])
+
+    async def round_of(a_hits: int, b_hits: int) -> tuple[float, float]:
         clock.now += 5.0
-        (b,) = await two.report("b", "q", [Usage(bucket, 1250, 0)])  # 250/s
-        (a,) = await one.report("a", "q", [Usage(bucket, 100, 0)])  # 20/s
-        assert a.token_bucket is not None and b.token_bucket is not None
-        # Replica one knows b's demand from Redis: a gets its 20 (b wants the rest).
-        assert a.token_bucket.tokens_per_fill == 20
-        (b,) = await two.report("b", "q", [Usage(bucket, 0, 0)])
-        assert one.demands() == {"q\x1ftenant\x1et\x1f1": {"a": 20.0, "b": 250.0}}
+        await one.report("a", "q", [Usage(bucket, a_hits, 0)])
+        await two.report("b", "q", [Usage(bucket, b_hits, 0)])
+        for replica in (one, two, one):  # publishes, each replica's turn
+            await replica.tick()
+        return one.parts()[KEY][0], two.parts()[KEY][0]
+
+    try:
+        (first,) = await one.report("a", "q", [Usage(bucket, 1, 0)])
+        (second,) = await two.report("b", "q", [Usage(bucket, 1, 0)])
+        assert first.token_bucket is not None and second.token_bucket is not None
+        # The second replica's first answer already knows the first: half the limit.
+        assert second.token_bucket.tokens_per_fill == 50
+        # Over the limit (20/s and 250/s against 100/s): in proportion to demand.
+        part_one, part_two = await round_of(100, 1250)
+        assert part_one == pytest.approx(100 * 20 / 270, abs=0.01)
+        assert part_one + part_two == pytest.approx(100, abs=0.01)
+        totals = one.parts()[KEY][1]
+        assert totals is not None and (totals.instances, totals.members) == (2, 2)
+        # Under it (20/s and 50/s): each its demand, and half the 30 spare.
+        part_one, part_two = await round_of(100, 250)
+        assert (part_one, part_two) == (pytest.approx(35, abs=0.01), pytest.approx(65, abs=0.01))
+        (a,) = await one.report("a", "q", [Usage(bucket, 100, 0)])
+        assert a.token_bucket is not None and a.token_bucket.tokens_per_fill == 35
         # A daily window used up across both replicas: both deny.
         await one.report("a", "q", [Usage({"daily": "d"}, 30, 0)])
         (denied,) = await two.report("b", "q", [Usage({"daily": "d"}, 20, 0)])

@@ -28,6 +28,37 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A max-min split of a limit, as the water level it fills to: an instance asking
+    for ``asked`` gets ``min(asked, level) + spare``. Kept per counter, it gives an
+    instance whose demand changed its fair share in O(1), without dividing again."""
+
+    level: float
+    """The most any instance gets before the spare (infinite when everyone's demand
+    fits in the limit)."""
+    spare: float
+    """What no one asks for, spread evenly on top (0 when the limit is exceeded)."""
+
+    def share(self, asked: float) -> float:
+        return min(max(0.0, asked), self.level) + self.spare
+
+
+def water_level(limit: float, asked: Mapping[str, float]) -> Split:
+    """The max-min split of ``limit`` among instances asking for ``asked`` (water
+    filling): those asking for less than an equal part of what is left get what they
+    ask; the rest share it evenly; what no one asks for is spread evenly on top."""
+    if not asked:
+        return Split(math.inf, limit)
+    left, waiting = limit, sorted(max(0.0, a) for a in asked.values())
+    for taken, want in enumerate(waiting):
+        level = left / (len(waiting) - taken)
+        if want > level:  # everyone left asks for more: an equal split
+            return Split(level, 0.0)
+        left -= want
+    return Split(math.inf, left / len(waiting))
+
+
 def fair_shares(limit: float, demands: Mapping[str, float | None]) -> dict[str, float]:
     """Each instance's share of ``limit`` (same unit as the demands). ``None``: an
     instance with no demand measured yet, counted as asking for an equal share."""
@@ -35,45 +66,8 @@ def fair_shares(limit: float, demands: Mapping[str, float | None]) -> dict[str, 
         return {}
     even = limit / len(demands)
     asked = {name: even if d is None else max(0.0, d) for name, d in demands.items()}
-    shares: dict[str, float] = {}
-    left, waiting = limit, sorted(asked, key=lambda name: (asked[name], name))
-    while waiting:
-        level = left / len(waiting)
-        name = waiting[0]
-        if asked[name] > level:  # everyone left asks for more: an equal split
-            for other in waiting:
-                shares[other] = level
-            return shares
-        shares[name] = asked[name]
-        left -= asked[name]
-        waiting.pop(0)
-    spare = left / len(shares)  # demand below the limit: the rest spread evenly
-    return {name: share + spare for name, share in shares.items()}
-
-
-@dataclass(frozen=True, slots=True)
-class QuotaReport:
-    """What one report says of one counter, for the fleet's tier (the store)."""
-
-    key: str
-    """The rule's bucket key (its values and window)."""
-    instance: str
-    demand: float | None
-    """Requests per second this instance offered since its last report; None: not
-    measured yet (counted as an even share)."""
-    allowed: int
-    window_seconds: int
-
-
-@dataclass(frozen=True, slots=True)
-class QuotaView:
-    """The fleet's tier's answer for one counter."""
-
-    demands: dict[str, float | None]
-    """Every instance that reported the counter lately (this one included)."""
-    used: int
-    """Allowed hits reported in the current fixed window (windows aligned to the
-    epoch), this report's included."""
+    split = water_level(limit, asked)
+    return {name: split.share(a) for name, a in asked.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,17 +113,12 @@ def window_index(wall: float, window_seconds: int) -> int:
     return int(wall // window_seconds)
 
 
-def per_window(view: QuotaView, window: int) -> dict[str, float | None]:
-    """The fleet's demands (per second) as hits per window, the unit of shares."""
-    return {n: None if d is None else d * window for n, d in view.demands.items()}
-
-
 def settle_share(fair: float, held: float | None, room: float) -> float:
     """The share to assign. An instance just seen gets its fair (even) share. One that
     holds a share gets the fair one, but never more than the limit less what the
     others hold now (``room``: they keep their buckets until their own next report, so
     handing out more would let the fleet admit beyond the limit meanwhile; see
-    held_elsewhere for the first shares of a fleet starting together), and keeps
+    counted_share for the first shares of a fleet starting together), and keeps
     the one it holds while the fair one is at most KEEP_WITHIN above it."""
     if held is None:
         return fair
@@ -139,29 +128,13 @@ def settle_share(fair: float, held: float | None, room: float) -> float:
     return share
 
 
-def held_elsewhere(
-    instance: str,
-    assigned: Mapping[str, float],
-    demands: Mapping[str, float | None],
-    limit: float,
-) -> float:
-    """What the other instances hold of the limit, for ``instance``'s room. An instance
-    whose demand is not measured yet holds its first share, given before anyone knew
-    how many would come (the first of a fleet starting together gets the whole
-    limit, the second half of it ...); it counts for at most an even share of the
-    fleet seen now, as fair_shares counts it: counted in full, those first shares
-    would add up to several times the limit and leave no room for anyone. The price:
-    until such an instance reports, it may use its larger first bucket beside the
-    others' grown ones (docs/benchmarks.md measures both sides)."""
-    even = limit / len(demands) if demands else limit
-    return sum(
-        counted_share(share, demands.get(name), even)
-        for name, share in assigned.items()
-        if name != instance
-    )
-
-
 def counted_share(share: float, demand: float | None, even: float) -> float:
     """What an instance's share counts for in the others' room: in full once its
-    demand is measured, else at most an even share (see held_elsewhere)."""
+    demand is measured, else at most an even share (``even``: the limit over the
+    instances seen now). An instance whose demand is not measured yet holds its first
+    share, given before anyone knew how many would come (the first of a fleet starting
+    together gets the whole limit, the second half of it ...); counted in full, those
+    first shares would add up to several times the limit and leave no room for
+    anyone. The price: until such an instance reports, it may use its larger first
+    bucket beside the others' grown ones (docs/benchmarks.md measures both sides)."""
     return min(share, even) if demand is None else share

@@ -10,18 +10,22 @@ for a bucket it has just created. For every report the coordinator
 2. measures each instance's demand per bucket, (allowed + denied) per second on the
    service's own clock (Envoy's ``time_elapsed`` is whole seconds, and 0 on a first
    report);
-3. divides the limit among the instances that report that bucket by demand, max-min
-   fair (core.shares), and answers each bucket with the instance's token bucket, with
-   a TTL of a few report intervals; rules of a minute or longer also count the fleet's
-   reported allowed hits per fixed window and answer DENY_ALL until the window resets
-   once it is used up. Buckets no rule limits get ALLOW_ALL; shadow rules ALLOW_ALL
-   and count what the limit would have denied.
+3. divides the limit among the instances that report that bucket by demand, and
+   answers each bucket with the instance's token bucket, with a TTL of a few report
+   intervals; rules of a minute or longer also count the fleet's allowed hits per
+   fixed window and answer DENY_ALL until the window resets once it is used up.
+   Buckets no rule limits get ALLOW_ALL; shadow rules ALLOW_ALL and count what the
+   limit would have denied.
 
-Each instance's demand and the windows' allowed hits live in the store (Store.quota):
-in Redis every replica sees every Envoy that reports a counter to any of them, so
-replicas compute the same split for the same fleet; on the embedded store one process
-divides among the Envoys connected to it. What is the stream's own (when it last
-reported a bucket, how long a bucket has been idle) stays here.
+The division has two tiers (core/tiers.py). Every ``interval`` (1 s) this replica
+publishes, per counter, its own totals to the store (its instances' demand and count,
+the hits they allowed) and reads back the fleet's sums: its part of the limit comes
+from those totals, in work that does not grow with the fleet. Between publishes a
+report is answered from the replica's part, divided among its own instances max-min
+by demand (core/shares.py), without a store call; a counter's first report waits for
+one publish, so a replica that restarts does not hand out the whole limit again.
+With the store away each replica keeps its last part (fail-static). On the embedded
+store the one process is the whole fleet.
 """
 
 from __future__ import annotations
@@ -30,25 +34,27 @@ import asyncio
 import enum
 import logging
 import math
+import os
+import socket
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ratelimit_service.core.config_model import RateLimitConfig
 from ratelimit_service.core.matching import Match, bucket_entries, find_limits
 from ratelimit_service.core.shares import (
-    QuotaReport,
-    QuotaView,
+    Split,
     TokenBucket,
     counted_share,
-    fair_shares,
-    held_elsewhere,
-    per_window,
     settle_share,
     token_bucket,
+    water_level,
     window_index,
     window_reset,
 )
+from ratelimit_service.core.tiers import TierReport, TierTotals, member_demand, tier_part
+from ratelimit_service.engine.background import BackgroundTask
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
@@ -66,6 +72,10 @@ abandon the bucket (it subscribes again with its next request)."""
 FORGET_AFTER = 3 * REPORT_INTERVAL
 """Seconds after which an instance that stopped reporting a bucket no longer takes a
 share of it."""
+PUBLISH_INTERVAL = 1.0
+"""Seconds between two publishes of a replica's totals (``--rlqs-publish-interval``)."""
+PUBLISH_BATCH = 256
+"""Counters per store call when a replica publishes."""
 MIN_ELAPSED = 0.5
 """A report sooner than this after the previous one measures no demand (Envoy's first
 report of a bucket comes at once, then the periodic ones)."""
@@ -108,10 +118,11 @@ class Action:
 
 @dataclass(slots=True)
 class _Seen:
-    """One instance's own view of one counter (kept per stream, not in the store)."""
+    """One instance's own view of one counter (its reports to this replica)."""
 
     last_report: float
     demand: float | None = None
+    """Hits per second it offered over its last measured report; None: not yet."""
     idle: int = 0
     bucket: Mapping[str, str] | None = None
     """The bucket id the instance last reported for the counter (what a pushed
@@ -119,11 +130,76 @@ class _Seen:
 
 
 @dataclass(slots=True)
+class _Counter:
+    """One counter (a rule's bucket key) on this replica: the instances that report it
+    here, their shares, and the replica's part of the limit."""
+
+    key: str
+    match: Match
+    seen: dict[str, _Seen] = field(default_factory=dict)
+    shares: dict[str, float] = field(default_factory=dict)
+    """The share last assigned to each instance, in hits per window."""
+    counts: dict[str, float] = field(default_factory=dict)
+    """What each instance's share counts for in the others' room (counted_share)."""
+    held: float = 0.0
+    """The sum of ``counts``: what the instances hold of the part."""
+    part: float | None = None
+    """This replica's part of the limit, hits per window; None until first published."""
+    split: Split = field(default_factory=lambda: Split(math.inf, 0.0))
+    """The part divided among ``seen`` by demand (recomputed at each publish)."""
+    totals: TierTotals | None = None
+    used: int = 0
+    """The fleet's allowed hits in the current window: the store's count at the last
+    publish and this replica's since."""
+    window: int = -1
+    unpublished: int = 0
+    """Allowed hits reported here since the last publish."""
+    first: asyncio.Future[None] | None = None
+    """The first publish in flight (reports that meet the counter meanwhile wait on it)."""
+
+    @property
+    def window_seconds(self) -> int:
+        return self.match.limit.window_seconds
+
+    def asked(self, seen: _Seen, even: float) -> float:
+        """What an instance asks for, in hits per window (``even`` while unmeasured)."""
+        return even if seen.demand is None else seen.demand * self.window_seconds
+
+    def even(self) -> float:
+        return (self.part or 0.0) / max(1, len(self.seen))
+
+    def assign(self, name: str, share: float, even: float) -> None:
+        """Record ``name``'s new share and what it counts for in the others' room."""
+        seen = self.seen.get(name)
+        counted = counted_share(share, None if seen is None else seen.demand, even)
+        self.held += counted - self.counts.get(name, 0.0)
+        self.shares[name], self.counts[name] = share, counted
+
+    def room(self, name: str) -> float:
+        """What ``name`` may hold: the part less what the others hold now."""
+        return (self.part or 0.0) - (self.held - self.counts.get(name, 0.0))
+
+    def resplit(self) -> None:
+        """Divide the part among the instances again (their demands changed)."""
+        part, even = self.part or 0.0, self.even()
+        self.split = water_level(part, {n: self.asked(s, even) for n, s in self.seen.items()})
+        self.held = 0.0
+        for name, share in list(self.shares.items()):
+            self.counts.pop(name, None)
+            self.assign(name, share, even)
+
+    def remove(self, name: str) -> None:
+        self.seen.pop(name, None)
+        self.shares.pop(name, None)
+        self.held -= self.counts.pop(name, 0.0)
+
+
+@dataclass(slots=True)
 class _Pending:
-    """A bucket of a report whose rule limits it, on its way to the store."""
+    """A bucket of a report whose rule limits it, waiting for its counter's part."""
 
     usage: Usage
-    match: Match
+    counter: _Counter
     seen: _Seen
     elapsed: float | None
 
@@ -135,26 +211,28 @@ class QuotaCoordinator:
         stats: Stats,
         store: Store,
         *,
+        interval: float = PUBLISH_INTERVAL,
+        member: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         """``config``: the rules in force now (the limiter's, so reloads apply at the
-        next report)."""
+        next report). ``interval``: seconds between two publishes of this replica's
+        totals. ``member``: this replica's name in the store (unique per process)."""
         self._config = config
         self._stats = stats
         self._store = store
         self._clock = clock
         self._wall = wall
-        self._seen: dict[tuple[str, str], _Seen] = {}
-        """(instance, counter) → what this process knows of the instance's reports."""
-        self._last: dict[str, tuple[QuotaView, int]] = {}
-        """Each counter's last view from the store, with the index of the fixed window
-        it counts (kept for a store outage, and for the metrics page)."""
-        self._shares: dict[str, dict[str, float]] = {}
-        """Each counter's share last assigned to each instance, in hits per window."""
+        self.interval = interval
+        self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._counters: dict[str, _Counter] = {}
+        self._of: dict[str, set[str]] = {}
+        """Instance → the counters it reports here."""
         self._pushers: dict[str, Callable[[list[Action]], bool]] = {}
         """Each connected instance's way to receive assignments between its reports
         (its stream's outbox; False when it is full)."""
+        self._background = BackgroundTask("rlqs-publish", self.run)
 
         self.closing = asyncio.Event()
         """Set by close_streams: every stream ends, and a new one ends at once."""
@@ -164,10 +242,10 @@ class QuotaCoordinator:
         self.abandons = 0
         self.malformed = 0
         """Buckets with an empty id (Envoy ignores any answer to them)."""
+        self.publishes = 0
         self.store_errors = 0
+        """Publishes that failed: the replica kept its last part (fail-static)."""
         self.pushed = 0
-        """Assignments sent between an instance's reports (a share grown into room
-        another instance's report freed)."""
         self.pushes_dropped = 0
 
     async def report(self, instance: str, domain: str, usages: Iterable[Usage]) -> list[Action]:
@@ -192,150 +270,230 @@ class QuotaCoordinator:
                 answers.append(Action(usage.bucket, DENY_ALL))
             else:
                 answers.append(self._observe(instance, usage, match, now))
-        pending = [a for a in answers if isinstance(a, _Pending)]
-        views = await self._fleet(instance, pending)
-        actions = []
-        for answer in answers:
-            if isinstance(answer, _Pending):
-                answer_action = self._decide(instance, answer, views[answer.match.bucket_key])
-                actions.append(answer_action)
-            else:
-                actions.append(answer)
+        await self._first_parts([a.counter for a in answers if isinstance(a, _Pending)])
+        actions = [a if isinstance(a, Action) else self._decide(instance, a) for a in answers]
         self.assignments += sum(1 for a in actions if a.kind != ABANDON)
         self.abandons += sum(1 for a in actions if a.kind == ABANDON)
-        self._grow_others(instance, pending, views)
         return actions
 
     def _observe(self, instance: str, usage: Usage, match: Match, now: float) -> _Pending:
         """The instance's demand for the counter, on this process's clock."""
         log.debug("report from %s: %s %d/%d", instance, usage.bucket, usage.allowed, usage.denied)
-        seen = self._seen.get((instance, match.bucket_key))
+        counter = self._counters.get(match.bucket_key)
+        if counter is None:
+            counter = self._counters[match.bucket_key] = _Counter(match.bucket_key, match)
+        self._follow_rule(counter, match)
+        seen = counter.seen.get(instance)
         elapsed = None if seen is None else now - seen.last_report
         if seen is None:
-            seen = self._seen[(instance, match.bucket_key)] = _Seen(now)
+            seen = counter.seen[instance] = _Seen(now)
+            self._of.setdefault(instance, set()).add(counter.key)
+            if counter.part is not None:
+                counter.resplit()  # once per instance joining: its even share counts
         offered = usage.allowed + usage.denied
         seen.bucket = usage.bucket
         seen.idle = seen.idle + 1 if offered == 0 else 0
         if elapsed is not None and elapsed >= MIN_ELAPSED:
             seen.demand = offered / elapsed
             seen.last_report = now
-        return _Pending(usage, match, seen, elapsed)
+        self._add_used(counter, usage.allowed)
+        return _Pending(usage, counter, seen, elapsed)
 
-    async def _fleet(self, instance: str, pending: list[_Pending]) -> dict[str, QuotaView]:
-        """Every counter's view of the fleet, from the store; the last known one (this
-        instance's part updated) while the store is away."""
-        reports = [
-            QuotaReport(
-                p.match.bucket_key,
-                instance,
-                p.seen.demand,
-                p.usage.allowed,
-                p.match.limit.window_seconds,
-            )
-            for p in pending
-        ]
-        if not reports:
-            return {}
-        try:
-            views = await self._store.quota(reports, FORGET_AFTER)
-        except StoreUnavailable:
-            self.store_errors += 1
-            views = [self._without_store(instance, report) for report in reports]
-        wall = self._wall()
-        for report, view in zip(reports, views, strict=True):
-            self._last[report.key] = (view, window_index(wall, report.window_seconds))
-        return {report.key: view for report, view in zip(reports, views, strict=True)}
+    @staticmethod
+    def _follow_rule(counter: _Counter, match: Match) -> None:
+        """The rule in force now: a reload that changed the limit applies at once, the
+        replica keeping its fraction of it until the next publish."""
+        before, now = counter.match.limit, match.limit
+        counter.match = match
+        if counter.part is None or before.requests_per_unit == now.requests_per_unit:
+            return
+        fraction = counter.part / before.requests_per_unit if before.requests_per_unit else 1.0
+        counter.part = fraction * now.requests_per_unit
+        counter.resplit()
 
-    def _without_store(self, instance: str, report: QuotaReport) -> QuotaView:
-        """The counter's last view with this report added, while the store is away. The
-        window's allowed hits start again at 0 when its window has passed, so a rule
-        that used up a minute is not held at DENY_ALL for the whole outage."""
-        last, index = self._last.get(report.key, (QuotaView({}, 0), -1))
-        used = last.used if index == window_index(self._wall(), report.window_seconds) else 0
-        demands = {**last.demands, instance: report.demand}
-        return QuotaView(demands, used + report.allowed)
+    def _add_used(self, counter: _Counter, allowed: int) -> None:
+        """Count allowed hits in the fleet's window (a new window starts at 0, on time,
+        with or without the store)."""
+        index = window_index(self._wall(), counter.window_seconds)
+        if index != counter.window:
+            counter.window, counter.used = index, 0
+        counter.used += allowed
+        counter.unpublished += allowed
 
-    def _decide(self, instance: str, pending: _Pending, view: QuotaView) -> Action:
-        usage, limit, seen = pending.usage, pending.match.limit, pending.seen
+    async def _first_parts(self, counters: list[_Counter]) -> None:
+        """Counters this replica has never published get their part from the store
+        before they are answered (a restarted replica must not hand out the whole
+        limit again): one call for all of them; a report that meets one whose first
+        publish is in flight waits for it."""
+        fresh = list({id(c): c for c in counters if c.part is None and c.first is None}.values())
+        waiting = {id(c.first): c.first for c in counters if c.first is not None}
+        if fresh:
+            done = asyncio.get_running_loop().create_future()
+            for counter in fresh:
+                counter.first = done
+            try:
+                await self._publish(fresh)
+            finally:
+                for counter in fresh:
+                    counter.first = None
+                done.set_result(None)
+        for future in waiting.values():
+            await asyncio.shield(future)
+
+    def _decide(self, instance: str, pending: _Pending) -> Action:
+        usage, counter, seen = pending.usage, pending.counter, pending.seen
+        limit = counter.match.limit
         if seen.idle >= ABANDON_AFTER:
             log.debug("%s idle on %s: abandoned", instance, usage.bucket)
-            del self._seen[(instance, pending.match.bucket_key)]
-            self._release(instance, [pending.match.bucket_key])
+            self._drop(instance, counter)
             return Action(usage.bucket, ABANDON)
-        window = limit.window_seconds
-        # Demands are per second, the limit per window: shares are per window.
-        demands = per_window(view, window)
-        demands.setdefault(instance, None)
-        assigned = self._shares.setdefault(pending.match.bucket_key, {})
-        for name in [n for n in assigned if n not in demands]:  # gone from the fleet
-            del assigned[name]
-        fair = fair_shares(float(limit.requests_per_unit), demands)
-        exhausted = window > 1 and view.used >= limit.requests_per_unit
-        held_by_others = held_elsewhere(instance, assigned, demands, limit.requests_per_unit)
-        share = settle_share(
-            fair[instance], assigned.get(instance), limit.requests_per_unit - held_by_others
-        )
-        assigned[instance] = share
+        window, even = limit.window_seconds, counter.even()
+        fair = counter.split.share(counter.asked(seen, even))
+        share = settle_share(fair, counter.shares.get(instance), counter.room(instance))
+        counter.assign(instance, share, even)
         allowance = share / window * (pending.elapsed or 0)
-        self._count(pending.match.stats_key, usage, limit.shadow_mode, allowance)
+        self._count(counter.match.stats_key, usage, limit.shadow_mode, allowance)
         if limit.shadow_mode:
             return Action(usage.bucket, ALLOW_ALL)
-        if exhausted:
+        if window > 1 and counter.used >= limit.requests_per_unit:
             reset = max(1, math.ceil(window_reset(self._wall(), window)))
             return Action(usage.bucket, DENY_ALL, ttl_seconds=reset)
-        if limit.requests_per_unit == 0:
-            return Action(usage.bucket, DENY_ALL)
         bucket = token_bucket(share, limit.requests_per_unit, window, limit.burst)
         return Action(usage.bucket, TOKEN_BUCKET, bucket)
 
-    def _grow_others(
-        self, instance: str, pending: list[_Pending], views: Mapping[str, QuotaView]
-    ) -> None:
-        """Push, now, a larger bucket to every other instance on this process whose
-        fair share the room ``instance``'s report just freed lets grow. Without it a
-        share grows only at the instance's own next report, after the one that freed
-        the room: a shift of demand from one Envoy to another waited up to two and a
-        half report intervals. Shares only grow here, into room nobody holds, so the
-        fleet still never holds more than the limit; shrinking waits for each
-        instance's own report, which measures its demand."""
-        pushes: dict[str, list[Action]] = {}
-        for item in pending:
-            limit, key = item.match.limit, item.match.bucket_key
-            view, assigned = views[key], self._shares.get(key)
-            window, most = limit.window_seconds, limit.requests_per_unit
-            if assigned is None or limit.shadow_mode or most == 0:
+    # -- the replica's tier: publish totals, divide the part -----------------------------
+
+    async def tick(self) -> None:
+        """One publish of every counter reported here: forget instances gone silent,
+        send the totals, take the new parts, and push grown shares."""
+        self._forget_silent(self._clock())
+        counters = [c for c in self._counters.values() if c.part is not None]
+        for start in range(0, len(counters), PUBLISH_BATCH):
+            chunk = counters[start : start + PUBLISH_BATCH]
+            if await self._publish(chunk):
+                for counter in chunk:
+                    self._grow(counter)
+
+    async def _publish(self, counters: list[_Counter]) -> bool:
+        """Publish this replica's totals of ``counters`` and take its new parts; False
+        when the store is away (each counter keeps its part: fail-static; one never
+        published gets the whole limit, as RLS answers by failure_mode then)."""
+        reports = [self._totals(counter) for counter in counters]
+        sent = [report.allowed for report in reports]
+        try:
+            answers = await self._store.publish(reports, FORGET_AFTER)
+        except StoreUnavailable as exc:
+            self.store_errors += 1
+            log.debug("publish failed, parts kept: %s", exc)
+            for counter in counters:
+                if counter.part is None:
+                    counter.part = float(counter.match.limit.requests_per_unit)
+                    counter.resplit()
+            return False
+        self.publishes += 1
+        index = None
+        for counter, report, totals, allowed in zip(counters, reports, answers, sent, strict=True):
+            window = counter.window_seconds
+            index = window_index(self._wall(), window)
+            counter.unpublished -= allowed
+            if index != counter.window:
+                counter.window, counter.unpublished = index, 0
+            counter.used = totals.used + counter.unpublished
+            counter.totals = totals
+            rate = counter.match.limit.requests_per_unit / window
+            counter.part = tier_part(rate, report.demand, report.instances, totals) * window
+            counter.resplit()
+        return True
+
+    def _totals(self, counter: _Counter) -> TierReport:
+        """This replica's totals of one counter: its instances' demand (per second; an
+        unmeasured one as an even share of the fleet's instances) and allowed hits."""
+        window = counter.window_seconds
+        rate = counter.match.limit.requests_per_unit / window
+        everyone = counter.totals.instances if counter.totals else len(counter.seen)
+        measured = [s.demand for s in counter.seen.values() if s.demand is not None]
+        unmeasured = len(counter.seen) - len(measured)
+        demand = member_demand(measured, unmeasured, rate / max(1, everyone))
+        return TierReport(
+            counter.key, self.member, demand, len(counter.seen), counter.unpublished, window
+        )
+
+    def _grow(self, counter: _Counter) -> None:
+        """Push, now, a larger bucket to every instance of this replica whose fair share
+        grew into room nobody holds (the part grew, or another instance's report freed
+        room). Without it a share grows only at the instance's own next report, up to
+        a report interval later. Shares only grow here, so the instances never hold
+        more than the part; shrinking waits for each instance's own report, which
+        measures its demand."""
+        limit = counter.match.limit
+        if limit.shadow_mode or counter.part is None:
+            return
+        if limit.window_seconds > 1 and counter.used >= limit.requests_per_unit:
+            return  # DENY_ALL until the window resets
+        even = counter.even()
+        for name, held in list(counter.shares.items()):
+            seen = counter.seen.get(name)
+            if name not in self._pushers or seen is None or seen.bucket is None:
                 continue
-            if window > 1 and view.used >= most:  # DENY_ALL until the window resets
+            fair = counter.split.share(counter.asked(seen, even))
+            share = settle_share(fair, held, counter.room(name))
+            if share <= held:
                 continue
-            demands = per_window(view, window)
-            fair = fair_shares(float(most), demands)
-            even = most / len(demands) if demands else float(most)
-            counted = {n: counted_share(h, demands.get(n), even) for n, h in assigned.items()}
-            held_in_all = sum(counted.values())
-            for other, held in list(assigned.items()):
-                seen = self._seen.get((other, key))
-                if other == instance or other not in self._pushers or other not in fair:
-                    continue
-                if seen is None or seen.bucket is None:
-                    continue
-                room = most - (held_in_all - counted[other])
-                share = settle_share(fair[other], held, room)
-                if share <= held:
-                    continue
-                # Granted one after the other: each grows into what is left.
-                assigned[other] = share
-                now_counted = counted_share(share, demands.get(other), even)
-                held_in_all += now_counted - counted[other]
-                counted[other] = now_counted
-                bucket = token_bucket(share, most, window, limit.burst)
-                pushes.setdefault(other, []).append(Action(seen.bucket, TOKEN_BUCKET, bucket))
-        for other, actions in pushes.items():
-            log.debug("pushed to %s: %s", other, [a.bucket for a in actions])
-            if self._pushers[other](actions):
-                self.pushed += len(actions)
-                self.assignments += len(actions)
+            counter.assign(name, share, even)  # one after the other: each into what is left
+            bucket = token_bucket(share, limit.requests_per_unit, limit.window_seconds, limit.burst)
+            action = Action(seen.bucket, TOKEN_BUCKET, bucket)
+            log.debug("pushed to %s: %s", name, seen.bucket)
+            if self._pushers[name]([action]):
+                self.pushed += 1
+                self.assignments += 1
             else:
-                self.pushes_dropped += len(actions)
+                self.pushes_dropped += 1
+
+    def _forget_silent(self, now: float) -> None:
+        """Instances that stopped reporting a counter (their stream still open) no
+        longer take a share of it."""
+        for counter in list(self._counters.values()):
+            for name in [n for n, s in counter.seen.items() if now - s.last_report > FORGET_AFTER]:
+                self._drop(name, counter)
+
+    def _drop(self, instance: str, counter: _Counter) -> None:
+        """``instance`` no longer reports ``counter`` here; a counter no instance
+        reports goes (memory follows the buckets in use)."""
+        counter.remove(instance)
+        counters = self._of.get(instance)
+        if counters is not None:
+            counters.discard(counter.key)
+            if not counters:
+                del self._of[instance]
+        if not counter.seen:
+            del self._counters[counter.key]
+        elif counter.part is not None:
+            counter.resplit()
+
+    async def run(self) -> None:
+        """Publish every ``interval`` seconds (on the event loop's clock, without
+        catching up after a slow round)."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            next_at += self.interval
+            try:
+                await self.tick()
+            except Exception:  # keep the loop alive whatever one round does
+                self.store_errors += 1
+                log.exception("RLQS publish round failed")
+            delay = next_at - loop.time()
+            if delay < 0:
+                next_at, delay = loop.time(), 0.0
+            await asyncio.sleep(delay)
+
+    def start(self) -> None:
+        self._background.start()
+
+    async def stop(self) -> None:
+        await self._background.stop()
+
+    # -- streams -------------------------------------------------------------------------
 
     def attach(self, instance: str, push: Callable[[list[Action]], bool]) -> None:
         """``instance``'s stream takes assignments between its reports through ``push``."""
@@ -368,37 +526,29 @@ class QuotaCoordinator:
         self.closing.set()
 
     def forget(self, instance: str) -> None:
-        """A stream ended: drop what this process kept of it (the store forgets the
-        instance once it has been silent for FORGET_AFTER)."""
+        """A stream ended: drop what this process kept of it (the store forgets this
+        replica's part of its counters at the next publish, or once the replica is
+        silent for FORGET_AFTER)."""
         self.streams -= 1
         self._pushers.pop(instance, None)
-        counters = [k[1] for k in self._seen if k[0] == instance]
-        for counter in counters:
-            del self._seen[(instance, counter)]
-        self._release(instance, counters)
+        for key in list(self._of.get(instance, ())):
+            self._drop(instance, self._counters[key])
 
-    def _release(self, instance: str, counters: Iterable[str]) -> None:
-        """``instance`` no longer reports ``counters`` here: forget its share, and the
-        counters no stream of this process reports any more (so memory follows the
-        buckets in use, not every bucket id ever seen)."""
-        for counter in counters:
-            shares = self._shares.get(counter)
-            if shares is not None:
-                shares.pop(instance, None)
-                if not shares:
-                    del self._shares[counter]
-            if counter not in self._shares:
-                self._last.pop(counter, None)
+    # -- for the metrics page ------------------------------------------------------------
 
     def demands(self) -> dict[str, dict[str, float | None]]:
-        """Each counter's instances and their demand, as last read from the store (for
-        the metrics page)."""
-        return {key: dict(view.demands) for key, (view, _) in self._last.items()}
+        """Each counter's instances on this replica and their demand per second."""
+        return {key: {n: s.demand for n, s in c.seen.items()} for key, c in self._counters.items()}
 
     def shares(self) -> dict[str, dict[str, float]]:
-        """Each counter's share last assigned to each instance of this process's
-        streams, in hits per window."""
-        return {key: dict(shares) for key, shares in self._shares.items()}
+        """Each counter's share last assigned to each instance of this replica, in
+        hits per window."""
+        return {key: dict(c.shares) for key, c in self._counters.items()}
+
+    def parts(self) -> dict[str, tuple[float, TierTotals | None]]:
+        """Each counter's part of the limit held by this replica (hits per window) and
+        the fleet's totals it came from (None: never read from the store)."""
+        return {key: (c.part, c.totals) for key, c in self._counters.items() if c.part is not None}
 
 
 def tightest(matches: tuple[Match, ...]) -> Match | None:

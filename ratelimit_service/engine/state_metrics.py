@@ -120,8 +120,9 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric]:
         ),
         "abandons": ("RLQS buckets abandoned (idle)", quota.abandons),
         "malformed_buckets": ("RLQS buckets with an empty id (ignored)", quota.malformed),
+        "publishes": ("RLQS publishes of this replica's totals to the store", quota.publishes),
         "store_errors": (
-            "RLQS reports divided by the last fleet seen (store away)",
+            "RLQS publishes that failed (the replica kept its last parts)",
             quota.store_errors,
         ),
     }
@@ -138,13 +139,25 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric]:
         labels=["bucket", "instance"],
     )
     instances = GaugeMetricFamily(
-        "ratelimit_rlqs_instances", "Envoy instances sharing a counter", labels=["bucket"]
+        "ratelimit_rlqs_instances",
+        "Envoy instances reporting a counter to this replica",
+        labels=["bucket"],
+    )
+    part = GaugeMetricFamily(
+        "ratelimit_rlqs_part",
+        "Hits per window of a counter's limit this replica divides among its instances",
+        labels=["bucket"],
+    )
+    fleet = GaugeMetricFamily(
+        "ratelimit_rlqs_fleet",
+        "A counter's totals over every replica, as last read from the store",
+        labels=["bucket", "total"],
     )
     per_domain = GaugeMetricFamily(
         "ratelimit_rlqs_buckets", "RLQS counters with reports, per domain", labels=["domain"]
     )
     domains: dict[str, int] = {}
-    shares = quota.shares()
+    shares, parts = quota.shares(), quota.parts()
     for count, (key, seen) in enumerate(quota.demands().items()):
         domain = key.split("\x1f", 1)[0]
         domains[domain] = domains.get(domain, 0) + 1
@@ -157,6 +170,14 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric]:
                 demand.add_metric([label, name], rate)
         for name, assigned in shares.get(key, {}).items():
             share.add_metric([label, name], assigned)
+        if key in parts:
+            held, totals = parts[key]
+            part.add_metric([label], held)
+            if totals is not None:
+                fleet.add_metric([label, "demand"], totals.demand)
+                fleet.add_metric([label, "instances"], totals.instances)
+                fleet.add_metric([label, "replicas"], totals.members)
+                fleet.add_metric([label, "window_used"], totals.used)
     for domain, count in domains.items():
         per_domain.add_metric([domain], count)
-    yield from (instances, demand, share, per_domain)
+    yield from (instances, demand, share, part, fleet, per_domain)

@@ -110,7 +110,12 @@ class RateLimitService:
             near_ratio=settings.near_limit_ratio,
         )
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
-        self.quota = QuotaCoordinator(lambda: self.limiter.config, self.stats, self.store)
+        self.quota = QuotaCoordinator(
+            lambda: self.limiter.config,
+            self.stats,
+            self.store,
+            interval=settings.rlqs_publish_interval,
+        )
         # Where the rules come from: files (watched) or an xDS server.
         self.watcher: ConfigWatcher | None = None
         self.xds: XdsConfigSource | None = None
@@ -218,6 +223,7 @@ class RateLimitService:
             raise
         await self.store.start()
         self.reconciler.start()
+        self.quota.start()
         if self._loop_load_task is not None:
             self._loop_load_task.start()
         self._loop_lag_task.start()
@@ -319,6 +325,7 @@ class RateLimitService:
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace)
         await self.reconciler.stop()
+        await self.quota.stop()
         if self._loop_load_task is not None:
             await self._loop_load_task.stop()
         await self._loop_lag_task.stop()

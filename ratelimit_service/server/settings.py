@@ -232,6 +232,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--stale-after", "store",
             "seconds without a successful sync before probabilistic rules use failure_mode",
             3.0, positive(float), fills="stale_after"),
+    Setting("--rlqs-publish-interval", "store",
+            "seconds between two publishes of this replica's RLQS totals to the store"
+            " (how soon a replica learns the others' demand)",
+            1.0, positive(float), fills="rlqs_publish_interval"),
     # modes and limits
     Setting("--mode", "modes and limits", "mode of rules that declare none", "probabilistic",
             choices=tuple(m.value for m in Mode), fills="mode", to_field=Mode),
@@ -343,6 +347,8 @@ class Settings:
     exact_max_pending: int = 2048
     """Exact requests waiting for Redis at most; one more is refused (see limiter)."""
     stale_after: float = 3.0
+    rlqs_publish_interval: float = 1.0
+    """Seconds between two publishes of this replica's RLQS totals (engine/quota.py)."""
     max_buckets: int = 100_000
     max_stats_keys: int = 10_000
     merge_domain_config: bool = False

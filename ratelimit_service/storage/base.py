@@ -2,8 +2,8 @@
 
 Three operations, each batched so a Redis store can answer it in one round trip:
 ``hit`` decides a request's exact-mode descriptors atomically; ``sync`` folds one
-process's probabilistic counts into the fleet totals and returns them; ``quota``
-records RLQS usage per Envoy and returns the fleet's.
+process's probabilistic counts into the fleet totals and returns them; ``publish``
+records one replica's RLQS totals and returns the fleet's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.exact import ExactHit, ExactResult
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.core.shares import QuotaReport, QuotaView
+from ratelimit_service.core.tiers import TierReport, TierTotals
 
 
 class StoreUnavailable(Exception):
@@ -55,11 +55,11 @@ class Store(Protocol):
         bucket's fleet view. Runs even with no reports: it is the node's heartbeat."""
         ...
 
-    async def quota(self, reports: Sequence[QuotaReport], forget_after: float) -> list[QuotaView]:
-        """RLQS: record each instance's demand and allowed hits per counter; return
-        every instance's demand (those silent for ``forget_after`` seconds left out)
-        and the window's allowed hits, so every replica on one store divides the same
-        fleet the same way."""
+    async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
+        """RLQS tiers: record one member's totals per counter (its demand, instances and
+        the hits they allowed since its last publish) and return the sums over every
+        member heard from within ``forget_after`` seconds, this one included. The work
+        per call does not grow with the number of members (core/tiers.py)."""
         ...
 
     async def start(self) -> None:

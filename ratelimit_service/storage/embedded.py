@@ -15,7 +15,7 @@ from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.lru import LruMap
-from ratelimit_service.core.shares import QuotaReport, QuotaView
+from ratelimit_service.core.tiers import TierReport, TierTable, TierTotals
 from ratelimit_service.core.window import DEFAULT_SLICES, SlidingWindow
 
 
@@ -45,17 +45,6 @@ class _FleetBucket:
         return now - self.touched > self.window_seconds
 
 
-class _Quota:
-    """RLQS: one counter's instances (demand, last seen) and its window's allowed hits."""
-
-    __slots__ = ("instances", "used", "window")
-
-    def __init__(self) -> None:
-        self.instances: dict[str, tuple[float | None, float]] = {}
-        self.window = -1
-        self.used = 0
-
-
 class EmbeddedStore:
     name = "embedded"
 
@@ -70,7 +59,7 @@ class EmbeddedStore:
         self._slices = slices
         self._windows: LruMap[SlidingWindow] = LruMap(max_keys)
         self._fleet: LruMap[_FleetBucket] = LruMap(max_keys)
-        self._quota: LruMap[_Quota] = LruMap(max_keys)
+        self._tiers: LruMap[TierTable] = LruMap(max_keys)
         self.swept = 0
 
     def _window(self, key: str, window_seconds: int) -> SlidingWindow:
@@ -107,22 +96,12 @@ class EmbeddedStore:
             views.append(FleetView(tokens=bucket.tokens, offered_total=bucket.offered_total))
         return SyncResult(nodes=1, views=views)
 
-    async def quota(self, reports: Sequence[QuotaReport], forget_after: float) -> list[QuotaView]:
-        now = self._clock()
-        views = []
-        for report in reports:
-            entry = self._quota.get_or_create(report.key, _Quota)
-            entry.instances[report.instance] = (report.demand, now)
-            for name, (_, seen) in list(entry.instances.items()):
-                if now - seen > forget_after:
-                    del entry.instances[name]
-            window = int(now // report.window_seconds)
-            if window != entry.window:
-                entry.window, entry.used = window, 0
-            entry.used += report.allowed
-            demands = {name: demand for name, (demand, _) in entry.instances.items()}
-            views.append(QuotaView(demands, entry.used))
-        return views
+    async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
+        now_us, forget_us = round(self._clock() * 1_000_000), round(forget_after * 1_000_000)
+        return [
+            self._tiers.get_or_create(report.key, TierTable).publish(report, now_us, forget_us)
+            for report in reports
+        ]
 
     def sweep(self) -> int:
         """Forget state that no longer holds anything; called by the reconciler."""

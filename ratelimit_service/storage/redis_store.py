@@ -20,6 +20,7 @@ process saw it, goes to the ``reply_time`` histogram.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import socket
@@ -37,7 +38,7 @@ from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity
 from ratelimit_service.core.exact import ExactHit, ExactResult, request_denied
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.core.shares import QuotaReport, QuotaView
+from ratelimit_service.core.tiers import MILLI, TierReport, TierTotals
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
@@ -133,15 +134,6 @@ def _display(url: str) -> str:
     return f"{scheme}{sep}{rest}"
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _demand(value: Any) -> float | None:
-    demand = float(_text(value))
-    return None if demand < 0 else demand
-
-
 def _script(name: str) -> str:
     return resources.files("ratelimit_service.resources").joinpath(name).read_text()
 
@@ -187,7 +179,7 @@ class RedisStore:
         )
         self._exact = self._client.register_script(_script("exact_window.lua"))
         self._sync = self._client.register_script(_script("fleet_sync.lua"))
-        self._quota = self._client.register_script(_script("quota_sync.lua"))
+        self._tier = self._client.register_script(_script("quota_tier.lua"))
         self.breaker = CircuitBreaker(name=f"redis at {_display(url)}")
         self._initialized = not self.cluster
         self._init_lock = asyncio.Lock()
@@ -358,33 +350,45 @@ class RedisStore:
 
     # -- RLQS --------------------------------------------------------------------
 
-    async def quota(self, reports: Sequence[QuotaReport], forget_after: float) -> list[QuotaView]:
-        keys = [f"{self.prefix}q:{report.key}" for report in reports]
+    async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
+        keys = [self._tier_key(report.key) for report in reports]
         groups = self._by_slot(keys, reports)  # one group on a single server
         answers = await asyncio.gather(
-            *(self._quota_call(g.keys, g.hits, forget_after) for g in groups)
+            *(self._publish_call(g.keys, g.hits, forget_after) for g in groups)
         )
         return _reorder(groups, answers, len(reports))
 
-    async def _quota_call(
-        self, keys: list[str], reports: Sequence[QuotaReport], forget_after: float
-    ) -> list[QuotaView]:
-        args: list[Any] = [int(forget_after * 1_000_000)]
-        for report in reports:
-            demand = "-1" if report.demand is None else f"{report.demand:.3f}"
-            args += (report.instance, demand, report.allowed, report.window_seconds * 1_000_000)
-        raw = await self._call(self._quota, keys, args, self.sync_timeout)
-        views, i = [], 0
-        for _ in reports:
-            used, count = int(raw[i]), int(raw[i + 1])
-            pairs = raw[i + 2 : i + 2 + 2 * count]
-            demands = {
-                _text(name): _demand(value)
-                for name, value in zip(pairs[::2], pairs[1::2], strict=True)
-            }
-            views.append(QuotaView(demands, used))
-            i += 2 + 2 * count
-        return views
+    def _tier_key(self, counter: str) -> str:
+        """A counter's hash; its sorted set is the same name with ``:m``. Both carry a
+        hash tag made from the counter (whose own text may hold braces), so a Cluster
+        keeps them in one slot."""
+        digest = hashlib.blake2b(counter.encode(), digest_size=8).hexdigest()
+        return f"{self.prefix}qt{{{digest}}}"
+
+    async def _publish_call(
+        self, keys: list[str], reports: Sequence[TierReport], forget_after: float
+    ) -> list[TierTotals]:
+        member = reports[0].member
+        args: list[Any] = [member, int(forget_after * 1_000_000)]
+        call_keys: list[str] = []
+        for key, report in zip(keys, reports, strict=True):
+            call_keys += (key, key + ":m")
+            args += (
+                round(report.demand * MILLI),
+                report.instances,
+                report.allowed,
+                report.window_seconds * 1_000_000,
+            )
+        raw = await self._call(self._tier, call_keys, args, self.sync_timeout)
+        return [
+            TierTotals(
+                demand=int(raw[i]) / MILLI,
+                instances=int(raw[i + 1]),
+                members=int(raw[i + 2]),
+                used=int(raw[i + 3]),
+            )
+            for i in range(0, len(raw), 4)
+        ]
 
     def _by_slot(self, keys: list[str], items: Sequence[_T]) -> list[_Group]:
         """One group per cluster slot (everything in one group on a single server)."""

@@ -1,0 +1,181 @@
+"""Tiers: a member's part of a limit from totals (core/tiers.py), and quota_tier.lua on
+a real redis-server, on a clock the test sets, kept equal to its Python twin."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import redis.asyncio as aioredis
+
+from ratelimit_service.core.shares import fair_shares, water_level
+from ratelimit_service.core.tiers import (
+    EXPIRE_PER_CALL,
+    MILLI,
+    TierReport,
+    TierTable,
+    TierTotals,
+    member_demand,
+    tier_part,
+)
+from ratelimit_service.storage.redis_store import RedisStore, _script
+
+
+def totals(demands: dict[str, float], instances: dict[str, int]) -> TierTotals:
+    return TierTotals(sum(demands.values()), sum(instances.values()), len(demands), 0)
+
+
+@pytest.mark.parametrize(
+    ("demands", "instances", "expected"),
+    [
+        # over the limit: in proportion to demand
+        ({"a": 300.0, "b": 100.0}, {"a": 3, "b": 1}, {"a": 75.0, "b": 25.0}),
+        # under it: each its demand, the spare by instance count
+        ({"a": 30.0, "b": 10.0}, {"a": 3, "b": 1}, {"a": 75.0, "b": 25.0}),
+        ({"a": 60.0, "b": 0.0}, {"a": 1, "b": 1}, {"a": 80.0, "b": 20.0}),
+        # no demand anywhere yet: by instance count
+        ({"a": 0.0, "b": 0.0}, {"a": 1, "b": 4}, {"a": 20.0, "b": 80.0}),
+    ],
+)
+def test_parts_come_from_totals_and_add_up_to_the_limit(
+    demands: dict[str, float], instances: dict[str, int], expected: dict[str, float]
+) -> None:
+    fleet = totals(demands, instances)
+    parts = {m: tier_part(100.0, demands[m], instances[m], fleet) for m in demands}
+    assert parts == pytest.approx(expected)
+    assert sum(parts.values()) == pytest.approx(100.0)
+
+
+def test_random_fleets_never_divide_more_than_the_limit() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        members = rng.randint(1, 12)
+        demands = {str(m): rng.choice([0.0, rng.uniform(0, 80)]) for m in range(members)}
+        instances = {m: rng.randint(1, 50) for m in demands}
+        fleet = totals(demands, instances)
+        limit = rng.uniform(1, 400)
+        parts = [tier_part(limit, demands[m], instances[m], fleet) for m in demands]
+        assert all(p >= 0 for p in parts)
+        assert sum(parts) == pytest.approx(limit)
+        if fleet.demand <= limit:  # every member gets at least what it asks for
+            assert all(p >= demands[m] - 1e-9 for p, m in zip(parts, demands, strict=True))
+
+
+def test_an_unmeasured_instance_counts_as_an_even_share() -> None:
+    assert member_demand([10.0, 5.0], 2, 20.0) == 55.0
+    assert member_demand([], 0, 20.0) == 0.0
+
+
+def test_the_water_level_gives_the_fair_shares() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        asked = {str(n): rng.choice([0.0, rng.uniform(0, 100)]) for n in range(rng.randint(1, 9))}
+        limit = rng.uniform(1, 300)
+        split = water_level(limit, asked)
+        fair = fair_shares(limit, dict(asked))
+        assert {n: split.share(a) for n, a in asked.items()} == pytest.approx(fair)
+        assert sum(fair.values()) == pytest.approx(limit)
+
+
+# -- the Lua script and its twin ----------------------------------------------------------
+
+CLOCK = "test:clock"
+FORGET_US = 15_000_000
+
+
+def script_on_test_clock() -> str:
+    """quota_tier.lua with Redis's TIME replaced by a hash the test writes."""
+    source = _script("quota_tier.lua")
+    time_call = "local t = call('TIME')"
+    assert source.count(time_call) == 1
+    return source.replace(time_call, f"local t = call('HMGET', '{CLOCK}', 's', 'us')")
+
+
+async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server) -> None:
+    """Members come, publish, go silent and come back; counters with windows of 1 s
+    and a minute; more members go silent at once than one call removes. After every
+    call the script's answer equals TierTable.publish's on the same clock."""
+    rng = random.Random(11)
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock()
+    counters = {"q\x1ftenant\x1e{a}\x1f1": 1, "q\x1fday\x1eb\x1f60": 60}
+    tables = {key: TierTable() for key in counters}
+    names = [f"replica-{n}" for n in range(40)]
+    now_us = 1_700_000_000_000_000
+    seen = {"expired": 0, "windows": 0}
+    try:
+        for step in range(400):
+            # Mostly quick steps, now and then a silence longer than the forget time.
+            now_us += rng.choice([rng.randrange(300_000)] * 9 + [FORGET_US + rng.randrange(10**6)])
+            await client.hset(CLOCK, mapping={"s": now_us // 10**6, "us": now_us % 10**6})
+            member = rng.choice(names[: 5 + step // 10])
+            keys: list[str] = []
+            args: list[object] = [member, FORGET_US]
+            reports = []
+            for key, window in counters.items():
+                report = TierReport(
+                    key, member, rng.choice([0.0, rng.uniform(0, 500)]),
+                    rng.randint(0, 30), rng.randint(0, 40), window,
+                )  # fmt: skip
+                reports.append(report)
+                keys += (f"t:{key}", f"t:{key}:m")
+                args += (round(report.demand * MILLI), report.instances, report.allowed,
+                         window * 1_000_000)  # fmt: skip
+            raw = await client.eval(source, len(keys), *keys, *args)
+            for n, report in enumerate(reports):
+                table = tables[report.key]
+                before = (len(table.members), table.window)
+                want = table.publish(report, now_us, FORGET_US)
+                got = TierTotals(raw[4 * n] / MILLI, raw[4 * n + 1], raw[4 * n + 2],
+                                 raw[4 * n + 3])  # fmt: skip
+                assert got == want, (step, report)
+                seen["expired"] += want.members < before[0]
+                seen["windows"] += before[1] is not None and table.window != before[1]
+        assert seen["expired"] > 10 and seen["windows"] > 50  # both paths ran
+    finally:
+        await client.aclose()
+
+
+async def test_silent_members_leave_the_sums_a_bounded_number_per_call(redis_server) -> None:
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock()
+    table = TierTable()
+    now_us = 1_800_000_000_000_000
+
+    async def publish(member: str, demand: float) -> TierTotals:
+        await client.hset(CLOCK, mapping={"s": now_us // 10**6, "us": now_us % 10**6})
+        raw = await client.eval(source, 2, "t:x", "t:x:m", member, FORGET_US,
+                                round(demand * MILLI), 1, 0, 1_000_000)  # fmt: skip
+        want = table.publish(TierReport("x", member, demand, 1, 0, 1), now_us, FORGET_US)
+        got = TierTotals(raw[0] / MILLI, raw[1], raw[2], raw[3])
+        assert got == want
+        return got
+
+    try:
+        for n in range(40):
+            await publish(f"m{n:02d}", 1.5)
+        now_us += FORGET_US + 1
+        first = await publish("late", 2.0)
+        assert first.members == 40 - EXPIRE_PER_CALL + 1  # 16 of the 40 silent ones went
+        second = await publish("late", 2.0)
+        third = await publish("late", 2.0)
+        assert (second.members, third.members) == (9, 1)
+        assert (third.demand, third.instances) == (2.0, 1)
+    finally:
+        await client.aclose()
+
+
+async def test_the_store_keeps_a_counters_two_keys_in_one_cluster_slot(redis_server) -> None:
+    store = RedisStore(redis_server.url)
+    try:
+        from redis.crc import key_slot
+
+        key = store._tier_key("q\x1ft\x1e{x}y\x1f1")
+        assert key_slot(key.encode()) == key_slot((key + ":m").encode())
+        report = TierReport("q\x1ft\x1e{x}y\x1f1", "r1", 12.5, 3, 7, 1)
+        (answer,) = await store.publish([report], 15.0)
+        assert answer == TierTotals(12.5, 3, 1, 7)
+        (again,) = await store.publish([TierReport(report.key, "r2", 2.5, 1, 1, 1)], 15.0)
+        assert (again.demand, again.instances, again.members) == (15.0, 4, 2)
+    finally:
+        await store.close()
