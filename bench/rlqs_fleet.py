@@ -43,6 +43,11 @@ class SimEnvoy:
     denied: int = 0
     debt: float = 0.0
 
+    def assigned_rate(self) -> float:
+        if self.bucket is None:
+            return 0.0
+        return self.bucket.tokens_per_fill / self.bucket.fill_seconds
+
     def assign(self, bucket: TokenBucket | None) -> None:
         if bucket != self.bucket:  # a new bucket starts full; an identical one is kept
             self.bucket, self.tokens = bucket, float(bucket.max_tokens) if bucket else 0.0
@@ -70,33 +75,45 @@ async def run(
     push: bool = True,
     shift_at: float | None = None,
     after: float = 3.0,
-) -> list[float]:
+    replicas: int = 1,
+) -> tuple[list[float], list[float]]:
     """Admitted per second. ``push``: buckets the coordinator pushes between an
     Envoy's reports reach it at once (as on a real stream); without, only the answers
     to its own reports (to compare the two side by side). ``shift_at``: from then on
-    the skew is reversed (the busiest Envoy becomes the quietest), at the same total."""
+    the skew is reversed (the busiest Envoy becomes the quietest), at the same total.
+    ``replicas``: coordinators sharing one store, each with every replicas-th Envoy,
+    each publishing every second. Also returns the fleet's assigned rate (the sum of
+    every Envoy's tokens per second) at the end of each second."""
     rng = random.Random(seed)
     config = load_config(
         [ConfigFile("q.yaml", f"domain: q\ndescriptors:\n  - key: tenant\n"
                     f"    rate_limit: {{unit: second, requests_per_unit: {limit}}}\n")]
     )  # fmt: skip
     clock = [0.0]
-    quota = QuotaCoordinator(
-        lambda: config,
-        Stats(),
-        EmbeddedStore(clock=lambda: clock[0]),
-        clock=lambda: clock[0],
-        wall=lambda: clock[0],
-    )
+    store = EmbeddedStore(clock=lambda: clock[0])  # one store, every replica a member
+    coordinators = [
+        QuotaCoordinator(
+            lambda: config,
+            Stats(),
+            store,
+            member=f"replica-{n}",
+            clock=lambda: clock[0],
+            wall=lambda: clock[0],
+        )
+        for n in range(replicas)
+    ]
     weights = [1.0 / (i + 1) ** 0.8 for i in range(envoys)]
     total = sum(weights)
     fleet = [
         SimEnvoy(f"e{i}", w / total, rng.uniform(0, REPORT_INTERVAL)) for i, w in enumerate(weights)
     ]
+    replica_of = {e.name: coordinators[n % replicas] for n, e in enumerate(fleet)}
     if push:
         for envoy in fleet:
-            quota.attach(envoy.name, lambda actions, e=envoy: deliver(e, actions))
+            replica_of[envoy.name].attach(envoy.name, lambda actions, e=envoy: deliver(e, actions))
+    next_tick = [rng.uniform(0, 1.0) for _ in coordinators]
     per_second: list[float] = [0.0] * math.ceil(seconds)
+    assigned: list[float] = [0.0] * math.ceil(seconds)
     next_report = {e.name: e.phase for e in fleet}
     first = {e.name: True for e in fleet}
     t = 0.0
@@ -119,11 +136,16 @@ async def run(
             if not first[envoy.name] and t >= next_report[envoy.name]:
                 usage = Usage(BUCKET, envoy.allowed, envoy.denied)
                 envoy.allowed = envoy.denied = 0
-                (action,) = await quota.report(envoy.name, "q", [usage])
+                (action,) = await replica_of[envoy.name].report(envoy.name, "q", [usage])
                 envoy.assign(action.token_bucket)
                 next_report[envoy.name] = t + REPORT_INTERVAL
+        for n, coordinator in enumerate(coordinators):
+            if t >= next_tick[n]:
+                await coordinator.tick()
+                next_tick[n] += coordinator.interval
+        assigned[int(t)] = sum(e.assigned_rate() for e in fleet)
         t += TICK
-    return per_second
+    return per_second, assigned
 
 
 def deliver(envoy: SimEnvoy, actions: list[Action]) -> bool:
@@ -147,10 +169,11 @@ def main() -> None:
         "--shift-at", type=float, default=None, help="reverse the skew at this second"
     )
     parser.add_argument("--after", type=float, default=3.0, help="offered x limit after the step")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas sharing one store")
     args = parser.parse_args()
-    rows = asyncio.run(
+    rows, assigned = asyncio.run(
         run(args.envoys, args.limit, args.seconds, args.step_at, args.seed, not args.no_push,
-            args.shift_at, args.after)
+            args.shift_at, args.after, args.replicas)
     )  # fmt: skip
     limit = args.limit
     step = int(args.step_at)
@@ -161,10 +184,11 @@ def main() -> None:
     steady = rows[step + 15 :] or rows[-5:]
     error = sum(steady) / len(steady) / limit - 1
     shift = "" if args.shift_at is None else f", skew reversed at t={args.shift_at:g}s"
-    print(f"{args.envoys} Envoys, limit {limit}/s, 0.5x then {args.after:g}x at t={step}s{shift}")
-    print("second  admitted/limit")
-    for second, admitted in enumerate(rows):
-        print(f"{second:6d}  {admitted / limit:5.2f}")
+    print(f"{args.envoys} Envoys on {args.replicas} replica(s), limit {limit}/s,"
+          f" 0.5x then {args.after:g}x at t={step}s{shift}")  # fmt: skip
+    print("second  admitted/limit  assigned/limit")
+    for second, (admitted, rate) in enumerate(zip(rows, assigned, strict=True)):
+        print(f"{second:6d}  {admitted / limit:14.2f}  {rate / limit:14.2f}")
     reaction = "never" if within is None else f"{within - step} s"
     print(f"reaction (every later second within +-10 %): {reaction}")
     print(f"steady state after the step: {error:+.1%} of the limit")

@@ -43,7 +43,7 @@ async def test_two_replicas_divide_one_limit_from_totals(redis_server) -> None:
         clock.now += 5.0
         await one.report("a", "q", [Usage(bucket, a_hits, 0)])
         await two.report("b", "q", [Usage(bucket, b_hits, 0)])
-        for replica in (one, two, one):  # publishes, each replica's turn
+        for replica in (one, two, one, two):  # publishes, each in turn
             await replica.tick()
         return one.parts()[KEY][0], two.parts()[KEY][0]
 

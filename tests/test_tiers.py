@@ -16,13 +16,23 @@ from ratelimit_service.core.tiers import (
     TierTable,
     TierTotals,
     member_demand,
-    tier_part,
 )
 from ratelimit_service.storage.redis_store import RedisStore, _script
 
+FORGET_US = 15_000_000
 
-def totals(demands: dict[str, float], instances: dict[str, int]) -> TierTotals:
-    return TierTotals(sum(demands.values()), sum(instances.values()), len(demands), 0)
+
+def publish_rounds(
+    demands: dict[str, float], instances: dict[str, int], limit: float, rounds: int
+) -> tuple[TierTable, dict[str, float]]:
+    """Every member publishes ``rounds`` times, one after the other; the last parts."""
+    table, parts, now = TierTable(), {}, 10**15
+    for _ in range(rounds):
+        for member in demands:
+            now += 1000
+            report = TierReport("k", member, demands[member], instances[member], 0, 1, limit)
+            parts[member] = table.publish(report, now, FORGET_US).part
+    return table, parts
 
 
 @pytest.mark.parametrize(
@@ -40,25 +50,64 @@ def totals(demands: dict[str, float], instances: dict[str, int]) -> TierTotals:
 def test_parts_come_from_totals_and_add_up_to_the_limit(
     demands: dict[str, float], instances: dict[str, int], expected: dict[str, float]
 ) -> None:
-    fleet = totals(demands, instances)
-    parts = {m: tier_part(100.0, demands[m], instances[m], fleet) for m in demands}
-    assert parts == pytest.approx(expected)
-    assert sum(parts.values()) == pytest.approx(100.0)
+    _, parts = publish_rounds(demands, instances, 100.0, rounds=2)
+    assert parts == pytest.approx(expected, abs=0.002)
+    assert sum(parts.values()) <= 100.0
 
 
-def test_random_fleets_never_divide_more_than_the_limit() -> None:
+def test_a_member_heard_first_gets_its_even_share_and_no_more() -> None:
+    """a holds the whole limit; b arrives: b gets its share by instances at once (the
+    one-interval overshoot), and a shrinks to its fair part at its next publish."""
+    table, parts = publish_rounds({"a": 300.0, "b": 100.0}, {"a": 3, "b": 1}, 100.0, rounds=1)
+    assert parts == {"a": 100.0, "b": 25.0}
+    assert table.parts == 125 * MILLI
+
+
+def test_random_fleets_never_hand_out_more_than_the_limit_once_heard() -> None:
+    """Members publish with demands that jump; once every member has published twice,
+    the parts held never add up to more than the limit, and with demands that stay
+    put they reach the fair parts within three rounds (the first uses the others' old
+    demands; in the second a part may wait for room another frees in it)."""
     rng = random.Random(7)
-    for _ in range(500):
-        members = rng.randint(1, 12)
-        demands = {str(m): rng.choice([0.0, rng.uniform(0, 80)]) for m in range(members)}
-        instances = {m: rng.randint(1, 50) for m in demands}
-        fleet = totals(demands, instances)
+    for _ in range(200):
+        names = [str(m) for m in range(rng.randint(1, 8))]
+        instances = {m: rng.randint(1, 50) for m in names}
         limit = rng.uniform(1, 400)
-        parts = [tier_part(limit, demands[m], instances[m], fleet) for m in demands]
-        assert all(p >= 0 for p in parts)
-        assert sum(parts) == pytest.approx(limit)
-        if fleet.demand <= limit:  # every member gets at least what it asks for
-            assert all(p >= demands[m] - 1e-9 for p, m in zip(parts, demands, strict=True))
+        table, now = TierTable(), 10**15
+
+        def demand() -> float:
+            return rng.choice([0.0, rng.uniform(0, 80), rng.uniform(0, 400)])
+
+        for _ in range(2):  # first heard (each gets at least its even share), then again
+            for m in names:
+                before = table.parts
+                now += 1000
+                report = TierReport("k", m, demand(), instances[m], 0, 1, limit)
+                first = m not in table.members
+                table.publish(report, now, FORGET_US)
+                if not first:  # a part grows only into room: the sum never grows past it
+                    assert table.parts <= max(before, round(limit * MILLI))
+        assert table.parts <= round(limit * MILLI)
+        for _ in range(30):
+            m = rng.choice(names)
+            now += 1000
+            table.publish(TierReport("k", m, demand(), instances[m], 0, 1, limit), now, FORGET_US)
+            assert table.parts <= round(limit * MILLI)
+        demands = {m: demand() for m in names}
+        for _ in range(3):
+            for m in names:
+                now += 1000
+                report = TierReport("k", m, demands[m], instances[m], 0, 1, limit)
+                table.publish(report, now, FORGET_US)
+        d = sum(demands.values())
+        everyone = sum(instances.values())
+        for m in names:
+            fair = (
+                limit * instances[m] / everyone if d <= 0
+                else demands[m] + (limit - d) * instances[m] / everyone if d <= limit
+                else limit * demands[m] / d
+            )  # fmt: skip
+            assert table.members[m].part / MILLI == pytest.approx(fair, abs=0.01 + 1e-6 * fair)
 
 
 def test_an_unmeasured_instance_counts_as_an_even_share() -> None:
@@ -80,7 +129,10 @@ def test_the_water_level_gives_the_fair_shares() -> None:
 # -- the Lua script and its twin ----------------------------------------------------------
 
 CLOCK = "test:clock"
-FORGET_US = 15_000_000
+
+
+def totals_of(raw: list[int]) -> TierTotals:
+    return TierTotals(raw[0] / MILLI, raw[1] / MILLI, raw[2], raw[3], raw[4])
 
 
 def script_on_test_clock() -> str:
@@ -116,18 +168,18 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server) -> Non
                 report = TierReport(
                     key, member, rng.choice([0.0, rng.uniform(0, 500)]),
                     rng.randint(0, 30), rng.randint(0, 40), window,
+                    rng.choice([100.0, 250.5, 1e6]),
                 )  # fmt: skip
                 reports.append(report)
                 keys += (f"t:{key}", f"t:{key}:m")
                 args += (round(report.demand * MILLI), report.instances, report.allowed,
-                         window * 1_000_000)  # fmt: skip
+                         window * 1_000_000, round(report.limit * MILLI))  # fmt: skip
             raw = await client.eval(source, len(keys), *keys, *args)
             for n, report in enumerate(reports):
                 table = tables[report.key]
                 before = (len(table.members), table.window)
                 want = table.publish(report, now_us, FORGET_US)
-                got = TierTotals(raw[4 * n] / MILLI, raw[4 * n + 1], raw[4 * n + 2],
-                                 raw[4 * n + 3])  # fmt: skip
+                got = totals_of(raw[5 * n : 5 * n + 5])
                 assert got == want, (step, report)
                 seen["expired"] += want.members < before[0]
                 seen["windows"] += before[1] is not None and table.window != before[1]
@@ -145,9 +197,10 @@ async def test_silent_members_leave_the_sums_a_bounded_number_per_call(redis_ser
     async def publish(member: str, demand: float) -> TierTotals:
         await client.hset(CLOCK, mapping={"s": now_us // 10**6, "us": now_us % 10**6})
         raw = await client.eval(source, 2, "t:x", "t:x:m", member, FORGET_US,
-                                round(demand * MILLI), 1, 0, 1_000_000)  # fmt: skip
-        want = table.publish(TierReport("x", member, demand, 1, 0, 1), now_us, FORGET_US)
-        got = TierTotals(raw[0] / MILLI, raw[1], raw[2], raw[3])
+                                round(demand * MILLI), 1, 0, 1_000_000, 100_000)  # fmt: skip
+        report = TierReport("x", member, demand, 1, 0, 1, 100.0)
+        want = table.publish(report, now_us, FORGET_US)
+        got = totals_of(raw)
         assert got == want
         return got
 
@@ -172,10 +225,12 @@ async def test_the_store_keeps_a_counters_two_keys_in_one_cluster_slot(redis_ser
 
         key = store._tier_key("q\x1ft\x1e{x}y\x1f1")
         assert key_slot(key.encode()) == key_slot((key + ":m").encode())
-        report = TierReport("q\x1ft\x1e{x}y\x1f1", "r1", 12.5, 3, 7, 1)
+        report = TierReport("q\x1ft\x1e{x}y\x1f1", "r1", 12.5, 3, 7, 1, 100.0)
         (answer,) = await store.publish([report], 15.0)
-        assert answer == TierTotals(12.5, 3, 1, 7)
-        (again,) = await store.publish([TierReport(report.key, "r2", 2.5, 1, 1, 1)], 15.0)
+        assert answer == TierTotals(100.0, 12.5, 3, 1, 7)
+        second = TierReport(report.key, "r2", 2.5, 1, 1, 1, 100.0)
+        (again,) = await store.publish([second], 15.0)
         assert (again.demand, again.instances, again.members) == (15.0, 4, 2)
+        assert again.part == 23.75  # first heard: its fair part (2.5 and a quarter of 85)
     finally:
         await store.close()

@@ -3,33 +3,40 @@
 
 A *member* of a tier is what publishes to one store: a replica (its own Envoys'
 demand summed) to the store its replicas share. Each member publishes, per counter,
-its demand (hits per second), how many instances stand behind it and the hits they
-allowed since its last publish; the store keeps one entry per member and running
-sums, so what it returns is four numbers whatever the size of the fleet:
+its demand (hits per second), how many instances stand behind it, the hits they
+allowed since its last publish, and the limit; the store keeps one entry per member
+and running sums, and hands the member its part in the same call, in work that does
+not grow with the fleet:
 
-* the fleet's demand and instance count (sums over live members),
-* the number of live members,
-* the hits allowed in the current fixed window (windows aligned to the epoch).
+* **The part** (:func:`fair_part`): the member's demand when the fleet asks for less
+  than the limit, plus the spare in proportion to its instances (every instance keeps
+  room to grow until the next publish); the limit in proportion to demand when the
+  fleet asks for more (every member's instances then see the same drop ratio, the
+  design's global drop ratio). Within a member, the part is divided among its own
+  instances max-min by demand (core/shares.py).
+* **Never more than the limit in all** (:func:`capped_part`): a part grows only into
+  what the other members do not hold (their parts as last handed out), so members
+  that publish at different moments, each with the others' demands up to one
+  interval old, do not hand out the limit twice over after a step in load. A member
+  heard from for the first time gets at least its even share by instances (a
+  replica that starts beside others that hold the whole limit is not starved until
+  they next publish; the overshoot is one even share, for one interval).
+* **The window's allowed hits**, fleet-wide (windows aligned to the epoch).
 
-A member's part of the limit (:func:`tier_part`): its demand when the fleet asks for
-less than the limit, plus the spare spread by instance count (every instance keeps
-room to grow until the next publish); the limit in proportion to demand when the
-fleet asks for more (every member's instances then see the same drop ratio, as in
-the design's global drop ratio). Within a member, the part is divided among its own
-instances max-min by demand (core/shares.py).
-
-:class:`TierTable` is the store's side: the arithmetic of
-``resources/quota_tier.lua``, kept equal to it by a test on a set clock; the
-embedded store holds its counters in it.
+Demands, limits and parts travel as integer thousandths of a hit per second, so the
+running sums are exact and the arithmetic below gives the same numbers in Python and
+in Lua (the same IEEE operations in the same order). :class:`TierTable` is the store's
+side, the twin of ``resources/quota_tier.lua``, kept equal to it by a test on a set
+clock; the embedded store holds its counters in it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MILLI = 1000
-"""Demands travel and are summed as integer thousandths of a hit per second, so the
-store's running sums are exact (no float drift however many publishes)."""
+"""Rates travel and are summed as integer thousandths of a hit per second."""
 EXPIRE_PER_CALL = 16
 """Members silent past the forget time that one publish removes at most (each
 member is removed once, so the work per call stays bounded; a burst of departures
@@ -50,12 +57,16 @@ class TierReport:
     allowed: int
     """Hits its instances allowed since its previous publish."""
     window_seconds: int
+    limit: float
+    """The rule's limit, hits per second."""
 
 
 @dataclass(frozen=True, slots=True)
 class TierTotals:
-    """The store's answer for one counter: sums over its live members."""
+    """The store's answer for one counter."""
 
+    part: float
+    """This member's part of the limit, hits per second."""
     demand: float
     """Hits per second, every member's published demand (this one's included)."""
     instances: int
@@ -70,69 +81,80 @@ def member_demand(measured: list[float], unmeasured: int, even: float) -> float:
     return sum(measured) + unmeasured * even
 
 
-def tier_part(limit: float, demand: float, instances: int, totals: TierTotals) -> float:
-    """This member's part of ``limit`` (same unit as the demands: hits per second).
-
-    Fleet under the limit: its demand, plus the spare in proportion to its instances.
-    Fleet over it: the limit in proportion to its demand. No demand anywhere yet: in
-    proportion to its instances."""
-    everyone = max(totals.instances, instances, 1)
-    if totals.demand <= 0.0:
+def fair_part(limit: int, demand: int, instances: int, fleet_demand: int, everyone: int) -> float:
+    """A member's fair part of ``limit`` (all rates in thousandths): fleet under the
+    limit, its demand plus the spare by instances; over it, the limit by demand; no
+    demand anywhere yet, by instances. ``everyone``: the fleet's instances, at least 1."""
+    if fleet_demand <= 0:
         return limit * instances / everyone
-    if totals.demand <= limit:
-        return demand + (limit - totals.demand) * instances / everyone
-    return limit * min(demand, totals.demand) / totals.demand
+    if fleet_demand <= limit:
+        return demand + (limit - fleet_demand) * instances / everyone
+    return limit * min(demand, fleet_demand) / fleet_demand
+
+
+def capped_part(fair: float, room: int, even: float, first: bool) -> int:
+    """The part handed out (thousandths): the fair one, grown only into ``room`` (the
+    limit less the other members' parts); a member heard from for the first time
+    gets at least ``even`` (its share by instances)."""
+    most = max(room, even) if first else max(room, 0)
+    return math.floor(min(fair, most))
 
 
 @dataclass(slots=True)
 class _Member:
     demand: int
-    """Thousandths of a hit per second."""
     instances: int
+    part: int
     seen: int
     """Microseconds."""
 
 
 @dataclass(slots=True)
 class TierTable:
-    """One counter as a store keeps it: each member's last publish, running sums, and
-    the current window's allowed hits (the twin of ``quota_tier.lua``)."""
+    """One counter as a store keeps it: each member's last publish and part, running
+    sums, and the current window's allowed hits (the twin of ``quota_tier.lua``)."""
 
     members: dict[str, _Member] = field(default_factory=dict)
     demand: int = 0
     instances: int = 0
+    parts: int = 0
     window: int | None = None
     used: int = 0
 
     def publish(self, report: TierReport, now_us: int, forget_us: int) -> TierTotals:
-        """Record ``report`` at ``now_us`` (microseconds); forget members silent longer
-        than ``forget_us`` (at most EXPIRE_PER_CALL per call, oldest first)."""
+        """Record ``report`` at ``now_us`` (microseconds) and hand out the member's part;
+        forget members silent longer than ``forget_us`` (at most EXPIRE_PER_CALL per
+        call, oldest first)."""
         stale = sorted(
             (m.seen, name) for name, m in self.members.items() if m.seen < now_us - forget_us
         )
         for _, name in stale[:EXPIRE_PER_CALL]:
-            gone = self.members.pop(name)
-            self.demand -= gone.demand
-            self.instances -= gone.instances
-        demand = round(report.demand * MILLI)
-        old = self.members.get(report.member)
+            self._leave(self.members.pop(name))
+        old = self.members.pop(report.member, None)
         if old is not None:
-            self.demand -= old.demand
-            self.instances -= old.instances
-        self.members[report.member] = _Member(demand, report.instances, now_us)
+            self._leave(old)
+        demand, limit = round(report.demand * MILLI), round(report.limit * MILLI)
         self.demand += demand
         self.instances += report.instances
+        everyone = max(self.instances, report.instances, 1)
+        fair = fair_part(limit, demand, report.instances, max(0, self.demand), everyone)
+        even = limit * report.instances / everyone
+        part = capped_part(fair, limit - self.parts, even, old is None)
+        self.members[report.member] = _Member(demand, report.instances, part, now_us)
+        self.parts += part
         index = now_us // (report.window_seconds * 1_000_000)
         if index != self.window:
             self.window, self.used = index, 0
         self.used += report.allowed
         return TierTotals(
+            part=part / MILLI,
             demand=max(0, self.demand) / MILLI,
             instances=max(0, self.instances),
             members=len(self.members),
             used=self.used,
         )
 
-    def idle(self, now_us: int, forget_us: int) -> bool:
-        """Every member silent past the forget time (the counter can go)."""
-        return all(m.seen < now_us - forget_us for m in self.members.values())
+    def _leave(self, member: _Member) -> None:
+        self.demand -= member.demand
+        self.instances -= member.instances
+        self.parts -= member.part

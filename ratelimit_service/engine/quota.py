@@ -53,7 +53,7 @@ from ratelimit_service.core.shares import (
     window_index,
     window_reset,
 )
-from ratelimit_service.core.tiers import TierReport, TierTotals, member_demand, tier_part
+from ratelimit_service.core.tiers import TierReport, TierTotals, member_demand
 from ratelimit_service.engine.background import BackgroundTask
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.base import Store, StoreUnavailable
@@ -392,7 +392,7 @@ class QuotaCoordinator:
             return False
         self.publishes += 1
         index = None
-        for counter, report, totals, allowed in zip(counters, reports, answers, sent, strict=True):
+        for counter, totals, allowed in zip(counters, answers, sent, strict=True):
             window = counter.window_seconds
             index = window_index(self._wall(), window)
             counter.unpublished -= allowed
@@ -400,8 +400,7 @@ class QuotaCoordinator:
                 counter.window, counter.unpublished = index, 0
             counter.used = totals.used + counter.unpublished
             counter.totals = totals
-            rate = counter.match.limit.requests_per_unit / window
-            counter.part = tier_part(rate, report.demand, report.instances, totals) * window
+            counter.part = totals.part * window
             counter.resplit()
         return True
 
@@ -415,7 +414,7 @@ class QuotaCoordinator:
         unmeasured = len(counter.seen) - len(measured)
         demand = member_demand(measured, unmeasured, rate / max(1, everyone))
         return TierReport(
-            counter.key, self.member, demand, len(counter.seen), counter.unpublished, window
+            counter.key, self.member, demand, len(counter.seen), counter.unpublished, window, rate
         )
 
     def _grow(self, counter: _Counter) -> None:

@@ -378,16 +378,18 @@ class RedisStore:
                 report.instances,
                 report.allowed,
                 report.window_seconds * 1_000_000,
+                round(report.limit * MILLI),
             )
         raw = await self._call(self._tier, call_keys, args, self.sync_timeout)
         return [
             TierTotals(
-                demand=int(raw[i]) / MILLI,
-                instances=int(raw[i + 1]),
-                members=int(raw[i + 2]),
-                used=int(raw[i + 3]),
+                part=int(raw[i]) / MILLI,
+                demand=int(raw[i + 1]) / MILLI,
+                instances=int(raw[i + 2]),
+                members=int(raw[i + 3]),
+                used=int(raw[i + 4]),
             )
-            for i in range(0, len(raw), 4)
+            for i in range(0, len(raw), 5)
         ]
 
     def _by_slot(self, keys: list[str], items: Sequence[_T]) -> list[_Group]:

@@ -1,0 +1,348 @@
+"""What one hot RLQS bucket costs the store and the replicas as the fleet of Envoys grows,
+with replicas that aggregate (this tree) and, side by side in the same run, the design
+before tiers (every report through the store: ``--baseline``, a git revision).
+
+    python bench/tier_cost.py                       # 400 and 4,000 Envoys, both designs
+    python bench/tier_cost.py --envoys 400 --seconds 20 --baseline none
+
+Per cell: a fresh redis-server and 4 fresh ``ratelimit-service serve --redis-url``
+replicas; N simulated Envoys, each a real gRPC stream (node id ``e<n>``) to one replica
+(round robin), opened by --clients processes. Every Envoy reports the one hot bucket
+every 5 s, at its own phase, as Envoy 1.40 does: what it allowed and denied since its
+last report, from its offered rate (a Zipf-like skew over the Envoys, 2x the limit in
+all) against the token bucket the service last assigned it (a new bucket starts full,
+as in Envoy). After a warm-up of three report intervals the script measures
+--seconds: Redis CPU from ``INFO cpu`` (user + sys) per second, the replicas' CPU
+from /proc per report, the reports sent and answered, and at the end the fleet's
+assigned rate (the sum of every Envoy's tokens per second) against the limit.
+
+The limit is 50,000 per second: at 4,000 Envoys a share is about 12 tokens per second,
+well above the one token a share rounds up to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
+from google.protobuf import duration_pb2
+from throughput import (
+    BENCH,
+    REPO,
+    Progress,
+    cpu_seconds,
+    lab,
+    metric_sum,
+    scrape,
+    start_redis,
+    start_service,
+)
+
+REPLICAS = 4
+LIMIT = 50_000
+REPORT_EVERY = 5.0
+DOMAIN = "quota"
+BUCKET = {"tenant": "hot"}
+CONFIG = f"""domain: {DOMAIN}
+descriptors:
+  - key: tenant
+    rate_limit: {{unit: second, requests_per_unit: {LIMIT}}}
+"""
+
+
+@dataclass
+class Tally:
+    """One client process's counts over the measured window."""
+
+    sent: int = 0
+    answered: int = 0
+    """Reports sent in the window whose answer came."""
+    responses: int = 0
+    """Every response in the window (answers and pushed assignments)."""
+    errors: int = 0
+    assigned_rate: float = 0.0
+    """At the window's end: the sum of its Envoys' tokens per second."""
+    unassigned: int = 0
+    """Envoys with no assignment at the window's end."""
+
+
+class SimEnvoy:
+    """One Envoy: offers ``rate`` hits per second, enforces its assigned token bucket."""
+
+    def __init__(self, name: str, rate: float) -> None:
+        self.name = name
+        self.rate = rate
+        self.bucket: tuple[int, int, int] | None = None
+        """(max_tokens, tokens_per_fill, fill_seconds) as last assigned."""
+        self.tokens = 0.0
+        self.last = time.monotonic()
+
+    def assign(self, response: rlqs_pb2.RateLimitQuotaResponse) -> None:
+        for action in response.bucket_action:
+            strategy = action.quota_assignment_action.rate_limit_strategy
+            if not strategy.HasField("token_bucket"):
+                continue
+            bucket = strategy.token_bucket
+            new = (bucket.max_tokens, bucket.tokens_per_fill.value, bucket.fill_interval.seconds)
+            if new != self.bucket:  # a changed bucket starts full; an identical one is kept
+                self.bucket, self.tokens = new, float(bucket.max_tokens)
+
+    def usage(self, now: float) -> tuple[int, int]:
+        """(allowed, denied) since the last report."""
+        elapsed, self.last = now - self.last, now
+        offered = round(self.rate * elapsed)
+        if self.bucket is None:
+            return offered, 0
+        most, per_fill, fill = self.bucket
+        self.tokens = min(float(most), self.tokens + per_fill / max(1, fill) * elapsed)
+        allowed = min(offered, int(self.tokens))
+        self.tokens -= allowed
+        return allowed, offered - allowed
+
+    def assigned_rate(self) -> float:
+        if self.bucket is None:
+            return 0.0
+        return self.bucket[1] / max(1, self.bucket[2])
+
+
+def report(allowed: int, denied: int) -> rlqs_pb2.RateLimitQuotaUsageReports:
+    usage = rlqs_pb2.RateLimitQuotaUsageReports.BucketQuotaUsage(
+        bucket_id=rlqs_pb2.BucketId(bucket=BUCKET),
+        time_elapsed=duration_pb2.Duration(seconds=int(REPORT_EVERY)),
+        num_requests_allowed=allowed,
+        num_requests_denied=denied,
+    )
+    return rlqs_pb2.RateLimitQuotaUsageReports(domain=DOMAIN, bucket_quota_usages=[usage])
+
+
+def weights(count: int) -> list[float]:
+    """A Zipf-like skew (1/(n+10)), normalized to 1."""
+    raw = [1.0 / (n + 10) for n in range(count)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+async def run_envoy(
+    envoy: SimEnvoy, channel: grpc.aio.Channel, phase: float,
+    window: tuple[float, float], tally: Tally,
+) -> None:  # fmt: skip
+    """Report every REPORT_EVERY seconds until the window ends (wall clock)."""
+    stub = rlqs_pb2_grpc.RateLimitQuotaServiceStub(channel)
+    call = stub.StreamRateLimitQuotas(metadata=(("x-envoy-node-id", envoy.name),))
+    start, end = window
+    pending: list[float] = []
+
+    async def read() -> None:
+        while True:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                return
+            now = time.time()
+            envoy.assign(response)
+            if start <= now < end:
+                tally.responses += 1
+            if pending:  # the answer to the oldest report (pushes come between reports)
+                sent_at = pending.pop(0)
+                if start <= sent_at < end:
+                    tally.answered += 1
+
+    reader = asyncio.ensure_future(read())
+    try:
+        await asyncio.sleep(phase)
+        await call.write(report(1, 0))  # Envoy's first report of a new bucket, at once
+        pending.append(time.time())
+        next_at = time.monotonic() + REPORT_EVERY
+        while time.time() < end:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at += REPORT_EVERY
+            allowed, denied = envoy.usage(time.monotonic())
+            sent_at = time.time()
+            await call.write(report(allowed, denied))
+            pending.append(sent_at)
+            if start <= sent_at < end:
+                tally.sent += 1
+        await asyncio.sleep(1.0)  # the last answers
+    except grpc.aio.AioRpcError:
+        tally.errors += 1
+    finally:
+        reader.cancel()
+        call.cancel()
+
+
+async def client_main(
+    envoys: list[tuple[str, float, int]], ports: list[int], window: tuple[float, float]
+) -> Tally:
+    tally = Tally()
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for port in ports]
+    sims = [SimEnvoy(name, rate) for name, rate, _ in envoys]
+    tasks = [
+        run_envoy(sim, channels[replica], REPORT_EVERY * n / len(envoys), window, tally)
+        for n, (sim, (_, _, replica)) in enumerate(zip(sims, envoys, strict=True))
+    ]
+
+    async def at_the_end() -> None:
+        """The fleet's assignments when the window ends (as the Envoys stop, the
+        replicas hand the room they leave to the others)."""
+        await asyncio.sleep(max(0.0, window[1] - time.time()))
+        tally.assigned_rate = sum(s.assigned_rate() for s in sims)
+        tally.unassigned = sum(1 for s in sims if s.bucket is None)
+
+    await asyncio.gather(at_the_end(), *tasks)
+    for channel in channels:
+        await channel.close()
+    return tally
+
+
+def client_process(
+    envoys: list[tuple[str, float, int]], ports: list[int], window: tuple[float, float],
+    out: multiprocessing.Queue[dict[str, Any]],
+) -> None:  # fmt: skip
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    out.put(asdict(asyncio.run(client_main(envoys, ports, window))))
+
+
+def redis_cpu(port: int) -> float:
+    client = redis.Redis(port=port)
+    try:
+        info = client.info("cpu")
+    finally:
+        client.close()
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def cell(
+    design: str, tree: Path | None, envoys: int, seconds: float, clients: int,
+    progress: Progress,
+) -> dict[str, Any]:  # fmt: skip
+    with lab() as (directory, processes, redis_servers):
+        rules = directory / "rules"
+        rules.mkdir()
+        (rules / "q.yaml").write_text(CONFIG)
+        store = start_redis(directory, redis_servers)
+        replicas = [
+            start_service(processes, f"{design}-{n}", rules,
+                          ["--redis-url", store.url, "--log-level", "WARNING"], tree=tree)
+            for n in range(REPLICAS)
+        ]  # fmt: skip
+        shares = weights(envoys)
+        fleet = [(f"e{n}", 2 * LIMIT * shares[n], n % REPLICAS) for n in range(envoys)]
+        warm = 3 * REPORT_EVERY + REPORT_EVERY
+        start = time.time() + warm
+        window = (start, start + seconds)
+        out: multiprocessing.Queue[dict[str, Any]] = multiprocessing.Queue()
+        workers = [
+            multiprocessing.Process(
+                target=client_process,
+                args=(fleet[n::clients], [r.port for r in replicas], window, out),
+            )
+            for n in range(clients)
+        ]
+        for worker in workers:
+            worker.start()
+        progress(f"{design}: {envoys} Envoys, warming up {warm:.0f} s")
+        time.sleep(max(0.0, start - time.time()))
+        redis_before = redis_cpu(store.port)
+        cpu_before = [cpu_seconds(r.pid) for r in replicas]
+        time.sleep(max(0.0, window[1] - time.time()))
+        redis_after = redis_cpu(store.port)
+        cpu_after = [cpu_seconds(r.pid) for r in replicas]
+        pages = [scrape(r.admin_port) for r in replicas if r.admin_port is not None]
+        progress("measured; the Envoys stop")
+        tallies = [Tally(**out.get(timeout=120)) for _ in workers]
+        for worker in workers:
+            worker.join(timeout=30)
+        sent = sum(t.sent for t in tallies)
+        replica_cpu = sum(a - b for a, b in zip(cpu_after, cpu_before, strict=True))
+        return {
+            "design": design,
+            "envoys": envoys,
+            "seconds": seconds,
+            "reports_per_s": sent / seconds,
+            "redis_cpu_pct": 100 * (redis_after - redis_before) / seconds,
+            "replica_cpu_ms_per_report": 1000 * replica_cpu / sent if sent else None,
+            "replicas_cpu_pct": 100 * replica_cpu / seconds,
+            "sent": sent,
+            "answered": sum(t.answered for t in tallies),
+            "errors": sum(t.errors for t in tallies),
+            "assigned_over_limit": sum(t.assigned_rate for t in tallies) / LIMIT,
+            "unassigned": sum(t.unassigned for t in tallies),
+            "parts_over_limit": sum(metric_sum(p, "ratelimit_rlqs_part") for p in pages) / LIMIT,
+            "shares_over_limit": sum(metric_sum(p, "ratelimit_rlqs_instance_share") for p in pages)
+            / LIMIT,
+        }
+
+
+def baseline_tree(revision: str, directory: Path) -> Path:
+    """A checkout of ``revision`` (a git worktree) whose package the baseline serves."""
+    tree = directory / f"baseline-{revision}"
+    if not tree.exists():
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), revision],
+            cwd=REPO, check=True, capture_output=True,
+        )  # fmt: skip
+    return tree
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| design | Envoys | reports/s | Redis CPU | replica CPU per report | replicas' CPU"
+        " | answered / sent | stream errors | assigned rate / limit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_report = r["replica_cpu_ms_per_report"]
+        lines.append(
+            f"| {r['design']} | {r['envoys']:,} | {r['reports_per_s']:.0f}"
+            f" | {r['redis_cpu_pct']:.1f} % | {per_report:.2f} ms | {r['replicas_cpu_pct']:.0f} %"
+            f" | {r['answered']:,} / {r['sent']:,} | {r['errors']}"
+            f" | {r['assigned_over_limit']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--envoys", type=int, nargs="+", default=[400, 4000])
+    parser.add_argument("--seconds", type=float, default=30.0, help="measured window")
+    parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument(
+        "--baseline", default="d0a2a69",
+        help="git revision of the design before tiers ('none': this tree only)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=BENCH / "out")
+    args = parser.parse_args()
+    progress = Progress()
+    args.out.mkdir(parents=True, exist_ok=True)
+    designs: list[tuple[str, Path | None]] = [("tiers", None)]
+    if args.baseline != "none":
+        tree = baseline_tree(args.baseline, args.out)
+        designs.append((f"before tiers ({args.baseline})", tree))
+    rows = []
+    for envoys in args.envoys:
+        for design, tree in designs:
+            row = cell(design, tree, envoys, args.seconds, args.clients, progress)
+            progress(json.dumps(row))
+            rows.append(row)
+    (args.out / "tier_cost.json").write_text(json.dumps(rows, indent=1))
+    print()
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
