@@ -15,6 +15,7 @@ from ratelimit_service.core.tiers import (
     TierReport,
     TierTable,
     TierTotals,
+    ZoneShare,
     member_demand,
 )
 from ratelimit_service.storage.redis_store import RedisStore, _script
@@ -135,26 +136,32 @@ def totals_of(raw: list[int]) -> TierTotals:
     return TierTotals(raw[0] / MILLI, raw[1] / MILLI, raw[2], raw[3], raw[4])
 
 
-def script_on_test_clock() -> str:
-    """quota_tier.lua with Redis's TIME replaced by a hash the test writes."""
-    source = _script("quota_tier.lua")
+def script_on_test_clock(name: str = "quota_tier.lua") -> str:
+    """A script with Redis's TIME replaced by a hash the test writes."""
+    source = _script(name)
     time_call = "local t = call('TIME')"
     assert source.count(time_call) == 1
     return source.replace(time_call, f"local t = call('HMGET', '{CLOCK}', 's', 'us')")
 
 
-async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server) -> None:
+@pytest.mark.parametrize("zoned", [False, True])
+async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, zoned: bool) -> None:
     """Members come, publish, go silent and come back; counters with windows of 1 s
-    and a minute; more members go silent at once than one call removes. After every
-    call the script's answer equals TierTable.publish's on the same clock."""
+    and a minute; more members go silent at once than one call removes. In a zone,
+    an aggregator now and then reads the zone (zone_read.lua) and writes back a part
+    and the fleet's count (zone_write.lua). After every call the scripts' answers equal
+    the twin's (TierTable) on the same clock."""
     rng = random.Random(11)
     client = aioredis.Redis.from_url(redis_server.url)
     source = script_on_test_clock()
+    read = script_on_test_clock("zone_read.lua")
+    write = _script("zone_write.lua")
     counters = {"q\x1ftenant\x1e{a}\x1f1": 1, "q\x1fday\x1eb\x1f60": 60}
     tables = {key: TierTable() for key in counters}
     names = [f"replica-{n}" for n in range(40)]
     now_us = 1_700_000_000_000_000
-    seen = {"expired": 0, "windows": 0}
+    seen = {"expired": 0, "windows": 0, "zone": 0}
+    await client.delete(*[f"t:{k}" for k in counters], *[f"t:{k}:m" for k in counters], "t:i")
     try:
         for step in range(400):
             # Mostly quick steps, now and then a silence longer than the forget time.
@@ -173,7 +180,10 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server) -> Non
                 reports.append(report)
                 keys += (f"t:{key}", f"t:{key}:m")
                 args += (round(report.demand * MILLI), report.instances, report.allowed,
-                         window * 1_000_000, round(report.limit * MILLI))  # fmt: skip
+                         window * 1_000_000, round(report.limit * MILLI),
+                         key if zoned else "")  # fmt: skip
+            if zoned:
+                keys.append("t:i")
             raw = await client.eval(source, len(keys), *keys, *args)
             for n, report in enumerate(reports):
                 table = tables[report.key]
@@ -183,9 +193,34 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server) -> Non
                 assert got == want, (step, report)
                 seen["expired"] += want.members < before[0]
                 seen["windows"] += before[1] is not None and table.window != before[1]
+            if zoned and rng.random() < 0.2:
+                seen["zone"] += await check_zone(client, read, write, tables, now_us, rng)
         assert seen["expired"] > 10 and seen["windows"] > 50  # both paths ran
+        assert seen["zone"] > 10 or not zoned
     finally:
         await client.aclose()
+
+
+async def check_zone(client, read, write, tables, now_us: int, rng: random.Random) -> int:  # type: ignore[no-untyped-def]
+    """The aggregator's read equals the twin's; then a random write-back to both."""
+    raw = await client.eval(read, 1, "t:i", FORGET_US, 100)
+    rows = {raw[i + 1].decode(): raw[i : i + 9] for i in range(0, len(raw), 9)}
+    assert sorted(rows) == sorted(tables)
+    for key, table in tables.items():
+        _, _, demand, instances, limit, window_us, used, forwarded, index = rows[key]
+        assert (demand, instances) == (max(0, table.demand), max(0, table.instances))
+        assert (used, forwarded, index) == table.read_zone(now_us, window_us // 1_000_000)
+        assert limit > 0
+        share = ZoneShare(
+            part=rng.randrange(0, 300_000),
+            global_used=used + rng.randrange(0, 500),
+            window=index - rng.choice([0, 0, 1]),
+            forwarded=rng.randint(0, used) if used else 0,
+        )
+        await client.eval(write, 1, f"t:{key}", share.part, share.global_used, share.window,
+                          share.forwarded)  # fmt: skip
+        table.settle_zone(share)
+    return 1
 
 
 async def test_silent_members_leave_the_sums_a_bounded_number_per_call(redis_server) -> None:

@@ -320,6 +320,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
     xds = xds_settings_from(args)
     if not args.config and xds is None:
         raise ValueError("--config (or RATELIMIT_CONFIG) is required, or --xds-server")
+    if args.zone and not (args.redis_url and args.global_redis_url):
+        raise ValueError(
+            "--zone needs --redis-url (the zone's store) and --global-redis-url (the store"
+            " above the zones)"
+        )
+    if args.global_redis_url and not args.zone:
+        raise ValueError("--global-redis-url is the store above the zones: give --zone too")
     return Settings(xds=xds, **fields_from(vars(args)))
 
 

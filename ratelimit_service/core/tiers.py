@@ -23,6 +23,14 @@ not grow with the fleet:
   they next publish; the overshoot is one even share, for one interval).
 * **The window's allowed hits**, fleet-wide (windows aligned to the epoch).
 
+**Zones** (``serve --zone``) stack the same arithmetic twice: the replicas of a zone
+are the members of the zone store, where their parts divide the zone's part; the
+zones are the members of the global store, published by one aggregator per zone
+(storage/zoned.py) with the zone's sums, which brings back the zone's part and the
+fleet's allowed hits (:class:`ZoneTotals` out, :class:`ZoneShare` back). The global
+store's work per hot bucket grows with zones, the zone store's with its replicas;
+neither with the Envoys.
+
 Demands, limits and parts travel as integer thousandths of a hit per second, so the
 running sums are exact and the arithmetic below gives the same numbers in Python and
 in Lua (the same IEEE operations in the same order). :class:`TierTable` is the store's
@@ -100,6 +108,37 @@ def capped_part(fair: float, room: int, even: float, first: bool) -> int:
     return math.floor(min(fair, most))
 
 
+@dataclass(frozen=True, slots=True)
+class ZoneTotals:
+    """One counter as a zone's aggregator reads it from the zone store."""
+
+    key: str
+    """The counter's key (the rule's bucket key)."""
+    store_key: str
+    """Its hash in the zone store."""
+    demand: float
+    instances: int
+    limit: float
+    window_seconds: int
+    used: int
+    """The zone's allowed hits in the current window."""
+    forwarded: int
+    """Of those, what the aggregator already published to the global store."""
+    window: int
+    """The current window's index."""
+
+
+@dataclass(frozen=True, slots=True)
+class ZoneShare:
+    """What a zone's aggregator writes back to one counter of the zone store."""
+
+    part: int
+    """The zone's part of the limit, thousandths of a hit per second."""
+    global_used: int
+    window: int
+    forwarded: int
+
+
 @dataclass(slots=True)
 class _Member:
     demand: int
@@ -120,6 +159,14 @@ class TierTable:
     parts: int = 0
     window: int | None = None
     used: int = 0
+    zone_part: int | None = None
+    """In a zone: the zone's part of the limit (thousandths), which the members'
+    parts divide; set by the zone's aggregator (see ZoneShare)."""
+    global_used: int = 0
+    global_window: int | None = None
+    forwarded: int = 0
+    """Of ``global_used`` (the fleet's allowed hits in ``global_window``), what came
+    from this zone."""
 
     def publish(self, report: TierReport, now_us: int, forget_us: int) -> TierTotals:
         """Record ``report`` at ``now_us`` (microseconds) and hand out the member's part;
@@ -134,6 +181,8 @@ class TierTable:
         if old is not None:
             self._leave(old)
         demand, limit = round(report.demand * MILLI), round(report.limit * MILLI)
+        if self.zone_part is not None and self.zone_part < limit:
+            limit = self.zone_part
         self.demand += demand
         self.instances += report.instances
         everyone = max(self.instances, report.instances, 1)
@@ -146,13 +195,31 @@ class TierTable:
         if index != self.window:
             self.window, self.used = index, 0
         self.used += report.allowed
+        used = self.used
+        if self.global_window == index:
+            used = max(used, self.global_used + used - self.forwarded)
         return TierTotals(
             part=part / MILLI,
             demand=max(0, self.demand) / MILLI,
             instances=max(0, self.instances),
             members=len(self.members),
-            used=self.used,
+            used=used,
         )
+
+    def read_zone(self, now_us: int, window_seconds: int) -> tuple[int, int, int]:
+        """What the zone's aggregator reads of the counter (zone_read.lua): the zone's
+        allowed hits in the current window, how many of them it already forwarded, and
+        the window's index."""
+        index = now_us // (window_seconds * 1_000_000)
+        used = self.used if self.window == index else 0
+        forwarded = self.forwarded if self.global_window == index else 0
+        return used, forwarded, index
+
+    def settle_zone(self, share: ZoneShare) -> None:
+        """What the zone's aggregator writes back after publishing the zone's totals."""
+        self.zone_part = share.part
+        self.global_used, self.global_window = share.global_used, share.window
+        self.forwarded = share.forwarded
 
     def _leave(self, member: _Member) -> None:
         self.demand -= member.demand

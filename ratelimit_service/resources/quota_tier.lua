@@ -16,14 +16,22 @@
 -- other members' parts leave of the limit; a member heard from for the first time
 -- gets at least its even share by instances.
 --
--- KEYS      per counter: its hash, then its sorted set
+-- In a zone (serve --zone) the replicas' store also keeps, per counter, what the zone's
+-- aggregator (storage/zoned.py) reads and writes back: 'K' the counter's key, 'L' the
+-- rule's limit, 'W' its window; 'Z' the zone's part of the limit (the parts here divide
+-- Z, not the limit), 'G' the hits the whole fleet allowed in window 'gw' as the global
+-- store counted them, of which 'g' came from this zone. An index of live counters
+-- (a sorted set, scored by last publish) lets the aggregator find them.
+--
+-- KEYS      per counter: its hash, then its sorted set; then, in a zone, the index
 -- ARGV[1]   this member's name
 -- ARGV[2]   forget time in microseconds
--- ARGV[3 + 5*(i-1) ...] for counter i: demand, instances, allowed hits since the last
+-- ARGV[3 + 6*(i-1) ...] for counter i: demand, instances, allowed hits since the last
 --           publish, window in microseconds, limit (demand and limit in thousandths
---           of a hit per second)
+--           of a hit per second), the counter's key (in a zone; '' otherwise)
 -- Returns   per counter: {part (thousandths), fleet demand (thousandths), fleet
---           instances, live members, allowed hits in the window}, flattened
+--           instances, live members, allowed hits in the window (in a zone: the
+--           fleet's, the global count plus what the zone allowed since)}, flattened
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local call, tonumber, format = redis.call, tonumber, string.format
@@ -40,13 +48,19 @@ local function leave(hash, who)
   return gone[1] ~= false
 end
 
+local counters = math.floor(#KEYS / 2)
+local index_key = nil
+if #KEYS > 2 * counters then index_key = KEYS[#KEYS] end
 local out = {}
-for i = 1, #KEYS / 2 do
+for i = 1, counters do
   local hash, members = KEYS[2 * i - 1], KEYS[2 * i]
-  local base = 3 + 5 * (i - 1)
+  local base = 3 + 6 * (i - 1)
   local demand, instances = tonumber(ARGV[base]), tonumber(ARGV[base + 1])
   local allowed, window = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local limit = tonumber(ARGV[base + 4])
+  local zone = call('HMGET', hash, 'Z', 'G', 'gw', 'g')
+  local zone_part = tonumber(zone[1])
+  if zone_part ~= nil and zone_part < limit then limit = zone_part end
   local stale = call('ZRANGEBYSCORE', members, '-inf', format('(%d', now - forget),
     'LIMIT', '0', '16')
   for _, who in ipairs(stale) do
@@ -85,6 +99,13 @@ for i = 1, #KEYS / 2 do
   if state[1] == index then used = tonumber(state[2]) or 0 end
   used = used + allowed
   call('HSET', hash, 'w', index, 'u', format('%d', used))
+  if zone[2] and zone[3] == index then
+    used = math.max(used, tonumber(zone[2]) + used - (tonumber(zone[4]) or 0))
+  end
+  if index_key then
+    call('HSET', hash, 'K', ARGV[base + 5], 'L', ARGV[base + 4], 'W', ARGV[base + 3])
+    call('ZADD', index_key, format('%d', now), hash)
+  end
   local keep = window
   if forget > keep then keep = forget end
   local keep_ms = format('%d', math.ceil(keep * 2 / 1000))

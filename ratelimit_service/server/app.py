@@ -9,6 +9,7 @@ import logging
 import signal
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
@@ -29,7 +30,7 @@ from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.engine.background import BackgroundTask
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.loop_load import LoopLag, LoopLoad
-from ratelimit_service.engine.quota import QuotaCoordinator
+from ratelimit_service.engine.quota import FORGET_AFTER, QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.state_metrics import (
     bucket_metrics,
@@ -48,6 +49,7 @@ from ratelimit_service.server.tls import CertificateReloader
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +72,26 @@ def load_rules(settings: Settings) -> RateLimitConfig:
 
 
 def make_store(settings: Settings) -> Store:
-    if settings.redis_url:
-        return RedisStore(
-            settings.redis_url,
-            request_timeout=settings.redis_timeout,
-            silence=settings.redis_silence,
-            batch_hold=settings.exact_batch_hold,
-            max_pending=settings.exact_max_pending,
-            node_ttl=max(2.0, 5 * settings.sync_interval),
-            max_connections=settings.redis_pool_size,
-            prefix=settings.redis_key_prefix,
+    """The embedded store, one Redis, or (``--zone``) a zone's Redis under a global one."""
+    if not settings.redis_url:
+        return EmbeddedStore(max_keys=settings.max_buckets)
+    options: dict[str, Any] = {
+        "request_timeout": settings.redis_timeout,
+        "silence": settings.redis_silence,
+        "batch_hold": settings.exact_batch_hold,
+        "max_pending": settings.exact_max_pending,
+        "node_ttl": max(2.0, 5 * settings.sync_interval),
+        "max_connections": settings.redis_pool_size,
+        "prefix": settings.redis_key_prefix,
+    }
+    if settings.zone and settings.global_redis_url:
+        return ZonedStore(
+            ZoneRedisStore(settings.redis_url, settings.zone, **options),
+            RedisStore(settings.global_redis_url, **options),
+            interval=settings.zone_interval,
+            forget_after=FORGET_AFTER,
         )
-    return EmbeddedStore(max_keys=settings.max_buckets)
+    return RedisStore(settings.redis_url, **options)
 
 
 class RateLimitService:

@@ -73,6 +73,13 @@ def redis_url(text: str) -> str:
         raise ValueError(f"{text!r}: {exc}") from None
 
 
+def zone_name(text: str) -> str:
+    """A zone's name: letters, digits, ``-``, ``_`` and ``.`` (it names Redis keys)."""
+    if not text or not all(c.isalnum() or c in "-_." for c in text):
+        raise ValueError(f"letters, digits, '-', '_' and '.' only, got {text!r}")
+    return text
+
+
 def log_level(text: str) -> str:
     level = text.upper()
     if level not in LOG_LEVELS:
@@ -232,6 +239,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--stale-after", "store",
             "seconds without a successful sync before probabilistic rules use failure_mode",
             3.0, positive(float), fills="stale_after"),
+    Setting("--zone", "store",
+            "this replica's zone: RLQS totals go to the zone's store (--redis-url) and one"
+            " replica per zone publishes them to --global-redis-url (off: one tier)",
+            parse=zone_name, fills="zone"),
+    Setting("--global-redis-url", "store",
+            "with --zone: the store above the zones (Redis, Sentinel or Cluster); exact and"
+            " probabilistic rules use it", parse=redis_url, fills="global_redis_url"),
+    Setting("--zone-interval", "store",
+            "with --zone: seconds between two publishes of the zone's totals to the global"
+            " store", 1.0, positive(float), fills="zone_interval"),
     Setting("--rlqs-publish-interval", "store",
             "seconds between two publishes of this replica's RLQS totals to the store"
             " (how soon a replica learns the others' demand)",
@@ -347,6 +364,12 @@ class Settings:
     exact_max_pending: int = 2048
     """Exact requests waiting for Redis at most; one more is refused (see limiter)."""
     stale_after: float = 3.0
+    zone: str | None = None
+    """This replica's zone (None: one tier, every replica on the one store)."""
+    global_redis_url: str | None = None
+    """With a zone: the store above the zones."""
+    zone_interval: float = 1.0
+    """Seconds between two publishes of a zone's totals to the global store."""
     rlqs_publish_interval: float = 1.0
     """Seconds between two publishes of this replica's RLQS totals (engine/quota.py)."""
     max_buckets: int = 100_000

@@ -180,6 +180,9 @@ class RedisStore:
         self._exact = self._client.register_script(_script("exact_window.lua"))
         self._sync = self._client.register_script(_script("fleet_sync.lua"))
         self._tier = self._client.register_script(_script("quota_tier.lua"))
+        self.tier_index: str | None = None
+        """In a zone: the key of the index of counters quota_tier.lua keeps for the
+        zone's aggregator (storage/zoned.py); None: no index."""
         self.breaker = CircuitBreaker(name=f"redis at {_display(url)}")
         self._initialized = not self.cluster
         self._init_lock = asyncio.Lock()
@@ -379,7 +382,10 @@ class RedisStore:
                 report.allowed,
                 report.window_seconds * 1_000_000,
                 round(report.limit * MILLI),
+                report.key if self.tier_index else "",
             )
+        if self.tier_index:
+            call_keys.append(self.tier_index)
         raw = await self._call(self._tier, call_keys, args, self.sync_timeout)
         return [
             TierTotals(

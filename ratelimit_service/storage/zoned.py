@@ -1,0 +1,293 @@
+"""The zone tier (``serve --zone NAME``): a replica's store when replicas are grouped in
+zones, each zone with its own Redis and one global Redis above them.
+
+The replicas of a zone publish their RLQS totals to the zone store only
+(:class:`ZoneRedisStore`, quota_tier.lua with an index of counters), and their parts
+there divide the zone's part of each limit. One replica per zone, elected by a lease
+in the zone store, runs the :class:`ZoneAggregator`: every interval it reads the
+zone's sums of every live counter, publishes them to the global store as the zone
+(the same quota_tier.lua: the zones are the global store's members) and writes back
+the zone's part and the fleet's allowed hits. So the global store's work per hot
+bucket grows with the zones, the zone store's with its replicas, and neither with
+the Envoys.
+
+Failures: the global store away, the zone keeps its last part and its replicas go on
+dividing it (fail-static); the aggregator gone, another replica takes the lease
+within two intervals (the lease lives one interval and is tried every half); a zone
+cut off from the global store keeps its part while the others keep theirs, and its
+entry there leaves the sums after the forget time, freeing its part for them.
+
+Exact rules are decided on the global store: exactness needs one counter per window
+for the whole fleet. Probabilistic rules sync with the global store as without zones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+from ratelimit_service.core.drop_ratio import SyncResult
+from ratelimit_service.core.exact import ExactHit, ExactResult
+from ratelimit_service.core.histogram import Histogram
+from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.tiers import MILLI, TierReport, TierTotals, ZoneShare, ZoneTotals
+from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.redis_store import RedisStore, _script
+
+log = logging.getLogger(__name__)
+
+MOST_COUNTERS = 10_000
+"""Counters one aggregation pass reads from the zone store at most (the least
+recently published first)."""
+PUBLISH_BATCH = 256
+"""Counters per call to the global store."""
+
+
+class ZoneRedisStore(RedisStore):
+    """The zone store: a RedisStore whose RLQS publishes also keep an index of live
+    counters, and which answers the aggregator's reads, writes and lease."""
+
+    def __init__(self, url: str, zone: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        if self.cluster:
+            raise ValueError("a zone store must be one Redis (or Sentinel), not Cluster")
+        self.zone = zone
+        self.tier_index = f"{self.prefix}zone:{zone}:counters"
+        self.lease_key = f"{self.prefix}zone:{zone}:aggregator"
+        self._read = self._client.register_script(_script("zone_read.lua"))
+        self._write = self._client.register_script(_script("zone_write.lua"))
+        self._lease = self._client.register_script(_script("lease.lua"))
+
+    async def zone_totals(self, forget_after: float) -> list[ZoneTotals]:
+        """Every counter a replica of the zone published within ``forget_after``."""
+        assert self.tier_index is not None
+        args = [int(forget_after * 1_000_000), MOST_COUNTERS]
+        raw = await self._call(self._read, [self.tier_index], args, self.sync_timeout)
+        return [
+            ZoneTotals(
+                store_key=_text(raw[i]),
+                key=_text(raw[i + 1]),
+                demand=int(raw[i + 2]) / MILLI,
+                instances=int(raw[i + 3]),
+                limit=int(raw[i + 4]) / MILLI,
+                window_seconds=int(raw[i + 5]) // 1_000_000,
+                used=int(raw[i + 6]),
+                forwarded=int(raw[i + 7]),
+                window=int(raw[i + 8]),
+            )
+            for i in range(0, len(raw), 9)
+        ]
+
+    async def settle(self, shares: Sequence[tuple[str, ZoneShare]]) -> None:
+        """Write back each counter's zone part and the fleet's allowed hits."""
+        for start in range(0, len(shares), PUBLISH_BATCH):
+            chunk = shares[start : start + PUBLISH_BATCH]
+            args: list[Any] = []
+            for _, share in chunk:
+                args += (share.part, share.global_used, share.window, share.forwarded)
+            await self._call(self._write, [key for key, _ in chunk], args, self.sync_timeout)
+
+    async def lease(self, holder: str, ttl: float) -> tuple[int, str]:
+        """(2 taken now, 1 renewed, 0 held by another; the holder)."""
+        args = [holder, max(1, round(ttl * 1000))]
+        state, name = await self._call(self._lease, [self.lease_key], args, self.sync_timeout)
+        return int(state), _text(name)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ZoneAggregator:
+    """Runs on every replica of a zone; the one that holds the zone's lease publishes the
+    zone's totals to the global store every ``interval`` and writes back its parts."""
+
+    def __init__(
+        self,
+        zone_store: ZoneRedisStore,
+        global_store: RedisStore,
+        *,
+        interval: float,
+        forget_after: float,
+    ) -> None:
+        self.zone_store = zone_store
+        self.global_store = global_store
+        self.zone = zone_store.zone
+        self.interval = interval
+        self.forget_after = forget_after
+        self.holder = zone_store.node_id
+        self.leading = False
+        self.takeovers = 0
+        """Times this replica took the zone's lease."""
+        self.passes = 0
+        self.counters = 0
+        """Counters in the last pass."""
+        self.global_errors = 0
+        self.zone_errors = 0
+        self.global_away = False
+        self._steps = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def step(self) -> None:
+        """Take or renew the lease; every other step, aggregate if this replica holds it."""
+        try:
+            state, holder = await self.zone_store.lease(self.holder, self.interval)
+        except StoreUnavailable:
+            self.zone_errors += 1
+            self._lead(False, "the zone store is away")
+            return
+        if state == 2:
+            self.takeovers += 1
+        self._lead(state > 0, f"the lease is held by {holder}")
+        self._steps += 1
+        if self.leading and self._steps % 2 == 1:
+            await self.aggregate()
+
+    def _lead(self, leading: bool, why: str) -> None:
+        if leading and not self.leading:
+            log.info("zone %s: this replica aggregates the zone now", self.zone)
+        elif self.leading and not leading:
+            log.warning("zone %s: this replica no longer aggregates (%s)", self.zone, why)
+        self.leading = leading
+
+    async def aggregate(self) -> None:
+        """One pass: the zone's sums to the global store, the zone's parts back."""
+        try:
+            totals = await self.zone_store.zone_totals(self.forget_after)
+        except StoreUnavailable:
+            self.zone_errors += 1
+            return
+        answers: list[TierTotals] = []
+        try:
+            for start in range(0, len(totals), PUBLISH_BATCH):
+                chunk = totals[start : start + PUBLISH_BATCH]
+                answers += await self.global_store.publish(
+                    [self._report(t) for t in chunk], self.forget_after
+                )
+        except StoreUnavailable as exc:
+            self.global_errors += 1
+            if not self.global_away:
+                log.warning(
+                    "zone %s: the global store is away (%s); the zone keeps its last parts",
+                    self.zone,
+                    exc,
+                )
+            self.global_away = True
+            return
+        if self.global_away:
+            log.info("zone %s: the global store answers again", self.zone)
+            self.global_away = False
+        shares = [
+            (t.store_key, ZoneShare(round(a.part * MILLI), a.used, t.window, t.used))
+            for t, a in zip(totals, answers, strict=True)
+        ]
+        try:
+            await self.zone_store.settle(shares)
+        except StoreUnavailable:
+            self.zone_errors += 1
+            return
+        self.passes += 1
+        self.counters = len(totals)
+
+    def _report(self, totals: ZoneTotals) -> TierReport:
+        return TierReport(
+            key=totals.key,
+            member=self.zone,
+            demand=totals.demand,
+            instances=totals.instances,
+            allowed=max(0, totals.used - totals.forwarded),
+            window_seconds=totals.window_seconds,
+            limit=totals.limit,
+        )
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except Exception:  # keep the loop alive whatever one step does
+                log.exception("zone %s: aggregation step failed", self.zone)
+            await asyncio.sleep(self.interval / 2)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name=f"zone-{self.zone}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "zone_aggregating": float(self.leading),
+            "zone_takeovers": self.takeovers,
+            "zone_passes": self.passes,
+            "zone_counters": self.counters,
+            "zone_global_errors": self.global_errors,
+            "zone_store_errors": self.zone_errors,
+            "zone_global_away": float(self.global_away),
+        }
+
+
+class ZonedStore:
+    """The Store seam for a replica in a zone: RLQS on the zone store (with the zone's
+    aggregator beside it), exact and probabilistic rules on the global store."""
+
+    name = "zoned"
+
+    def __init__(self, zone_store: ZoneRedisStore, global_store: RedisStore, interval: float,
+                 forget_after: float) -> None:  # fmt: skip
+        self.zone_store = zone_store
+        self.global_store = global_store
+        self.aggregator = ZoneAggregator(
+            zone_store, global_store, interval=interval, forget_after=forget_after
+        )
+
+    def hit(
+        self,
+        hits: Sequence[ExactHit],
+        commit: bool,
+        owe: bool = False,
+        deadline: float | None = None,
+    ) -> Awaitable[list[ExactResult]]:
+        return self.global_store.hit(hits, commit, owe, deadline)
+
+    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+        return await self.global_store.sync(reports, interval)
+
+    async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
+        return await self.zone_store.publish(reports, forget_after)
+
+    async def start(self) -> None:
+        await asyncio.gather(self.zone_store.start(), self.global_store.start())
+        self.aggregator.start()
+
+    def sweep(self) -> int:
+        return 0
+
+    @property
+    def wants_saturation(self) -> bool:
+        return self.global_store.wants_saturation
+
+    def loop_saturated(self, saturated: bool) -> None:
+        self.global_store.loop_saturated(saturated)
+
+    def healthy(self) -> bool:
+        """The zone store answers: RLQS goes on (fail-static without the global one)."""
+        return self.zone_store.healthy()
+
+    def stats(self) -> dict[str, float]:
+        zone = {f"zone_store_{k}": v for k, v in self.zone_store.stats().items()}
+        return {**self.global_store.stats(), **zone, **self.aggregator.stats()}
+
+    def histograms(self) -> dict[str, Histogram]:
+        zone = {f"zone_{k}": v for k, v in self.zone_store.histograms().items()}
+        return {**self.global_store.histograms(), **zone}
+
+    async def close(self) -> None:
+        await self.aggregator.stop()
+        await asyncio.gather(self.zone_store.close(), self.global_store.close())

@@ -1,0 +1,200 @@
+"""The zone tier on three real redis-servers (two zone stores, one global store): the
+replicas' coordinators in this process, the aggregators stepped by the test.
+
+Zone a: replicas a1, a2, each with one Envoy asking 60/s; zone b: b1, b2 with 30/s
+each; one limit of 100/s over them all. The global store sees two members (the
+zones), each zone store two (its replicas)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from ratelimit_service.core.config_loader import ConfigFile, load_config
+from ratelimit_service.engine.quota import FORGET_AFTER, QuotaCoordinator, Usage
+from ratelimit_service.engine.stats import Stats
+from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
+from ratelimit_service.testing.redis import RedisServer
+from ratelimit_service.testing.waiting import eventually_async
+
+RULES = """\
+domain: q
+descriptors:
+  - key: tenant
+    rate_limit: {unit: second, requests_per_unit: 100}
+"""
+KEY = "q\x1ftenant\x1et\x1f1"
+BUCKET = {"tenant": "t"}
+DEMAND = {"a1": 60, "a2": 60, "b1": 30, "b2": 30}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[dict[str, RedisServer]]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    started = {name: RedisServer(tmp_path) for name in ("a", "b", "global")}
+    try:
+        for server in started.values():
+            server.start()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+class Fleet:
+    """Four replicas in two zones, one Envoy each."""
+
+    def __init__(self, servers: dict[str, RedisServer], interval: float = 1.0) -> None:
+        config = load_config([ConfigFile("q.yaml", RULES)])
+        self.clock = Clock()
+        self.stores: dict[str, ZonedStore] = {}
+        self.replicas: dict[str, QuotaCoordinator] = {}
+        for name in DEMAND:
+            zone = name[0]
+            store = ZonedStore(
+                ZoneRedisStore(servers[zone].url, zone),
+                RedisStore(servers["global"].url),
+                interval=interval,
+                forget_after=FORGET_AFTER,
+            )
+            self.stores[name] = store
+            self.replicas[name] = QuotaCoordinator(
+                lambda: config, Stats(), store, member=name, clock=self.clock
+            )
+        self.shares: dict[str, int] = {}
+
+    async def report(self, name: str, hits: int) -> None:
+        (action,) = await self.replicas[name].report(f"envoy-{name}", "q", [Usage(BUCKET, hits, 0)])
+        assert action.token_bucket is not None
+        self.shares[name] = action.token_bucket.tokens_per_fill
+
+    async def round(self) -> None:
+        """Every Envoy reports its 5 s, every replica publishes, every zone aggregates,
+        every replica publishes again."""
+        self.clock.now += 5.0
+        for name, rate in DEMAND.items():
+            await self.report(name, rate * 5)
+        await self.publish_all()
+
+    async def publish_all(self) -> None:
+        for replica in self.replicas.values():
+            await replica.tick()
+        for name in ("a1", "b1"):
+            await self.stores[name].aggregator.aggregate()
+        for replica in self.replicas.values():
+            await replica.tick()
+
+    def part(self, name: str) -> float:
+        return self.replicas[name].parts()[KEY][0]
+
+    async def close(self) -> None:
+        for store in self.stores.values():
+            await store.close()
+
+
+def zone_part(server: RedisServer) -> float:
+    client = redis.Redis(port=server.port)
+    try:
+        (key,) = client.zrange("rl:zone:" + server_zone(server) + ":counters", 0, -1)
+        return int(client.hget(key, "Z")) / 1000
+    finally:
+        client.close()
+
+
+def server_zone(server: RedisServer) -> str:
+    return ZONE_OF[server.port]
+
+
+ZONE_OF: dict[int, str] = {}
+
+
+@contextlib.asynccontextmanager
+async def fleet_of(servers: dict[str, RedisServer], interval: float = 1.0):  # type: ignore[no-untyped-def]
+    ZONE_OF.update({servers["a"].port: "a", servers["b"].port: "b"})
+    fleet = Fleet(servers, interval)
+    try:
+        for name in DEMAND:  # the first reports: nothing measured yet
+            await fleet.report(name, 1)
+        for _ in range(4):
+            await fleet.round()
+        yield fleet
+    finally:
+        await fleet.close()
+
+
+async def test_two_zones_hold_one_limit_by_demand(servers) -> None:
+    async with fleet_of(servers) as fleet:
+        # The zones' parts: 120/s and 60/s asked, 100 to divide.
+        assert zone_part(servers["a"]) == pytest.approx(100 * 120 / 180, abs=0.01)
+        assert zone_part(servers["b"]) == pytest.approx(100 * 60 / 180, abs=0.01)
+        # Each zone's replicas divide the zone's part; the Envoys hold the limit.
+        assert fleet.part("a1") + fleet.part("a2") == pytest.approx(66.67, abs=0.02)
+        assert fleet.part("b1") + fleet.part("b2") == pytest.approx(33.33, abs=0.02)
+        await fleet.round()
+        assert 97 <= sum(fleet.shares.values()) <= 100, fleet.shares
+        # The global store holds one entry per zone, a zone store one per replica.
+        client = redis.Redis(port=servers["global"].port)
+        (members,) = [k for k in client.keys("rl:qt*") if k.endswith(b":m")]
+        assert sorted(client.zrange(members, 0, -1)) == [b"a", b"b"]
+        client.close()
+        totals = fleet.replicas["a1"].parts()[KEY][1]
+        assert totals is not None and (totals.members, totals.instances) == (2, 2)
+
+
+async def test_a_zone_keeps_its_part_while_the_global_store_is_away(servers) -> None:
+    async with fleet_of(servers) as fleet:
+        before = {name: fleet.part(name) for name in DEMAND}
+        servers["global"].stop()
+        await fleet.round()
+        aggregator = fleet.stores["a1"].aggregator
+        assert aggregator.global_away and aggregator.global_errors >= 1
+        assert {name: fleet.part(name) for name in DEMAND} == pytest.approx(before, abs=0.01)
+        assert 97 <= sum(fleet.shares.values()) <= 100
+        servers["global"].start()  # back, empty: the zones publish their sums again
+        await fleet.round()
+        # The first zone heard by the empty store took the whole limit for one pass
+        # (a member heard first is not held to room nobody has claimed yet); its
+        # replicas hand it out at the next reports, then it shrinks to its part (the
+        # replica publishing first after that is held to what the other still holds,
+        # for one more pass).
+        for _ in range(3):
+            await fleet.round()
+        assert not aggregator.global_away
+        assert zone_part(servers["a"]) == pytest.approx(66.67, abs=0.02)
+        assert 97 <= sum(fleet.shares.values()) <= 100
+
+
+async def test_another_replica_takes_the_lease_when_the_aggregator_stops(servers) -> None:
+    interval = 0.2
+    async with fleet_of(servers, interval) as fleet:
+        first, second = fleet.stores["a1"].aggregator, fleet.stores["a2"].aggregator
+        await first.step()
+        await second.step()
+        assert first.leading and not second.leading
+        # first stops stepping (its process died): the lease lives one interval.
+        taken = await eventually_async(
+            lambda: _stepped(second), timeout=4 * interval + 1, what="a2 takes the lease"
+        )
+        assert taken and second.takeovers == 1
+        await first.step()  # back: it finds the lease held by a2
+        assert not first.leading
+
+
+async def _stepped(aggregator) -> bool:  # type: ignore[no-untyped-def]
+    await aggregator.step()
+    return bool(aggregator.leading)
