@@ -28,6 +28,7 @@ import json
 import multiprocessing
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -288,9 +289,10 @@ def cell(
         }
 
 
-def baseline_tree(revision: str, directory: Path) -> Path:
-    """A checkout of ``revision`` (a git worktree) whose package the baseline serves."""
-    tree = directory / f"baseline-{revision}"
+def baseline_tree(revision: str) -> Path:
+    """A checkout of ``revision`` (a git worktree, outside this tree so that no tool
+    here meets its files) whose package the baseline serves."""
+    tree = Path(tempfile.gettempdir()) / f"ratelimit-baseline-{revision}"
     if not tree.exists():
         subprocess.run(
             ["git", "worktree", "add", "--detach", str(tree), revision],
@@ -331,7 +333,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     designs: list[tuple[str, Path | None]] = [("tiers", None)]
     if args.baseline != "none":
-        tree = baseline_tree(args.baseline, args.out)
+        tree = baseline_tree(args.baseline)
         designs.append((f"before tiers ({args.baseline})", tree))
     rows = []
     for envoys in args.envoys:

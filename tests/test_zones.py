@@ -7,6 +7,7 @@ zones), each zone store two (its replicas)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import pytest
 import redis
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
+from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.engine.quota import FORGET_AFTER, QuotaCoordinator, Usage
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.redis_store import RedisStore
@@ -198,3 +200,44 @@ async def test_another_replica_takes_the_lease_when_the_aggregator_stops(servers
 async def _stepped(aggregator) -> bool:  # type: ignore[no-untyped-def]
     await aggregator.step()
     return bool(aggregator.leading)
+
+
+async def test_probabilistic_buckets_refill_at_the_zones_part(servers) -> None:
+    """Zone a's replicas offer twice what zone b's do, 180/s against a limit of 100/s:
+    after two aggregation passes (the first measures nothing yet) each zone's fleet
+    bucket refills at its part, about 67 and 33 a second, and the replicas' syncs say
+    so (the local controller's budget follows it)."""
+    stores = {
+        name: ZonedStore(
+            ZoneRedisStore(servers[name[0]].url, name[0]),
+            RedisStore(servers["global"].url),
+            interval=1.0,
+            forget_after=FORGET_AFTER,
+        )
+        for name in DEMAND
+    }
+    report = {name: BucketReport("q\x1fk\x1ev\x1f1", 100, 1, offered=rate, admitted=rate // 2)
+              for name, rate in DEMAND.items()}  # fmt: skip
+    try:
+        views = {}
+        for _ in range(3):
+            for name, store in stores.items():
+                result = await store.sync([report[name]], 0.25)
+                views[name] = result.views[0]
+            for name in ("a1", "b1"):
+                await stores[name].aggregator.aggregate()
+            await asyncio.sleep(0.3)
+        for name in DEMAND:
+            result = await stores[name].sync([report[name]], 0.25)
+            views[name] = result.views[0]
+            assert result.nodes == 2  # the zone's replicas, not the fleet's
+        assert views["a1"].limit == pytest.approx(66.7, rel=0.1)
+        assert views["b2"].limit == pytest.approx(33.3, rel=0.1)
+        assert views["a1"].limit + views["b1"].limit <= 100.01
+        client = redis.Redis(port=servers["global"].port)
+        (members,) = [k for k in client.keys("rl:qt*") if k.endswith(b":m")]
+        assert sorted(client.zrange(members, 0, -1)) == [b"a", b"b"]
+        client.close()
+    finally:
+        for store in stores.values():
+            await store.close()

@@ -53,7 +53,7 @@ a ratio aimed at it would undershoot whenever the fast-attack rate estimate runs
 (it keeps the highest recent reading), which it does on every noisy measurement."""
 
 
-def capacity(limit: int, burst: int | None = None) -> float:
+def capacity(limit: float, burst: float | None = None) -> float:
     """The most the fleet token bucket stores: the rule's ``burst`` when it sets one
     (a smaller burst reacts faster to a step in load), else the whole limit."""
     return float(limit if burst is None else burst)
@@ -67,6 +67,9 @@ class FleetView:
     """The fleet token bucket after this node's admitted hits were taken out."""
     offered_total: int
     """Monotonic count of hits offered to the whole fleet."""
+    limit: float | None = None
+    """The limit per window the bucket refilled at, when it is not the rule's: in a
+    zone, the zone's part of it (see zone_limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,11 @@ def smoothed_rate(previous: float | None, measured: float, decay: float) -> floa
 
 
 def refill(
-    tokens: float, elapsed: float, limit: int, window_seconds: float, burst: int | None = None
+    tokens: float,
+    elapsed: float,
+    limit: float,
+    window_seconds: float,
+    burst: float | None = None,
 ) -> float:
     """The token bucket ``elapsed`` seconds later: refilled at limit/T, capped at its
     capacity."""
@@ -99,14 +106,29 @@ def refill(
     return min(full, tokens + max(0.0, elapsed) * limit / window_seconds)
 
 
-def take(tokens: float, admitted: int, limit: int) -> float:
+def zone_limit(
+    limit: float, full: float, zone_part: int | None, window_us: int
+) -> tuple[float, float]:
+    """The limit and capacity a zone's fleet bucket refills at: the zone's part of the
+    limit (``zone_part``, thousandths of a hit per second, set by the zone's
+    aggregator) when it is below the limit, the capacity in proportion (the twin of
+    fleet_sync.lua's zone branch: the same operations, in the same order)."""
+    if zone_part is None:
+        return limit, full
+    part = zone_part * window_us / 1_000_000_000
+    if part < limit:
+        return part, full * part / limit
+    return limit, full
+
+
+def take(tokens: float, admitted: int, limit: float) -> float:
     """Spend admitted hits; the debt is bounded by one window's worth."""
     return max(-float(limit), tokens - admitted)
 
 
 def control(
     *,
-    limit: int,
+    limit: float,
     window_seconds: float,
     tokens: float,
     fleet_rate: float,

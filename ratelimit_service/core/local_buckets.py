@@ -298,7 +298,7 @@ class LocalBuckets:
         bucket.fleet_rate = smoothed_rate(bucket.fleet_rate, measured, self.decay)
         local_rate = bucket.local_rate or 0.0
         result = control(
-            limit=bucket.limit,
+            limit=bucket.limit if view.limit is None else view.limit,
             window_seconds=bucket.window_seconds,
             tokens=view.tokens,
             fleet_rate=fleet_estimate(bucket.fleet_rate, local_rate, bucket.local_before),

@@ -6,15 +6,24 @@
 -- (microseconds), 'o' the monotonic count of offered hits. A sorted set of node ids
 -- scored by last sync time gives the number of live nodes.
 --
+-- In a zone (serve --zone) this is the zone's store: the bucket then refills at the
+-- zone's part of the limit, 'Z' (thousandths of a hit per second, written by the
+-- zone's aggregator, storage/zoned.py), when it is below the limit, its capacity in
+-- proportion (core/drop_ratio.py zone_limit); and the hash keeps for the aggregator
+-- 'K' the bucket's key, 'L' the limit, 'W' the window, 'a' the monotonic count of
+-- admitted hits, with an index of live buckets (a sorted set scored by last sync).
+--
 -- ARGV[1]   this node's id, or '' for no heartbeat (Redis Cluster: the registry lives
 --           in another slot and gets its own call)
--- KEYS      with a heartbeat, KEYS[1] is the node registry (sorted set); the other keys
---           are the fleet hashes of the buckets, in order
+-- KEYS      with a heartbeat, KEYS[1] is the node registry (sorted set); then the
+--           fleet hashes of the buckets, in order; then, in a zone, the index
 -- ARGV[2]   node time-to-live in microseconds (a node silent longer is not counted)
--- ARGV[3 + 5*(i-1) ...] for bucket i: window_us, limit, capacity, admitted delta,
---           offered delta
--- Returns   {live nodes (-1 without heartbeat), then 2 integers per bucket:
---            tokens in thousandths, offered total}
+-- ARGV[3]   '1' in a zone (the last key is the index), '' otherwise
+-- ARGV[4 + 6*(i-1) ...] for bucket i: window_us, limit, capacity, admitted delta,
+--           offered delta, the bucket's key (in a zone; '' otherwise)
+-- Returns   {live nodes (-1 without heartbeat), then 3 integers per bucket:
+--            tokens in thousandths, offered total, the limit the bucket refilled at
+--            in thousandths}
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local call, tonumber, format = redis.call, tonumber, string.format
@@ -36,14 +45,29 @@ if ARGV[1] ~= '' then
   first = 2
 end
 
-for i = 1, #KEYS - first + 1 do
+local index_key = nil
+local last = #KEYS
+if ARGV[3] == '1' then
+  index_key = KEYS[#KEYS]
+  last = #KEYS - 1
+end
+
+for i = 1, last - first + 1 do
   local key = KEYS[first + i - 1]
-  local base = 3 + 5 * (i - 1)
+  local base = 4 + 6 * (i - 1)
   local window = tonumber(ARGV[base])
   local limit = tonumber(ARGV[base + 1])
   local capacity = tonumber(ARGV[base + 2])
   local admitted = tonumber(ARGV[base + 3])
-  local state = call('HMGET', key, 'tk', 'ts')
+  local state = call('HMGET', key, 'tk', 'ts', 'Z')
+  local zone_part = tonumber(state[3])
+  if zone_part ~= nil then
+    local zone_limit = zone_part * window / 1000000000
+    if zone_limit < limit then
+      capacity = capacity * zone_limit / limit
+      limit = zone_limit
+    end
+  end
   local tokens = tonumber(state[1])
   local stamp = tonumber(state[2])
   if tokens == nil or stamp == nil then
@@ -58,9 +82,15 @@ for i = 1, #KEYS - first + 1 do
   if tokens < -limit then tokens = -limit end
   call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text)
   local offered_total = call('HINCRBY', key, 'o', ARGV[base + 4])
+  if index_key then
+    call('HINCRBY', key, 'a', ARGV[base + 3])
+    call('HSET', key, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base])
+    call('ZADD', index_key, stamp_text, key)
+  end
   -- Kept one window past full refill plus a minute: after that it is a full bucket.
   call('PEXPIRE', key, format('%d', math.ceil(window / 1000) * 2 + 60000))
   out[#out + 1] = math.floor(tokens * 1000)
   out[#out + 1] = offered_total
+  out[#out + 1] = math.floor(limit * 1000)
 end
 return out

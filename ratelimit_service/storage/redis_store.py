@@ -180,6 +180,9 @@ class RedisStore:
         self._exact = self._client.register_script(_script("exact_window.lua"))
         self._sync = self._client.register_script(_script("fleet_sync.lua"))
         self._tier = self._client.register_script(_script("quota_tier.lua"))
+        self.fleet_index: str | None = None
+        """In a zone: the index of probabilistic buckets fleet_sync.lua keeps for the
+        zone's aggregator; None: no index."""
         self.tier_index: str | None = None
         """In a zone: the key of the index of counters quota_tier.lua keeps for the
         zone's aggregator (storage/zoned.py); None: no index."""
@@ -334,7 +337,12 @@ class RedisStore:
     async def _sync_call(
         self, keys: list[str], reports: Sequence[BucketReport], heartbeat: bool
     ) -> tuple[int, list[FleetView]]:
-        args: list[Any] = [self.node_id if heartbeat else "", int(self.node_ttl * 1_000_000)]
+        zoned = self.fleet_index is not None
+        args: list[Any] = [
+            self.node_id if heartbeat else "",
+            int(self.node_ttl * 1_000_000),
+            "1" if zoned else "",
+        ]
         for report in reports:
             args += (
                 report.window_seconds * 1_000_000,
@@ -342,12 +350,19 @@ class RedisStore:
                 int(capacity(report.limit, report.burst)),
                 report.admitted,
                 report.offered,
+                report.key if zoned else "",
             )
-        call_keys = [self.prefix + "nodes", *keys] if heartbeat else keys
+        call_keys = [self.prefix + "nodes", *keys] if heartbeat else list(keys)
+        if self.fleet_index is not None:
+            call_keys.append(self.fleet_index)
         raw = await self._call(self._sync, call_keys, args, self.sync_timeout)
         views = [
-            FleetView(tokens=int(raw[i]) / 1000, offered_total=int(raw[i + 1]))
-            for i in range(1, len(raw), 2)
+            FleetView(
+                tokens=int(raw[i]) / 1000,
+                offered_total=int(raw[i + 1]),
+                limit=int(raw[i + 2]) / 1000 if zoned else None,
+            )
+            for i in range(1, len(raw), 3)
         ]
         return int(raw[0]), views
 

@@ -17,8 +17,11 @@ within two intervals (the lease lives one interval and is tried every half); a z
 cut off from the global store keeps its part while the others keep theirs, and its
 entry there leaves the sums after the forget time, freeing its part for them.
 
-Exact rules are decided on the global store: exactness needs one counter per window
-for the whole fleet. Probabilistic rules sync with the global store as without zones.
+Probabilistic rules go the same way: the replicas sync with the zone store, whose
+fleet bucket refills at the zone's part of the limit; the aggregator publishes each
+bucket's offered rate and admitted hits as the zone's demand and allowed hits, and
+writes back the zone's part. Exact rules are decided on the global store: exactness
+needs one counter per window for the whole fleet.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ratelimit_service.core.drop_ratio import SyncResult
@@ -46,6 +50,22 @@ PUBLISH_BATCH = 256
 """Counters per call to the global store."""
 
 
+@dataclass(frozen=True, slots=True)
+class ZoneBucket:
+    """One probabilistic bucket as the aggregator reads it from the zone store."""
+
+    store_key: str
+    key: str
+    offered: int
+    """Hits offered to the zone's replicas, a monotonic count."""
+    admitted: int
+    """Hits they admitted, a monotonic count."""
+    limit: int
+    window_seconds: int
+    forwarded: int
+    """Of ``admitted``, what the aggregator already published to the global store."""
+
+
 class ZoneRedisStore(RedisStore):
     """The zone store: a RedisStore whose RLQS publishes also keep an index of live
     counters, and which answers the aggregator's reads, writes and lease."""
@@ -56,8 +76,10 @@ class ZoneRedisStore(RedisStore):
             raise ValueError("a zone store must be one Redis (or Sentinel), not Cluster")
         self.zone = zone
         self.tier_index = f"{self.prefix}zone:{zone}:counters"
+        self.fleet_index = f"{self.prefix}zone:{zone}:buckets"
         self.lease_key = f"{self.prefix}zone:{zone}:aggregator"
         self._read = self._client.register_script(_script("zone_read.lua"))
+        self._read_fleet = self._client.register_script(_script("zone_read_fleet.lua"))
         self._write = self._client.register_script(_script("zone_write.lua"))
         self._lease = self._client.register_script(_script("lease.lua"))
 
@@ -80,6 +102,27 @@ class ZoneRedisStore(RedisStore):
             )
             for i in range(0, len(raw), 9)
         ]
+
+    async def zone_buckets(self, forget_after: float) -> tuple[int, int, list[ZoneBucket]]:
+        """The store's time (microseconds), the zone's live replicas, and every
+        probabilistic bucket a replica of the zone synced within ``forget_after``."""
+        assert self.fleet_index is not None
+        keys = [self.fleet_index, self.prefix + "nodes"]
+        args = [int(forget_after * 1_000_000), MOST_COUNTERS]
+        raw = await self._call(self._read_fleet, keys, args, self.sync_timeout)
+        buckets = [
+            ZoneBucket(
+                store_key=_text(raw[i]),
+                key=_text(raw[i + 1]),
+                offered=int(raw[i + 2]),
+                admitted=int(raw[i + 3]),
+                limit=int(raw[i + 4]),
+                window_seconds=int(raw[i + 5]) // 1_000_000,
+                forwarded=int(raw[i + 6]),
+            )
+            for i in range(2, len(raw), 7)
+        ]
+        return int(raw[0]), int(raw[1]), buckets
 
     async def settle(self, shares: Sequence[tuple[str, ZoneShare]]) -> None:
         """Write back each counter's zone part and the fleet's allowed hits."""
@@ -130,6 +173,9 @@ class ZoneAggregator:
         self.global_away = False
         self._steps = 0
         self._task: asyncio.Task[None] | None = None
+        self._offered: dict[str, tuple[int, int]] = {}
+        """Each probabilistic bucket's offered total and the store's time at the last
+        pass (its demand is the rate between two passes)."""
 
     async def step(self) -> None:
         """Take or renew the lease; every other step, aggregate if this replica holds it."""
@@ -154,18 +200,68 @@ class ZoneAggregator:
         self.leading = leading
 
     async def aggregate(self) -> None:
-        """One pass: the zone's sums to the global store, the zone's parts back."""
+        """One pass: the zone's sums to the global store, the zone's parts back (RLQS
+        counters and probabilistic buckets alike: the zones are the global store's
+        members for both)."""
         try:
-            totals = await self.zone_store.zone_totals(self.forget_after)
+            counters = await self.zone_store.zone_totals(self.forget_after)
+            buckets = await self._bucket_reports()
         except StoreUnavailable:
             self.zone_errors += 1
             return
+        reports = [self._report(t) for t in counters] + [report for report, _ in buckets]
+        answers = await self._publish(reports)
+        if answers is None:
+            return
+        shares = [
+            (t.store_key, ZoneShare(round(a.part * MILLI), a.used, t.window, t.used))
+            for t, a in zip(counters, answers[: len(counters)], strict=True)
+        ]
+        shares += [
+            (bucket.store_key, ZoneShare(round(a.part * MILLI), 0, 0, bucket.admitted))
+            for (_, bucket), a in zip(buckets, answers[len(counters) :], strict=True)
+        ]
+        try:
+            await self.zone_store.settle(shares)
+        except StoreUnavailable:
+            self.zone_errors += 1
+            return
+        self.passes += 1
+        self.counters = len(counters) + len(buckets)
+
+    async def _bucket_reports(self) -> list[tuple[TierReport, ZoneBucket]]:
+        """The zone's probabilistic buckets as reports to the global store: demand is
+        the rate of offered hits since the previous pass (a bucket seen for the first
+        time, or by an aggregator that just took over, is only measured this pass)."""
+        now_us, replicas, buckets = await self.zone_store.zone_buckets(self.forget_after)
+        reports = []
+        seen: dict[str, tuple[int, int]] = {}
+        for bucket in buckets:
+            before = self._offered.get(bucket.store_key)
+            seen[bucket.store_key] = (bucket.offered, now_us)
+            if before is None or now_us <= before[1]:
+                continue
+            rate = max(0, bucket.offered - before[0]) * 1_000_000 / (now_us - before[1])
+            report = TierReport(
+                key=bucket.key,
+                member=self.zone,
+                demand=rate,
+                instances=max(1, replicas),
+                allowed=max(0, bucket.admitted - bucket.forwarded),
+                window_seconds=bucket.window_seconds,
+                limit=bucket.limit / bucket.window_seconds,
+            )
+            reports.append((report, bucket))
+        self._offered = seen  # only the buckets still live: bounded by the index
+        return reports
+
+    async def _publish(self, reports: list[TierReport]) -> list[TierTotals] | None:
+        """The zone's reports to the global store; None while it is away."""
         answers: list[TierTotals] = []
         try:
-            for start in range(0, len(totals), PUBLISH_BATCH):
-                chunk = totals[start : start + PUBLISH_BATCH]
+            for start in range(0, len(reports), PUBLISH_BATCH):
                 answers += await self.global_store.publish(
-                    [self._report(t) for t in chunk], self.forget_after
+                    reports[start : start + PUBLISH_BATCH], self.forget_after
                 )
         except StoreUnavailable as exc:
             self.global_errors += 1
@@ -176,21 +272,11 @@ class ZoneAggregator:
                     exc,
                 )
             self.global_away = True
-            return
+            return None
         if self.global_away:
             log.info("zone %s: the global store answers again", self.zone)
             self.global_away = False
-        shares = [
-            (t.store_key, ZoneShare(round(a.part * MILLI), a.used, t.window, t.used))
-            for t, a in zip(totals, answers, strict=True)
-        ]
-        try:
-            await self.zone_store.settle(shares)
-        except StoreUnavailable:
-            self.zone_errors += 1
-            return
-        self.passes += 1
-        self.counters = len(totals)
+        return answers
 
     def _report(self, totals: ZoneTotals) -> TierReport:
         return TierReport(
@@ -234,8 +320,8 @@ class ZoneAggregator:
 
 
 class ZonedStore:
-    """The Store seam for a replica in a zone: RLQS on the zone store (with the zone's
-    aggregator beside it), exact and probabilistic rules on the global store."""
+    """The Store seam for a replica in a zone: RLQS and probabilistic rules on the zone
+    store (with the zone's aggregator beside it), exact rules on the global store."""
 
     name = "zoned"
 
@@ -257,7 +343,7 @@ class ZonedStore:
         return self.global_store.hit(hits, commit, owe, deadline)
 
     async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
-        return await self.global_store.sync(reports, interval)
+        return await self.zone_store.sync(reports, interval)
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
         return await self.zone_store.publish(reports, forget_after)

@@ -1,0 +1,34 @@
+-- zone_read_fleet.lua: the zone aggregator's read of its zone store's probabilistic
+-- buckets (storage/zoned.py): every bucket a replica of the zone synced lately.
+--
+-- KEYS[1]   the zone's index of buckets (a sorted set of bucket hashes, scored by
+--           their last sync in microseconds; written by fleet_sync.lua)
+-- KEYS[2]   the zone's node registry (fleet_sync.lua's): the live replicas
+-- ARGV[1]   forget time in microseconds: older entries leave the index
+-- ARGV[2]   the most buckets to return (the oldest first)
+-- Returns   {now in microseconds, live replicas, then per bucket: hash key, bucket
+--           key, offered total, admitted total, limit per window, window
+--           (microseconds), admitted hits already forwarded to the global store}
+--           flattened; a hash that has expired is left out
+-- Time comes from the Redis server (TIME), as in fleet_sync.lua.
+
+local call, tonumber, format = redis.call, tonumber, string.format
+local t = call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local since = now - tonumber(ARGV[1])
+call('ZREMRANGEBYSCORE', KEYS[1], '-inf', format('(%d', since))
+local keys = call('ZRANGEBYSCORE', KEYS[1], format('%d', since), '+inf', 'LIMIT', '0', ARGV[2])
+local out = {now, call('ZCARD', KEYS[2])}
+for _, hash in ipairs(keys) do
+  local f = call('HMGET', hash, 'K', 'o', 'a', 'L', 'W', 'g')
+  if f[1] and f[5] then
+    out[#out + 1] = hash
+    out[#out + 1] = f[1]
+    out[#out + 1] = tonumber(f[2]) or 0
+    out[#out + 1] = tonumber(f[3]) or 0
+    out[#out + 1] = tonumber(f[4]) or 0
+    out[#out + 1] = tonumber(f[5])
+    out[#out + 1] = tonumber(f[6]) or 0
+  end
+end
+return out
