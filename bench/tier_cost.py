@@ -37,7 +37,6 @@ from typing import Any
 import grpc
 import redis
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
-from google.protobuf import duration_pb2
 from throughput import (
     BENCH,
     REPO,
@@ -49,6 +48,8 @@ from throughput import (
     start_redis,
     start_service,
 )
+
+from ratelimit_service.testing.rlqs_sim import SimEnvoy, usage_report
 
 REPLICAS = 4
 LIMIT = 50_000
@@ -78,53 +79,8 @@ class Tally:
     """Envoys with no assignment at the window's end."""
 
 
-class SimEnvoy:
-    """One Envoy: offers ``rate`` hits per second, enforces its assigned token bucket."""
-
-    def __init__(self, name: str, rate: float) -> None:
-        self.name = name
-        self.rate = rate
-        self.bucket: tuple[int, int, int] | None = None
-        """(max_tokens, tokens_per_fill, fill_seconds) as last assigned."""
-        self.tokens = 0.0
-        self.last = time.monotonic()
-
-    def assign(self, response: rlqs_pb2.RateLimitQuotaResponse) -> None:
-        for action in response.bucket_action:
-            strategy = action.quota_assignment_action.rate_limit_strategy
-            if not strategy.HasField("token_bucket"):
-                continue
-            bucket = strategy.token_bucket
-            new = (bucket.max_tokens, bucket.tokens_per_fill.value, bucket.fill_interval.seconds)
-            if new != self.bucket:  # a changed bucket starts full; an identical one is kept
-                self.bucket, self.tokens = new, float(bucket.max_tokens)
-
-    def usage(self, now: float) -> tuple[int, int]:
-        """(allowed, denied) since the last report."""
-        elapsed, self.last = now - self.last, now
-        offered = round(self.rate * elapsed)
-        if self.bucket is None:
-            return offered, 0
-        most, per_fill, fill = self.bucket
-        self.tokens = min(float(most), self.tokens + per_fill / max(1, fill) * elapsed)
-        allowed = min(offered, int(self.tokens))
-        self.tokens -= allowed
-        return allowed, offered - allowed
-
-    def assigned_rate(self) -> float:
-        if self.bucket is None:
-            return 0.0
-        return self.bucket[1] / max(1, self.bucket[2])
-
-
 def report(allowed: int, denied: int) -> rlqs_pb2.RateLimitQuotaUsageReports:
-    usage = rlqs_pb2.RateLimitQuotaUsageReports.BucketQuotaUsage(
-        bucket_id=rlqs_pb2.BucketId(bucket=BUCKET),
-        time_elapsed=duration_pb2.Duration(seconds=int(REPORT_EVERY)),
-        num_requests_allowed=allowed,
-        num_requests_denied=denied,
-    )
-    return rlqs_pb2.RateLimitQuotaUsageReports(domain=DOMAIN, bucket_quota_usages=[usage])
+    return usage_report(DOMAIN, BUCKET, allowed, denied, int(REPORT_EVERY))
 
 
 def weights(count: int) -> list[float]:
