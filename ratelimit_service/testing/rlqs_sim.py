@@ -128,7 +128,7 @@ class StreamingEnvoy:
             reader.cancel()
             call.cancel()
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:  # type: ignore[type-arg]
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
             response = await call.read()
             if response is grpc.aio.EOF:
