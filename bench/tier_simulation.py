@@ -1,0 +1,302 @@
+"""What the tiers cost the stores at the design's scale, by simulation: the real Lua
+scripts on real redis-servers, called at the rates a fleet of 100,000 Envoys behind
+1,000 replicas in 10 zones would call them.
+
+    python bench/tier_simulation.py               # ~2 minutes
+    python bench/tier_simulation.py --hot 1 10    # fewer cells
+
+Envoys never reach a store: their reports end at their replica (100 per replica
+here). What the stores see, per hot bucket:
+
+* one zone's store: every replica of the zone (100) publishes its RLQS totals every
+  --rlqs-publish-interval (1 s; quota_tier.lua with the zone's index) and syncs its
+  probabilistic buckets every --sync-interval (0.25 s; fleet_sync.lua); the zone's
+  aggregator takes its lease twice per --zone-interval (1 s) and once per interval
+  reads the zone (zone_read.lua, zone_read_fleet.lua) and writes back
+  (zone_write.lua);
+* the global store: every zone (10) publishes once per --zone-interval, RLQS
+  counters and probabilistic buckets alike (quota_tier.lua, the zones its members).
+
+All ten zone stores do the same work, so one is simulated at one zone's rates; the
+global store gets all ten zones. Each cell runs --seconds on fresh redis-servers,
+open loop (calls leave on schedule, spread over the interval), and reads each
+server's CPU from ``INFO cpu`` (user + sys) and its script calls from
+``INFO commandstats``. A replica's calls cover all its hot buckets at once (256 per
+call at most), so the calls per second do not grow with hot buckets; the work per
+call does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from throughput import BENCH, lab, start_redis
+
+from ratelimit_service.storage.redis_store import _script
+
+ENVOYS, REPLICAS, ZONES = 100_000, 1_000, 10
+PUBLISH, SYNC, ZONE = 1.0, 0.25, 1.0
+LIMIT = 100_000
+FORGET_US = 15_000_000
+BATCH = 256
+
+
+@dataclass
+class Cell:
+    hot: int
+    seconds: float
+    zone_cpu: float = 0.0
+    global_cpu: float = 0.0
+    zone_calls: float = 0.0
+    global_calls: float = 0.0
+    flat_cpu: float = 0.0
+    """The same fleet without zones: every replica on one store."""
+    flat_calls: float = 0.0
+    late: int = 0
+    """Calls that left more than one interval behind schedule: the store (or this
+    driver) could not keep up, and the calls per second fall short of the model."""
+
+
+class Driver:
+    """Calls scripts at fixed rates, open loop."""
+
+    def __init__(self, client: aioredis.Redis, scripts: dict[str, Any]) -> None:
+        self.client = client
+        self.scripts = scripts
+        self.late = 0
+
+    async def every(self, interval: float, phase: float, until: float, call: Any) -> None:
+        next_at = time.monotonic() + phase
+        while next_at < until:
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif -delay > interval:
+                self.late += 1
+            await call()
+            next_at += interval
+
+
+def counters(hot: int) -> list[str]:
+    return [f"bench\x1fk\x1ehot-{n}\x1f1" for n in range(hot)]
+
+
+async def zone_store(
+    client: aioredis.Redis, hot: int, until: float, replicas: int = REPLICAS // ZONES,
+    aggregator: bool = True,
+) -> int:  # fmt: skip
+    """One zone: its replicas publishing and syncing, and the aggregator (without it,
+    ``replicas`` on one store is the design without zones)."""
+    tier = client.register_script(_script("quota_tier.lua"))
+    sync = client.register_script(_script("fleet_sync.lua"))
+    lease = client.register_script(_script("lease.lua"))
+    read = client.register_script(_script("zone_read.lua"))
+    read_fleet = client.register_script(_script("zone_read_fleet.lua"))
+    write = client.register_script(_script("zone_write.lua"))
+    driver = Driver(client, {})
+    keys = counters(hot)
+    rng = random.Random(1)
+    per_zone = replicas
+    index, buckets = "rl:zone:z:counters", "rl:zone:z:buckets"
+
+    def publish(member: str, demand: int) -> Any:
+        async def call() -> None:
+            for start in range(0, hot, BATCH):
+                chunk = keys[start : start + BATCH]
+                args: list[Any] = [member, FORGET_US]
+                call_keys: list[str] = []
+                for key in chunk:
+                    call_keys += (f"rl:qt{{{key}}}", f"rl:qt{{{key}}}:m")
+                    args += (demand, ENVOYS // REPLICAS, demand // 10, 1_000_000,
+                             LIMIT * 1000, key)  # fmt: skip
+                await tier(keys=[*call_keys, index], args=args)
+
+        return call
+
+    def synced(member: str, offered: int) -> Any:
+        async def call() -> None:
+            for start in range(0, hot, BATCH):
+                chunk = keys[start : start + BATCH]
+                args: list[Any] = [member, 5_000_000, "1"]
+                for key in chunk:
+                    args += (1_000_000, LIMIT, LIMIT, offered // 2, offered, key)
+                await sync(keys=["rl:nodes", *[f"rl:f:{k}" for k in chunk], buckets], args=args)
+
+        return call
+
+    async def aggregate() -> None:
+        await lease(keys=["rl:zone:z:aggregator"], args=["replica-0", 1000])
+        rows = await read(keys=[index], args=[FORGET_US, 10_000])
+        fleet = await read_fleet(keys=[buckets, "rl:nodes"], args=[FORGET_US, 10_000])
+        written = [rows[i] for i in range(0, len(rows), 9)]
+        written += [fleet[i] for i in range(2, len(fleet), 7)]
+        for start in range(0, len(written), BATCH):
+            chunk = written[start : start + BATCH]
+            await write(keys=chunk, args=[5_000_000, 0, 0, 0] * len(chunk))
+
+    async def renew() -> None:
+        await lease(keys=["rl:zone:z:aggregator"], args=["replica-0", 1000])
+
+    tasks = []
+    for n in range(per_zone):
+        member = f"replica-{n}"
+        demand = rng.randrange(50_000, 150_000)  # thousandths of a hit per second
+        tasks.append(driver.every(PUBLISH, rng.uniform(0, PUBLISH), until, publish(member, demand)))
+        tasks.append(driver.every(SYNC, rng.uniform(0, SYNC), until, synced(member, 200)))
+    if aggregator:
+        tasks.append(driver.every(ZONE, 0.0, until, aggregate))
+        tasks.append(driver.every(ZONE, ZONE / 2, until, renew))
+    await asyncio.gather(*tasks)
+    return driver.late
+
+
+async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
+    """Ten zones, each publishing its RLQS counters and its probabilistic buckets."""
+    tier = client.register_script(_script("quota_tier.lua"))
+    driver = Driver(client, {})
+    keys = counters(hot)
+    rng = random.Random(2)
+
+    def publish(zone: str, demand: int) -> Any:
+        async def call() -> None:
+            reports = [(k, "q") for k in keys] + [(k, "f") for k in keys]
+            for start in range(0, len(reports), BATCH):
+                chunk = reports[start : start + BATCH]
+                args: list[Any] = [zone, FORGET_US]
+                call_keys: list[str] = []
+                for key, kind in chunk:
+                    call_keys += (f"rl:qt{{{kind}{key}}}", f"rl:qt{{{kind}{key}}}:m")
+                    args += (demand, ENVOYS // ZONES, demand // 10, 1_000_000, LIMIT * 1000, "")
+                await tier(keys=call_keys, args=args)
+
+        return call
+
+    tasks = [
+        driver.every(ZONE, rng.uniform(0, ZONE), until, publish(f"zone-{z}", 10_000_000))
+        for z in range(ZONES)
+    ]
+    await asyncio.gather(*tasks)
+    return driver.late
+
+
+def connect(port: int) -> aioredis.Redis:
+    """A client whose calls wait for one of 64 connections (a thousand simulated
+    replicas would otherwise open one each when Redis falls behind)."""
+    pool = aioredis.BlockingConnectionPool(port=port, max_connections=64, timeout=None)
+    return aioredis.Redis(connection_pool=pool)
+
+
+def cpu_and_calls(port: int) -> tuple[float, int]:
+    client = redis.Redis(port=port)
+    try:
+        cpu = client.info("cpu")
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    calls = sum(int(v.get("calls", 0)) for k, v in stats.items() if k.startswith("cmdstat_evals"))
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls
+
+
+async def run_flat(hot: int, seconds: float, port: int, cell: Cell) -> None:
+    """Every replica on one store (no zones): what the single tier costs at this scale."""
+    client = connect(port)
+    try:
+        await zone_store(client, hot, time.monotonic() + 3.0, REPLICAS, aggregator=False)
+        before, started = cpu_and_calls(port), time.monotonic()
+        late = await zone_store(client, hot, started + seconds, REPLICAS, False)
+        after, elapsed = cpu_and_calls(port), time.monotonic() - started
+    finally:
+        await client.aclose()
+    cell.flat_cpu = 100 * (after[0] - before[0]) / elapsed
+    cell.flat_calls = (after[1] - before[1]) / elapsed
+    cell.late += late
+
+
+async def run_cell(hot: int, seconds: float, zone_port: int, global_port: int) -> Cell:
+    zone = connect(zone_port)
+    glob = connect(global_port)
+    try:
+        warm = time.monotonic() + 3.0  # every member heard once, keys created
+        await asyncio.gather(zone_store(zone, hot, warm), global_store(glob, hot, warm))
+        before, started = (cpu_and_calls(zone_port), cpu_and_calls(global_port)), time.monotonic()
+        until = started + seconds
+        late = await asyncio.gather(zone_store(zone, hot, until), global_store(glob, hot, until))
+        after = cpu_and_calls(zone_port), cpu_and_calls(global_port)
+        elapsed = time.monotonic() - started
+    finally:
+        await zone.aclose()
+        await glob.aclose()
+    cell = Cell(hot, seconds, late=sum(late))
+    cell.zone_cpu = 100 * (after[0][0] - before[0][0]) / elapsed
+    cell.global_cpu = 100 * (after[1][0] - before[1][0]) / elapsed
+    cell.zone_calls = (after[0][1] - before[0][1]) / elapsed
+    cell.global_calls = (after[1][1] - before[1][1]) / elapsed
+    return cell
+
+
+def model(
+    hot: int, envoys: int = ENVOYS, replicas: int = REPLICAS, zones: int = ZONES
+) -> dict[str, float]:
+    """Store operations per second per tier, from the intervals: script calls, and the
+    counters they update (the work inside a call grows with those)."""
+    per_zone = replicas / zones
+    calls = math.ceil(hot / BATCH)
+    return {
+        "Envoy reports/s (at the replicas)": envoys / 5.0,
+        "zone store calls/s": per_zone * calls / PUBLISH + per_zone * calls / SYNC + 4 / ZONE,
+        "zone store counter updates/s": per_zone * hot / PUBLISH + per_zone * hot / SYNC,
+        "global store calls/s": zones * math.ceil(2 * hot / BATCH) / ZONE,
+        "global store counter updates/s": zones * 2 * hot / ZONE,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hot", type=int, nargs="+", default=[1, 10, 100])
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--out", type=Path, default=BENCH / "out")
+    args = parser.parse_args()
+    cells = []
+    for hot in args.hot:
+        with lab() as (directory, _, redis_servers):
+            zone = start_redis(directory, redis_servers)
+            glob = start_redis(directory, redis_servers)
+            cell = asyncio.run(run_cell(hot, args.seconds, zone.port, glob.port))
+            flat = start_redis(directory, redis_servers)
+            asyncio.run(run_flat(hot, args.seconds, flat.port, cell))
+        print(json.dumps(cell.__dict__), flush=True)
+        cells.append(cell)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tier_simulation.json").write_text(json.dumps([c.__dict__ for c in cells]))
+    print(f"\n{ENVOYS:,} Envoys, {REPLICAS:,} replicas in {ZONES} zones; replicas publish every"
+          f" {PUBLISH:g} s and sync every {SYNC:g} s, zones every {ZONE:g} s\n")  # fmt: skip
+    print("| hot buckets | each zone store: calls/s (model) | its CPU | global store:"
+          " calls/s (model) | its CPU | without zones, one store: calls/s | its CPU"
+          " | late calls |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for cell in cells:
+        m = model(cell.hot)
+        zone_model, global_model = m["zone store calls/s"], m["global store calls/s"]
+        print(f"| {cell.hot} | {cell.zone_calls:.0f} ({zone_model:.0f})"
+              f" | {cell.zone_cpu:.1f} % | {cell.global_calls:.0f} ({global_model:.0f})"
+              f" | {cell.global_cpu:.2f} % | {cell.flat_calls:.0f} | {cell.flat_cpu:.1f} %"
+              f" | {cell.late} |")  # fmt: skip
+    print("\nOperations per second per tier (the model, per hot bucket count):\n")
+    print("| hot buckets | " + " | ".join(model(1)) + " |")
+    print("|---" * (len(model(1)) + 1) + "|")
+    for hot in args.hot:
+        print(f"| {hot} | " + " | ".join(f"{v:,.0f}" for v in model(hot).values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
