@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,8 +41,10 @@ from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from throughput import (
     BENCH,
     REPO,
+    ROUTE,
     Progress,
     cpu_seconds,
+    framed,
     lab,
     metric_sum,
     scrape,
@@ -245,6 +248,97 @@ def cell(
         }
 
 
+PROB_LIMIT = 1_000
+PROB_RATE = 2 * PROB_LIMIT
+PROB_CONFIG = f"""domain: {DOMAIN}
+descriptors:
+  - key: tenant
+    mode: probabilistic
+    rate_limit: {{unit: second, requests_per_unit: {PROB_LIMIT}}}
+"""
+
+
+def prob_cell(
+    design: str, tree: Path | None, clients: int, seconds: float, progress: Progress
+) -> dict[str, Any]:
+    """Probabilistic mode: ``clients`` HTTP/2 connections (the Envoys' connections,
+    spread over the 4 replicas; h2load, --rps each so that together they offer 2x the
+    limit) send RLS requests for the one hot bucket; Redis CPU per second, the
+    replicas' CPU per request, requests answered, admitted against the limit."""
+    with lab() as (directory, processes, redis_servers):
+        rules = directory / "rules"
+        rules.mkdir()
+        (rules / "q.yaml").write_text(PROB_CONFIG)
+        store = start_redis(directory, redis_servers)
+        replicas = [
+            start_service(processes, f"{design}-{n}", rules,
+                          ["--redis-url", store.url, "--log-level", "WARNING"], tree=tree)
+            for n in range(REPLICAS)
+        ]  # fmt: skip
+        body = directory / "body.bin"
+        body.write_bytes(framed(DOMAIN, ["tenant=hot"]))
+        warm = 5.0
+        rate = f"{PROB_RATE / clients:g}"
+        command = [
+            "h2load", "-c", str(clients // REPLICAS), "-m", "1", "-t", "1", "--rps", rate,
+            "-D", f"{warm + seconds + 1:g}", "-H", "content-type: application/grpc",
+            "-H", "te: trailers", "-d", str(body),
+        ]  # fmt: skip
+        loads = [
+            subprocess.Popen(
+                [*command, f"http://127.0.0.1:{replica.port}{ROUTE}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for replica in replicas
+        ]
+        progress(f"{design}: probabilistic, {clients} connections, warming up {warm:.0f} s")
+        time.sleep(warm)
+        redis_before, pages_before = (
+            redis_cpu(store.port),
+            [scrape(r.admin_port or 0) for r in replicas],
+        )
+        cpu_before = [cpu_seconds(r.pid) for r in replicas]
+        time.sleep(seconds)
+        redis_after, pages_after = (
+            redis_cpu(store.port),
+            [scrape(r.admin_port or 0) for r in replicas],
+        )
+        cpu_after = [cpu_seconds(r.pid) for r in replicas]
+        outputs = [load.communicate(timeout=seconds + 120)[0] for load in loads]
+
+        def delta(metric: str) -> float:
+            return sum(
+                metric_sum(after, metric) - metric_sum(before, metric)
+                for before, after in zip(pages_before, pages_after, strict=True)
+            )
+
+        hits = delta("ratelimit_service_rate_limit_total_hits_total")
+        over = delta("ratelimit_service_rate_limit_over_limit_total")
+        replica_cpu = sum(a - b for a, b in zip(cpu_after, cpu_before, strict=True))
+        done = sum(_h2load_count(out, "done") for out in outputs)
+        succeeded = sum(_h2load_count(out, "succeeded") for out in outputs)
+        return {
+            "design": design,
+            "mode": "probabilistic",
+            "envoys": clients,
+            "seconds": seconds,
+            "requests_per_s": hits / seconds,
+            "redis_cpu_pct": 100 * (redis_after - redis_before) / seconds,
+            "replica_cpu_ms_per_request": 1000 * replica_cpu / hits if hits else None,
+            "replicas_cpu_pct": 100 * replica_cpu / seconds,
+            "answered": succeeded,
+            "sent": done,
+            "admitted_over_limit": (hits - over) / seconds / PROB_LIMIT,
+        }
+
+
+def _h2load_count(output: str, name: str) -> int:
+    found = re.search(rf"(\d+) {name}", output)
+    return int(found.group(1)) if found else 0
+
+
 def baseline_tree(revision: str) -> Path:
     """A checkout of ``revision`` (a git worktree, outside this tree so that no tool
     here meets its files) whose package the baseline serves."""
@@ -274,11 +368,31 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def markdown_prob(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| design | connections | requests/s | Redis CPU | replica CPU per request"
+        " | replicas' CPU | answered / sent | admitted / limit |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['design']} | {r['envoys']:,} | {r['requests_per_s']:.0f}"
+            f" | {r['redis_cpu_pct']:.1f} % | {r['replica_cpu_ms_per_request']:.2f} ms"
+            f" | {r['replicas_cpu_pct']:.0f} % | {r['answered']:,} / {r['sent']:,}"
+            f" | {r['admitted_over_limit']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--envoys", type=int, nargs="+", default=[400, 4000])
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window")
-    parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument("--clients", type=int, default=2, help="client processes (RLQS)")
+    parser.add_argument(
+        "--modes", nargs="+", default=["rlqs", "probabilistic"],
+        choices=["rlqs", "probabilistic"],
+    )  # fmt: skip
     parser.add_argument(
         "--baseline", default="d0a2a69",
         help="git revision of the design before tiers ('none': this tree only)",
@@ -291,15 +405,24 @@ def main() -> None:
     if args.baseline != "none":
         tree = baseline_tree(args.baseline)
         designs.append((f"before tiers ({args.baseline})", tree))
-    rows = []
+    rows, prob_rows = [], []
     for envoys in args.envoys:
         for design, tree in designs:
-            row = cell(design, tree, envoys, args.seconds, args.clients, progress)
-            progress(json.dumps(row))
-            rows.append(row)
-    (args.out / "tier_cost.json").write_text(json.dumps(rows, indent=1))
-    print()
-    print(markdown(rows))
+            if "rlqs" in args.modes:
+                row = cell(design, tree, envoys, args.seconds, args.clients, progress)
+                progress(json.dumps(row))
+                rows.append(row)
+            if "probabilistic" in args.modes:
+                row = prob_cell(design, tree, envoys, args.seconds, progress)
+                progress(json.dumps(row))
+                prob_rows.append(row)
+    (args.out / "tier_cost.json").write_text(json.dumps(rows + prob_rows, indent=1))
+    if rows:
+        print(f"\nRLQS, one hot bucket of {LIMIT:,}/s, 2x offered\n")
+        print(markdown(rows))
+    if prob_rows:
+        print(f"\nProbabilistic, one hot bucket of {PROB_LIMIT:,}/s, 2x offered\n")
+        print(markdown_prob(prob_rows))
 
 
 if __name__ == "__main__":
