@@ -12,12 +12,16 @@ gives the rule rate_limit.burst N (default: none, the fleet bucket holds the lim
 - step:     0.5x, then 3x [back within +-10% of the limit in <= 1.5 s; goal 1 s]
 - exact:    exact mode, 2x the limit [never over the limit in any window]
 - outage:   probabilistic, Redis SIGSTOPped for 3 s mid-run [0 errors, no latency spike]
+
+--zones Z puts the nodes in Z zones (node n in zone n % Z, a redis-server each) under
+the scenario's redis-server as the global store (``serve --zone``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import statistics
 import tempfile
@@ -50,9 +54,15 @@ def run(
     out: Path,
     during: Callable[[RedisServer], Awaitable[None]] | None = None,
     burst: int | None = None,
+    zones: int = 0,
 ) -> Timeline:
     print(f"{name} ...", flush=True)
-    with tempfile.TemporaryDirectory() as tmp, redis_server(Path(tmp)) as redis:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        redis_server(Path(tmp)) as redis,
+        contextlib.ExitStack() as stack,
+    ):
+        zone_stores = [stack.enter_context(redis_server(Path(tmp))) for _ in range(zones)]
         config = write_config(Path(tmp), limit, "second", mode)
         if burst is not None:
             config.write_text(
@@ -60,7 +70,14 @@ def run(
                 f"    rate_limit: {{unit: second, requests_per_unit: {limit}, burst: {burst}}}\n"
             )
         extra = ["--redis-timeout", "0.05"] if mode == "exact" else []
-        with service_fleet(nodes, config, redis.url, extra) as fleet:
+        # With zones, node n is in zone n % zones, on that zone's Redis; the scenario's
+        # Redis is the global store above them.
+        each = [
+            ["--zone", f"z{n % zones}", "--redis-url", zone_stores[n % zones].url,
+             "--global-redis-url", redis.url]
+            for n in range(nodes if zones else 0)
+        ]  # fmt: skip
+        with service_fleet(nodes, config, None if zones else redis.url, extra, each) as fleet:
             ports = [n.grpc_port for n in fleet]
 
             async def scenario() -> Timeline:
@@ -115,6 +132,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--burst", type=int, default=None, help="the rule's rate_limit.burst")
     parser.add_argument(
+        "--zones", type=int, default=0,
+        help="nodes in this many zones (a Redis each) under the scenario's Redis",
+    )  # fmt: skip
+    parser.add_argument(
         "--only", default=",".join(SCENARIOS), help="comma-separated scenarios to run"
     )
     args = parser.parse_args()
@@ -124,7 +145,9 @@ def main() -> None:
         parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: {SCENARIOS}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    limit, seconds, nodes, burst = args.limit, args.seconds, args.nodes, args.burst
+    limit, seconds, nodes, burst, zones = (
+        args.limit, args.seconds, args.nodes, args.burst, args.zones
+    )  # fmt: skip
     lines = ["| scenario | target | measured |", "|---|---|---|"]
 
     if "overload" in wanted:
@@ -138,6 +161,7 @@ def main() -> None:
             out,
             None,
             burst,
+            zones,
         )
         offered, admitted = window_rate(t, 3, seconds)
         per_bucket = [r[2] / t.bucket / limit for r in t.rows() if r[0] >= 3]
@@ -149,8 +173,9 @@ def main() -> None:
 
     if "under" in wanted:
         t = run(
-            "under", "probabilistic", limit, lambda _: 0.7 * limit, seconds, nodes, out, None, burst
-        )
+            "under", "probabilistic", limit, lambda _: 0.7 * limit, seconds, nodes, out, None,
+            burst, zones,
+        )  # fmt: skip
         offered, admitted = window_rate(t, 0, seconds)
         lines.append(
             f"| 0.7x the limit | >= 99.5% admitted | {100 * admitted / offered:.2f}% admitted |"
@@ -168,6 +193,7 @@ def main() -> None:
             out,
             None,
             burst,
+            zones,
         )
         reaction = reaction_time(t, step_at, limit, 0.10)
         _, after = window_rate(t, step_at + 2, seconds)
@@ -179,7 +205,7 @@ def main() -> None:
         )
 
     if "exact" in wanted:
-        t = run("exact", "exact", limit, lambda _: 2 * limit, seconds, nodes, out)
+        t = run("exact", "exact", limit, lambda _: 2 * limit, seconds, nodes, out, zones=zones)
         _, admitted = window_rate(t, 2, seconds)
         lines.append(
             f"| exact, 2x the limit | never over the limit in any 1 s window | max in any 1 s "
@@ -206,6 +232,7 @@ def main() -> None:
             out,
             freeze,
             burst,
+            zones,
         )
         lines.append(
             f"| Redis SIGSTOPped 3 s, probabilistic | 0 errors, no latency spike | errors "

@@ -4,7 +4,8 @@
     python bench/plot.py        # reads bench/out/*.json, writes docs/img/*.png
 
 Each plot is drawn only when its data file exists: throughput.json and
-redis_delay.json (bench/throughput.py), cost_growth.json (bench/cost_growth.py), and
+redis_delay.json (bench/throughput.py), cost_growth.json (bench/cost_growth.py),
+tier_cost.json (bench/tier_cost.py), tier_simulation.json (bench/tier_simulation.py), and
 the fleet scenario CSVs overload/under/step/exact/outage.csv
 (bench/fleet_scenarios.py), drawn together as fleet_accuracy.png.
 """
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ["embedded probabilistic", "embedded exact", "redis probabilistic", "redis exact"]
 
 
-def throughput(data: dict[str, Any], out: Path) -> None:
+def throughput(data: Any, out: Path) -> None:
     rows = [r for r in data["summary"] if r["load"] == "saturate" and r["ratio"] is not None]
     fig, ax = plt.subplots(figsize=(8, 4.2))
     width = 0.38
@@ -172,6 +173,46 @@ def fleet_accuracy(data_dir: Path, out: Path, limit: float) -> bool:
     return True
 
 
+def tier_cost(data: list[dict[str, Any]], out: Path) -> None:
+    """Redis CPU and replica CPU per report against the Envoys, for each design (RLQS)."""
+    rows = [r for r in data if r.get("mode", "rlqs") == "rlqs"]
+    designs = sorted({r["design"] for r in rows})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for design in designs:
+        mine = sorted((r for r in rows if r["design"] == design), key=lambda r: r["envoys"])
+        envoys = [r["envoys"] for r in mine]
+        left.plot(envoys, [r["redis_cpu_pct"] for r in mine], marker="o", label=design)
+        right.plot(envoys, [r["replica_cpu_ms_per_report"] for r in mine], marker="o",
+                   label=design)  # fmt: skip
+    for ax, title in ((left, "Redis CPU, % of a core"), (right, "replica CPU per report, ms")):
+        ax.set_xscale("log")
+        ax.set_xlabel("simulated Envoys (4 replicas, one hot bucket)")
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+def tier_simulation(data: list[dict[str, Any]], out: Path) -> None:
+    """Each store's CPU at 100,000 Envoys / 1,000 replicas / 10 zones, by hot buckets."""
+    hot = [c["hot"] for c in data]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(hot, [c["zone_cpu"] for c in data], marker="o", label="each zone store")
+    ax.plot(hot, [c["global_cpu"] for c in data], marker="o", label="the global store")
+    ax.plot(hot, [min(c["flat_cpu"], 100) for c in data], marker="o", linestyle="--",
+            label="one store, no zones (capped at 100 %)")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("hot buckets")
+    ax.set_ylabel("Redis CPU, % of a core")
+    ax.set_title("100,000 Envoys, 1,000 replicas, 10 zones (real Lua, simulated rates)")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT / "bench" / "out")
@@ -183,6 +224,8 @@ def main() -> None:
         ("throughput", throughput),
         ("redis_delay", redis_delay),
         ("cost_growth", cost_growth),
+        ("tier_cost", tier_cost),
+        ("tier_simulation", tier_simulation),
     ):
         source = args.data / f"{name}.json"
         if source.exists():

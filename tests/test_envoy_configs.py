@@ -44,6 +44,7 @@ from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, NodeChildren
 from ratelimit_service.core.matching import find_limit
 from ratelimit_service.server.app import HEALTH_NAMES
+from ratelimit_service.server.settings import SETTINGS
 from ratelimit_service.testing.fixtures import REPO
 
 HttpFilter = http_connection_manager_pb2.HttpFilter
@@ -886,3 +887,42 @@ def test_envoy_config_command(tmp_path: Path) -> None:
     )  # fmt: skip
     assert failed.returncode == 1
     assert f"{bad}:4: invalid rate limit unit 'fortnight'" in failed.stderr
+
+
+def test_the_zones_overlay_gives_each_zone_its_store_and_the_global_one() -> None:
+    """k8s/zones/: every zone's replicas name their zone, reach their zone's Redis and
+    the base's Redis (the global store) by Services that exist, run where their Redis
+    runs, and are the only Deployment of the service (the base's is deleted)."""
+    zones = K8S / "zones"
+    kustomization = yaml.safe_load((zones / "kustomization.yaml").read_text())
+    files = {p.name for p in zones.glob("*.yaml")} - {"kustomization.yaml"}
+    assert sorted(r for r in kustomization["resources"] if r != "../") == sorted(files)
+    deleted = [p["patch"] for p in kustomization["patches"]]
+    assert any("$patch: delete" in p and "name: ratelimit\n" in p for p in deleted)
+    base = k8s_objects()
+    flags = {setting.flag for setting in SETTINGS}
+    for path in sorted(zones.glob("zone-*.yaml")):
+        documents = yaml.safe_load_all(path.read_text())
+        objects = {(d["kind"], d["metadata"]["name"]): d for d in documents}
+        zone = path.stem
+        pod = objects[("Deployment", f"ratelimit-{zone}")]["spec"]["template"]
+        (container,) = pod["spec"]["containers"]
+        env = {item["name"]: item["value"] for item in container["env"]}
+        for name in env:  # every variable is a setting's
+            assert "--" + name.removeprefix("RATELIMIT_").lower().replace("_", "-") in flags
+        assert (
+            env["RATELIMIT_ZONE"]
+            == zone
+            == pod["spec"]["nodeSelector"]["topology.kubernetes.io/zone"]
+        )
+        store = re.fullmatch(r"redis://([^.]+)\.ratelimit\.svc\.cluster\.local:6379/0",
+                             env["RATELIMIT_REDIS_URL"])  # fmt: skip
+        assert store is not None and ("Service", store[1]) in objects
+        redis_pod = objects[("Deployment", store[1])]["spec"]["template"]["spec"]
+        assert redis_pod["nodeSelector"] == pod["spec"]["nodeSelector"]
+        assert (
+            env["RATELIMIT_GLOBAL_REDIS_URL"] == "redis://redis.ratelimit.svc.cluster.local:6379/0"
+        )
+        assert ("Service", "redis") in base
+        headless = objects[("Service", f"ratelimit-{zone}-headless")]
+        assert headless["spec"]["selector"].items() <= pod["metadata"]["labels"].items()

@@ -74,12 +74,17 @@ class Node:
 
 @contextlib.contextmanager
 def service_fleet(
-    count: int, config: Path, redis_url: str | None, extra: Sequence[str] = ()
+    count: int,
+    config: Path,
+    redis_url: str | None,
+    extra: Sequence[str] = (),
+    each: Sequence[Sequence[str]] = (),
 ) -> Iterator[list[Node]]:
-    """``count`` service processes on ``redis_url`` (None: the embedded store)."""
+    """``count`` service processes on ``redis_url`` (None: the embedded store, or the
+    stores ``each`` names); ``each``: more arguments for each process in turn."""
     nodes: list[Node] = []
     try:
-        for _ in range(count):
+        for n in range(count):
             grpc_port, admin_port = free_port(), free_port()
             process = subprocess.Popen(
                 [
@@ -95,6 +100,7 @@ def service_fleet(
                     f"127.0.0.1:{admin_port}",
                     *(["--redis-url", redis_url] if redis_url else []),
                     *extra,
+                    *(each[n] if n < len(each) else ()),
                 ],
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
