@@ -109,25 +109,18 @@ class Fleet:
             await store.close()
 
 
-def zone_part(server: RedisServer) -> float:
+def zone_part(server: RedisServer, zone: str) -> float:
+    """The zone's part of the limit, as its aggregator wrote it in the zone store."""
     client = redis.Redis(port=server.port)
     try:
-        (key,) = client.zrange("rl:zone:" + server_zone(server) + ":counters", 0, -1)
+        (key,) = client.zrange(f"rl:zone:{zone}:counters", 0, -1)
         return int(client.hget(key, "Z")) / 1000
     finally:
         client.close()
 
 
-def server_zone(server: RedisServer) -> str:
-    return ZONE_OF[server.port]
-
-
-ZONE_OF: dict[int, str] = {}
-
-
 @contextlib.asynccontextmanager
 async def fleet_of(servers: dict[str, RedisServer], interval: float = 1.0):  # type: ignore[no-untyped-def]
-    ZONE_OF.update({servers["a"].port: "a", servers["b"].port: "b"})
     fleet = Fleet(servers, interval)
     try:
         for name in DEMAND:  # the first reports: nothing measured yet
@@ -142,8 +135,8 @@ async def fleet_of(servers: dict[str, RedisServer], interval: float = 1.0):  # t
 async def test_two_zones_hold_one_limit_by_demand(servers) -> None:
     async with fleet_of(servers) as fleet:
         # The zones' parts: 120/s and 60/s asked, 100 to divide.
-        assert zone_part(servers["a"]) == pytest.approx(100 * 120 / 180, abs=0.01)
-        assert zone_part(servers["b"]) == pytest.approx(100 * 60 / 180, abs=0.01)
+        assert zone_part(servers["a"], "a") == pytest.approx(100 * 120 / 180, abs=0.01)
+        assert zone_part(servers["b"], "b") == pytest.approx(100 * 60 / 180, abs=0.01)
         # Each zone's replicas divide the zone's part; the Envoys hold the limit.
         assert fleet.part("a1") + fleet.part("a2") == pytest.approx(66.67, abs=0.02)
         assert fleet.part("b1") + fleet.part("b2") == pytest.approx(33.33, abs=0.02)
@@ -177,7 +170,8 @@ async def test_a_zone_keeps_its_part_while_the_global_store_is_away(servers) -> 
         for _ in range(3):
             await fleet.round()
         assert not aggregator.global_away
-        assert zone_part(servers["a"]) == pytest.approx(66.67, abs=0.02)
+        assert (aggregator.global_outages, aggregator.global_recoveries) == (1, 1)
+        assert zone_part(servers["a"], "a") == pytest.approx(66.67, abs=0.02)
         assert 97 <= sum(fleet.shares.values()) <= 100
 
 
@@ -194,7 +188,7 @@ async def test_another_replica_takes_the_lease_when_the_aggregator_stops(servers
         )
         assert taken and second.takeovers == 1
         await first.step()  # back: it finds the lease held by a2
-        assert not first.leading
+        assert not first.leading and first.lease_lost == 1
 
 
 async def _stepped(aggregator) -> bool:  # type: ignore[no-untyped-def]
@@ -241,3 +235,24 @@ async def test_probabilistic_buckets_refill_at_the_zones_part(servers) -> None:
     finally:
         for store in stores.values():
             await store.close()
+
+
+async def test_the_others_stay_within_their_parts_while_a_zone_is_cut_off(servers) -> None:
+    """Zone b stops publishing (cut off from the global store): zone a keeps its part
+    until the global store forgets b (here after 2 s instead of a minute), then takes
+    the limit."""
+    async with fleet_of(servers) as fleet:
+        aggregator = fleet.stores["a1"].aggregator
+        aggregator.zone_forget_after = 2.0
+        await aggregator.aggregate()
+        held = zone_part(servers["a"], "a")
+        for name in ("a1", "a2"):  # b is silent from now on
+            await fleet.replicas[name].tick()
+        await aggregator.aggregate()
+        assert zone_part(servers["a"], "a") == pytest.approx(held, abs=0.01)
+
+        async def grown() -> bool:
+            await aggregator.aggregate()
+            return zone_part(servers["a"], "a") > 99.0
+
+        await eventually_async(grown, timeout=10, what="zone a to take b's part")

@@ -15,7 +15,8 @@ Failures: the global store away, the zone keeps its last part and its replicas g
 dividing it (fail-static); the aggregator gone, another replica takes the lease
 within two intervals (the lease lives one interval and is tried every half); a zone
 cut off from the global store keeps its part while the others keep theirs, and its
-entry there leaves the sums after the forget time, freeing its part for them.
+entry there leaves the sums after ZONE_FORGET_AFTER (a minute), freeing its part for
+them.
 
 Probabilistic rules go the same way: the replicas sync with the zone store, whose
 fleet bucket refills at the zone's part of the limit; the aggregator publishes each
@@ -48,6 +49,11 @@ MOST_COUNTERS = 10_000
 recently published first)."""
 PUBLISH_BATCH = 256
 """Counters per call to the global store."""
+ZONE_FORGET_AFTER = 60.0
+"""Seconds after which the global store no longer counts a zone that stopped
+publishing. Longer than a replica's forget time: a zone cut off from the global store
+goes on using its last part, and until then the other zones stay within theirs
+instead of taking it over; a zone that is really gone frees its part after this."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,16 +161,24 @@ class ZoneAggregator:
         *,
         interval: float,
         forget_after: float,
+        zone_forget_after: float = ZONE_FORGET_AFTER,
     ) -> None:
         self.zone_store = zone_store
         self.global_store = global_store
         self.zone = zone_store.zone
         self.interval = interval
         self.forget_after = forget_after
+        """Seconds after which the zone's own replicas, counters and buckets are
+        forgotten (as a replica forgets its Envoys)."""
+        self.zone_forget_after = zone_forget_after
         self.holder = zone_store.node_id
         self.leading = False
         self.takeovers = 0
         """Times this replica took the zone's lease."""
+        self.lease_lost = 0
+        """Times it lost the lease (the zone store away, or another replica holds it)."""
+        self.global_outages = 0
+        self.global_recoveries = 0
         self.passes = 0
         self.counters = 0
         """Counters in the last pass."""
@@ -196,6 +210,7 @@ class ZoneAggregator:
         if leading and not self.leading:
             log.info("zone %s: this replica aggregates the zone now", self.zone)
         elif self.leading and not leading:
+            self.lease_lost += 1
             log.warning("zone %s: this replica no longer aggregates (%s)", self.zone, why)
         self.leading = leading
 
@@ -261,11 +276,12 @@ class ZoneAggregator:
         try:
             for start in range(0, len(reports), PUBLISH_BATCH):
                 answers += await self.global_store.publish(
-                    reports[start : start + PUBLISH_BATCH], self.forget_after
+                    reports[start : start + PUBLISH_BATCH], self.zone_forget_after
                 )
         except StoreUnavailable as exc:
             self.global_errors += 1
             if not self.global_away:
+                self.global_outages += 1
                 log.warning(
                     "zone %s: the global store is away (%s); the zone keeps its last parts",
                     self.zone,
@@ -274,6 +290,7 @@ class ZoneAggregator:
             self.global_away = True
             return None
         if self.global_away:
+            self.global_recoveries += 1
             log.info("zone %s: the global store answers again", self.zone)
             self.global_away = False
         return answers
@@ -311,6 +328,9 @@ class ZoneAggregator:
         return {
             "zone_aggregating": float(self.leading),
             "zone_takeovers": self.takeovers,
+            "zone_lease_lost": self.lease_lost,
+            "zone_global_outages": self.global_outages,
+            "zone_global_recoveries": self.global_recoveries,
             "zone_passes": self.passes,
             "zone_counters": self.counters,
             "zone_global_errors": self.global_errors,
