@@ -86,6 +86,15 @@ def report(allowed: int, denied: int) -> rlqs_pb2.RateLimitQuotaUsageReports:
     return usage_report(DOMAIN, BUCKET, allowed, denied, int(REPORT_EVERY))
 
 
+def page(admin_port: int) -> dict[str, float]:
+    """A replica's /metrics; empty when it cannot answer in time (a saturated replica
+    of the design before tiers)."""
+    try:
+        return scrape(admin_port)
+    except OSError:
+        return {}
+
+
 def weights(count: int) -> list[float]:
     """A Zipf-like skew (1/(n+10)), normalized to 1."""
     raw = [1.0 / (n + 10) for n in range(count)]
@@ -222,7 +231,7 @@ def cell(
         time.sleep(max(0.0, window[1] - time.time()))
         redis_after = redis_cpu(store.port)
         cpu_after = [cpu_seconds(r.pid) for r in replicas]
-        pages = [scrape(r.admin_port) for r in replicas if r.admin_port is not None]
+        pages = [page(r.admin_port or 0) for r in replicas]
         progress("measured; the Envoys stop")
         tallies = [Tally(**out.get(timeout=120)) for _ in workers]
         for worker in workers:
@@ -261,10 +270,14 @@ descriptors:
 def prob_cell(
     design: str, tree: Path | None, clients: int, seconds: float, progress: Progress
 ) -> dict[str, Any]:
-    """Probabilistic mode: ``clients`` HTTP/2 connections (the Envoys' connections,
-    spread over the 4 replicas; h2load, --rps each so that together they offer 2x the
+    """Probabilistic mode: ``clients`` Envoys as clients // 10 HTTP/2 connections
+    (spread over the 4 replicas; h2load, --rps each so that together they offer 2x the
     limit) send RLS requests for the one hot bucket; Redis CPU per second, the
-    replicas' CPU per request, requests answered, admitted against the limit."""
+    replicas' CPU per request, requests answered, admitted against the limit. Not one
+    connection per Envoy: h2load's connections fire in step, and 4,000 connections at
+    half a request a second arrive as one burst of 1,000 per replica every 2 s, which
+    is no fleet's traffic (the local credit, renewed every sync, then admits about
+    0.65x the limit)."""
     with lab() as (directory, processes, redis_servers):
         rules = directory / "rules"
         rules.mkdir()
@@ -278,9 +291,10 @@ def prob_cell(
         body = directory / "body.bin"
         body.write_bytes(framed(DOMAIN, ["tenant=hot"]))
         warm = 5.0
-        rate = f"{PROB_RATE / clients:g}"
+        connections = max(REPLICAS, clients // 10)
+        rate = f"{PROB_RATE / connections:g}"
         command = [
-            "h2load", "-c", str(clients // REPLICAS), "-m", "1", "-t", "1", "--rps", rate,
+            "h2load", "-c", str(connections // REPLICAS), "-m", "1", "-t", "1", "--rps", rate,
             "-D", f"{warm + seconds + 1:g}", "-H", "content-type: application/grpc",
             "-H", "te: trailers", "-d", str(body),
         ]  # fmt: skip
@@ -293,7 +307,7 @@ def prob_cell(
             )
             for replica in replicas
         ]
-        progress(f"{design}: probabilistic, {clients} connections, warming up {warm:.0f} s")
+        progress(f"{design}: probabilistic, {connections} connections, warming up {warm:.0f} s")
         time.sleep(warm)
         redis_before, pages_before = (
             redis_cpu(store.port),
@@ -370,7 +384,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def markdown_prob(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| design | connections | requests/s | Redis CPU | replica CPU per request"
+        "| design | Envoys (connections / 10) | requests/s | Redis CPU | replica CPU per request"
         " | replicas' CPU | answered / sent | admitted / limit |",
         "|---|---|---|---|---|---|---|---|",
     ]
