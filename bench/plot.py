@@ -184,8 +184,11 @@ def tier_cost(data: list[dict[str, Any]], out: Path) -> None:
         left.plot(envoys, [r["redis_cpu_pct"] for r in mine], marker="o", label=design)
         right.plot(envoys, [r["replica_cpu_ms_per_report"] for r in mine], marker="o",
                    label=design)  # fmt: skip
+    sizes = sorted({r["envoys"] for r in rows})
     for ax, title in ((left, "Redis CPU, % of a core"), (right, "replica CPU per report, ms")):
         ax.set_xscale("log")
+        ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+        ax.minorticks_off()
         ax.set_xlabel("simulated Envoys (4 replicas, one hot bucket)")
         ax.set_title(title)
         ax.set_ylim(bottom=0)
@@ -204,6 +207,8 @@ def tier_simulation(data: list[dict[str, Any]], out: Path) -> None:
     ax.plot(hot, [min(c["flat_cpu"], 100) for c in data], marker="o", linestyle="--",
             label="one store, no zones (capped at 100 %)")  # fmt: skip
     ax.set_xscale("log")
+    ax.set_xticks(hot, [str(n) for n in hot])
+    ax.minorticks_off()
     ax.set_xlabel("hot buckets")
     ax.set_ylabel("Redis CPU, % of a core")
     ax.set_title("100,000 Envoys, 1,000 replicas, 10 zones (real Lua, simulated rates)")
