@@ -31,12 +31,14 @@ class Twin:
         self.offered = 0
         self.admitted = 0
         self.zone_part: int | None = None
+        self.created_us = 0
 
     def sync(self, now_us: int, window: int, limit: int, full: int, admitted: int,
              offered: int) -> tuple[float, int, float]:  # fmt: skip
         rate, most = zone_limit(float(limit), float(full), self.zone_part, window * 1_000_000)
         if self.tokens is None:
             tokens = most
+            self.created_us = now_us
         else:
             elapsed = max(0, now_us - self.stamp_us) / 1_000_000
             tokens = refill(self.tokens, elapsed, rate, window, burst=most)
@@ -90,10 +92,11 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
                 assert got_offered == offered_total
                 assert abs(got_rate - rate * 1000) <= 1
                 if zoned:
-                    stored = await client.hmget(f"f:{name}", "K", "L", "W", "a")
+                    stored = await client.hmget(f"f:{name}", "K", "L", "W", "a", "c")
                     assert stored == [name.encode(), str(limit).encode(),
                                       str(window * 1_000_000).encode(),
-                                      str(twins[name].admitted).encode()]  # fmt: skip
+                                      str(twins[name].admitted).encode(),
+                                      str(twins[name].created_us).encode()]  # fmt: skip
         if zoned:
             assert zone_writes > 20
             assert await client.zcard("f:i") == len(buckets)

@@ -11,7 +11,8 @@
 -- zone's aggregator, storage/zoned.py), when it is below the limit, its capacity in
 -- proportion (core/drop_ratio.py zone_limit); and the hash keeps for the aggregator
 -- 'K' the bucket's key, 'L' the limit, 'W' the window, 'a' the monotonic count of
--- admitted hits, with an index of live buckets (a sorted set scored by last sync).
+-- admitted hits, 'c' when the bucket was created (microseconds), with an index of
+-- live buckets (a sorted set scored by last sync).
 --
 -- ARGV[1]   this node's id, or '' for no heartbeat (Redis Cluster: the registry lives
 --           in another slot and gets its own call)
@@ -72,6 +73,7 @@ for i = 1, last - first + 1 do
   local stamp = tonumber(state[2])
   if tokens == nil or stamp == nil then
     tokens = capacity
+    if index_key then call('HSET', key, 'c', stamp_text) end
   else
     local elapsed = now - stamp
     if elapsed < 0 then elapsed = 0 end

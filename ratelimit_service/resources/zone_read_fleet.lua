@@ -8,8 +8,9 @@
 -- ARGV[2]   the most buckets to return (the oldest first)
 -- Returns   {now in microseconds, live replicas, then per bucket: hash key, bucket
 --           key, offered total, admitted total, limit per window, window
---           (microseconds), admitted hits already forwarded to the global store}
---           flattened; a hash that has expired is left out
+--           (microseconds), admitted hits already forwarded to the global store, when
+--           the bucket was created (microseconds)} flattened; a hash that has expired
+--           is left out
 -- Time comes from the Redis server (TIME), as in fleet_sync.lua.
 
 local call, tonumber, format = redis.call, tonumber, string.format
@@ -20,7 +21,7 @@ call('ZREMRANGEBYSCORE', KEYS[1], '-inf', format('(%d', since))
 local keys = call('ZRANGEBYSCORE', KEYS[1], format('%d', since), '+inf', 'LIMIT', '0', ARGV[2])
 local out = {now, call('ZCARD', KEYS[2])}
 for _, hash in ipairs(keys) do
-  local f = call('HMGET', hash, 'K', 'o', 'a', 'L', 'W', 'g')
+  local f = call('HMGET', hash, 'K', 'o', 'a', 'L', 'W', 'g', 'c')
   if f[1] and f[5] then
     out[#out + 1] = hash
     out[#out + 1] = f[1]
@@ -29,6 +30,7 @@ for _, hash in ipairs(keys) do
     out[#out + 1] = tonumber(f[4]) or 0
     out[#out + 1] = tonumber(f[5])
     out[#out + 1] = tonumber(f[6]) or 0
+    out[#out + 1] = tonumber(f[7]) or now
   end
 end
 return out

@@ -49,6 +49,10 @@ MOST_COUNTERS = 10_000
 recently published first)."""
 PUBLISH_BATCH = 256
 """Counters per call to the global store."""
+FRESH_US = 10_000_000
+"""A zone bucket created within this many microseconds is measured since its creation
+at the first pass that sees it (before its first part, a zone's bucket refills at the
+whole limit)."""
 ZONE_FORGET_AFTER = 60.0
 """Seconds after which the global store no longer counts a zone that stopped
 publishing. Longer than a replica's forget time: a zone cut off from the global store
@@ -70,6 +74,8 @@ class ZoneBucket:
     window_seconds: int
     forwarded: int
     """Of ``admitted``, what the aggregator already published to the global store."""
+    created_us: int
+    """When the zone's bucket was created (the store's clock, microseconds)."""
 
 
 class ZoneRedisStore(RedisStore):
@@ -125,8 +131,9 @@ class ZoneRedisStore(RedisStore):
                 limit=int(raw[i + 4]),
                 window_seconds=int(raw[i + 5]) // 1_000_000,
                 forwarded=int(raw[i + 6]),
+                created_us=int(raw[i + 7]),
             )
-            for i in range(2, len(raw), 7)
+            for i in range(2, len(raw), 8)
         ]
         return int(raw[0]), int(raw[1]), buckets
 
@@ -246,14 +253,17 @@ class ZoneAggregator:
 
     async def _bucket_reports(self) -> list[tuple[TierReport, ZoneBucket]]:
         """The zone's probabilistic buckets as reports to the global store: demand is
-        the rate of offered hits since the previous pass (a bucket seen for the first
-        time, or by an aggregator that just took over, is only measured this pass)."""
+        the rate of offered hits since the previous pass, or since its creation for a
+        bucket created lately (else, seen first by an aggregator that just took over,
+        it is only measured this pass and keeps its part meanwhile)."""
         now_us, replicas, buckets = await self.zone_store.zone_buckets(self.forget_after)
         reports = []
         seen: dict[str, tuple[int, int]] = {}
         for bucket in buckets:
             before = self._offered.get(bucket.store_key)
             seen[bucket.store_key] = (bucket.offered, now_us)
+            if before is None and now_us - bucket.created_us <= FRESH_US:
+                before = (0, bucket.created_us)  # a new bucket: its rate since creation
             if before is None or now_us <= before[1]:
                 continue
             rate = max(0, bucket.offered - before[0]) * 1_000_000 / (now_us - before[1])
