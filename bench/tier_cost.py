@@ -42,7 +42,9 @@ from throughput import (
     BENCH,
     REPO,
     ROUTE,
+    Processes,
     Progress,
+    Server,
     cpu_seconds,
     framed,
     lab,
@@ -52,6 +54,7 @@ from throughput import (
     start_service,
 )
 
+from ratelimit_service.testing.redis import RedisServer
 from ratelimit_service.testing.rlqs_sim import SimEnvoy, usage_report
 
 REPLICAS = 4
@@ -195,20 +198,29 @@ def redis_cpu(port: int) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+def start_fleet(
+    directory: Path, processes: Processes, redis_servers: list[RedisServer], design: str,
+    tree: Path | None, rules_text: str,
+) -> tuple[RedisServer, list[Server]]:  # fmt: skip
+    """A fresh redis-server and REPLICAS replicas on it, serving ``rules_text``."""
+    rules = directory / "rules"
+    rules.mkdir()
+    (rules / "q.yaml").write_text(rules_text)
+    store = start_redis(directory, redis_servers)
+    replicas = [
+        start_service(processes, f"{design}-{n}", rules,
+                      ["--redis-url", store.url, "--log-level", "WARNING"], tree=tree)
+        for n in range(REPLICAS)
+    ]  # fmt: skip
+    return store, replicas
+
+
 def cell(
     design: str, tree: Path | None, envoys: int, seconds: float, clients: int,
     progress: Progress,
 ) -> dict[str, Any]:  # fmt: skip
     with lab() as (directory, processes, redis_servers):
-        rules = directory / "rules"
-        rules.mkdir()
-        (rules / "q.yaml").write_text(CONFIG)
-        store = start_redis(directory, redis_servers)
-        replicas = [
-            start_service(processes, f"{design}-{n}", rules,
-                          ["--redis-url", store.url, "--log-level", "WARNING"], tree=tree)
-            for n in range(REPLICAS)
-        ]  # fmt: skip
+        store, replicas = start_fleet(directory, processes, redis_servers, design, tree, CONFIG)
         shares = weights(envoys)
         fleet = [(f"e{n}", 2 * LIMIT * shares[n], n % REPLICAS) for n in range(envoys)]
         warm = 3 * REPORT_EVERY + REPORT_EVERY
@@ -279,15 +291,8 @@ def prob_cell(
     is no fleet's traffic (the local credit, renewed every sync, then admits about
     0.65x the limit)."""
     with lab() as (directory, processes, redis_servers):
-        rules = directory / "rules"
-        rules.mkdir()
-        (rules / "q.yaml").write_text(PROB_CONFIG)
-        store = start_redis(directory, redis_servers)
-        replicas = [
-            start_service(processes, f"{design}-{n}", rules,
-                          ["--redis-url", store.url, "--log-level", "WARNING"], tree=tree)
-            for n in range(REPLICAS)
-        ]  # fmt: skip
+        fleet = start_fleet(directory, processes, redis_servers, design, tree, PROB_CONFIG)
+        store, replicas = fleet
         body = directory / "body.bin"
         body.write_bytes(framed(DOMAIN, ["tenant=hot"]))
         warm = 5.0
@@ -384,7 +389,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def markdown_prob(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| design | Envoys (connections / 10) | requests/s | Redis CPU | replica CPU per request"
+        "| design | Envoys | requests/s | Redis CPU | replica CPU per request"
         " | replicas' CPU | answered / sent | admitted / limit |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -22,8 +22,9 @@ from ratelimit_service.core.window import SlidingWindow
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.storage.exact_batcher import encode
-from ratelimit_service.storage.redis_store import RedisStore, _script
+from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.fixtures import window_slices
+from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
 WINDOW = 3600
 ROLES = [HitRole.ENFORCE, HitRole.ENFORCE, HitRole.SHADOW, HitRole.QUOTA]
@@ -78,17 +79,6 @@ async def test_script_agrees_with_core(redis_server, monkeypatch, seed: int) -> 
         await redis.close()
 
 
-CLOCK = "test:clock"
-
-
-def script_on_test_clock() -> str:
-    """The script with Redis's TIME replaced by a hash the test writes."""
-    source = _script("exact_window.lua")
-    time_call = "local t = call('TIME')"
-    assert source.count(time_call) == 1
-    return source.replace(time_call, f"local t = call('HMGET', '{CLOCK}', 's', 'us')")
-
-
 async def check_bookkeeping(client: aioredis.Redis, now_us: int, slices: int) -> None:
     """n, o and c agree with the slices; every key has an expiry past its newest slice."""
     for key in await client.keys("w:*"):
@@ -113,7 +103,7 @@ def window(
 async def test_script_agrees_with_core_as_slices_expire(redis_server, slices: int) -> None:
     rng = random.Random(slices)
     client = aioredis.Redis.from_url(redis_server.url)
-    source = script_on_test_clock()
+    source = script_on_test_clock("exact_window.lua")
     models: dict[tuple[str, int], SlidingWindow] = {}
     now_us = 1_700_000_000_000_000 + rng.randrange(10**9)
     seen = {"denied": 0, "expired": 0}
@@ -121,7 +111,7 @@ async def test_script_agrees_with_core_as_slices_expire(redis_server, slices: in
         for _ in range(150):
             step = rng.choice([0, rng.randrange(200_000), rng.randrange(3_000_000)])
             now_us += rng.choice([step, step, rng.randrange(8_000_000)])
-            await client.hset(CLOCK, mapping={"s": now_us // 10**6, "us": now_us % 10**6})
+            await set_test_clock(client, now_us)
             requests = [
                 ([ExactHit(rng.choice("ab"), rng.randint(0, 8), rng.choice([1, 2, 3]),
                            rng.choice([0, 1, 1, 2, 3, 5]), rng.choice(ROLES))
@@ -157,12 +147,12 @@ async def test_bookkeeping_survives_a_clock_that_steps_back(redis_server) -> Non
     slice older than o; a later call that reads the slices deletes it as expired. The
     running total must lose it too, even when the same call adds hits."""
     client = aioredis.Redis.from_url(redis_server.url)
-    source = script_on_test_clock()
+    source = script_on_test_clock("exact_window.lua")
     start = 1_700_000_000
 
     async def call(at: int, *requests: tuple[int, int, int]) -> None:
         """Each request: (limit, hits, commit), one descriptor on key w:60:k."""
-        await client.hset(CLOCK, mapping={"s": at, "us": 0})
+        await set_test_clock(client, at * 10**6)
         args: list[object] = [60, len(requests)]
         for limit, hits, commit in requests:
             encode([ExactHit("k", limit, 60, hits)], bool(commit), args)

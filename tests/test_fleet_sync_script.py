@@ -10,16 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ratelimit_service.core.drop_ratio import capacity, refill, take, zone_limit
-from ratelimit_service.storage.redis_store import _script
-
-CLOCK = "test:clock"
-
-
-def script_on_test_clock() -> str:
-    source = _script("fleet_sync.lua")
-    time_call = "local t = call('TIME')"
-    assert source.count(time_call) == 1
-    return source.replace(time_call, f"local t = call('HMGET', '{CLOCK}', 's', 'us')")
+from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
 
 class Twin:
@@ -53,7 +44,7 @@ class Twin:
 async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: bool) -> None:
     rng = random.Random(5)
     client = aioredis.Redis.from_url(redis_server.url)
-    source = script_on_test_clock()
+    source = script_on_test_clock("fleet_sync.lua")
     buckets = {"a": (1, 100, None), "b": (60, 600, 150), "c": (1, 40, 10)}
     twins = {name: Twin() for name in buckets}
     now_us = 1_700_000_000_000_000
@@ -62,7 +53,7 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
     try:
         for _ in range(300):
             now_us += rng.choice([0, rng.randrange(400_000), rng.randrange(5_000_000)])
-            await client.hset(CLOCK, mapping={"s": now_us // 10**6, "us": now_us % 10**6})
+            await set_test_clock(client, now_us)
             if zoned and rng.random() < 0.15:
                 name = rng.choice(list(buckets))
                 part = rng.choice([rng.randrange(0, 200_000), 10**9])

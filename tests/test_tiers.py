@@ -19,6 +19,7 @@ from ratelimit_service.core.tiers import (
     member_demand,
 )
 from ratelimit_service.storage.redis_store import RedisStore, _script
+from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
 FORGET_US = 15_000_000
 
@@ -129,19 +130,9 @@ def test_the_water_level_gives_the_fair_shares() -> None:
 
 # -- the Lua script and its twin ----------------------------------------------------------
 
-CLOCK = "test:clock"
-
 
 def totals_of(raw: list[int]) -> TierTotals:
     return TierTotals(raw[0] / MILLI, raw[1] / MILLI, raw[2], raw[3], raw[4])
-
-
-def script_on_test_clock(name: str = "quota_tier.lua") -> str:
-    """A script with Redis's TIME replaced by a hash the test writes."""
-    source = _script(name)
-    time_call = "local t = call('TIME')"
-    assert source.count(time_call) == 1
-    return source.replace(time_call, f"local t = call('HMGET', '{CLOCK}', 's', 'us')")
 
 
 @pytest.mark.parametrize("zoned", [False, True])
@@ -153,7 +144,7 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, zoned:
     the twin's (TierTable) on the same clock."""
     rng = random.Random(11)
     client = aioredis.Redis.from_url(redis_server.url)
-    source = script_on_test_clock()
+    source = script_on_test_clock("quota_tier.lua")
     read = script_on_test_clock("zone_read.lua")
     write = _script("zone_write.lua")
     counters = {"q\x1ftenant\x1e{a}\x1f1": 1, "q\x1fday\x1eb\x1f60": 60}
@@ -166,7 +157,7 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, zoned:
         for step in range(400):
             # Mostly quick steps, now and then a silence longer than the forget time.
             now_us += rng.choice([rng.randrange(300_000)] * 9 + [FORGET_US + rng.randrange(10**6)])
-            await client.hset(CLOCK, mapping={"s": now_us // 10**6, "us": now_us % 10**6})
+            await set_test_clock(client, now_us)
             member = rng.choice(names[: 5 + step // 10])
             keys: list[str] = []
             args: list[object] = [member, FORGET_US]
@@ -225,12 +216,12 @@ async def check_zone(client, read, write, tables, now_us: int, rng: random.Rando
 
 async def test_silent_members_leave_the_sums_a_bounded_number_per_call(redis_server) -> None:
     client = aioredis.Redis.from_url(redis_server.url)
-    source = script_on_test_clock()
+    source = script_on_test_clock("quota_tier.lua")
     table = TierTable()
     now_us = 1_800_000_000_000_000
 
     async def publish(member: str, demand: float) -> TierTotals:
-        await client.hset(CLOCK, mapping={"s": now_us // 10**6, "us": now_us % 10**6})
+        await set_test_clock(client, now_us)
         raw = await client.eval(source, 2, "t:x", "t:x:m", member, FORGET_US,
                                 round(demand * MILLI), 1, 0, 1_000_000, 100_000)  # fmt: skip
         report = TierReport("x", member, demand, 1, 0, 1, 100.0)

@@ -4,8 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+async def every(
+    interval: float,
+    step: Callable[[], Coroutine[Any, Any, Any]],
+    what: str,
+    failed: Callable[[], None] = lambda: None,
+) -> None:
+    """Run ``step`` every ``interval`` seconds on the event loop's clock, for ever. A
+    step that raises is logged (``what`` names it) and counted by ``failed``, and the
+    next one runs on time; a step longer than the interval is followed by the next at
+    once, without catching up on the ones missed."""
+    loop = asyncio.get_running_loop()
+    next_at = loop.time()
+    while True:
+        next_at += interval
+        try:
+            await step()
+        except Exception:  # keep the loop alive whatever one round does
+            failed()
+            log.exception("%s failed", what)
+        delay = next_at - loop.time()
+        if delay < 0:
+            next_at, delay = loop.time(), 0.0
+        await asyncio.sleep(delay)
 
 
 class BackgroundTask:

@@ -54,7 +54,7 @@ from ratelimit_service.core.shares import (
     window_reset,
 )
 from ratelimit_service.core.tiers import TierReport, TierTotals, member_demand
-from ratelimit_service.engine.background import BackgroundTask
+from ratelimit_service.engine.background import BackgroundTask, every
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
@@ -470,21 +470,11 @@ class QuotaCoordinator:
             counter.resplit()
 
     async def run(self) -> None:
-        """Publish every ``interval`` seconds (on the event loop's clock, without
-        catching up after a slow round)."""
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
-        while True:
-            next_at += self.interval
-            try:
-                await self.tick()
-            except Exception:  # keep the loop alive whatever one round does
-                self.store_errors += 1
-                log.exception("RLQS publish round failed")
-            delay = next_at - loop.time()
-            if delay < 0:
-                next_at, delay = loop.time(), 0.0
-            await asyncio.sleep(delay)
+        """Publish every ``interval`` seconds."""
+        await every(self.interval, self.tick, "RLQS publish round", self._failed)
+
+    def _failed(self) -> None:
+        self.store_errors += 1
 
     def start(self) -> None:
         self._background.start()

@@ -12,7 +12,7 @@ from dataclasses import replace
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
-from ratelimit_service.engine.background import BackgroundTask
+from ratelimit_service.engine.background import BackgroundTask, every
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -96,20 +96,10 @@ class Reconciler:
             wait = self.interval
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
-        while True:
-            next_at += self.interval
-            try:
-                await self.sync_once()
-            except Exception:  # keep the loop alive whatever one round does
-                self.errors += 1
-                log.exception("sync round failed")
-            delay = next_at - loop.time()
-            if delay < 0:  # fell behind (huge bucket count): do not try to catch up
-                next_at = loop.time()
-                delay = 0
-            await asyncio.sleep(delay)
+        await every(self.interval, self.sync_once, "sync round", self._failed)
+
+    def _failed(self) -> None:
+        self.errors += 1
 
     def start(self) -> None:
         self.local.last_sync_ok = self._clock()

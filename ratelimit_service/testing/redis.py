@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from ratelimit_service.testing.waiting import eventually
 
@@ -193,3 +194,24 @@ class RedisSentinelSetup(_Processes):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"failover refused: {reply.strip()}")
             time.sleep(0.2)
+
+
+TEST_CLOCK = "test:clock"
+"""The hash a test writes its clock into (fields ``s`` and ``us``), for scripts run
+with :func:`script_on_test_clock`."""
+
+
+def script_on_test_clock(name: str) -> str:
+    """A resource script with Redis's TIME replaced by a read of TEST_CLOCK, so that a
+    test sets the time it runs at and compares the script with its Python twin."""
+    from ratelimit_service.storage.redis_store import _script
+
+    source = _script(name)
+    time_call = "local t = call('TIME')"
+    assert source.count(time_call) == 1, name
+    return source.replace(time_call, f"local t = call('HMGET', '{TEST_CLOCK}', 's', 'us')")
+
+
+async def set_test_clock(client: Any, now_us: int) -> None:
+    """Set TEST_CLOCK to ``now_us`` (microseconds) with an asyncio redis client."""
+    await client.hset(TEST_CLOCK, mapping={"s": now_us // 10**6, "us": now_us % 10**6})
