@@ -49,6 +49,9 @@ MOST_COUNTERS = 10_000
 recently published first)."""
 PUBLISH_BATCH = 256
 """Counters per call to the global store."""
+PROBABILISTIC = "p\x1f"
+"""Prefixes a probabilistic bucket's key in the global store, apart from an RLQS
+counter of the same rule (each is limited on its own, as without zones)."""
 FRESH_US = 10_000_000
 """A zone bucket created within this many microseconds is measured since its creation
 at the first pass that sees it (before its first part, a zone's bucket refills at the
@@ -268,7 +271,7 @@ class ZoneAggregator:
                 continue
             rate = max(0, bucket.offered - before[0]) * 1_000_000 / (now_us - before[1])
             report = TierReport(
-                key=bucket.key,
+                key=PROBABILISTIC + bucket.key,
                 member=self.zone,
                 demand=rate,
                 instances=max(1, replicas),
