@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.core.local_buckets import BucketReport
@@ -211,3 +212,33 @@ def test_the_address_parser_says_what_is_wrong(
 
     with pytest.raises(ValueError, match=re.escape(cause)):
         split_host_port(text, **options)
+
+
+async def test_cluster_as_the_global_store_of_a_zone(cluster: RedisCluster, redis_server) -> None:
+    """A zone's aggregator publishes many counters to a Redis Cluster: each counter's
+    keys stay in one slot, the counters spread over the masters, and every counter's
+    zone part comes back."""
+    from ratelimit_service.core.tiers import TierReport
+    from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
+
+    store = ZonedStore(
+        ZoneRedisStore(redis_server.url, "z"), RedisStore(cluster.url), interval=1.0,
+        forget_after=15.0,
+    )  # fmt: skip
+    keys = [f"q\x1ftenant\x1et{n}\x1f1" for n in range(30)]
+    try:
+        await store.publish([TierReport(k, "r1", 10.0, 1, 5, 1, 100.0) for k in keys], 15.0)
+        await store.aggregator.aggregate()
+        assert store.aggregator.counters == 30 and store.aggregator.global_errors == 0
+        zone = redis.Redis(port=redis_server.port)
+        parts = [int(zone.hget(h, "Z")) for h in zone.zrange("rl:zone:z:counters", 0, -1)]
+        zone.close()
+        assert parts == [100_000] * 30  # the zone alone: the whole limit
+        masters_used = 0
+        for port in cluster.ports:
+            node = redis.Redis(port=port)
+            masters_used += any(k.startswith(b"rl:qt{") for k in node.keys("*"))
+            node.close()
+        assert masters_used >= 2
+    finally:
+        await store.close()

@@ -171,23 +171,53 @@ async def offer(stubs: dict[str, rls_pb2_grpc.RateLimitServiceStub], rates: dict
 
 async def test_probabilistic_zones_hold_one_limit_through_failures(zones) -> None:
     servers, replicas = zones
-    channels = {
-        n: grpc.aio.insecure_channel(f"127.0.0.1:{r.grpc_port}") for n, r in replicas.items()
-    }
-    stubs = {n: rls_pb2_grpc.RateLimitServiceStub(c) for n, c in channels.items()}
     rates = {"a1": 200, "a2": 200, "b1": 100, "b2": 100}  # 600/s against 300/s
+    channels: dict[str, grpc.aio.Channel] = {}
+
+    def stubs() -> dict[str, rls_pb2_grpc.RateLimitServiceStub]:
+        for name, replica in replicas.items():
+            if name not in channels:
+                channels[name] = grpc.aio.insecure_channel(f"127.0.0.1:{replica.grpc_port}")
+        return {n: rls_pb2_grpc.RateLimitServiceStub(c) for n, c in channels.items()}
+
+    async def at_the_limit(what: str) -> None:
+        await offer(stubs(), rates, 3.0)  # demands and parts settle
+        admitted = await offer(stubs(), rates, 4.0)
+        assert 0.85 * 300 * 4 <= admitted <= 1.15 * 300 * 4, (what, admitted)
+
     try:
-        await offer(stubs, rates, 4.0)  # the zones' demands reach the global store
-        admitted = await offer(stubs, rates, 4.0)
-        assert 0.85 * 300 * 4 <= admitted <= 1.15 * 300 * 4
+        await at_the_limit("both zones up")
         client = redis.Redis(port=servers["a"].port)
         (key,) = client.zrange("rl:zone:a:buckets", 0, -1)
         assert int(client.hget(key, "Z")) / 1000 == pytest.approx(200, rel=0.15)
         client.close()
+
         servers["global"].stop()  # the zones keep their parts
-        admitted = await offer(stubs, rates, 4.0)
+        admitted = await offer(stubs(), rates, 4.0)
         assert 0.85 * 300 * 4 <= admitted <= 1.15 * 300 * 4
         assert any(store_stat(r, "zone_global_away") for r in replicas.values())
+        servers["global"].start()
+        await at_the_limit("the global store back")
+        assert not any(store_stat(r, "zone_global_away") for r in replicas.values())
+
+        # Zone a's aggregator dies; its clients move to the other replica of the zone.
+        (leader,) = [n for n in ("a1", "a2") if store_stat(replicas[n], "zone_aggregating")]
+        follower = "a2" if leader == "a1" else "a1"
+        replicas[leader].kill()
+        await channels.pop(leader).close()
+        moved = rates.pop(leader)
+        rates[follower] += moved
+        await eventually_async(
+            lambda: store_stat(replicas[follower], "zone_aggregating") == 1,
+            timeout=10, what=f"{follower} to take zone a's lease",
+        )  # fmt: skip
+        await at_the_limit("zone a on one replica")
+
+        # The replica comes back and takes its clients again.
+        replicas[leader].start()
+        rates[follower] -= moved
+        rates[leader] = moved
+        await at_the_limit("the replica back")
     finally:
         for channel in channels.values():
             await channel.close()
