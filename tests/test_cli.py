@@ -374,10 +374,11 @@ def test_missing_config_exits_1(tmp_path: Path) -> None:
         (["--exact-batch-hold", "-0.001"], {}, "--exact-batch-hold"),
         (["--exact-batch-hold", "nan"], {}, "--exact-batch-hold"),
         ([], {"RATELIMIT_EXACT_BATCH_HOLD": "inf"}, "--exact-batch-hold"),
+        (["--zone", "eu west"], {}, "--zone"),
     ],
     ids=[
         "sync-0", "sync-negative", "sync-text", "env-sync-0", "max-buckets-0", "mode",
-        "env-mode", "log-level", "hold-negative", "hold-nan", "env-hold-inf",
+        "env-mode", "log-level", "hold-negative", "hold-nan", "env-hold-inf", "zone-name",
     ],
 )  # fmt: skip
 def test_invalid_serve_flags_are_usage_errors(
@@ -391,6 +392,36 @@ def test_invalid_serve_flags_are_usage_errors(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr  # the wrong thing only, not the whole usage
     assert hint in lines[0] and "--help" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--zone", "a"], "--zone needs --redis-url"),
+        (["--zone", "a", "--redis-url", "127.0.0.1:1"], "--global-redis-url"),
+        (["--global-redis-url", "127.0.0.1:1"], "give --zone too"),
+        (
+            [
+                "--zone",
+                "a",
+                "--redis-url",
+                "redis+cluster://127.0.0.1:1",
+                "--global-redis-url",
+                "127.0.0.1:2",
+            ],
+            "not Cluster",
+        ),
+    ],
+)
+def test_zone_settings_come_together(args: list[str], says: str) -> None:
+    result = cli(
+        "serve", "--config", "config/", "--grpc-addr", f"127.0.0.1:{free_port()}",
+        "--admin-addr", f"127.0.0.1:{free_port()}", *args, timeout=15,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and says in lines[0], result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -35,6 +35,7 @@ from ratelimit_service.server.settings import (
     fields_from,
     positive,
 )
+from ratelimit_service.storage.redis_connect import Topology, parse_target
 
 if TYPE_CHECKING:
     from ratelimit_service.config.xds_settings import XdsSettings
@@ -327,6 +328,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
         )
     if args.global_redis_url and not args.zone:
         raise ValueError("--global-redis-url is the store above the zones: give --zone too")
+    if args.zone and parse_target(args.redis_url).kind is Topology.CLUSTER:
+        raise ValueError(
+            "--redis-url with --zone is the zone's store: one Redis or Sentinel, not Cluster"
+            " (the global store, --global-redis-url, may be a Cluster)"
+        )
     return Settings(xds=xds, **fields_from(vars(args)))
 
 
