@@ -240,12 +240,13 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds without a successful sync before probabilistic rules use failure_mode",
             3.0, positive(float), fills="stale_after"),
     Setting("--zone", "store",
-            "this replica's zone: RLQS totals go to the zone's store (--redis-url) and one"
-            " replica per zone publishes them to --global-redis-url (off: one tier)",
+            "this replica's zone (unique per global store): RLQS and probabilistic totals go"
+            " to the zone's store (--redis-url), and one replica per zone publishes the"
+            " zone's to --global-redis-url (off: one tier)",
             parse=zone_name, fills="zone"),
     Setting("--global-redis-url", "store",
-            "with --zone: the store above the zones (Redis, Sentinel or Cluster); exact and"
-            " probabilistic rules use it", parse=redis_url, fills="global_redis_url"),
+            "with --zone: the store above the zones (Redis, Sentinel or Cluster); exact"
+            " rules are decided on it", parse=redis_url, fills="global_redis_url"),
     Setting("--zone-interval", "store",
             "with --zone: seconds between two publishes of the zone's totals to the global"
             " store", 1.0, positive(float), fills="zone_interval"),
