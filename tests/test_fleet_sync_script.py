@@ -91,5 +91,14 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
         if zoned:
             assert zone_writes > 20
             assert await client.zcard("f:i") == len(buckets)
+            # The aggregator's read of the same buckets (zone_read_fleet.lua).
+            read = script_on_test_clock("zone_read_fleet.lua")
+            raw = await client.eval(read, 2, "f:i", "f:nodes", 60_000_000, 100)
+            assert raw[:2] == [now_us, 1]  # the store's time, the live replicas
+            rows = {raw[i + 1].decode(): raw[i + 2 : i + 8] for i in range(2, len(raw), 8)}
+            for name, twin in twins.items():
+                window, limit, _ = buckets[name]
+                assert rows[name] == [twin.offered, twin.admitted, limit, window * 1_000_000,
+                                      0, twin.created_us]  # fmt: skip
     finally:
         await client.aclose()
