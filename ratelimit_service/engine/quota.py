@@ -391,7 +391,6 @@ class QuotaCoordinator:
                     counter.resplit()
             return False
         self.publishes += 1
-        index = None
         for counter, totals, allowed in zip(counters, answers, sent, strict=True):
             window = counter.window_seconds
             index = window_index(self._wall(), window)
