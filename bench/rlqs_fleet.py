@@ -76,6 +76,7 @@ async def run(
     shift_at: float | None = None,
     after: float = 3.0,
     replicas: int = 1,
+    burst: int | None = None,
 ) -> tuple[list[float], list[float]]:
     """Admitted per second. ``push``: buckets the coordinator pushes between an
     Envoy's reports reach it at once (as on a real stream); without, only the answers
@@ -85,9 +86,10 @@ async def run(
     each publishing every second. Also returns the fleet's assigned rate (the sum of
     every Envoy's tokens per second) at the end of each second."""
     rng = random.Random(seed)
+    burst_text = "" if burst is None else f", burst: {burst}"
     config = load_config(
         [ConfigFile("q.yaml", f"domain: q\ndescriptors:\n  - key: tenant\n"
-                    f"    rate_limit: {{unit: second, requests_per_unit: {limit}}}\n")]
+                    f"    rate_limit: {{unit: second, requests_per_unit: {limit}{burst_text}}}\n")]
     )  # fmt: skip
     clock = [0.0]
     store = EmbeddedStore(clock=lambda: clock[0])  # one store, every replica a member
@@ -170,10 +172,11 @@ def main() -> None:
     )
     parser.add_argument("--after", type=float, default=3.0, help="offered x limit after the step")
     parser.add_argument("--replicas", type=int, default=1, help="replicas sharing one store")
+    parser.add_argument("--burst", type=int, default=None, help="the rule's rate_limit.burst")
     args = parser.parse_args()
     rows, assigned = asyncio.run(
         run(args.envoys, args.limit, args.seconds, args.step_at, args.seed, not args.no_push,
-            args.shift_at, args.after, args.replicas)
+            args.shift_at, args.after, args.replicas, args.burst)
     )  # fmt: skip
     limit = args.limit
     step = int(args.step_at)

@@ -57,7 +57,8 @@ def test_fair_shares(demands: dict[str, float | None], expected: dict[str, float
 
 def test_token_buckets_use_whole_seconds_and_at_least_one_token() -> None:
     assert token_bucket(50.0, 100, 1) == TokenBucket(50, 50, 1)
-    assert token_bucket(30.0, 100, 1, burst=20) == TokenBucket(30, 30, 1)  # refill >= burst
+    # A burst below the rate: few tokens held, the refill at the share.
+    assert token_bucket(30.0, 100, 1, burst=20) == TokenBucket(6, 30, 1)
     assert token_bucket(2.5, 5, 60) == TokenBucket(2, 1, 12)  # 5/min: a token every 12 s
     assert fill_seconds(5, 60) == 12 and fill_seconds(1000, 60) == 1
     assert token_bucket(0.1, 10, 1).tokens_per_fill == 1  # never 0: Envoy would not refill

@@ -23,6 +23,9 @@ descriptors:
   - key: tenant
     value: blocked
     rate_limit: {unit: second, requests_per_unit: 0}
+  - key: tenant
+    value: bursty
+    rate_limit: {unit: second, requests_per_unit: 8, burst: 2}
   - key: path
     value: /healthz
     rate_limit: {unlimited: true}
@@ -99,6 +102,30 @@ def test_envoy_enforces_the_assigned_token_bucket_and_it_refills(
     hits = metrics['ratelimit_service_rate_limit_total_hits_total{key="quota.tenant"}']
     denied = metrics['ratelimit_service_rate_limit_over_limit_total{key="quota.tenant"}']
     assert denied >= 3 and hits - denied >= 5
+
+
+def test_a_burst_below_the_rate_holds_few_tokens_and_refills_at_the_rate(
+    start_envoy: Callable[..., Envoy],
+    spawn_service: Callable[..., ServiceProcess],
+    upstream: Upstream,
+    tmp_path: Path,
+) -> None:
+    """8 a second with a burst of 2: Envoy's bucket holds 2 tokens but refills at 8 a
+    second (continuously), so a burst after a pause gets 2, and a steady 6 a second
+    all gets through."""
+    config = rules(tmp_path)
+    service = spawn_service(config)
+    envoy = start_envoy(bootstrap(config, service, upstream, "envoy-b"))
+    assert codes(envoy, "bursty", 1) == [200]  # no assignment yet
+    envoy.wait_for("the assignment", lambda: 429 in codes(envoy, "bursty", 6), timeout=10)
+    time.sleep(1.1)
+    assert codes(envoy, "bursty", 5) == [200] * 2 + [429] * 3
+    time.sleep(0.5)
+    steady = []
+    for _ in range(12):  # 6 a second for 2 s
+        time.sleep(1 / 6)
+        steady.append(envoy.request("/api/x", {"x-tenant": "bursty"}).status)
+    assert steady.count(200) >= 11, steady
 
 
 SHARED = """\

@@ -18,7 +18,7 @@ intervals, and ignores ``requests_per_time_unit``): ``fill_interval`` is fixed p
 compares; it does not see a change of the seconds), ``tokens_per_fill`` the share of
 one interval (at least 1: a share below one token per interval rounds up, so a fleet
 of n may exceed a tiny limit by up to n tokens per interval), ``max_tokens`` the
-instance's part of the rule's burst (the limit, or ``burst``).
+instance's part of the rule's burst (the limit, or ``burst``; at least 1).
 """
 
 from __future__ import annotations
@@ -88,11 +88,15 @@ def fill_seconds(limit: int, window_seconds: int) -> int:
 def token_bucket(
     share: float, limit: int, window_seconds: int, burst: int | None = None
 ) -> TokenBucket:
-    """The token bucket of an instance whose share is ``share`` hits per window."""
+    """The token bucket of an instance whose share is ``share`` hits per window. Envoy's
+    bucket refills continuously at tokens_per_fill / fill_interval and holds at most
+    max_tokens, so max_tokens is only the burst: the instance's part of the rule's
+    (the limit, or a smaller ``burst``, which then also shortens the overshoot after
+    a step in load: a bucket full at the step holds less)."""
     fill = fill_seconds(limit, window_seconds)
     fraction = share / limit if limit > 0 else 0.0
     per_fill = max(1, round(share * fill / window_seconds))
-    most = max(per_fill, round(fraction * (limit if burst is None else burst)))
+    most = round(fraction * (limit if burst is None else burst))
     return TokenBucket(max_tokens=max(1, most), tokens_per_fill=per_fill, fill_seconds=fill)
 
 
