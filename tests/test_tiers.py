@@ -208,8 +208,8 @@ async def check_zone(client, read, write, tables, now_us: int, rng: random.Rando
             window=index - rng.choice([0, 0, 1]),
             forwarded=rng.randint(0, used) if used else 0,
         )
-        await client.eval(write, 1, f"t:{key}", share.part, share.global_used, share.window,
-                          share.forwarded)  # fmt: skip
+        await client.eval(write, 2, "t:zones", f"t:{key}", "", 1000, share.part,
+                          share.global_used, share.window, share.forwarded)  # fmt: skip
         table.settle_zone(share)
     return 1
 

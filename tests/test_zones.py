@@ -232,6 +232,11 @@ async def test_probabilistic_buckets_refill_at_the_zones_part(servers) -> None:
         (members,) = [k for k in client.keys("rl:qt*") if k.endswith(b":m")]
         assert sorted(client.zrange(members, 0, -1)) == [b"a", b"b"]
         client.close()
+        # A bucket new to the zone refills at the limit over the two zones until its
+        # own part comes back, not at the whole limit.
+        fresh = BucketReport("q\x1fk\x1enew\x1f1", 100, 1, offered=1, admitted=1)
+        (view,) = (await stores["a1"].sync([fresh], 0.25)).views
+        assert view.limit == 50.0 and view.tokens == pytest.approx(49.0, abs=0.5)
     finally:
         for store in stores.values():
             await store.close()

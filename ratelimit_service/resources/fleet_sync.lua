@@ -9,7 +9,9 @@
 -- In a zone (serve --zone) this is the zone's store: the bucket then refills at the
 -- zone's part of the limit, 'Z' (thousandths of a hit per second, written by the
 -- zone's aggregator, storage/zoned.py), when it is below the limit, its capacity in
--- proportion (core/drop_ratio.py zone_limit); and the hash keeps for the aggregator
+-- proportion (core/drop_ratio.py zone_limit); until its first part comes back, at
+-- the limit over the number of zones (the aggregator keeps that count); and the
+-- hash keeps for the aggregator
 -- 'K' the bucket's key, 'L' the limit, 'W' the window, 'a' the monotonic count of
 -- admitted hits, 'c' when the bucket was created (microseconds), with an index of
 -- live buckets (a sorted set scored by last sync).
@@ -17,9 +19,11 @@
 -- ARGV[1]   this node's id, or '' for no heartbeat (Redis Cluster: the registry lives
 --           in another slot and gets its own call)
 -- KEYS      with a heartbeat, KEYS[1] is the node registry (sorted set); then the
---           fleet hashes of the buckets, in order; then, in a zone, the index
+--           fleet hashes of the buckets, in order; then, in a zone, the index and the
+--           count of zones
 -- ARGV[2]   node time-to-live in microseconds (a node silent longer is not counted)
--- ARGV[3]   '1' in a zone (the last key is the index), '' otherwise
+-- ARGV[3]   '1' in a zone (the last two keys are the index and the count of zones),
+--           '' otherwise
 -- ARGV[4 + 6*(i-1) ...] for bucket i: window_us, limit, capacity, admitted delta,
 --           offered delta, the bucket's key (in a zone; '' otherwise)
 -- Returns   {live nodes (-1 without heartbeat), then 3 integers per bucket:
@@ -47,10 +51,12 @@ if ARGV[1] ~= '' then
 end
 
 local index_key = nil
+local zones = nil
 local last = #KEYS
 if ARGV[3] == '1' then
-  index_key = KEYS[#KEYS]
-  last = #KEYS - 1
+  index_key = KEYS[#KEYS - 1]
+  zones = tonumber(call('GET', KEYS[#KEYS]))
+  last = #KEYS - 2
 end
 
 for i = 1, last - first + 1 do
@@ -62,12 +68,15 @@ for i = 1, last - first + 1 do
   local admitted = tonumber(ARGV[base + 3])
   local state = call('HMGET', key, 'tk', 'ts', 'Z')
   local zone_part = tonumber(state[3])
+  local zone_limit = nil
   if zone_part ~= nil then
-    local zone_limit = zone_part * window / 1000000000
-    if zone_limit < limit then
-      capacity = capacity * zone_limit / limit
-      limit = zone_limit
-    end
+    zone_limit = zone_part * window / 1000000000
+  elseif zones ~= nil and zones > 1 then
+    zone_limit = limit / zones
+  end
+  if zone_limit ~= nil and zone_limit < limit then
+    capacity = capacity * zone_limit / limit
+    limit = zone_limit
   end
   local tokens = tonumber(state[1])
   local stamp = tonumber(state[2])

@@ -183,6 +183,8 @@ class RedisStore:
         self.fleet_index: str | None = None
         """In a zone: the index of probabilistic buckets fleet_sync.lua keeps for the
         zone's aggregator; None: no index."""
+        self.zones_key = ""
+        """In a zone: the key of the count of zones fleet_sync.lua reads."""
         self.tier_index: str | None = None
         """In a zone: the key of the index of counters quota_tier.lua keeps for the
         zone's aggregator (storage/zoned.py); None: no index."""
@@ -354,7 +356,7 @@ class RedisStore:
             )
         call_keys = [self.prefix + "nodes", *keys] if heartbeat else list(keys)
         if self.fleet_index is not None:
-            call_keys.append(self.fleet_index)
+            call_keys += (self.fleet_index, self.zones_key)
         raw = await self._call(self._sync, call_keys, args, self.sync_timeout)
         views = [
             FleetView(

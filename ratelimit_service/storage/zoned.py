@@ -92,6 +92,7 @@ class ZoneRedisStore(RedisStore):
         self.zone = zone
         self.tier_index = f"{self.prefix}zone:{zone}:counters"
         self.fleet_index = f"{self.prefix}zone:{zone}:buckets"
+        self.zones_key = f"{self.prefix}zone:{zone}:zones"
         self.lease_key = f"{self.prefix}zone:{zone}:aggregator"
         self._read = self._client.register_script(_script("zone_read.lua"))
         self._read_fleet = self._client.register_script(_script("zone_read_fleet.lua"))
@@ -140,14 +141,17 @@ class ZoneRedisStore(RedisStore):
         ]
         return int(raw[0]), int(raw[1]), buckets
 
-    async def settle(self, shares: Sequence[tuple[str, ZoneShare]]) -> None:
-        """Write back each counter's zone part and the fleet's allowed hits."""
-        for start in range(0, len(shares), PUBLISH_BATCH):
+    async def write_back(self, shares: Sequence[tuple[str, ZoneShare]], zones: int | None) -> None:
+        """Write back each counter's zone part and the fleet's allowed hits, and the
+        number of zones (None: unknown, left as it is)."""
+        keep_ms = round(2 * ZONE_FORGET_AFTER * 1000)
+        for start in range(0, max(1, len(shares)), PUBLISH_BATCH):
             chunk = shares[start : start + PUBLISH_BATCH]
-            args: list[Any] = []
+            args: list[Any] = ["" if zones is None or start else zones, keep_ms]
             for _, share in chunk:
                 args += (share.part, share.global_used, share.window, share.forwarded)
-            await self._call(self._write, [key for key, _ in chunk], args, self.sync_timeout)
+            keys = [self.zones_key, *(key for key, _ in chunk)]
+            await self._call(self._write, keys, args, self.sync_timeout)
 
     async def lease(self, holder: str, ttl: float) -> tuple[int, str]:
         """(2 taken now, 1 renewed, 0 held by another; the holder)."""
@@ -246,8 +250,9 @@ class ZoneAggregator:
             (bucket.store_key, ZoneShare(round(a.part * MILLI), 0, 0, bucket.admitted))
             for (_, bucket), a in zip(buckets, answers[len(counters) :], strict=True)
         ]
+        zones = max((a.members for a in answers), default=None)
         try:
-            await self.zone_store.settle(shares)
+            await self.zone_store.write_back(shares, zones)
         except StoreUnavailable:
             self.zone_errors += 1
             return
