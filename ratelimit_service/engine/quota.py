@@ -270,7 +270,9 @@ class QuotaCoordinator:
                 answers.append(Action(usage.bucket, DENY_ALL))
             else:
                 answers.append(self._observe(instance, usage, match, now))
-        await self._first_parts([a.counter for a in answers if isinstance(a, _Pending)])
+        counters = [a.counter for a in answers if isinstance(a, _Pending)]
+        if any(counter.part is None for counter in counters):  # else no store, no wait
+            await self._first_parts(counters)
         actions = [a if isinstance(a, Action) else self._decide(instance, a) for a in answers]
         self.assignments += sum(1 for a in actions if a.kind != ABANDON)
         self.abandons += sum(1 for a in actions if a.kind == ABANDON)
