@@ -1,6 +1,7 @@
 """RLQS at fleet scale, simulated: N Envoys (1,000 by default) enforce the token buckets
 the real QuotaCoordinator (engine/quota.py, on the embedded store, fake clock) assigns
-them, reporting every 5 s at staggered moments as Envoy 1.40 does. Traffic is skewed
+them, reporting every 5 s on their own timers (started at random moments) as Envoy 1.40
+does, and at once for a bucket they have just created. Traffic is skewed
 (Zipf-like over the Envoys), offered 0.5x the limit, then a step to 3x.
 
     python bench/rlqs_fleet.py                    # 1,000 Envoys, 10,000/s, ~1 min
@@ -42,6 +43,11 @@ class SimEnvoy:
     allowed: int = 0
     denied: int = 0
     debt: float = 0.0
+
+    def next_report(self, now: float) -> float:
+        """Envoy's periodic report comes on its own timer (started with the Envoy, at
+        ``phase``), not on the bucket's: only a bucket's first report is at once."""
+        return self.phase + (math.floor((now - self.phase) / REPORT_INTERVAL) + 1) * REPORT_INTERVAL
 
     def assigned_rate(self) -> float:
         if self.bucket is None:
@@ -140,7 +146,7 @@ async def run(
                 envoy.allowed = envoy.denied = 0
                 (action,) = await replica_of[envoy.name].report(envoy.name, "q", [usage])
                 envoy.assign(action.token_bucket)
-                next_report[envoy.name] = t + REPORT_INTERVAL
+                next_report[envoy.name] = envoy.next_report(t)
         for n, coordinator in enumerate(coordinators):
             if t >= next_tick[n]:
                 await coordinator.tick()

@@ -236,12 +236,17 @@ async def test_latency_histogram_includes_refused_calls(start: Starter) -> None:
     for bad in (make_request("", [("k", "x")]), make_request("d")):
         with pytest.raises(Exception, match="INVALID_ARGUMENT"):
             await svc.stub.ShouldRateLimit(bad)
-    samples = await scrape(svc)
-    total = plain(samples, "ratelimit_server_should_rate_limit_total_requests_total")
-    errors = plain(samples, "ratelimit_service_call_should_rate_limit_service_error_total")
-    count = plain(samples, "ratelimit_server_should_rate_limit_response_time_seconds_count")
-    assert (total, errors) == (5, 2)
-    assert count == total
+
+    async def counted() -> tuple[float, float, float] | None:
+        # A refused call's time is recorded as the handler ends, which may be just
+        # after its client has the error.
+        samples = await scrape(svc)
+        total = plain(samples, "ratelimit_server_should_rate_limit_total_requests_total")
+        errors = plain(samples, "ratelimit_service_call_should_rate_limit_service_error_total")
+        count = plain(samples, "ratelimit_server_should_rate_limit_response_time_seconds_count")
+        return (total, errors, count) if count >= total else None
+
+    assert await eventually_async(counted, timeout=5.0, what="every call timed") == (5, 2, 5)
 
 
 async def test_drop_ratio_gauge_for_a_dropping_bucket(start: Starter) -> None:

@@ -231,6 +231,71 @@ async def test_room_a_report_frees_is_pushed_to_the_instance_that_waits() -> Non
     assert await one("a", 400) == 85
 
 
+def test_a_bucket_counts_what_it_holds_and_what_it_lost_to_being_full() -> None:
+    from ratelimit_service.core.shares import stored
+
+    # held 4, earned 10 in 5 s at 2/s, allowed 6: 8 left, all of it fits in 10
+    assert stored(4.0, 2.0, 5.0, 6, 0, 10.0) == (8.0, 0.0)
+    # allowed 1: 13 would be left, the bucket holds 10 and lost at least 3
+    assert stored(4.0, 2.0, 5.0, 1, 0, 10.0) == (10.0, 3.0)
+    # it denied hits: it ran out meanwhile, counted empty whatever the sums say
+    assert stored(10.0, 2.0, 5.0, 12, 30, 10.0) == (0.0, 0.0)
+    assert stored(0.0, 2.0, 5.0, 10, 0, 10.0) == (0.0, 0.0)
+
+
+def test_a_new_bucket_holds_what_was_stored_and_an_unchanged_rate_keeps_the_bucket() -> None:
+    from ratelimit_service.core.shares import SMOOTH_SECONDS, next_bucket
+
+    held = TokenBucket(10, 20, 1)  # 20/s of a limit of 100/s, holding 10
+    # A new instance's first bucket starts full: its part of the burst (the limit).
+    assert next_bucket(None, 20.0, None, 100, 1) == TokenBucket(20, 20, 1)
+    # The rate is the same: the held bucket, so Envoy keeps its tokens ...
+    assert next_bucket(held, 20.0, 0.0, 100, 1) is held
+    assert next_bucket(held, 20.2, 12.0, 100, 1) is held
+    # ... until it stored or lost enough for a bucket RAISE_AT times larger.
+    assert next_bucket(held, 20.0, 13.0, 100, 1) == TokenBucket(13, 20, 1)
+    assert next_bucket(held, 20.0, 50.0, 100, 1) == TokenBucket(20, 20, 1)  # at most its part
+    # A new rate: Envoy starts the bucket full, so it holds what was stored (the
+    # instance spent its bucket: a few tokens to absorb clumps, not a fresh burst) ...
+    least = round(10.0 * SMOOTH_SECONDS)
+    assert next_bucket(held, 10.0, 0.0, 100, 1) == TokenBucket(max(1, least), 10, 1)
+    assert next_bucket(held, 30.0, 9.0, 100, 1) == TokenBucket(9, 30, 1)
+    # ... and never more than its part of the burst (a smaller burst: less).
+    assert next_bucket(held, 30.0, 70.0, 100, 1) == TokenBucket(30, 30, 1)
+    assert next_bucket(held, 30.0, 70.0, 100, 1, burst=50) == TokenBucket(15, 30, 1)
+    assert next_bucket(held, 20.0, 9.0, 100, 1, burst=20) == TokenBucket(4, 20, 1)
+
+
+async def test_after_a_step_changed_buckets_hold_what_was_left_not_a_new_burst() -> None:
+    """Envoy starts a changed bucket full. Two instances under the limit hold their
+    whole parts of the burst; the load steps up and both spend theirs; at their next
+    reports both shares change, and the new buckets hold what the instances had
+    left (nothing: a few tokens), so the fleet is not handed a second burst."""
+    quota, clock, _ = coordinator()
+    bucket = {"tenant": "t"}
+    for name in ("a", "b"):
+        await quota.report(name, "q", [Usage(bucket, 1, 0)])
+
+    async def both(a: tuple[int, int], b: tuple[int, int]) -> tuple[TokenBucket, TokenBucket]:
+        clock.now += 5.0
+        (x,) = await quota.report("a", "q", [Usage(bucket, *a)])
+        (y,) = await quota.report("b", "q", [Usage(bucket, *b)])
+        await quota.tick()
+        assert x.token_bucket is not None and y.token_bucket is not None
+        return x.token_bucket, y.token_bucket
+
+    for _ in range(3):
+        quiet = await both((100, 0), (150, 0))  # 20/s and 30/s of 100/s
+    assert quiet == (TokenBucket(45, 45, 1), TokenBucket(55, 55, 1))  # full parts
+    # 3x: each allowed its bucket and its share, and denied the rest
+    step = await both((45 + 225, 300), (55 + 275, 400))
+    assert step == quiet  # the same rates: the same buckets, which Envoy keeps (spent)
+    # The demands measured, b's share changes (a is held to what b leaves): its new
+    # bucket holds a quarter second of its share, not a fresh 50; a's stays as it is.
+    hot = await both((225, 600), (275, 700))
+    assert hot == (TokenBucket(45, 45, 1), TokenBucket(12, 50, 1))
+
+
 def test_a_share_grows_only_into_room_and_small_rises_keep_the_bucket() -> None:
     from ratelimit_service.core.shares import settle_share
 

@@ -17,8 +17,9 @@ intervals, and ignores ``requests_per_time_unit``): ``fill_interval`` is fixed p
 (:func:`fill_seconds`, so that a new share changes only the token counts, which Envoy
 compares; it does not see a change of the seconds), ``tokens_per_fill`` the share of
 one interval (at least 1: a share below one token per interval rounds up, so a fleet
-of n may exceed a tiny limit by up to n tokens per interval), ``max_tokens`` the
-instance's part of the rule's burst (the limit, or ``burst``; at least 1).
+of n may exceed a tiny limit by up to n tokens per interval), ``max_tokens`` what the
+instance has earned and not used, up to its part of the rule's burst (the limit, or
+``burst``; at least 1): :func:`stored` and :func:`next_bucket` say why.
 """
 
 from __future__ import annotations
@@ -85,19 +86,93 @@ def fill_seconds(limit: int, window_seconds: int) -> int:
     return max(1, math.ceil(window_seconds / limit))
 
 
+def burst_part(share: float, limit: int, burst: int | None = None) -> float:
+    """The most an instance whose share is ``share`` hits per window may store: its
+    fraction of the rule's burst (the limit, or a smaller ``burst``)."""
+    fraction = share / limit if limit > 0 else 0.0
+    return fraction * (limit if burst is None else burst)
+
+
+SMOOTH_SECONDS = 0.25
+"""A new bucket holds at least this many seconds of the instance's share (up to its
+part of the burst), so that an instance at its share does not deny hits that come
+in clumps."""
+
+
 def token_bucket(
-    share: float, limit: int, window_seconds: int, burst: int | None = None
+    share: float,
+    limit: int,
+    window_seconds: int,
+    burst: int | None = None,
+    stored: float | None = None,
 ) -> TokenBucket:
     """The token bucket of an instance whose share is ``share`` hits per window. Envoy's
     bucket refills continuously at tokens_per_fill / fill_interval and holds at most
     max_tokens, so max_tokens is only the burst: the instance's part of the rule's
     (the limit, or a smaller ``burst``, which then also shortens the overshoot after
-    a step in load: a bucket full at the step holds less)."""
+    a step in load: a bucket full at the step holds less), or less: what it has
+    ``stored`` (Envoy starts a changed bucket full, so a new bucket's max_tokens is
+    what the instance is handed at once)."""
     fill = fill_seconds(limit, window_seconds)
-    fraction = share / limit if limit > 0 else 0.0
     per_fill = max(1, round(share * fill / window_seconds))
-    most = round(fraction * (limit if burst is None else burst))
-    return TokenBucket(max_tokens=max(1, most), tokens_per_fill=per_fill, fill_seconds=fill)
+    most = burst_part(share, limit, burst)
+    least = share * SMOOTH_SECONDS / window_seconds
+    held = most if stored is None else min(most, max(least, stored))
+    return TokenBucket(max_tokens=max(1, round(held)), tokens_per_fill=per_fill, fill_seconds=fill)
+
+
+def stored(
+    before: float, rate: float, elapsed: float, allowed: int, denied: int, max_tokens: float
+) -> tuple[float, float]:
+    """What an instance's bucket holds now, and what it lost to being full: it held
+    ``before`` ``elapsed`` seconds ago, earned ``rate`` hits per second since and
+    ``allowed`` that many; it holds between 0 and ``max_tokens``, and what it earned
+    beyond that (at least this much: the bucket may also have been full in between)
+    is lost. One that ``denied`` hits ran out meanwhile and is counted empty: the
+    order of its hits is not reported, and a bucket counted fuller than it is would
+    be handed tokens it never had.
+
+    Envoy starts a changed bucket full, so every new share would otherwise hand each
+    instance its whole part of the burst again: after a step in load, when every
+    instance has spent its bucket and every share changes, the fleet would admit a
+    whole burst more per round of reports. A new bucket holds what the instance has
+    stored instead, and what it lost to a small bucket (bursty traffic, or less
+    demand than its share) comes back as a larger one, up to its part of the burst.
+    """
+    left = before + rate * max(0.0, elapsed) - allowed
+    held = 0.0 if denied else min(max_tokens, max(0.0, left))
+    return held, max(0.0, left - max_tokens)
+
+
+RAISE_AT = 1.25
+"""A bucket whose rate is unchanged is sent again as it is (Envoy keeps its tokens)
+until what the instance stored and lost calls for a max_tokens this many times
+larger; then it gets the larger bucket (Envoy starts it full)."""
+
+
+def next_bucket(
+    held: TokenBucket | None,
+    share: float,
+    worth: float | None,
+    limit: int,
+    window_seconds: int,
+    burst: int | None = None,
+) -> TokenBucket:
+    """The bucket to send an instance that holds ``held`` (None: none yet, or a
+    blanket rule) and whose share is now ``share``; ``worth``: what it has stored
+    plus what it lost to a full bucket (None: a new instance, whose first bucket
+    starts full). The held bucket when the rate is the same and max_tokens need not
+    grow (Envoy then keeps its tokens), else a new one holding ``worth``."""
+    new = token_bucket(share, limit, window_seconds, burst, worth)
+    if held is None or (held.tokens_per_fill, held.fill_seconds) != (
+        new.tokens_per_fill,
+        new.fill_seconds,
+    ):
+        return new
+    most = max(1, round(burst_part(share, limit, burst)))
+    if held.max_tokens > most or new.max_tokens >= RAISE_AT * held.max_tokens:
+        return new
+    return held
 
 
 def window_reset(now: float, window_seconds: int) -> float:

@@ -47,8 +47,9 @@ from ratelimit_service.core.shares import (
     Split,
     TokenBucket,
     counted_share,
+    next_bucket,
     settle_share,
-    token_bucket,
+    stored,
     water_level,
     window_index,
     window_reset,
@@ -127,6 +128,13 @@ class _Seen:
     bucket: Mapping[str, str] | None = None
     """The bucket id the instance last reported for the counter (what a pushed
     assignment names)."""
+    sent: TokenBucket | None = None
+    """The token bucket the instance holds (None: none yet, or a blanket rule)."""
+    saved: float | None = None
+    """What its bucket holds, as core.shares.stored counts it (None: no bucket yet)."""
+    lost: float = 0.0
+    """What it lost to its full bucket over its last report (core.shares.stored)."""
+    saved_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -292,6 +300,7 @@ class QuotaCoordinator:
             self._of.setdefault(instance, set()).add(counter.key)
             if counter.part is not None:
                 counter.resplit()  # once per instance joining: its even share counts
+        self._spent(counter, instance, usage, now)
         offered = usage.allowed + usage.denied
         seen.bucket = usage.bucket
         seen.idle = seen.idle + 1 if offered == 0 else 0
@@ -300,6 +309,18 @@ class QuotaCoordinator:
             seen.last_report = now
         self._add_used(counter, usage.allowed)
         return _Pending(usage, counter, seen, elapsed)
+
+    @staticmethod
+    def _spent(counter: _Counter, instance: str, usage: Usage, now: float) -> None:
+        """What ``instance``'s bucket holds now and what it lost to being full: it
+        earned at the share it holds since the last count, and spent what it allowed."""
+        seen = counter.seen[instance]
+        if seen.saved is None or seen.sent is None:
+            return
+        rate = seen.sent.tokens_per_fill / seen.sent.fill_seconds
+        elapsed, most = now - seen.saved_at, seen.sent.max_tokens
+        seen.saved, seen.lost = stored(seen.saved, rate, elapsed, usage.allowed, usage.denied, most)
+        seen.saved_at = now
 
     @staticmethod
     def _follow_rule(counter: _Counter, match: Match) -> None:
@@ -356,12 +377,26 @@ class QuotaCoordinator:
         allowance = share / window * (pending.elapsed or 0)
         self._count(counter.match.stats_key, usage, limit.shadow_mode, allowance)
         if limit.shadow_mode:
+            seen.sent = seen.saved = None
             return Action(usage.bucket, ALLOW_ALL)
         if window > 1 and counter.used >= limit.requests_per_unit:
+            seen.sent = seen.saved = None  # the next window's first bucket starts full
             reset = max(1, math.ceil(window_reset(self._wall(), window)))
             return Action(usage.bucket, DENY_ALL, ttl_seconds=reset)
-        bucket = token_bucket(share, limit.requests_per_unit, window, limit.burst)
-        return Action(usage.bucket, TOKEN_BUCKET, bucket)
+        return Action(usage.bucket, TOKEN_BUCKET, self._bucket(counter, seen, share))
+
+    def _bucket(self, counter: _Counter, seen: _Seen, share: float) -> TokenBucket:
+        """The bucket to send for ``share``: the one the instance holds when that will
+        do, else a new one, which Envoy starts full with what the instance has stored."""
+        limit = counter.match.limit
+        worth = None if seen.saved is None else seen.saved + seen.lost
+        bucket = next_bucket(
+            seen.sent, share, worth, limit.requests_per_unit, limit.window_seconds, limit.burst
+        )
+        if bucket != seen.sent:
+            seen.sent, seen.saved, seen.lost = bucket, float(bucket.max_tokens), 0.0
+            seen.saved_at = self._clock()
+        return bucket
 
     # -- the replica's tier: publish totals, divide the part -----------------------------
 
@@ -440,7 +475,10 @@ class QuotaCoordinator:
             if share <= held:
                 continue
             counter.assign(name, share, even)  # one after the other: each into what is left
-            bucket = token_bucket(share, limit.requests_per_unit, limit.window_seconds, limit.burst)
+            sent = seen.sent
+            bucket = self._bucket(counter, seen, share)
+            if bucket == sent:
+                continue  # the same bucket (rounded): Envoy has it
             action = Action(seen.bucket, TOKEN_BUCKET, bucket)
             log.debug("pushed to %s: %s", name, seen.bucket)
             if self._pushers[name]([action]):
