@@ -14,7 +14,9 @@ gives the rule rate_limit.burst N (default: none, the fleet bucket holds the lim
 - outage:   probabilistic, Redis SIGSTOPped for 3 s mid-run [0 errors, no latency spike]
 
 --zones Z puts the nodes in Z zones (node n in zone n % Z, a redis-server each) under
-the scenario's redis-server as the global store (``serve --zone``).
+the scenario's redis-server as the global store (``serve --zone``). Traffic starts once
+every zone has counted the Z zones (its aggregator's passes), so a scenario's bucket is
+one new to a running deployment.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import redis
 from simulate import reaction_time as rows_reaction_time
 
 from ratelimit_service.testing.fleet import (
@@ -39,6 +42,7 @@ from ratelimit_service.testing.fleet import (
     write_config,
 )
 from ratelimit_service.testing.redis import RedisServer
+from ratelimit_service.testing.waiting import eventually
 
 SKEW = [0.4, 0.3, 0.2, 0.1]
 SCENARIOS = ("overload", "under", "step", "exact", "outage")
@@ -79,6 +83,8 @@ def run(
         ]  # fmt: skip
         with service_fleet(nodes, config, None if zones else redis.url, extra, each) as fleet:
             ports = [n.grpc_port for n in fleet]
+            for z, store in enumerate(zone_stores):
+                eventually(lambda z=z, s=store: counted(s, f"z{z}", zones), what="zones counted")
 
             async def scenario() -> Timeline:
                 task = asyncio.create_task(
@@ -94,6 +100,15 @@ def run(
         writer.writerow(["t", "offered", "admitted"])
         writer.writerows(timeline.rows())
     return timeline
+
+
+def counted(store: RedisServer, zone: str, zones: int) -> bool:
+    """Whether ``zone``'s store holds the count of ``zones`` its aggregator writes."""
+    client = redis.Redis(port=store.port)
+    try:
+        return client.get(f"rl:zone:{zone}:zones") == str(zones).encode()
+    finally:
+        client.close()
 
 
 def window_rate(timeline: Timeline, start: float, end: float) -> tuple[float, float]:

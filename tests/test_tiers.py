@@ -260,3 +260,13 @@ async def test_the_store_keeps_a_counters_two_keys_in_one_cluster_slot(redis_ser
         assert again.part == 23.75  # first heard: its fair part (2.5 and a quarter of 85)
     finally:
         await store.close()
+
+
+def test_a_new_buckets_part_leaves_room_for_the_zones_not_heard_yet() -> None:
+    from ratelimit_service.core.tiers import reserved_part
+
+    assert reserved_part(100.0, 100.0, 1, 2) == 50.0  # b not heard: half for a
+    assert reserved_part(30.0, 100.0, 1, 2) == 30.0  # never more than its part
+    assert reserved_part(100.0, 100.0, 2, 3) == pytest.approx(66.67, abs=0.01)
+    assert reserved_part(100.0, 100.0, 2, 2) == 100.0  # every zone heard
+    assert reserved_part(100.0, 100.0, 1, 1) == 100.0

@@ -119,6 +119,17 @@ def zone_part(server: RedisServer, zone: str) -> float:
         client.close()
 
 
+def global_members(server: RedisServer) -> set[tuple[bytes, ...]]:
+    """The members of every entry in the global store (a counter's, a bucket's, and
+    the zones' presence): one entry per zone in each."""
+    client = redis.Redis(port=server.port)
+    try:
+        keys = [k for k in client.keys("rl:qt*") if k.endswith(b":m")]
+        return {tuple(sorted(client.zrange(key, 0, -1))) for key in keys}
+    finally:
+        client.close()
+
+
 @contextlib.asynccontextmanager
 async def fleet_of(servers: dict[str, RedisServer], interval: float = 1.0):  # type: ignore[no-untyped-def]
     fleet = Fleet(servers, interval)
@@ -143,10 +154,7 @@ async def test_two_zones_hold_one_limit_by_demand(servers) -> None:
         await fleet.round()
         assert 97 <= sum(fleet.shares.values()) <= 100, fleet.shares
         # The global store holds one entry per zone, a zone store one per replica.
-        client = redis.Redis(port=servers["global"].port)
-        (members,) = [k for k in client.keys("rl:qt*") if k.endswith(b":m")]
-        assert sorted(client.zrange(members, 0, -1)) == [b"a", b"b"]
-        client.close()
+        assert global_members(servers["global"]) == {(b"a", b"b")}
         totals = fleet.replicas["a1"].parts()[KEY][1]
         assert totals is not None and (totals.members, totals.instances) == (2, 2)
 
@@ -228,15 +236,53 @@ async def test_probabilistic_buckets_refill_at_the_zones_part(servers) -> None:
         assert views["a1"].limit == pytest.approx(66.7, rel=0.1)
         assert views["b2"].limit == pytest.approx(33.3, rel=0.1)
         assert views["a1"].limit + views["b1"].limit <= 100.01
-        client = redis.Redis(port=servers["global"].port)
-        (members,) = [k for k in client.keys("rl:qt*") if k.endswith(b":m")]
-        assert sorted(client.zrange(members, 0, -1)) == [b"a", b"b"]
-        client.close()
+        assert global_members(servers["global"]) == {(b"a", b"b")}
         # A bucket new to the zone refills at the limit over the two zones until its
         # own part comes back, not at the whole limit.
         fresh = BucketReport("q\x1fk\x1enew\x1f1", 100, 1, offered=1, admitted=1)
         (view,) = (await stores["a1"].sync([fresh], 0.25)).views
         assert view.limit == 50.0 and view.tokens == pytest.approx(49.0, abs=0.5)
+    finally:
+        for store in stores.values():
+            await store.close()
+
+
+async def test_a_fresh_deployment_counts_its_zones_before_any_bucket(servers) -> None:
+    """No bucket is hot yet, and the aggregators have each made a pass (the first in
+    zone a before zone b was there, so it makes a second): each zone knows there are
+    two, so the very first bucket starts at half the limit in each, not at the whole
+    limit in both."""
+    stores = {
+        zone: ZonedStore(
+            ZoneRedisStore(servers[zone].url, zone),
+            RedisStore(servers["global"].url),
+            interval=1.0,
+            forget_after=FORGET_AFTER,
+        )
+        for zone in ("a", "b")
+    }
+    try:
+        for zone in ("a", "b", "a"):
+            await stores[zone].aggregator.aggregate()
+        assert global_members(servers["global"]) == {(b"a", b"b")}
+        first = BucketReport("q\x1fk\x1efirst\x1f1", 100, 1, offered=1, admitted=1)
+        for store in stores.values():
+            (view,) = (await store.sync([first], 0.25)).views
+            assert view.limit == 50.0 and view.tokens == pytest.approx(49.0, abs=0.5)
+        # Zone a is heard first with the new bucket, and asks for more than the limit:
+        # alone in the global store it would get all of it, beside zone b's half. It
+        # gets half until b is heard too; then the two parts by demand hold the limit.
+        hot = BucketReport(first.key, 100, 1, offered=300, admitted=50)
+        await stores["a"].sync([hot], 0.25)
+        await stores["a"].aggregator.aggregate()
+        (view,) = (await stores["a"].sync([hot], 0.25)).views
+        assert view.limit == 50.0
+        await stores["b"].sync([hot], 0.25)
+        for zone in ("b", "a"):
+            await stores[zone].aggregator.aggregate()
+        views = {zone: (await store.sync([hot], 0.25)).views[0] for zone, store in stores.items()}
+        assert views["a"].limit > 0 and views["b"].limit > 0
+        assert views["a"].limit + views["b"].limit <= 100.01
     finally:
         for store in stores.values():
             await store.close()

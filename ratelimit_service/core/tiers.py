@@ -108,6 +108,17 @@ def capped_part(fair: float, room: int, even: float, first: bool) -> int:
     return math.floor(min(fair, most))
 
 
+def reserved_part(part: float, limit: float, members: int, zones: int) -> float:
+    """A new bucket's part in one zone while fewer of the ``zones`` than all have
+    published it (``members``): at most the even parts of those heard. The zones not
+    heard from yet refill their own new bucket at the limit over the zones meanwhile
+    (zone_limit); the first zone heard would otherwise get the whole limit beside
+    them."""
+    if members >= zones or zones <= 0:
+        return part
+    return min(part, limit * members / zones)
+
+
 @dataclass(frozen=True, slots=True)
 class ZoneTotals:
     """One counter as a zone's aggregator reads it from the zone store."""

@@ -38,7 +38,14 @@ from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.exact import ExactHit, ExactResult
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.core.tiers import MILLI, TierReport, TierTotals, ZoneShare, ZoneTotals
+from ratelimit_service.core.tiers import (
+    MILLI,
+    TierReport,
+    TierTotals,
+    ZoneShare,
+    ZoneTotals,
+    reserved_part,
+)
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore, _script
 
@@ -52,6 +59,16 @@ PUBLISH_BATCH = 256
 PROBABILISTIC = "p\x1f"
 """Prefixes a probabilistic bucket's key in the global store, apart from an RLQS
 counter of the same rule (each is limited on its own, as without zones)."""
+PRESENCE = "\x1fzones"
+"""A key every zone publishes to the global store at each pass, with or without
+counters: its members are the live zones, so a zone knows how many share the fleet
+(and a bucket new to it starts at the limit over that many) from its first pass on,
+before any bucket is hot."""
+RESERVE_PASSES = 2
+"""For this many passes after a zone's bucket is created, its part leaves the even
+parts of the zones that have not published the bucket yet (core.tiers.reserved_part):
+long enough for every zone that has it to be heard, short for a bucket only one zone
+has."""
 FRESH_US = 10_000_000
 """A zone bucket created within this many microseconds is measured since its creation
 at the first pass that sees it (before its first part, a zone's bucket refills at the
@@ -201,6 +218,8 @@ class ZoneAggregator:
         self.global_away = False
         self._steps = 0
         self._task: asyncio.Task[None] | None = None
+        self._now_us = 0
+        """The zone store's clock at the last read of its buckets."""
         self._offered: dict[str, tuple[int, int]] = {}
         """Each probabilistic bucket's offered total and the store's time at the last
         pass (its demand is the rate between two passes)."""
@@ -239,18 +258,20 @@ class ZoneAggregator:
             self.zone_errors += 1
             return
         reports = [self._report(t) for t in counters] + [report for report, _ in buckets]
-        answers = await self._publish(reports)
-        if answers is None:
+        published = await self._publish([self._presence(), *reports])
+        if published is None:
             return
+        present, *answers = published
+        zones = present.members  # every live zone, hot buckets or not
         shares = [
             (t.store_key, ZoneShare(round(a.part * MILLI), a.used, t.window, t.used))
             for t, a in zip(counters, answers[: len(counters)], strict=True)
         ]
-        shares += [
-            (bucket.store_key, ZoneShare(round(a.part * MILLI), 0, 0, bucket.admitted))
-            for (_, bucket), a in zip(buckets, answers[len(counters) :], strict=True)
-        ]
-        zones = max((a.members for a in answers), default=None)
+        for (report, bucket), a in zip(buckets, answers[len(counters) :], strict=True):
+            part = a.part
+            if self._now_us - bucket.created_us <= RESERVE_PASSES * self.interval * 1e6:
+                part = reserved_part(part, report.limit, a.members, zones)
+            shares.append((bucket.store_key, ZoneShare(round(part * MILLI), 0, 0, bucket.admitted)))
         try:
             await self.zone_store.write_back(shares, zones)
         except StoreUnavailable:
@@ -265,6 +286,7 @@ class ZoneAggregator:
         bucket created lately (else, seen first by an aggregator that just took over,
         it is only measured this pass and keeps its part meanwhile)."""
         now_us, replicas, buckets = await self.zone_store.zone_buckets(self.forget_after)
+        self._now_us = now_us
         reports = []
         seen: dict[str, tuple[int, int]] = {}
         for bucket in buckets:
@@ -312,6 +334,10 @@ class ZoneAggregator:
             log.info("zone %s: the global store answers again", self.zone)
             self.global_away = False
         return answers
+
+    def _presence(self) -> TierReport:
+        """This zone's entry in the global store's count of zones (no demand)."""
+        return TierReport(PRESENCE, self.zone, 0.0, 1, 0, 1, 1.0)
 
     def _report(self, totals: ZoneTotals) -> TierReport:
         return TierReport(
