@@ -108,6 +108,7 @@ async def zone_store(
     rng = random.Random(1)
     per_zone = replicas
     index, buckets = "rl:zone:z:counters", "rl:zone:z:buckets"
+    zones_key = "rl:zone:z:zones"
 
     def publish(member: str, demand: int) -> Any:
         async def call() -> None:
@@ -130,7 +131,8 @@ async def zone_store(
                 args: list[Any] = [member, 5_000_000, "1"]
                 for key in chunk:
                     args += (1_000_000, LIMIT, LIMIT, offered // 2, offered, key)
-                await sync(keys=["rl:nodes", *[f"rl:f:{k}" for k in chunk], buckets], args=args)
+                bucket_keys = [f"rl:f:{k}" for k in chunk]
+                await sync(keys=["rl:nodes", *bucket_keys, buckets, zones_key], args=args)
 
         return call
 
@@ -140,9 +142,12 @@ async def zone_store(
         fleet = await read_fleet(keys=[buckets, "rl:nodes"], args=[FORGET_US, 10_000])
         written = [rows[i] for i in range(0, len(rows), 9)]
         written += [fleet[i] for i in range(2, len(fleet), 7)]
-        for start in range(0, len(written), BATCH):
+        for start in range(0, max(1, len(written)), BATCH):
             chunk = written[start : start + BATCH]
-            await write(keys=chunk, args=[5_000_000, 0, 0, 0] * len(chunk))
+            count = "" if start else ZONES  # the zones, written once per pass
+            await write(
+                keys=[zones_key, *chunk], args=[count, 120_000, *[5_000_000, 0, 0, 0] * len(chunk)]
+            )
 
     async def renew() -> None:
         await lease(keys=["rl:zone:z:aggregator"], args=["replica-0", 1000])
@@ -169,7 +174,8 @@ async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
 
     def publish(zone: str, demand: int) -> Any:
         async def call() -> None:
-            reports = [(k, "q") for k in keys] + [(k, "f") for k in keys]
+            # and the zone's presence (every pass: the global store counts the zones)
+            reports = [(k, "q") for k in keys] + [(k, "f") for k in keys] + [("zones", "z")]
             for start in range(0, len(reports), BATCH):
                 chunk = reports[start : start + BATCH]
                 args: list[Any] = [zone, FORGET_US]
@@ -255,8 +261,8 @@ def model(
         "Envoy reports/s (at the replicas)": envoys / 5.0,
         "zone store calls/s": per_zone * calls / PUBLISH + per_zone * calls / SYNC + 4 / ZONE,
         "zone store counter updates/s": per_zone * hot / PUBLISH + per_zone * hot / SYNC,
-        "global store calls/s": zones * math.ceil(2 * hot / BATCH) / ZONE,
-        "global store counter updates/s": zones * 2 * hot / ZONE,
+        "global store calls/s": zones * math.ceil((2 * hot + 1) / BATCH) / ZONE,
+        "global store counter updates/s": zones * (2 * hot + 1) / ZONE,
     }
 
 

@@ -135,6 +135,7 @@ class _Seen:
     lost: float = 0.0
     """What it lost to its full bucket over its last report (core.shares.stored)."""
     saved_at: float = 0.0
+    """When ``saved`` was counted (this process's clock)."""
 
 
 @dataclass(slots=True)
@@ -475,9 +476,9 @@ class QuotaCoordinator:
             if share <= held:
                 continue
             counter.assign(name, share, even)  # one after the other: each into what is left
-            sent = seen.sent
+            before = (seen.sent, seen.saved, seen.lost, seen.saved_at)
             bucket = self._bucket(counter, seen, share)
-            if bucket == sent:
+            if bucket == before[0]:
                 continue  # the same bucket (rounded): Envoy has it
             action = Action(seen.bucket, TOKEN_BUCKET, bucket)
             log.debug("pushed to %s: %s", name, seen.bucket)
@@ -485,7 +486,8 @@ class QuotaCoordinator:
                 self.pushed += 1
                 self.assignments += 1
             else:
-                self.pushes_dropped += 1
+                self.pushes_dropped += 1  # the instance keeps the bucket it holds
+                seen.sent, seen.saved, seen.lost, seen.saved_at = before
 
     def _forget_silent(self, now: float) -> None:
         """Instances that stopped reporting a counter (their stream still open) no
