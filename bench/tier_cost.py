@@ -98,6 +98,11 @@ def page(admin_port: int) -> dict[str, float]:
         return {}
 
 
+LAST_ANSWERS = 10.0
+"""Seconds each simulated Envoy waits, after the window, for the answers to its
+reports sent in it."""
+
+
 def weights(count: int) -> list[float]:
     """A Zipf-like skew (1/(n+10)), normalized to 1."""
     raw = [1.0 / (n + 10) for n in range(count)]
@@ -144,8 +149,13 @@ async def run_envoy(
             pending.append(sent_at)
             if start <= sent_at < end:
                 tally.sent += 1
-        await asyncio.sleep(1.0)  # the last answers
-    except grpc.aio.AioRpcError:
+        # The last answers: on a busy machine a replica, or this process, may take a
+        # while to get to them.
+        deadline = time.monotonic() + LAST_ANSWERS
+        while any(start <= t < end for t in pending) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        # The stream ended (the design before tiers gives up streams when saturated).
         tally.errors += 1
     finally:
         reader.cancel()
