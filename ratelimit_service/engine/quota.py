@@ -301,7 +301,7 @@ class QuotaCoordinator:
             self._of.setdefault(instance, set()).add(counter.key)
             if counter.part is not None:
                 counter.resplit()  # once per instance joining: its even share counts
-        self._spent(counter, instance, usage, now)
+        self._spent(seen, usage, now)
         offered = usage.allowed + usage.denied
         seen.bucket = usage.bucket
         seen.idle = seen.idle + 1 if offered == 0 else 0
@@ -312,10 +312,9 @@ class QuotaCoordinator:
         return _Pending(usage, counter, seen, elapsed)
 
     @staticmethod
-    def _spent(counter: _Counter, instance: str, usage: Usage, now: float) -> None:
-        """What ``instance``'s bucket holds now and what it lost to being full: it
-        earned at the share it holds since the last count, and spent what it allowed."""
-        seen = counter.seen[instance]
+    def _spent(seen: _Seen, usage: Usage, now: float) -> None:
+        """What the instance's bucket holds now and what it lost to being full: it
+        earned at the rate it holds since the last count, and spent what it allowed."""
         if seen.saved is None or seen.sent is None:
             return
         rate = seen.sent.tokens_per_fill / seen.sent.fill_seconds

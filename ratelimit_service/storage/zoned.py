@@ -158,13 +158,13 @@ class ZoneRedisStore(RedisStore):
         ]
         return int(raw[0]), int(raw[1]), buckets
 
-    async def write_back(self, shares: Sequence[tuple[str, ZoneShare]], zones: int | None) -> None:
+    async def write_back(self, shares: Sequence[tuple[str, ZoneShare]], zones: int) -> None:
         """Write back each counter's zone part and the fleet's allowed hits, and the
-        number of zones (None: unknown, left as it is)."""
+        number of zones (with the first chunk)."""
         keep_ms = round(2 * ZONE_FORGET_AFTER * 1000)
         for start in range(0, max(1, len(shares)), PUBLISH_BATCH):
             chunk = shares[start : start + PUBLISH_BATCH]
-            args: list[Any] = ["" if zones is None or start else zones, keep_ms]
+            args: list[Any] = ["" if start else zones, keep_ms]
             for _, share in chunk:
                 args += (share.part, share.global_used, share.window, share.forwarded)
             keys = [self.zones_key, *(key for key, _ in chunk)]
@@ -218,8 +218,6 @@ class ZoneAggregator:
         self.global_away = False
         self._steps = 0
         self._task: asyncio.Task[None] | None = None
-        self._now_us = 0
-        """The zone store's clock at the last read of its buckets."""
         self._offered: dict[str, tuple[int, int]] = {}
         """Each probabilistic bucket's offered total and the store's time at the last
         pass (its demand is the rate between two passes)."""
@@ -253,7 +251,7 @@ class ZoneAggregator:
         members for both)."""
         try:
             counters = await self.zone_store.zone_totals(self.forget_after)
-            buckets = await self._bucket_reports()
+            now_us, buckets = await self._bucket_reports()
         except StoreUnavailable:
             self.zone_errors += 1
             return
@@ -269,7 +267,7 @@ class ZoneAggregator:
         ]
         for (report, bucket), a in zip(buckets, answers[len(counters) :], strict=True):
             part = a.part
-            if self._now_us - bucket.created_us <= RESERVE_PASSES * self.interval * 1e6:
+            if now_us - bucket.created_us <= RESERVE_PASSES * self.interval * 1e6:
                 part = reserved_part(part, report.limit, a.members, zones)
             shares.append((bucket.store_key, ZoneShare(round(part * MILLI), 0, 0, bucket.admitted)))
         try:
@@ -280,13 +278,13 @@ class ZoneAggregator:
         self.passes += 1
         self.counters = len(counters) + len(buckets)
 
-    async def _bucket_reports(self) -> list[tuple[TierReport, ZoneBucket]]:
-        """The zone's probabilistic buckets as reports to the global store: demand is
+    async def _bucket_reports(self) -> tuple[int, list[tuple[TierReport, ZoneBucket]]]:
+        """The zone store's time (microseconds) and the zone's probabilistic buckets as
+        reports to the global store: demand is
         the rate of offered hits since the previous pass, or since its creation for a
         bucket created lately (else, seen first by an aggregator that just took over,
         it is only measured this pass and keeps its part meanwhile)."""
         now_us, replicas, buckets = await self.zone_store.zone_buckets(self.forget_after)
-        self._now_us = now_us
         reports = []
         seen: dict[str, tuple[int, int]] = {}
         for bucket in buckets:
@@ -308,7 +306,7 @@ class ZoneAggregator:
             )
             reports.append((report, bucket))
         self._offered = seen  # only the buckets still live: bounded by the index
-        return reports
+        return now_us, reports
 
     async def _publish(self, reports: list[TierReport]) -> list[TierTotals] | None:
         """The zone's reports to the global store; None while it is away."""
