@@ -8,6 +8,7 @@ aims the ratio ``RATIO_SLACK`` above it, so the credit does the limiting.
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,10 +16,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from ratelimit_service.core.drop_ratio import (
+    MIN_CREDIT,
     RATIO_SLACK,
     FleetView,
     SyncResult,
     capacity,
+    carried_credit,
     control,
     fleet_estimate,
     initial_credit,
@@ -26,7 +29,7 @@ from ratelimit_service.core.drop_ratio import (
     smoothed_rate,
     take,
 )
-from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
+from ratelimit_service.core.local_buckets import IDLE_SECONDS, BucketReport, LocalBuckets
 from ratelimit_service.storage.embedded import EmbeddedStore
 
 # --------------------------------------------------------------------------- control()
@@ -174,10 +177,35 @@ def test_take(tokens: float, admitted: int, limit: int, expected: float) -> None
 
 
 def test_initial_credit() -> None:
-    """An equal share of a full bucket."""
+    """An equal share of a full bucket, at least one hit, nothing for a limit of 0."""
     assert initial_credit(100.0, 4) == 25.0
     assert initial_credit(100.0, 1) == 100.0
     assert initial_credit(100.0, 0) == 100.0
+    assert initial_credit(10.0, 40) == MIN_CREDIT
+    assert initial_credit(0.5, 40) == 0.5  # never more than the bucket holds
+    assert initial_credit(0.0, 40) == 0.0
+
+
+def test_carried_credit_adds_fractions_up_to_one_hit() -> None:
+    assert carried_credit(5.0, 3.0, 4.0) == 5.0  # a busy process: the grant alone
+    assert carried_credit(0.5, 3.0, 4.0) == 0.5  # the last grant was a hit or more
+    assert carried_credit(0.25, 0.5, 0.5) == 0.75
+    assert carried_credit(0.25, 0.9, 0.5) == MIN_CREDIT
+    assert carried_credit(0.0, 0.4, 0.5) == 0.4  # in debt: nothing new, nothing lost
+
+
+def test_control_grants_the_refill_over_the_span_since_the_last_sync() -> None:
+    """A process that syncs a key every 4 s with a hundredth of the fleet's traffic is
+    granted a hundredth of 4 s of refill, not of one interval's."""
+    common = {"limit": 10.0, "window_seconds": 1.0, "tokens": 0.0, "interval": 0.25}
+    once = control(fleet_rate=100.0, local_rate=1.0, **common)
+    spanned = control(fleet_rate=100.0, local_rate=1.0, span=4.0, **common)
+    assert once.credit == pytest.approx(0.01 * 2.5)
+    assert spanned.credit == pytest.approx(0.01 * 40.0)
+    assert spanned.ratio == pytest.approx(once.ratio)
+    # never more than the fleet could spend in the next interval: the tokens and a refill
+    alone = control(fleet_rate=1.0, local_rate=1.0, span=20.0, **{**common, "tokens": 10.0})
+    assert alone.credit == pytest.approx(10.0 + 2.5)
 
 
 @pytest.mark.parametrize(
@@ -364,27 +392,27 @@ def test_take_reports_resets_deltas() -> None:
 
 def test_take_reports_evicts_idle_buckets() -> None:
     local = LocalBuckets()
-    local.get("short", 10, 1, now=0.0)  # idle after max(1, 10 * 0.25) = 2.5 s unused
-    local.get("long", 10, 60, now=0.0)  # idle after 60 s unused
+    local.get("short", 10, 1, now=0.0)  # idle after max(1, IDLE_SECONDS) = 30 s unused
+    local.get("long", 10, 120, now=0.0)  # idle after its window, 120 s unused
     busy = local.get("busy", 10, 1, now=0.0)
-    assert local.take_reports(now=2.5, interval=0.25) == []
+    assert local.take_reports(now=IDLE_SECONDS, interval=0.25) == []
     assert len(local) == 3
     assert local.evicted_idle == 0
-    local.get("busy", 10, 1, now=2.55)
+    local.get("busy", 10, 1, now=IDLE_SECONDS + 0.05)
     LocalBuckets.decide(busy, 1, 0.9)
-    reports = local.take_reports(now=2.6, interval=0.25)
+    reports = local.take_reports(now=IDLE_SECONDS + 0.1, interval=0.25)
     assert [r.key for r in reports] == ["busy"]
     assert {b.key for b in local.buckets()} == {"long", "busy"}
     assert local.evicted_idle == 1
-    # busy was last used at 2.55: idle once 2.5 s have passed with nothing to report
-    local.take_reports(now=5.05, interval=0.25)
+    # busy was last used at IDLE_SECONDS + 0.05: idle once IDLE_SECONDS more have passed
+    local.take_reports(now=2 * IDLE_SECONDS + 0.05, interval=0.25)
     assert len(local) == 2
-    local.take_reports(now=5.06, interval=0.25)
+    local.take_reports(now=2 * IDLE_SECONDS + 0.06, interval=0.25)
     assert {b.key for b in local.buckets()} == {"long"}
     assert local.evicted_idle == 2
-    local.take_reports(now=60.0, interval=0.25)
+    local.take_reports(now=120.0, interval=0.25)
     assert len(local) == 1
-    local.take_reports(now=60.01, interval=0.25)
+    local.take_reports(now=120.01, interval=0.25)
     assert len(local) == 0
     assert local.evicted_idle == 3
 
@@ -459,7 +487,7 @@ def test_apply_subtracts_hits_admitted_during_the_sync() -> None:
     for _ in range(3):  # admitted after the report was taken, before the view came back
         LocalBuckets.decide(bucket, 1, 0.9)
     # budget 25 - 30 / 2 = 10 (a debt is repaid half per interval), less the 3 in flight
-    local.apply("k", FleetView(tokens=-30.0, offered_total=1), now=0.26, interval=0.25)
+    local.apply("k", FleetView(tokens=-30.0, offered_total=1), now=0.25, interval=0.25)
     assert bucket.credit == pytest.approx(10.0 - 3.0)
     local.apply("k", FleetView(tokens=-48.0, offered_total=1), now=0.27, interval=0.25)
     assert bucket.credit == 0.0  # never negative
@@ -730,3 +758,60 @@ async def test_low_rate_limit_bursts_right_before_syncs() -> None:
     assert max_in_any_window(sim.admitted, 60.0) <= 10
     assert max_in_any_window(sim.admitted, 60.0, start=60.0) <= 6
     assert 50 <= len(sim.admitted) <= 56
+
+
+# --------------------------------------------------------------------------- many processes
+
+
+async def simulate_fleet(
+    offered_per_second: float, *, nodes: int, limit: int, end: float, seed: int
+) -> Simulation:
+    """``nodes`` LocalBuckets on one EmbeddedStore, each syncing every INTERVAL at its
+    own phase; every request goes to a process drawn at random (the store answers with
+    the fleet's size, as Redis's registry does)."""
+    rng = random.Random(seed)
+    clock = [0.0]
+    store = EmbeddedStore(clock=lambda: clock[0])
+    fleet = [LocalBuckets() for _ in range(nodes)]
+    syncs = [(INTERVAL * (i + 1) / nodes, i) for i in range(nodes)]
+    times = arrival_times(rng, lambda _: offered_per_second, end, "poisson")
+    result = Simulation(offered=len(times))
+    for now in times:
+        while syncs[0][0] <= now:
+            at, i = heapq.heappop(syncs)
+            clock[0] = at
+            reports = fleet[i].take_reports(at, INTERVAL)
+            synced = await store.sync(reports, INTERVAL)
+            fleet[i].apply_all(reports, SyncResult(nodes, synced.views), at, INTERVAL)
+            heapq.heappush(syncs, (at + INTERVAL, i))
+        clock[0] = now
+        local = fleet[rng.randrange(nodes)]
+        if LocalBuckets.decide(local.get("k", limit, 1, now), 1, rng.random()):
+            result.admitted.append(now)
+    return result
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("nodes", "limit"), [(40, 10), (400, 10), (400, 400)])
+async def test_light_traffic_spread_over_many_processes_is_admitted(
+    nodes: int, limit: int, seed: int
+) -> None:
+    """A fifth of the limit, spread over more processes than the limit: each process
+    sees the key now and then, and its equal share of the bucket is under one hit.
+    Nearly every hit must be admitted (one hit of credit at least, fractions carried;
+    two hits on one process within an interval may find its one hit spent)."""
+    sim = await simulate_fleet(0.2 * limit, nodes=nodes, limit=limit, end=60.0, seed=seed)
+    assert sim.offered > 0.15 * limit * 60
+    assert len(sim.admitted) >= 0.97 * sim.offered
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("nodes", "limit", "offered"), [(40, 10, 100.0), (400, 400, 4000.0)])
+async def test_overload_spread_over_many_processes_admits_the_limit(
+    nodes: int, limit: int, offered: float, seed: int
+) -> None:
+    """Ten times the limit over many processes: the fleet admits the limit (+-10 %),
+    each process granted its share of the refill over the time since it last synced."""
+    sim = await simulate_fleet(offered, nodes=nodes, limit=limit, end=30.0, seed=seed)
+    rate = count_between(sim.admitted, 5.0, 30.0) / 25.0
+    assert limit * 0.9 <= rate <= limit * 1.1

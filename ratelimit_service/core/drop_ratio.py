@@ -140,31 +140,62 @@ def control(
     local_rate: float,
     interval: float,
     nodes: int = 1,
+    span: float | None = None,
 ) -> Control:
     """Ratio and credit for the next ``interval`` seconds.
 
     ``fleet_rate`` and ``local_rate`` are offered hits per second for the fleet and
     for this node. The credit is this node's share of the budget, by its share of
-    the offered traffic (an equal share when nothing was offered yet).
+    the offered traffic (an equal share when nothing was offered yet). ``span``
+    (default: ``interval``) is how long since this node last synced the bucket: a
+    node that sees a key now and then is granted its share of the refill over that
+    span, as its share is measured over it, never more than the whole fleet could
+    spend in the next interval (the stored tokens and an interval's refill).
     """
+    span = interval if span is None else max(interval, span)
     # A debt (negative tokens) is repaid at the same pace: repaid in full, the debt a
     # burst leaves after a step dipped the next 250 ms to 0.85x of the limit.
     stored = TOKEN_SPEND * tokens
-    budget = max(0.0, stored + limit * interval / window_seconds)
-    expected = fleet_rate * interval
+    budget = max(0.0, stored + limit * span / window_seconds)
+    expected = fleet_rate * span
     aim = budget * (1.0 + RATIO_SLACK)
     ratio = 0.0 if expected <= aim else 1.0 - aim / expected
     if fleet_rate > 0.0:
         share = min(1.0, local_rate / fleet_rate)
     else:
         share = 1.0 / max(1, nodes)
-    return Control(ratio=ratio, credit=budget * share)
+    most = max(0.0, tokens) + limit * interval / window_seconds
+    return Control(ratio=ratio, credit=min(budget * share, most))
+
+
+MIN_CREDIT = 1.0
+"""The least credit a node holds for a bucket whose fleet has tokens: one hit. An equal
+share of a small bucket over many processes (10 over 40) is under one hit, so without
+this floor every process would deny the first hit of a key it has not seen, and a
+key's light traffic spread over the fleet would be denied almost entirely. The cost is
+bounded: a burst on a fresh key that reaches every process at once admits at most
+one hit per process where the burst is smaller than the fleet."""
 
 
 def initial_credit(full: float, nodes: int) -> float:
     """Credit of a bucket this node has never synced: an equal share of a full bucket
-    (all of it for a process alone, or one that has not synced yet)."""
-    return full / max(1, nodes)
+    (all of it for a process alone, or one that has not synced yet), at least one hit
+    (:data:`MIN_CREDIT`) unless the bucket holds nothing (a limit of 0 denies)."""
+    return min(full, max(MIN_CREDIT, full / max(1, nodes)))
+
+
+def carried_credit(granted: float, left: float, last_grant: float) -> float:
+    """The credit after a sync: the new grant; while the grants are under one hit (this
+    one and the last), what was left of the last one added, up to one hit. A process
+    with a small share of a small bucket (10 per second over 40 processes) is granted
+    a fraction of a hit per sync; carried over, the fractions add up to the hit its
+    share entitles it to, so the fleet admits its light traffic instead of denying
+    every hit. What is carried stays within one hit per process and only grows from
+    grants, which the fleet's budget bounds; a grant of a hit or more (a busy
+    process) is never topped up by an earlier one."""
+    if granted >= MIN_CREDIT or last_grant >= MIN_CREDIT:
+        return granted
+    return min(MIN_CREDIT, granted + left)
 
 
 def fleet_estimate(fleet_rate: float, local_rate: float, local_before: float | None) -> float:

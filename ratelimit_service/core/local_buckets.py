@@ -16,11 +16,19 @@ from ratelimit_service.core.drop_ratio import (
     FleetView,
     SyncResult,
     capacity,
+    carried_credit,
     control,
     fleet_estimate,
     initial_credit,
     smoothed_rate,
 )
+
+IDLE_SECONDS = 30.0
+"""How long a bucket no request used is kept (at least its window). A process that
+sees a key now and then keeps the key's last fleet view and carried credit in
+between; dropped sooner, each hit would meet a fresh bucket and its initial credit,
+and a key spread over a large fleet (each process seeing it every few seconds) would
+get about one hit per process per visit whatever its limit."""
 
 GOLDEN_RATIO = 0.6180339887498949
 """The fractional part of the golden ratio: the step of the buckets' draw sequences."""
@@ -219,7 +227,7 @@ class LocalBuckets:
         idle: list[str] = []
         for key, bucket in self._buckets.items():
             if bucket.offered == 0 and bucket.admitted == 0:
-                if now - bucket.last_used > max(bucket.window_seconds, 10 * interval):
+                if now - bucket.last_used > max(bucket.window_seconds, IDLE_SECONDS):
                     idle.append(key)
                 continue
             # At least one interval: a bucket born just before a sync would otherwise
@@ -305,11 +313,15 @@ class LocalBuckets:
             local_rate=local_rate,
             interval=interval,
             nodes=self.nodes,
+            # A key this node sees now and then: its share of the refill since its last
+            # sync of it (take_reports measures its rate over that span too).
+            span=now - bucket.synced_at,
         )
         bucket.ratio = result.ratio
-        bucket.grant = result.credit
         # Hits admitted while the sync was in flight are not in the view yet.
-        bucket.credit = max(0.0, result.credit - bucket.admitted)
+        granted = max(0.0, result.credit - bucket.admitted)
+        bucket.credit = carried_credit(granted, bucket.credit, bucket.grant)
+        bucket.grant = result.credit
         bucket.tokens = view.tokens
         bucket.synced_at = now
 
