@@ -192,6 +192,23 @@ def test_carried_credit_adds_fractions_up_to_one_hit() -> None:
     assert carried_credit(0.25, 0.5, 0.5) == 0.75
     assert carried_credit(0.25, 0.9, 0.5) == MIN_CREDIT
     assert carried_credit(0.0, 0.4, 0.5) == 0.4  # in debt: nothing new, nothing lost
+    assert carried_credit(0.25, 0.5, 0.5, nodes=1) == 0.25  # alone: the bucket keeps it
+
+
+def test_a_bucket_unused_for_a_window_gets_a_fresh_credit_unless_the_fleet_dropped() -> None:
+    local = LocalBuckets()
+    local.nodes = 40
+    calm = local.get("calm", 10, 1, now=0.0)
+    hot = local.get("hot", 10, 1, now=0.0)
+    for bucket in (calm, hot):
+        bucket.credit = 0.2
+    hot.ratio = 0.5  # the fleet was dropping at the last sync
+    assert local.get("calm", 10, 1, now=0.5).credit == 0.2  # within its window: as it was
+    assert local.get("calm", 10, 1, now=2.0).credit == MIN_CREDIT
+    assert local.get("hot", 10, 1, now=2.0).credit == 0.2
+    local.nodes = 1  # alone, nobody else spends its bucket: full again after a window
+    hot = local.get("hot", 10, 1, now=4.0)
+    assert (hot.credit, hot.ratio) == (10.0, 0.0)
 
 
 def test_control_grants_the_refill_over_the_span_since_the_last_sync() -> None:

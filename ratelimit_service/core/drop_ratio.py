@@ -184,7 +184,7 @@ def initial_credit(full: float, nodes: int) -> float:
     return min(full, max(MIN_CREDIT, full / max(1, nodes)))
 
 
-def carried_credit(granted: float, left: float, last_grant: float) -> float:
+def carried_credit(granted: float, left: float, last_grant: float, nodes: int = 2) -> float:
     """The credit after a sync: the new grant; while the grants are under one hit (this
     one and the last), what was left of the last one added, up to one hit. A process
     with a small share of a small bucket (10 per second over 40 processes) is granted
@@ -192,8 +192,10 @@ def carried_credit(granted: float, left: float, last_grant: float) -> float:
     share entitles it to, so the fleet admits its light traffic instead of denying
     every hit. What is carried stays within one hit per process and only grows from
     grants, which the fleet's budget bounds; a grant of a hit or more (a busy
-    process) is never topped up by an earlier one."""
-    if granted >= MIN_CREDIT or last_grant >= MIN_CREDIT:
+    process) is never topped up by an earlier one. A process alone is granted the
+    whole budget, whose unspent part stays in the fleet's bucket and comes back in the
+    next grant: carried as well, it would count twice."""
+    if granted >= MIN_CREDIT or last_grant >= MIN_CREDIT or nodes <= 1:
         return granted
     return min(MIN_CREDIT, granted + left)
 

@@ -200,6 +200,16 @@ class LocalBuckets:
                 self.evicted_overflow += 1
         else:
             self._buckets.move_to_end(key)
+            if now - bucket.last_used > bucket.window_seconds and (
+                bucket.ratio == 0.0 or self.nodes <= 1
+            ):
+                # Unused here for a whole window, and the fleet was not dropping (or is
+                # this process alone): its bucket has refilled; a fresh bucket's credit
+                # at least. A key the fleet was dropping keeps its view until the next
+                # sync, or a key spread thin over many processes would get a fresh
+                # credit on each visit to each process.
+                bucket.credit = max(bucket.credit, initial_credit(bucket.capacity, self.nodes))
+                bucket.ratio = 0.0
             if bucket.limit != limit or bucket.burst != burst:
                 bucket.limit = limit  # a reload changed the limit; keep the counts
                 bucket.burst = burst
@@ -320,7 +330,7 @@ class LocalBuckets:
         bucket.ratio = result.ratio
         # Hits admitted while the sync was in flight are not in the view yet.
         granted = max(0.0, result.credit - bucket.admitted)
-        bucket.credit = carried_credit(granted, bucket.credit, bucket.grant)
+        bucket.credit = carried_credit(granted, bucket.credit, bucket.grant, self.nodes)
         bucket.grant = result.credit
         bucket.tokens = view.tokens
         bucket.synced_at = now
