@@ -104,6 +104,36 @@ def test_probabilistic_under_the_limit_admits_everything(redis_server, fleet_dir
     assert admitted / offered >= 0.99
 
 
+async def round_robin(nodes: list[Node], count: int, gap: float, descriptor: str) -> list[bool]:
+    """``count`` calls, one every ``gap`` seconds, to each process in turn."""
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{n.grpc_port}") for n in nodes]
+    request = build_request("fleet", [descriptor], 0)
+    answers: list[bool] = []
+    try:
+        stubs = [rls_pb2_grpc.RateLimitServiceStub(c) for c in channels]
+        for i in range(count):
+            response = await stubs[i % len(stubs)].ShouldRateLimit(request, timeout=2)
+            answers.append(response.overall_code != OVER_LIMIT)
+            await asyncio.sleep(gap)  # the traffic's shape: one call every gap seconds
+    finally:
+        for channel in channels:
+            await channel.close()
+    return answers
+
+
+def test_probabilistic_small_limit_over_more_processes_admits_light_traffic(
+    redis_server, fleet_dir: Path
+) -> None:
+    """3 per second over 4 processes: each one's equal share of the bucket is under one
+    hit. Half the limit, one call every 0.67 s to each process in turn (each sees the
+    key every 2.7 s): every call is admitted (a credit of one hit at least, the
+    bucket's view kept between visits)."""
+    config = write_config(fleet_dir, 3, "second", "probabilistic")
+    with service_fleet(4, config, redis_server.url) as nodes:
+        answers = asyncio.run(round_robin(nodes, 12, 1 / 1.5, "k=v"))
+    assert answers == [True] * 12
+
+
 def test_probabilistic_step_change(redis_server, fleet_dir: Path) -> None:
     """0.5x the limit, then 3x: after the burst the fleet is back near the limit."""
     config = write_config(fleet_dir, 150, "second", "probabilistic")
