@@ -24,6 +24,11 @@ gives:
   budget, so a node whose rate estimate runs high still admits its whole credit;
   the credit then caps the count and the ratio only spreads admissions over the
   interval.
+* **Small shares.** Over many processes a node's share of a small bucket is a
+  fraction of a hit: the credit is at least one hit (:data:`MIN_CREDIT`), fractional
+  grants carry over (:func:`carried_credit`), and a node that syncs a key seldom is
+  granted its share of the refill since its last sync (``span``), so light traffic
+  spread over the fleet is admitted rather than denied.
 * **Low-rate limits.** With 5 per minute the offered rate is too noisy to steer by;
   the credit makes such buckets behave like a token bucket with a resolution of one
   sync interval.
