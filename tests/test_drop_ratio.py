@@ -77,26 +77,19 @@ def test_below_limit_ratio_is_zero(tokens: float) -> None:
         fleet_rate=70.0,
         local_rate=70.0,
         interval=0.25,
+        nodes=2,
     )
     assert result.ratio == 0.0
     assert result.credit == pytest.approx(0.5 * max(0.0, tokens - 25.0) + 25.0)
 
 
 def test_full_bucket_budget_is_half_the_tokens_above_the_reserve_plus_refill() -> None:
-    result = control(
-        limit=100, window_seconds=1, tokens=100.0, fleet_rate=0.0, local_rate=0.0, interval=0.25
-    )
+    common = {"limit": 100, "window_seconds": 1, "tokens": 100.0, "interval": 0.25, "nodes": 2}
+    result = control(fleet_rate=1.0, local_rate=1.0, **common)  # all of the traffic
     assert result.ratio == 0.0
     assert result.credit == pytest.approx(62.5)  # (100 - 25) / 2 + 25
     # a rate that would use more than the budget in one interval is cut
-    result = control(
-        limit=100,
-        window_seconds=1,
-        tokens=100.0,
-        fleet_rate=1000.0,
-        local_rate=1000.0,
-        interval=0.25,
-    )
+    result = control(fleet_rate=1000.0, local_rate=1000.0, **common)
     assert result.ratio == pytest.approx(1 - 62.5 * (1 + RATIO_SLACK) / 250.0)
     assert result.credit == pytest.approx(62.5)
 
@@ -110,6 +103,19 @@ def test_spendable_keeps_an_interval_of_refill_in_store(tokens: float, expected:
     half of a debt."""
     assert TOKEN_RESERVE == 1.0
     assert spendable(tokens, 25.0) == pytest.approx(expected)
+    assert spendable(tokens, 25.0, nodes=1) == tokens  # alone: all of it, as a token bucket
+
+
+def test_a_process_alone_spends_the_whole_bucket() -> None:
+    """No other process admits behind its back, so its view is the bucket itself."""
+    full = control(
+        limit=100, window_seconds=1, tokens=100.0, fleet_rate=0.0, local_rate=0.0, interval=0.25
+    )
+    assert full.credit == pytest.approx(125.0)
+    debt = control(
+        limit=100, window_seconds=1, tokens=-20.0, fleet_rate=0.0, local_rate=0.0, interval=0.25
+    )
+    assert debt.credit == pytest.approx(5.0)  # 25 refilled, the 20 owed repaid
 
 
 @pytest.mark.parametrize(
@@ -136,12 +142,19 @@ def test_credit_split_by_local_share(
         interval=0.25,
         nodes=nodes,
     )
-    assert result.credit == pytest.approx(30.0 * share)  # (35 - 25) / 2 + 25
+    # (35 - 25) / 2 + 25 on a fleet; alone, 35 + 25 (the whole bucket)
+    assert result.credit == pytest.approx((30.0 if nodes > 1 else 60.0) * share)
 
 
 def test_debt_is_repaid_half_per_interval() -> None:
     result = control(
-        limit=100, window_seconds=1, tokens=-20.0, fleet_rate=0.0, local_rate=0.0, interval=0.25
+        limit=100,
+        window_seconds=1,
+        tokens=-20.0,
+        fleet_rate=1.0,
+        local_rate=1.0,
+        interval=0.25,
+        nodes=2,
     )
     assert result.credit == pytest.approx(15.0)  # 25 refilled, 10 repaid
 
@@ -512,6 +525,7 @@ def test_first_report_rate_is_over_at_least_one_interval() -> None:
 
 def test_apply_subtracts_hits_admitted_during_the_sync() -> None:
     local = LocalBuckets()
+    local.nodes = 2  # a fleet: a debt is repaid half per interval
     bucket = local.get("k", 100, 1, now=0.0)
     LocalBuckets.decide(bucket, 1, 0.9)
     local.take_reports(now=0.25, interval=0.25)

@@ -150,10 +150,13 @@ def take(tokens: float, admitted: int, limit: float) -> float:
     return max(-float(limit), tokens - admitted)
 
 
-def spendable(tokens: float, refill: float) -> float:
+def spendable(tokens: float, refill: float, nodes: int = 2) -> float:
     """What the fleet may spend of its stored ``tokens`` in the next interval (negative:
     a debt repaid), given an interval's ``refill``: half of what is stored above the
-    :data:`TOKEN_RESERVE`, half of a debt."""
+    :data:`TOKEN_RESERVE`, half of a debt. A process alone sees every admission in its
+    view, so it spends (or repays) all of it, as an ideal token bucket does."""
+    if nodes <= 1:
+        return tokens
     if tokens < 0.0:
         return TOKEN_SPEND * tokens
     return TOKEN_SPEND * max(0.0, tokens - TOKEN_RESERVE * refill)
@@ -184,7 +187,7 @@ def control(
     # A debt (negative tokens) is repaid at the same pace: repaid in full, the debt a
     # burst leaves after a step dipped the next 250 ms to 0.85x of the limit.
     refill = limit * interval / window_seconds
-    budget = max(0.0, spendable(tokens, refill) + limit * span / window_seconds)
+    budget = max(0.0, spendable(tokens, refill, nodes) + limit * span / window_seconds)
     expected = fleet_rate * span
     aim = budget * (1.0 + RATIO_SLACK)
     ratio = 0.0 if expected <= aim else 1.0 - aim / expected
