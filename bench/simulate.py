@@ -7,10 +7,10 @@ Each virtual node is a real LocalBuckets; they share one EmbeddedStore (standing
 for Redis: same token-bucket arithmetic, and the fleet's size in each answer, as
 Redis's registry of live nodes gives it) and sync at staggered phases every
 --interval. Arrivals are Poisson per node, following a step at once. Prints admitted
-hits per --bucket seconds and a summary; deterministic for a given --seed. --burst N sets the rule's
-rate_limit.burst (the fleet bucket's capacity: drop_ratio.capacity). No network, no
-sleeping: it explores sync intervals, skew and fleet sizes (e.g. --nodes 1000) this
-machine cannot run.
+hits per --bucket seconds and a summary; deterministic for a given --seed. --burst N
+sets the rule's rate_limit.burst (the fleet bucket's capacity: drop_ratio.capacity).
+No network, no sleeping: it explores sync intervals, skew and fleet sizes (e.g.
+--nodes 1000) this machine cannot run.
 """
 
 from __future__ import annotations
