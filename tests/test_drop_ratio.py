@@ -2,9 +2,9 @@
 
 The fleet state of a probabilistic bucket is a token bucket (capacity: the limit less
 half a second of refill; refilled at ``limit / T``); each sync hands the fleet the budget
-``spendable(tokens) + limit * interval / T`` (half the stored tokens above one interval's
-refill, ``TOKEN_RESERVE``, per interval) and
-aims the ratio ``RATIO_SLACK`` above it, so the credit does the limiting.
+``spendable(tokens, refill, nodes) + limit * interval / T`` (on a fleet, half the stored
+tokens above one interval's refill, ``TOKEN_RESERVE``, per interval) and aims the ratio
+``RATIO_SLACK`` above it, so the credit does the limiting.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_spendable_keeps_an_interval_of_refill_in_store(tokens: float, expected:
     """Half of what is stored above one interval's refill (25), none of what is below;
     half of a debt."""
     assert TOKEN_RESERVE == 1.0
-    assert spendable(tokens, 25.0) == pytest.approx(expected)
+    assert spendable(tokens, 25.0, nodes=2) == pytest.approx(expected)
     assert spendable(tokens, 25.0, nodes=1) == tokens  # alone: all of it, as a token bucket
 
 
@@ -214,11 +214,11 @@ def test_initial_credit() -> None:
 
 
 def test_carried_credit_adds_fractions_up_to_one_hit() -> None:
-    assert carried_credit(5.0, 3.0, 4.0) == 5.0  # a busy process: the grant alone
-    assert carried_credit(0.5, 3.0, 4.0) == 0.5  # the last grant was a hit or more
-    assert carried_credit(0.25, 0.5, 0.5) == 0.75
-    assert carried_credit(0.25, 0.9, 0.5) == MIN_CREDIT
-    assert carried_credit(0.0, 0.4, 0.5) == 0.4  # in debt: nothing new, nothing lost
+    assert carried_credit(5.0, 3.0, 4.0, nodes=2) == 5.0  # a busy process: the grant alone
+    assert carried_credit(0.5, 3.0, 4.0, nodes=2) == 0.5  # the last grant was a hit or more
+    assert carried_credit(0.25, 0.5, 0.5, nodes=2) == 0.75
+    assert carried_credit(0.25, 0.9, 0.5, nodes=2) == MIN_CREDIT
+    assert carried_credit(0.0, 0.4, 0.5, nodes=2) == 0.4  # in debt: nothing new, nothing lost
     assert carried_credit(0.25, 0.5, 0.5, nodes=1) == 0.25  # alone: the bucket keeps it
 
 

@@ -150,7 +150,7 @@ def take(tokens: float, admitted: int, limit: float) -> float:
     return max(-float(limit), tokens - admitted)
 
 
-def spendable(tokens: float, refill: float, nodes: int = 2) -> float:
+def spendable(tokens: float, refill: float, nodes: int) -> float:
     """What the fleet may spend of its stored ``tokens`` in the next interval (negative:
     a debt repaid), given an interval's ``refill``: half of what is stored above the
     :data:`TOKEN_RESERVE`, half of a debt. A process alone sees every admission in its
@@ -215,7 +215,7 @@ def initial_credit(full: float, nodes: int) -> float:
     return min(full, max(MIN_CREDIT, full / max(1, nodes)))
 
 
-def carried_credit(granted: float, left: float, last_grant: float, nodes: int = 2) -> float:
+def carried_credit(granted: float, left: float, last_grant: float, nodes: int) -> float:
     """The credit after a sync: the new grant; while the grants are under one hit (this
     one and the last), what was left of the last one added, up to one hit. A process
     with a small share of a small bucket (10 per second over 40 processes) is granted
