@@ -41,12 +41,17 @@ async def test_hits_admitted_while_redis_was_down_land_when_it_is_back(redis_ser
                 await store.hit(HIT, True, owe=True)
         with pytest.raises(StoreUnavailable):
             await store.hit(HIT, True, owe=False)  # a rule that fails closed: not owed
-        assert store.stats()["exact_owed_requests"] == 4
+        assert store.stats()["exact_owed_entries"] == 1  # four hits on one key: one entry
         redis_server.start()
-        # A fresh (empty) server: the four owed hits land before the probe reads.
-        assert await until_answered(store) == 4
-        assert store.stats()["exact_owed_requests"] == 0
-        assert store.stats()["exact_owed_sent"] >= 4
+        await until_answered(store)
+        # A fresh (empty) server: the four owed hits land with the first calls it answers.
+
+        async def landed() -> bool:
+            return (await store.hit(PROBE, True))[0].before == 4
+
+        await eventually_async(landed, timeout=5, what="owed hits landed")
+        assert store.stats()["exact_owed_entries"] == 0
+        assert store.stats()["exact_owed_sent"] >= 1
     finally:
         await store.close()
 
@@ -60,7 +65,7 @@ async def test_a_late_reply_that_counted_the_hit_owes_nothing(redis_server) -> N
             await store.hit(HIT, True, owe=True)  # Redis runs it once resumed: counted
         redis_server.resume()
         assert await until_answered(store) == 2  # not 3: counted once
-        assert store.stats()["exact_owed_requests"] == 0
+        assert store.stats()["exact_owed_entries"] == 0
     finally:
         await store.close()
 
@@ -75,29 +80,52 @@ async def test_a_late_reply_that_denied_the_hit_owes_it(redis_server) -> None:
         with pytest.raises(StoreUnavailable, match="no answer"):
             await store.hit(full, True, owe=True)  # admitted by failure_mode: open
         redis_server.resume()
-        await asyncio.sleep(0.2)  # the late reply: denied by the script, so owed
-        assert store.stats()["exact_owed_requests"] == 1
-        assert (await store.hit([ExactHit("f", 2, 60, 0)], True))[0].before == 3
+        # The late reply: denied by the script, so owed, and repaid once Redis answers.
+
+        async def counted() -> bool:
+            return (await store.hit([ExactHit("f", 2, 60, 0)], True))[0].before == 3
+
+        await eventually_async(counted, timeout=5, what="the denied hit owed and repaid")
+        assert store.stats()["exact_owed_entries"] == 0
+        assert store.stats()["exact_owed_sent"] == 1
     finally:
         await store.close()
 
 
 def test_owed_hits_are_bounded_and_expire_with_their_window() -> None:
-    owed = OwedHits(max_requests=2)
+    owed = OwedHits(max_entries=2)
     args = (10, 60_000_000, 1, 0)  # limit, window_us, hits, role
     owed.add(["a"], args, since=0.0)
     owed.add(["b"], args, since=1.0)
-    owed.add(["c"], (10, 1_000_000, 1, 0), since=1.0)  # past the bound: "a" goes
+    owed.add(["c"], (10, 1_000_000, 1, 0), since=1.0)  # past the bound: dropped
     assert owed.dropped == 1 and len(owed) == 2
-    ready = owed.drain(now=2.5)  # "c" is older than its 1 s window
-    assert ready == [(("b",), args, 1.0)]
+    assert owed.take(descriptors=1, now=2.0) == [(("a",), args, 0.0)]  # one at a time
+    assert owed.take(descriptors=10, now=61.0) == []  # "b" is older than its window
     assert (owed.dropped, owed.sent, len(owed)) == (2, 1, 0)
 
 
+def test_owed_hits_of_one_request_shape_add_up() -> None:
+    """Requests with the same keys and limits are one entry whose hits add up, so an
+    outage costs memory and work by the keys it touched, not by its length; hits older
+    than their window are dropped as newer ones come."""
+    owed = OwedHits()
+    two = (10, 60_000_000, 1, 0, 5, 1_000_000, 2, 1)  # two descriptors
+    for at in (0.0, 0.5, 0.9):
+        owed.add(["a", "b"], two, since=at)
+    owed.add(["a", "b"], (10, 60_000_000, 1, 0, 6, 1_000_000, 2, 1), since=0.2)  # other limit
+    assert len(owed) == 2 and owed.added == 4
+    owed.add(["a", "b"], two, since=1.5)  # the 1 s window of the first three is over
+    assert owed.dropped == 1
+    taken = owed.take(descriptors=100, now=1.6)
+    assert (("a", "b"), (10, 60_000_000, 1, 0, 5, 1_000_000, 2, 1), 1.5) in taken
+    assert len(taken) == 1  # the other entry's window ended at 1.2
+
+
 async def test_owed_hits_sent_again_keep_their_first_time(redis_server) -> None:
-    """Redis away for longer than a window: owed hits are sent with every call that
-    fails and owed again, but keep the time they were admitted, so they are dropped
-    once their window has passed instead of landing in a later one."""
+    """Redis away for longer than a window: owed hits keep the time they were admitted
+    (they ride on no call while the circuit is open, and one that fails owes them again
+    with that time), so they are dropped once their window has passed instead of
+    landing in a later one."""
     short = [ExactHit("s", 10, 1, 1)]  # a 1 s window
     store = RedisStore(redis_server.url, request_timeout=0.2)
     try:

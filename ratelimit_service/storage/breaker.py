@@ -31,6 +31,7 @@ class CircuitBreaker:
         draw: Callable[[], float] = random.random,
         name: str = "store",
         summary_every: float = 30.0,
+        trial_timeout: float = 1.0,
     ) -> None:
         self.base_backoff = base_backoff
         self.max_backoff = max_backoff
@@ -41,6 +42,8 @@ class CircuitBreaker:
         self._backoff = 0.0
         self._open_until = 0.0
         self._trial_running = False
+        self._trial_started = 0.0
+        self.trial_timeout = trial_timeout
         self.failures_in_row = 0
         self.successes_in_row = 0
         self.healthy = True
@@ -56,12 +59,19 @@ class CircuitBreaker:
         self._summary_at = 0.0
 
     def allow(self) -> bool:
-        """Whether a call may go to the store now."""
+        """Whether a call may go to the store now. While open, one trial call at a time
+        once the backoff has passed; a trial whose outcome was never told (a call given
+        up without a verdict on the store) is over after ``trial_timeout``, so no lost
+        trial keeps the circuit open for ever."""
         if self._backoff == 0.0:
             return True
-        if self._trial_running or self._clock() < self._open_until:
+        now = self._clock()
+        if now < self._open_until:
+            return False
+        if self._trial_running and now - self._trial_started < self.trial_timeout:
             return False
         self._trial_running = True
+        self._trial_started = now
         return True
 
     def success(self) -> None:

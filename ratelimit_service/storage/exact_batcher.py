@@ -86,6 +86,11 @@ class Channel(Protocol):
         calls of a connection known to be dead."""
         ...
 
+    def ready(self) -> bool:
+        """Whether a call sent now would go to Redis (the circuit is closed): owed hits
+        ride only on calls that can carry them."""
+        ...
+
     def timed_out(self, requests: int) -> None:
         """Account requests given up at their deadline."""
         ...
@@ -253,10 +258,8 @@ class ExactBatcher:
                 self.held += 1
             else:
                 batch.due = True
-            if self.owed:  # owed hits land first: the requests below see them
-                for owed_keys, owed_args, since in self.owed.drain(now):
-                    forced = _Waiter(None, len(owed_keys), since, latest, now)
-                    batch.add(forced, owed_keys, FORCE, owed_args)
+            if self.owed and self._channel.ready():  # owed hits first: the requests see them
+                self._add_owed(batch, now, latest)
         future: asyncio.Future[list[ExactResult]] = loop.create_future()
         self.pending += 1
         owed_since = now if owe and commit else None
@@ -266,6 +269,23 @@ class ExactBatcher:
         if full or (batch.due and self._in_flight < MAX_IN_FLIGHT):
             self._send(loop)
         return future
+
+    def _add_owed(self, batch: _Batch, now: float, deadline: float) -> None:
+        """A chunk of the owed hits into ``batch`` (at most a batch's descriptors): the
+        work a batch does for an outage is bounded, however long it lasted."""
+        for keys, args, since in self.owed.take(MAX_BATCH_DESCRIPTORS, now):
+            batch.add(_Waiter(None, len(keys), since, deadline, now), keys, FORCE, args)
+
+    def _repay(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Redis has just answered: owed hits left go out in a batch of their own, if a
+        call slot is free and no batch is open to carry them (so they land without
+        waiting for traffic, and never on a request's account)."""
+        if not self.owed or self._open is not None or self._in_flight >= MAX_IN_FLIGHT:
+            return
+        now = loop.time()
+        batch = self._open = _Batch(self._slices)
+        self._add_owed(batch, now, now + self._timeout)
+        self._send(loop)
 
     def set_hold(self, seconds: float) -> None:
         """Hold new batches this long from now on (0: not at all); the count of lone
@@ -329,6 +349,7 @@ class ExactBatcher:
             self._settle(batch, None, f"redis: unexpected {type(exc).__name__}")
         else:
             self._settle(batch, raw, "")
+            self._repay(asyncio.get_running_loop())
         self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
 
     def _settle(self, batch: _Batch, raw: Any, error: str) -> None:

@@ -3,36 +3,54 @@
 When Redis fails (no answer in time, connection lost, circuit open) an exact rule with
 ``failure_mode: open`` admits the request unchecked. Its hits must still land in the
 window, or the window would hold fewer hits than were admitted and the next decisions
-would admit beyond the limit again once Redis answers. So the batcher keeps each such
-request here (its keys and its hits' ARGV part) and sends it with the next script call
-as a forced hit (``commit`` 2 in exact_window.lua: counted whether it fits or not).
-A call that timed out but whose reply comes later tells exactly which requests Redis
-itself counted; only the others are kept.
+would admit beyond the limit again once Redis answers. So the batcher keeps them here
+and, once a reply proves Redis answering, sends them as forced hits (``commit`` 2 in
+exact_window.lua: counted whether they fit or not), a batch at a time, off the request
+path. A call that timed out but whose reply comes later tells exactly which requests
+Redis itself counted; only the others are kept.
 
-Bounded: at most ``max_requests`` are kept (the oldest dropped first, counted), and
-one is dropped unsent once its shortest window has passed: by then its hits would
-count against a window they were never part of.
+Requests with the same keys and limits are kept as one entry whose hits add up, so
+keeping one more admitted request costs a dict look-up and a few additions, and the
+work and memory of an outage grow with the keys it touched, not with its length.
+
+Bounded: at most ``max_entries`` distinct requests are kept (one more is dropped,
+counted), and an entry's hits are dropped unsent once its shortest window has passed
+since the first of them: by then they would count against a window they were never
+part of.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 MAX_OWED = 10_000
-"""Requests kept at most (about 200 bytes each with one descriptor)."""
+"""Distinct requests (keys and limits) kept at most."""
+
+Owed = tuple[tuple[str, ...], tuple[Any, ...], float]
+"""One entry to send: its keys, its ARGV part with the hits added up, and since when
+its first hit was admitted."""
+
+
+class _Entry:
+    __slots__ = ("hits", "shortest", "since")
+
+    def __init__(self, hits: list[int], shortest: float, since: float) -> None:
+        self.hits = hits
+        self.shortest = shortest
+        self.since = since
 
 
 class OwedHits:
-    def __init__(self, max_requests: int = MAX_OWED) -> None:
-        self._owed: deque[tuple[tuple[str, ...], tuple[Any, ...], float]] = deque(
-            maxlen=max_requests
-        )
+    def __init__(self, max_entries: int = MAX_OWED) -> None:
+        self.max_entries = max_entries
+        self._owed: dict[tuple[tuple[str, ...], tuple[Any, ...]], _Entry] = {}
         self.added = 0
+        """Requests kept."""
         self.sent = 0
+        """Entries handed out to be sent."""
         self.dropped = 0
-        """Dropped unsent: past the bound, or older than their window."""
+        """Requests dropped unsent: past the bound, or older than their window."""
 
     def __len__(self) -> int:
         return len(self._owed)
@@ -40,21 +58,47 @@ class OwedHits:
     def add(self, keys: Sequence[str], args: Sequence[Any], since: float) -> None:
         """Keep one request's hits: ``args`` is its per-descriptor ARGV part (limit,
         window_us, hits, role per descriptor); ``since``: when it was admitted."""
-        if len(self._owed) == self._owed.maxlen:
-            self.dropped += 1
-        self._owed.append((tuple(keys), tuple(args), since))
+        shape = (tuple(keys), _without_hits(args))
+        entry = self._owed.get(shape)
+        if entry is None:
+            if len(self._owed) >= self.max_entries:
+                self.dropped += 1
+                return
+            shortest = min(args[1::4]) / 1_000_000  # window_us of each descriptor
+            self._owed[shape] = _Entry(list(args[2::4]), shortest, since)
+        else:
+            if since - entry.since >= entry.shortest:  # the kept hits' window is over
+                self.dropped += 1
+                entry.hits = [0] * len(entry.hits)
+                entry.since = since
+            for i, hits in enumerate(args[2::4]):
+                entry.hits[i] += hits
+            entry.since = min(entry.since, since)
         self.added += 1
 
-    def drain(self, now: float) -> list[tuple[tuple[str, ...], tuple[Any, ...], float]]:
-        """Every request still worth sending (with when it was admitted), oldest
-        first; none is kept."""
-        ready = []
-        for keys, args, since in self._owed:
-            shortest = min(args[1::4]) / 1_000_000  # window_us of each descriptor
-            if now - since < shortest:
-                ready.append((keys, args, since))
-            else:
+    def take(self, descriptors: int, now: float) -> list[Owed]:
+        """Entries still worth sending, oldest kept first, up to ``descriptors``
+        descriptors in all (at least one entry); they are no longer kept. Entries
+        whose window has passed are dropped on the way."""
+        out: list[Owed] = []
+        count = 0
+        for shape in list(self._owed):
+            keys, shaped = shape
+            if out and count + len(keys) > descriptors:
+                break
+            entry = self._owed.pop(shape)
+            if now - entry.since >= entry.shortest:
                 self.dropped += 1
-        self._owed.clear()
-        self.sent += len(ready)
-        return ready
+                continue
+            args = list(shaped)
+            args[2::4] = entry.hits
+            out.append((keys, tuple(args), entry.since))
+            count += len(keys)
+        self.sent += len(out)
+        return out
+
+
+def _without_hits(args: Sequence[Any]) -> tuple[Any, ...]:
+    shaped = list(args)
+    shaped[2::4] = [0] * (len(shaped) // 4)
+    return tuple(shaped)

@@ -31,7 +31,7 @@ from importlib import resources
 from typing import Any, TypeVar
 
 from redis.crc import key_slot
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity
@@ -126,6 +126,25 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 
+RECONNECT_ON = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "MOVED", "ASK", "TRYAGAIN")
+"""Error replies that say the connection reaches a server that cannot take the call: a
+replica (a failover moved the master elsewhere), one loading its data, a cluster node
+that no longer owns the slot. A fresh connection may reach the right one."""
+
+
+REDIAL_EVERY = 0.25
+"""Seconds between two drops of redis-py's pool (and log lines) at most."""
+
+
+def wrong_server(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error reply of RECONNECT_ON, or a connection reset."""
+    if isinstance(exc, ConnectionResetError):
+        return True
+    if not isinstance(exc, ResponseError):
+        return False
+    return str(exc).split(" ", 1)[0].upper() in RECONNECT_ON
+
+
 def _display(url: str) -> str:
     """A URL fit for a log line: without its password."""
     scheme, sep, rest = url.partition("://")
@@ -193,6 +212,11 @@ class RedisStore:
         self._init_lock = asyncio.Lock()
         self.calls = 0
         self.timeouts = 0
+        self.dropped_connections = 0
+        """Times the connections were dropped for an error reply naming the wrong server
+        (see wrong_server)."""
+        self._redialed_at = -REDIAL_EVERY
+        self._redial_said = False
         self.silences = 0
         """Times Redis was found silent (see SILENCE)."""
         self.reply_time = Histogram()
@@ -291,10 +315,11 @@ class RedisStore:
         if isinstance(reply, StoreUnavailable):  # the circuit was open: nothing was sent
             raise reply
         if isinstance(reply, RedisError | OSError):
-            reason = describe(reply)
-            self.breaker.failure(reason)
-            raise StoreUnavailable(f"redis: {reason}") from reply
+            raise self._failed(reply) from reply
         raise reply
+
+    def ready(self) -> bool:
+        return not self.breaker.open
 
     def poll(self) -> None:
         """Read the replies already on the socket; drop a connection that has been
@@ -450,15 +475,45 @@ class RedisStore:
                     raise self._timed_out(timeout) from None
                 raw = command.result()
         except (RedisError, RedisClusterException, OSError) as exc:
-            reason = describe(exc)
-            self.breaker.failure(reason)
-            raise StoreUnavailable(f"redis: {reason}") from exc
+            raise self._failed(exc) from exc
         self._replied()
         return raw
+
+    def _failed(self, exc: BaseException) -> StoreUnavailable:
+        """A call failed: a breaker event, and a connection that answered that it is
+        the wrong server (or not ready) is dropped, so the next call dials again."""
+        reason = describe(exc)
+        self.breaker.failure(reason)
+        if wrong_server(exc):
+            self._redial(reason)
+        return StoreUnavailable(f"redis: {reason}")
+
+    def _redial(self, reason: str) -> None:
+        """Drop the connections that gave ``reason``: the request path's pipe at once
+        (its outstanding calls fail with it, so no later reply of that connection drops
+        the next one), redis-py's pool at most every REDIAL_EVERY seconds (every call
+        on it answers the same). After a failover that moved an address, a new
+        connection reaches the new master; the old ones would reach the demoted one for
+        ever."""
+        now = asyncio.get_running_loop().time()
+        if self._pipe is not None:
+            self._pipe.drop(f"redis connection dropped: {reason}")
+        if now - self._redialed_at < REDIAL_EVERY:
+            return
+        self._redialed_at = now
+        self.dropped_connections += 1
+        if not self._redial_said:  # once until Redis answers again
+            self._redial_said = True
+            log.warning("redis at %s: %s; reconnecting", _display(self.url), reason)
+        pool = getattr(self._client, "connection_pool", None)
+        if pool is not None and not self.cluster:  # a Cluster client follows slots itself
+            task = asyncio.ensure_future(pool.disconnect())
+            task.add_done_callback(_forget)
 
     def _replied(self) -> None:
         """A reply came: Redis is alive."""
         self._last_reply = asyncio.get_running_loop().time()
+        self._redial_said = False
         self.breaker.success()
 
     def _timed_out(self, timeout: float) -> StoreUnavailable:
@@ -552,6 +607,7 @@ class RedisStore:
             "errors": self.breaker.total_failures,
             "timeouts": self.timeouts,
             "silences": self.silences,
+            "dropped_connections": self.dropped_connections,
             "circuit_open": 1.0 if self.breaker.open else 0.0,
             "healthy": 1.0 if self.breaker.healthy else 0.0,
             "outages": self.breaker.outages,
@@ -562,7 +618,7 @@ class RedisStore:
             "exact_held_batches": self._batcher.held,
             "exact_pending": self._batcher.pending,
             "exact_overloaded": self._batcher.overloaded,
-            "exact_owed_requests": len(self._batcher.owed),
+            "exact_owed_entries": len(self._batcher.owed),
             "exact_owed_sent": self._batcher.owed.sent,
             "exact_owed_dropped": self._batcher.owed.dropped,
             "exact_batch_hold_seconds": self._batcher.hold,

@@ -55,9 +55,14 @@ class RedisServer:
         self._directory = directory
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 10.0) -> None:
-        self.process = spawn_redis(self.port, self._directory / f"redis-{self.port}")
+    def start(self, timeout: float = 10.0, *extra: str) -> None:
+        """Start it (``extra``: more redis-server arguments, such as ``--replicaof``)."""
+        self.process = spawn_redis(self.port, self._directory / f"redis-{self.port}", *extra)
         wait_ping(self.port, timeout)
+
+    def cli(self, *args: str) -> str:
+        """A redis-cli command's output (such as ``REPLICAOF NO ONE``)."""
+        return _cli(self.port, *args)
 
     def stop(self) -> None:
         if self.process is not None:
