@@ -234,11 +234,11 @@ def ratelimit_health_check() -> health_check_pb2.HealthCheck:
 
 def ratelimit_outlier_detection() -> outlier_detection_pb2.OutlierDetection:
     """A dead replica out within milliseconds: three local failures in a row (connection
-    refused or reset, timeout; counted apart from errors a replica answers) eject it at
-    once instead of at the next health checks. At most half the replicas (Envoy's default
-    of 10 % ejects none of two or three). Back after 30 s, more after each new ejection,
-    or at its first passing health check; ``interval`` is how often ejections are
-    reviewed."""
+    refused or reset; counted apart from the errors a replica answers) eject it at once
+    instead of at its health checks. Not a slow replica: the filter's timeouts do not
+    count. At most half the replicas (at Envoy's default of 10 %, not one of two or
+    three). Back after 30 s, more after each new ejection, or at its first passing
+    health check; ``interval`` is how often ejections are reviewed."""
     return outlier_detection_pb2.OutlierDetection(
         split_external_local_origin_errors=True,
         consecutive_local_origin_failure=wrappers_pb2.UInt32Value(value=3),
