@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ratelimit_service.testing.envoy import ServiceProcess
-from ratelimit_service.testing.faults import FAULTS_CONFIG, Probe, store_decides
+from ratelimit_service.testing.faults import (
+    FAULTS_CONFIG,
+    Probe,
+    store_decides,
+    touch_probabilistic,
+)
 from ratelimit_service.testing.forwarder import Forwarder
 from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup, RedisServer
 from ratelimit_service.testing.waiting import eventually_async
@@ -100,17 +105,33 @@ class FaultRun:
 
 
 async def _until_decides(service: ServiceProcess, probe: Probe, values: int = 1) -> float:
-    """Seconds until the store decides again, from now."""
+    """Seconds until the store decides exact rules again and a probabilistic sync
+    succeeds, from now."""
     start = probe.now()
+    await touch_probabilistic(service.grpc_port)
     try:
         await eventually_async(
             lambda: store_decides(service.grpc_port, values),
             timeout=RECOVERY_LIMIT,
             what="the store decides",
         )
+        await eventually_async(
+            lambda: _syncs(service), timeout=RECOVERY_LIMIT, what="a probabilistic sync"
+        )
     except AssertionError:
         return float("inf")
     return probe.now() - start
+
+
+async def _syncs(service: ServiceProcess) -> bool:
+    """Whether the reconciler's syncs succeed now: a round completes with no error."""
+    before = await asyncio.to_thread(_metrics, service)
+    rounds = before["ratelimit_sync_rounds_total"]
+    while True:
+        await asyncio.sleep(0.05)
+        after = await asyncio.to_thread(_metrics, service)
+        if after["ratelimit_sync_rounds_total"] > rounds:
+            return after["ratelimit_sync_errors_total"] == before["ratelimit_sync_errors_total"]
 
 
 def _config(directory: Path) -> Path:

@@ -34,11 +34,15 @@ descriptors:
     mode: exact
     failure_mode: open
     rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: sync
+    mode: probabilistic
+    rate_limit: {unit: minute, requests_per_unit: 100000000}
 """
 """The rules the fault tests run: ``load`` never denies while the store answers, so
 every OVER_LIMIT is an error (a minute's window: hits admitted in an outage are owed to
-the store for that long); ``fresh`` (5 a minute per value) tells whether the store
-decides (a fresh value admits exactly 5 of 8)."""
+the store for that long); ``sync`` keeps a probabilistic bucket syncing with the store;
+``fresh`` (5 a minute per value) tells whether the store decides (a fresh value admits
+exactly 5 of 8)."""
 FRESH_LIMIT = 5
 
 
@@ -123,6 +127,14 @@ class _suppress_cancel:
 
 
 _fresh = itertools.count()
+
+
+async def touch_probabilistic(port: int) -> None:
+    """One call on the probabilistic rule: its bucket then syncs with the store every
+    interval (``ratelimit_sync_rounds_total`` / ``ratelimit_sync_errors_total``)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+        await stub.ShouldRateLimit(build_request("faults", ["sync=s"], 0), timeout=1.0)
 
 
 async def store_decides(port: int, values: int = 1) -> bool:
