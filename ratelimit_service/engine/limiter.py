@@ -260,7 +260,7 @@ class RateLimiter:
                 if role is not HitRole.SHADOW and step.fail_open
             ]
             if undecided:
-                _give_back(taken)
+                self.local.give_back(taken)
                 raise Overloaded(f"{exc}; not decided: {', '.join(undecided)}")
         return results
 
@@ -446,7 +446,7 @@ class RateLimiter:
     ) -> Response:
         overall = overall_code(statuses)
         if overall is _OVER:
-            _give_back(taken)  # a denied request consumes no quota
+            self.local.give_back(taken)  # a denied request consumes no quota
             if self.global_shadow:
                 self.stats.global_shadow_mode += 1
                 overall = _OK
@@ -469,13 +469,6 @@ def _tighter(a: DescriptorStatus, b: DescriptorStatus) -> bool:
 
 def _left(status: DescriptorStatus) -> int:
     return UINT32_MAX if status.remaining is None else status.remaining
-
-
-def _give_back(taken: list[tuple[ProbabilisticBucket, int]]) -> None:
-    """Return the probabilistic hits a request took: it was denied or not decided."""
-    for bucket, hits in taken:
-        bucket.credit += hits
-        bucket.admitted -= hits
 
 
 def _role(limit: RateLimit) -> HitRole:
