@@ -1,7 +1,8 @@
 """Metrics read from live state at scrape time: probabilistic buckets, store, reconciler.
 
 Nothing here runs on the request path; each function walks its state once per
-scrape and yields Prometheus metric families.
+scrape and yields Prometheus metric families, and a None every SLICE items of a long
+walk (up to 100,000 buckets): a point where the scrape returns to the event loop.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.engine.quota import QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
-from ratelimit_service.engine.stats import histogram_family
+from ratelimit_service.engine.stats import SLICE, histogram_family
 from ratelimit_service.storage.base import Store
 
 MAX_BUCKET_SERIES = 1000
@@ -27,7 +28,7 @@ def readable_bucket(bucket_key: str) -> str:
     return readable + f"/{window}s"
 
 
-def bucket_metrics(local: LocalBuckets) -> Iterator[Metric]:
+def bucket_metrics(local: LocalBuckets) -> Iterator[Metric | None]:
     buckets = local.buckets()
     yield GaugeMetricFamily(
         "ratelimit_probabilistic_buckets", "Probabilistic buckets held", value=len(buckets)
@@ -47,7 +48,9 @@ def bucket_metrics(local: LocalBuckets) -> Iterator[Metric]:
     ratio_by_rule: dict[str, float] = {}
     offered_by_rule: dict[str, float] = {}
     debt_by_rule: dict[str, float] = {}
-    for bucket in buckets:
+    for count, bucket in enumerate(buckets, 1):
+        if count % SLICE == 0:
+            yield None
         ratio = 1.0 if bucket.credit < 1 else bucket.ratio
         rule = bucket.rule
         ratio_by_rule[rule] = max(ratio_by_rule.get(rule, 0.0), ratio)
@@ -104,7 +107,7 @@ def reconciler_metrics(reconciler: Reconciler) -> Iterator[Metric]:
     )
 
 
-def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric]:
+def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric | None]:
     """RLQS: streams, reports, assignments, abandons, and each counter's instances."""
     yield GaugeMetricFamily("ratelimit_rlqs_streams", "RLQS streams open", value=quota.streams)
     counters = {
@@ -158,7 +161,12 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric]:
     )
     domains: dict[str, int] = {}
     shares, parts = quota.shares(), quota.parts()
+    samples = 0
     for count, (key, seen) in enumerate(quota.demands().items()):
+        samples += 1 + len(seen)
+        if samples >= SLICE:
+            samples = 0
+            yield None
         domain = key.split("\x1f", 1)[0]
         domains[domain] = domains.get(domain, 0) + 1
         if count >= MAX_BUCKET_SERIES:

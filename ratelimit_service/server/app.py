@@ -1,5 +1,33 @@
 """Wiring and lifecycle: build the limiter, store, reconciler, gRPC and admin listeners,
-start them, and stop them gracefully (health NOT_SERVING first, then drain)."""
+start them, and stop them gracefully (health NOT_SERVING first, then drain).
+
+The garbage collector is part of the process set-up (:class:`Tenuring`). CPython's
+oldest-generation pass scans every tracked object, and a limiter keeps tracked objects
+per key: probabilistic buckets, stats keys, cached requests and their plans, the store's
+entries. Over 50,000 keys at 500 calls a second that pass took 15-90 ms (up to 190 ms on
+a busy machine) every 10 s and freed nothing; it holds the event loop, so every call in
+flight missed Envoy's 20 ms deadline. At the caps (100,000 buckets, 10,000 stats keys and
+cached requests) one pass takes 60 ms on an idle core. The options, measured:
+
+- ``gc.freeze()`` after start-up alone keeps modules and config out of the scans, but
+  the per-key state arrives later: the pass still grows with the keys.
+- ``gc.set_threshold`` changes how often the pass runs, not how long it holds the loop.
+- Per-key state the collector does not track (arrays, atomic tuples): cheapest to scan,
+  but the state lives in several layers (buckets, stats, request cache, the stores' own
+  tables); a pass over 100,000 untracked-valued entries still costs 6 ms, and every
+  store would have to follow.
+- CPython 3.11 cannot run a full pass in steps.
+
+So the process *tenures*: every second, at a moment when no task started since the
+previous round is still running (no call, scrape or stream is half-done), it collects
+everything not yet tenured (what was made since: cheap) and then freezes what survived.
+Full passes afterwards scan only what is newer than the last tenure, whatever the number
+of keys. Garbage is never frozen (the collection comes first), and only objects that
+outlived a quiet moment are: per-key state, which is acyclic and freed by reference
+counting when it is evicted, and long-lived service objects. The cost is that a cycle
+among tenured objects would not be collected; ``ratelimit_gc_tenured_objects`` shows the
+tenured count, which stays flat over the soak (docs/benchmarks.md). Collections
+are timed (``ratelimit_gc_pause_seconds``)."""
 
 from __future__ import annotations
 
@@ -8,6 +36,8 @@ import gc
 import logging
 import signal
 import socket
+import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,8 +45,7 @@ import grpc
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.config.watcher import ConfigWatcher
@@ -25,6 +54,7 @@ from ratelimit_service.core.address import listen_host, split_host_port
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import RateLimitConfig
+from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.engine.background import BackgroundTask
@@ -54,6 +84,96 @@ from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
 log = logging.getLogger(__name__)
 
 HEALTH_NAMES = ("", RLS_SERVICE, RLQS_SERVICE, "ratelimit")
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TENURE_INTERVAL = 1.0
+"""Seconds between two tenures (see the module docstring)."""
+QUIET_TRIES = 100
+"""Looks for a quiet moment per tenure, QUIET_WAIT apart, before the round is skipped."""
+QUIET_WAIT = 0.001
+
+
+class Tenuring:
+    """The collector's policy for a serving process (see the module docstring): times
+    every collection, and tenures the survivors every ``interval`` at a quiet moment.
+    Process-wide: :meth:`install` once, in the process that serves."""
+
+    def __init__(self, interval: float = TENURE_INTERVAL) -> None:
+        self.interval = interval
+        self.pauses = Histogram()
+        """Every collection's duration, any generation (the event loop waits for it)."""
+        self.tenures = 0
+        self.skipped = 0
+        """Rounds without a quiet moment (calls always in flight): nothing tenured."""
+        self._started = 0.0
+        self._background = BackgroundTask("gc-tenure", self._run)
+
+    def install(self) -> None:
+        gc.collect()
+        gc.freeze()  # modules, config, listeners: alive as long as the process
+        gc.callbacks.append(self._timed)
+        self._background.start()
+        log.debug("objects tenured at start: %d", gc.get_freeze_count())
+
+    async def uninstall(self) -> None:
+        await self._background.stop()
+        if self._timed in gc.callbacks:
+            gc.callbacks.remove(self._timed)
+
+    def _timed(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.observe(time.perf_counter() - self._started)
+
+    def tenure(self) -> None:
+        """Collect what is not tenured yet, then tenure what survived."""
+        gc.collect()
+        gc.freeze()
+        self.tenures += 1
+
+    async def _run(self) -> None:
+        current = asyncio.current_task()
+        seen: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+        settled: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+        while True:
+            await asyncio.sleep(self.interval)
+            for _ in range(QUIET_TRIES):
+                tasks = asyncio.all_tasks()
+                if all(task in settled or task is current for task in tasks):
+                    self.tenure()
+                    break
+                del tasks
+                await asyncio.sleep(QUIET_WAIT)
+            else:
+                self.skipped += 1
+                tasks = asyncio.all_tasks()
+            # A task alive at two rounds lives long (a stream, a kept-alive connection, a
+            # background loop): it no longer stands in the way of a quiet moment.
+            settled = weakref.WeakSet(task for task in tasks if task in seen)
+            seen = weakref.WeakSet(tasks)
+            del tasks
+
+    def metrics(self) -> Iterator[Metric]:
+        yield histogram_family(
+            "ratelimit_gc_pause_seconds",
+            "Garbage collections' durations, any generation (the event loop waits for them)",
+            self.pauses,
+        )
+        yield CounterMetricFamily(
+            "ratelimit_gc_tenures",
+            "Tenures: survivors frozen out of later collections",
+            value=self.tenures,
+        )
+        yield CounterMetricFamily(
+            "ratelimit_gc_tenures_skipped",
+            "Tenure rounds skipped: no moment without a call in flight",
+            value=self.skipped,
+        )
+        yield GaugeMetricFamily(
+            "ratelimit_gc_tenured_objects",
+            "Objects tenured (frozen): out of the collector's scans",
+            value=gc.get_freeze_count(),
+        )
 
 
 def load_rules(settings: Settings) -> RateLimitConfig:
@@ -143,8 +263,9 @@ class RateLimitService:
             )
         # Exact batching on Redis follows the event loop's load (see loop_load).
         self._loop_load_task: BackgroundTask | None = None
-        self.loop_lag = LoopLag()
+        self.loop_lag = LoopLag(calls=lambda: self.stats.total_requests)
         self._loop_lag_task = BackgroundTask("loop-lag", self.loop_lag.run)
+        self.tenuring = Tenuring()
         if self.store.wants_saturation:
             sensor = LoopLoad(self.store.loop_saturated)
             self._loop_load_task = BackgroundTask("loop-load", sensor.run)
@@ -153,7 +274,7 @@ class RateLimitService:
             pages(
                 {
                     "/healthcheck": self._healthcheck_page,
-                    "/metrics": self._metrics_page,
+                    "/metrics": self._metrics_stream,
                     "/rlconfig": self._rlconfig_page,
                     "/": self._index_page,
                 }
@@ -164,13 +285,13 @@ class RateLimitService:
         self.debug: HttpServer | None = None
         self.prometheus: HttpServer | None = None
         if settings.prometheus_addr:
-            self.prometheus = HttpServer(pages({settings.prometheus_path: self._metrics_page}))
+            self.prometheus = HttpServer(pages({settings.prometheus_path: self._metrics_stream}))
         if settings.debug_addr:
             self.debug = HttpServer(
                 pages(
                     {
                         "/rlconfig": self._rlconfig_page,
-                        "/metrics": self._metrics_page,
+                        "/metrics": self._metrics_stream,
                         "/": self._debug_index_page,
                     }
                 )
@@ -181,8 +302,7 @@ class RateLimitService:
             self.statsd = StatsdSink(
                 self.stats, statsd_host, statsd_port, settings.statsd_flush_interval
             )
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StatsCollector(self.stats, self._gauges))
+        self.metrics = StatsCollector(self.stats, self._gauges)
         self._server: grpc.aio.Server | None = None
         self.servicer: RateLimitServicer | None = None
         self.tls: CertificateReloader | None = None
@@ -207,6 +327,7 @@ class RateLimitService:
             self.settings.response_headers,
             self.settings.header_names,
             self.settings.deadline_margin,
+            self.loop_lag,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
         rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(QuotaServicer(self.quota), server)
@@ -377,13 +498,7 @@ class RateLimitService:
         loop.add_signal_handler(signal.SIGINT, stop.set)  # Ctrl-C: at once
         loop.add_signal_handler(signal.SIGHUP, self._reload)
         await self.start()
-        # What exists now (modules, config, listeners) lives as long as the process:
-        # frozen, it is out of the collector's reach, so a full collection under
-        # traffic scans only what was made since (measured: 11.5 ms before, under
-        # 1 ms after; a pause stalls every request in flight).
-        gc.collect()
-        gc.freeze()
-        log.debug("start-up objects frozen for the garbage collector: %d", gc.get_freeze_count())
+        self.tenuring.install()
         await stop.wait()
         settings = self.settings
         if drain and settings.drain_timeout > 0:
@@ -399,6 +514,7 @@ class RateLimitService:
                 "shutting down: finishing calls in flight (up to %gs)", settings.shutdown_grace
             )
         await self.stop(drain=drain)
+        await self.tenuring.uninstall()
         log.info("stopped")
 
     # -- admin pages ---------------------------------------------------------------
@@ -467,7 +583,12 @@ class RateLimitService:
         return 503, "text/plain", b"NOT SERVING\n" + detail
 
     def _metrics_page(self) -> tuple[int, str, bytes]:
-        return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
+        """The whole page at once (for tests; the listeners stream it)."""
+        return 200, METRICS_TYPE, b"".join(self.metrics.exposition())
+
+    def _metrics_stream(self) -> tuple[int, str, Iterator[bytes]]:
+        """The page in pieces: the HTTP server returns to the event loop between two."""
+        return 200, METRICS_TYPE, self.metrics.exposition()
 
     def _rlconfig_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; charset=utf-8", self.limiter.config.dump().encode()
@@ -478,7 +599,7 @@ class RateLimitService:
     def _debug_index_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain", b"/rlconfig\n/metrics\n"
 
-    def _gauges(self) -> Iterator[Metric]:
+    def _gauges(self) -> Iterator[Metric | None]:
         yield from bucket_metrics(self.local)
         yield from store_metrics(self.store)
         yield histogram_family(
@@ -488,6 +609,7 @@ class RateLimitService:
         )
         yield from reconciler_metrics(self.reconciler)
         yield from quota_metrics(self.quota)
+        yield from self.tenuring.metrics()
 
 
 def _bind_error(addr: str, reuse_port: bool) -> str:

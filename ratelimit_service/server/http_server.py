@@ -5,16 +5,23 @@ Small on purpose, on asyncio streams and the service's own event loop: a handful
 read-only pages and one JSON endpoint do not justify a web framework. Keep-alive,
 request bodies (Content-Length or chunked, bounded), ``Expect: 100-continue``, and a
 timeout for each request and for idle connections.
+
+A page may answer with its body in pieces (an iterator of bytes, /metrics): the server
+returns to the event loop after each piece, so a large page never holds the calls the
+same loop answers. The pieces are gathered and sent with a Content-Length, as every
+page is (the simplest clients, the supervisor's among them, need no chunked coding).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from http import HTTPStatus
 
-PageResult = tuple[int, str, bytes]
+Body = bytes | Iterator[bytes]
+"""A whole body, or its pieces (an empty piece: only a point to return to the loop)."""
+PageResult = tuple[int, str, Body]
 Handler = Callable[[str, bytes], Awaitable[PageResult]]
 MAX_LINE = 8192
 MAX_HEADERS = 100
@@ -103,9 +110,9 @@ class HttpServer:
             await _respond(writer, method, exc.status, "text/plain", body, False)
             return False
         handler = self.routes.get(target.split("?", 1)[0])
-        if handler is None:
-            status, content_type, payload = 404, "text/plain", b"Not Found\n"
-        else:
+        payload: Body = b"Not Found\n"
+        status, content_type = 404, "text/plain"
+        if handler is not None:
             status, content_type, payload = await handler(method, body)
         keep = keep and not self._closing
         await _respond(writer, method, status, content_type, payload, keep)
@@ -168,13 +175,19 @@ async def _respond(
     method: str,
     status: int,
     content_type: str,
-    body: bytes,
+    body: Body,
     keep: bool,
 ) -> None:
     try:
         reason = HTTPStatus(status).phrase
     except ValueError:
         reason = ""
+    if not isinstance(body, bytes):
+        pieces = []
+        for piece in body:
+            pieces.append(piece)
+            await asyncio.sleep(0)  # the calls that came meanwhile are answered
+        body = b"".join(pieces)
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
         f"Content-Length: {len(body)}\r\nConnection: {'keep-alive' if keep else 'close'}\r\n\r\n"

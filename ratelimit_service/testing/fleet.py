@@ -7,6 +7,7 @@ hide overload). Each answer is recorded in the time bucket of its send time.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import multiprocessing
@@ -30,6 +31,7 @@ from ratelimit_service.testing.redis import RedisServer, free_port
 from ratelimit_service.testing.waiting import eventually
 
 OVER_LIMIT = 2
+SHOULD_RATE_LIMIT = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 
 
 @contextlib.contextmanager
@@ -275,3 +277,72 @@ async def python_burst(
         for channel in channels:
             await channel.close()
     return outcomes
+
+
+@dataclass
+class KeyedLoad:
+    """What a client saw of :func:`keyed_load`: each call's latency (seconds, in the
+    order the calls ended; a failed call's is its time to fail) and the failures by
+    gRPC status code."""
+
+    latencies: array.array[float]
+    failures: Counter[str]
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+    def over(self, seconds: float) -> int:
+        return sum(1 for latency in self.latencies if latency > seconds)
+
+
+async def keyed_load(
+    port: int,
+    domain: str,
+    key: str,
+    keys: int,
+    rate: float,
+    seconds: float,
+    deadline: float | None = 0.020,
+) -> KeyedLoad:
+    """Open-loop ShouldRateLimit calls at ``rate`` per second for ``seconds``, the
+    descriptor ``key=v<i>`` cycling over ``keys`` values, each call with ``deadline``
+    (Envoy's 20 ms by default). The client keeps nothing per call that the collector
+    would scan (requests as bytes, latencies in an array): its own pauses must not
+    pass for the service's."""
+    requests = [build_request(domain, [f"{key}=v{i}"], 0).SerializeToString() for i in range(keys)]
+    latencies = array.array("d")
+    failures: Counter[str] = Counter()
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task[None]] = set()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(SHOULD_RATE_LIMIT)
+
+        async def one(request: bytes) -> None:
+            sent = loop.time()
+            try:
+                await call(request, timeout=deadline)
+            except grpc.aio.AioRpcError as exc:
+                failures[exc.code().name] += 1
+            latencies.append(loop.time() - sent)
+
+        start = loop.time()
+        total = int(rate * seconds)
+        for n in range(total):
+            due = start + n / rate
+            if due > loop.time():
+                await asyncio.sleep(due - loop.time())
+            task = asyncio.ensure_future(one(requests[n % keys]))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        if pending:
+            await asyncio.gather(*pending)
+    return KeyedLoad(latencies, failures)
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident set size, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError(f"no VmRSS for process {pid}")
