@@ -60,26 +60,29 @@ def bucket_metrics(local: LocalBuckets) -> Iterator[Metric | None]:
             per_bucket.add_metric([readable_bucket(bucket.key)], ratio)
             shown += 1
     yield per_bucket
-    yield _by_rule(
+    yield from _by_rule(
         "ratelimit_rule_drop_ratio", "Highest drop ratio among a rule's buckets", ratio_by_rule
     )
-    yield _by_rule(
+    yield from _by_rule(
         "ratelimit_rule_fleet_offered_rate",
         "Hits per second offered to the whole fleet, summed over a rule's buckets",
         offered_by_rule,
     )
-    yield _by_rule(
+    yield from _by_rule(
         "ratelimit_rule_overshoot_hits",
         "Hits the fleet admitted beyond its token buckets (debt at the last sync)",
         debt_by_rule,
     )
 
 
-def _by_rule(name: str, help_text: str, values: dict[str, float]) -> GaugeMetricFamily:
+def _by_rule(name: str, help_text: str, values: dict[str, float]) -> Iterator[Metric | None]:
+    """One gauge per rule (a rule per stats key: with detailed_metric, one per value)."""
     family = GaugeMetricFamily(name, help_text, labels=["key"])
-    for rule, value in values.items():
+    for count, (rule, value) in enumerate(values.items(), 1):
         family.add_metric([rule], value)
-    return family
+        if count % SLICE == 0:
+            yield None
+    yield family
 
 
 def store_metrics(store: Store) -> Iterator[Metric]:

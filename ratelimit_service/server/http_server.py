@@ -6,16 +6,20 @@ read-only pages and one JSON endpoint do not justify a web framework. Keep-alive
 request bodies (Content-Length or chunked, bounded), ``Expect: 100-continue``, and a
 timeout for each request and for idle connections.
 
-A page may answer with its body in pieces (an iterator of bytes, /metrics): the server
-returns to the event loop after each piece, so a large page never holds the calls the
-same loop answers. The pieces are gathered and sent with a Content-Length, as every
-page is (the simplest clients, the supervisor's among them, need no chunked coding).
+A page may answer with its body in pieces (an iterator of bytes, /metrics), so that a
+large page never holds the calls the same loop answers: the server takes pieces for
+WORK seconds at most, then leaves the loop to the calls for REST seconds (a call needs
+several turns of the loop; returning for a single turn between pieces would add a piece
+to each of them), and writes the page in blocks the same way. The page is sent with a
+Content-Length, as every page is (the simplest clients, the supervisor's among them,
+need no chunked coding).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from http import HTTPStatus
 
@@ -29,6 +33,12 @@ IDLE_TIMEOUT = 60.0
 """Seconds a kept-alive connection may wait for its next request."""
 REQUEST_TIMEOUT = 10.0
 """Seconds one request may take to arrive, once its first line has."""
+WORK = 0.001
+"""Seconds a page in pieces holds the event loop at a time (pieces are far shorter)."""
+REST = 0.001
+"""Seconds the loop is left to other work between two such stretches."""
+BLOCK = 1 << 18
+"""Bytes written at a time of a page in pieces."""
 
 
 class BadRequest(Exception):
@@ -182,18 +192,42 @@ async def _respond(
         reason = HTTPStatus(status).phrase
     except ValueError:
         reason = ""
-    if not isinstance(body, bytes):
-        pieces = []
-        for piece in body:
-            pieces.append(piece)
-            await asyncio.sleep(0)  # the calls that came meanwhile are answered
-        body = b"".join(pieces)
+    blocks = [body] if isinstance(body, bytes) else await _in_blocks(body)
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: {'keep-alive' if keep else 'close'}\r\n\r\n"
+        f"Content-Length: {sum(map(len, blocks))}\r\n"
+        f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n"
     )
-    writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
-    await writer.drain()
+    if method == "HEAD" or len(blocks) == 1:
+        writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else blocks[0]))
+        await writer.drain()
+        return
+    writer.write(head.encode("latin-1"))
+    for block in blocks:
+        writer.write(block)
+        await writer.drain()
+        await asyncio.sleep(REST)
+
+
+async def _in_blocks(pieces: Iterator[bytes]) -> list[bytes]:
+    """A body's pieces taken WORK seconds at a time with REST between, joined into
+    blocks of about BLOCK bytes."""
+    blocks: list[bytes] = []
+    block: list[bytes] = []
+    size = 0
+    clock = time.perf_counter
+    until = clock() + WORK
+    for piece in pieces:
+        block.append(piece)
+        size += len(piece)
+        if size >= BLOCK:
+            blocks.append(b"".join(block))
+            block, size = [], 0
+        if clock() > until:
+            await asyncio.sleep(REST)
+            until = clock() + WORK
+    blocks.append(b"".join(block))
+    return blocks
 
 
 Page = Callable[[], PageResult | Awaitable[PageResult]]
