@@ -6,7 +6,7 @@ scrape and yields Prometheus metric families.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -79,9 +79,11 @@ def _by_rule(name: str, help_text: str, values: dict[str, float]) -> GaugeMetric
     return family
 
 
-def store_metrics(store: Store) -> Iterator[Metric]:
+def store_metrics(store: Store, beside: Mapping[str, float] | None = None) -> Iterator[Metric]:
+    """The store's figures; ``beside``: more under the store's name (with --zone, the
+    zone's aggregator)."""
     family = GaugeMetricFamily("ratelimit_store", "Store state", labels=["store", "name"])
-    for name, value in store.stats().items():
+    for name, value in {**store.stats(), **(beside or {})}.items():
         family.add_metric([store.name, name], value)
     family.add_metric([store.name, "healthy"], 1.0 if store.healthy() else 0.0)
     yield family
