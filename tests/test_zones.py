@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ import redis
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.tiers import Fenced
 from ratelimit_service.engine.quota import FORGET_AFTER, QuotaCoordinator, Usage
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
@@ -65,11 +66,17 @@ class Replica:
     """One replica's stores and its zone's aggregator, as server/app.py wires them."""
 
     def __init__(self, zone_url: str, zone: str, global_url: str, interval: float = 1.0) -> None:
-        zone_store, global_store = ZoneRedisStore(zone_url, zone), RedisStore(global_url)
-        self.store = ZonedStore(zone_store, global_store)
-        self.aggregator = ZoneAggregator(
-            zone_store, global_store, interval=interval, forget_after=FORGET_AFTER
-        )
+        self.zone_store = ZoneRedisStore(zone_url, zone)
+        self.global_store = RedisStore(global_url)
+        self.store = ZonedStore(self.zone_store, self.global_store)
+        self.aggregator = self.aggregator_on(interval)
+
+    def aggregator_on(
+        self, interval: float, clock: Callable[[], float] | None = None
+    ) -> ZoneAggregator:
+        """An aggregator on this replica's stores (``clock``: its own, else the loop's)."""
+        return ZoneAggregator(self.zone_store, self.global_store, interval=interval,
+                              forget_after=FORGET_AFTER, clock=clock)  # fmt: skip
 
     async def sync(self, reports: list[BucketReport]) -> SyncResult:
         return await self.store.sync(reports, 0.25)
@@ -314,3 +321,62 @@ async def test_the_others_stay_within_their_parts_while_a_zone_is_cut_off(server
             return zone_part(servers["a"], "a") > 99.0
 
         await eventually_async(grown, timeout=10, what="zone a to take b's part")
+
+
+async def test_a_deposed_aggregators_late_pass_is_refused(servers) -> None:
+    """a1 aggregates, then its clock stands still (its process paused between its
+    check and its writes): its lease expires, a2 takes it and publishes with a later
+    token. a1's pass then goes out as if nothing had happened: the global store refuses
+    it whole, a1 stops aggregating, and a2's part stands. A write-back with a1's token
+    is refused by the zone store too."""
+    interval = 0.2
+    async with fleet_of(servers, interval) as fleet:
+        paused_at = asyncio.get_running_loop().time()
+        first = fleet.stores["a1"].aggregator_on(interval, clock=lambda: paused_at)
+        second = fleet.stores["a2"].aggregator
+        await first.renew()
+        token = first.leadership.token
+        assert first.leading and token is not None
+        await eventually_async(lambda: _renewed(second), timeout=4 * interval + 1,
+                               what="a2 takes the lease")  # fmt: skip
+        await second.aggregate()
+        assert second.passes == 1 and second.leadership.token == token + 1
+        held = zone_part(servers["a"], "a")
+
+        await first.aggregate()  # its clock says its term goes on
+        assert first.fenced == 1 and first.passes == 0 and first.lease_lost == 1
+        assert not first.leading and first.leadership.floor == token + 1
+        assert zone_part(servers["a"], "a") == held
+        deadline = asyncio.get_running_loop().time() + 1.0
+        refused = await fleet.stores["a1"].zone_store.write_back([], 2, token, deadline)
+        assert refused == Fenced(token + 1)
+        await first.renew()  # a deposed replica's ask changes nothing
+        assert not first.leading and second.leadership.token == token + 1
+        await aggregate(second)
+        assert second.passes == 2 and second.fenced == 0
+
+
+async def test_a_holder_whose_zone_store_lost_its_tokens_gets_above_them(servers) -> None:
+    """Zone a's store restarts empty: its fencing counter starts again below the token
+    the global store has seen from zone a. The holder's first publish is refused; its
+    next lease call names that token and brings one above it, and the zone publishes
+    again."""
+    async with fleet_of(servers) as fleet:
+        aggregator = fleet.stores["a1"].aggregator
+        client = redis.Redis(port=servers["a"].port)
+        client.set("rl:zone:a:fence", 6)  # the lease changed hands six times so far
+        client.delete("rl:zone:a:lease")  # and expired
+        await aggregate(aggregator)
+        seen = aggregator.leadership.token
+        assert seen == 7 and aggregator.passes > 0
+        client.flushall()
+        client.close()
+        await aggregate(aggregator)
+        assert aggregator.fenced == 1 and not aggregator.leading
+        await aggregate(aggregator)
+        assert aggregator.leading and aggregator.leadership.token == seen + 1
+        assert aggregator.fenced == 1 and aggregator.passes > 0
+        passes = aggregator.passes
+        await fleet.round()
+        assert aggregator.passes == passes + 1
+        assert zone_part(servers["a"], "a") == pytest.approx(66.67, abs=0.5)

@@ -221,3 +221,60 @@ async def test_zones_keep_one_aggregator_each_through_a_global_store_fault(
         assert "Traceback" not in log, log[-3000:]
         assert len(re.findall("the global store is away", log)) == 1, log[-3000:]
         assert len(re.findall("the global store answers again", log)) == 1, log[-3000:]
+
+
+def global_fences(zones: Zones, zone: str) -> set[int]:
+    """The highest fencing token the global store has seen from ``zone``, per counter
+    (its RLQS counter and the zones' presence)."""
+    client = redis.Redis(port=zones.servers["global"].port)
+    try:
+        keys = [k for k in client.keys("rl:qt*") if not k.endswith(b":m")]
+        return {int(client.hget(k, f"f:{zone}") or 0) for k in keys}
+    finally:
+        client.close()
+
+
+async def test_a_deposed_aggregators_late_publish_is_refused(zones: Zones) -> None:
+    """Zone a's aggregator sends its publish to the global store, the network holds it
+    (its proxy), and the process is paused (SIGSTOP) past its lease. The other replica
+    takes the lease and publishes with the next token. Then the held publish reaches
+    the global store, and the paused aggregator runs again (SIGCONT): the global store
+    refuses its publish, it stops aggregating (counted and logged once), and the
+    successor's entries stand: the global store's fence for zone a stays at the
+    successor's token, and the zone keeps one aggregator."""
+    leader = zones.leader("a")
+    follower = {"a1": "a2", "a2": "a1"}[leader]
+    token = zones.stat(leader, "zone_token")
+    passes = zones.stat(follower, "zone_passes")
+    proxy, process = zones.proxies[leader], zones.replicas[leader].process
+    assert process is not None and token >= 1
+    proxy.hold()
+    await eventually_async(lambda: proxy.held() > 0, timeout=5, what="the leader's next publish")
+    process.send_signal(signal.SIGSTOP)
+    try:
+        await eventually_async(
+            lambda: zones.stat(follower, "zone_aggregating") == 1
+            and zones.stat(follower, "zone_passes") > passes,
+            timeout=10, what=f"{follower} to take zone a's lease and publish",
+        )  # fmt: skip
+        successor = zones.stat(follower, "zone_token")
+        assert successor > token
+        assert global_fences(zones, "a") == {successor}
+        proxy.release()  # the held publish reaches the global store now
+        await eventually_async(lambda: proxy.held() == 0, timeout=5, what="the held bytes sent")
+    finally:
+        process.send_signal(signal.SIGCONT)
+    await eventually_async(
+        lambda: zones.stat(leader, "zone_fenced") == 1, timeout=10,
+        what="the deposed aggregator to hear its publish refused", context=zones.describe,
+    )  # fmt: skip
+    assert global_fences(zones, "a") == {zones.stat(follower, "zone_token")}
+    assert zones.stat(leader, "zone_aggregating") == 0
+    assert zones.stat(leader, "zone_passes_abandoned") == 0  # it did send it
+    await sample_for(zones, 2.0, samples := Samples())
+    assert all(a == {"a": 1, "b": 1} for a in samples.aggregators), samples.figures()
+    assert zones.leader("a") == follower and zones.stat(follower, "zone_fenced") == 0
+    log = zones.log(leader)
+    assert "Traceback" not in log, log[-3000:]
+    refusals = re.findall(r"the global store refused its write with token (\d+)", log)
+    assert refusals == [str(int(token))], log[-3000:]
