@@ -87,3 +87,39 @@ def test_a_stray_failure_is_not_logged(caplog) -> None:
         breaker.success()
     assert caplog.records == []
     assert breaker.outages == 0
+
+
+def test_a_trial_without_a_verdict_ends_after_its_timeout() -> None:
+    """A trial call given up with no verdict on the store (no success, no failure told)
+    must not keep the circuit open for ever: another trial goes after trial_timeout."""
+    clock = Clock()
+    b = breaker(clock)
+    for _ in range(3):
+        b.failure()
+    clock.now += 0.06
+    assert b.allow()  # the trial, whose outcome is never told
+    clock.now += b.trial_timeout - 0.01
+    assert not b.allow()
+    clock.now += 0.02
+    assert b.allow()
+
+
+def test_flapping_is_summarised_not_logged_per_transition(caplog) -> None:
+    """Down and up again and again (a Cluster with one master away): every transition
+    counted, one line at the first outage and then one summary per summary_every."""
+    clock = Clock()
+    b = breaker(clock)
+    with caplog.at_level(logging.INFO, logger="ratelimit_service.storage.breaker"):
+        for _ in range(30):
+            for _ in range(3):
+                b.failure("node away")
+            clock.now += 1.0
+            for _ in range(3):
+                b.success()
+            clock.now += 0.5
+    assert (b.outages, b.recoveries) == (30, 30)
+    lines = [r.getMessage() for r in caplog.records]
+    # 30 rounds of 1.5 s: the first outage and its recovery, then a summary at the
+    # first flap and one 30 s later.
+    assert len(lines) == 4, lines
+    assert "flapping" in lines[2] and "flapping" in lines[3]

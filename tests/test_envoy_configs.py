@@ -38,7 +38,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from validate import validate_pb2
 
-from ratelimit_service.cli import envoy_config
+from ratelimit_service.cli import envoy_config, envoy_rlqs
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, NodeChildren
@@ -685,6 +685,102 @@ def test_render_options_and_key_conventions(tmp_path: Path) -> None:
     ]
     # A valueless generic_key cannot be produced by Envoy: said, not emitted.
     assert "# not emitted (no Envoy action yields it): a.generic_key\n" in text
+
+
+# ---------------------------------------------------------------- a dead replica
+
+
+def ratelimit_pairs(bootstrap: Any, envoy_filter: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Per shipped or generated config: (the ratelimit filter's ``grpc_service``, the
+    cluster it calls), parsed strictly. The RLQS bootstrap has no ratelimit filter (its
+    stream is not retried: None), only the cluster."""
+    pairs = {}
+
+    def from_bootstrap(parsed: Any) -> tuple[Any, Any]:
+        (hcm,) = hcms(parsed)
+        service = ratelimit_config(hcm.http_filters[0]).rate_limit_service.grpc_service
+        return service, clusters_by_name(parsed)[service.envoy_grpc.cluster_name]
+
+    pairs["envoy/envoy.yaml"] = from_bootstrap(bootstrap)
+    generated = yaml.safe_load(envoy_config.render_bootstrap(str(REPO / "config")))
+    pairs["envoy-config --bootstrap"] = from_bootstrap(
+        parse_strict(generated, bootstrap_pb2.Bootstrap)
+    )
+    snippet = yaml.safe_load(envoy_config.render(str(REPO / "config")))
+    pairs["envoy-config"] = (
+        ratelimit_config(
+            parse_strict(snippet["http_filters"][0], HttpFilter)
+        ).rate_limit_service.grpc_service,
+        parse_strict(snippet["clusters"][0], cluster_pb2.Cluster),
+    )
+    (filter_patch,) = patches(envoy_filter, "HTTP_FILTER")
+    (cluster_patch,) = patches(envoy_filter, "CLUSTER")
+    pairs["istio/envoyfilter.yaml"] = (
+        ratelimit_config(
+            parse_strict(filter_patch["patch"]["value"], HttpFilter)
+        ).rate_limit_service.grpc_service,
+        parse_strict(cluster_patch["patch"]["value"], cluster_pb2.Cluster),
+    )
+    rlqs = parse_strict(
+        yaml.safe_load(envoy_rlqs.render_rlqs(str(REPO / "config"), bootstrap=True)),
+        bootstrap_pb2.Bootstrap,
+    )
+    pairs["envoy-config --rlqs --bootstrap"] = (None, clusters_by_name(rlqs)["rlqs"])
+    return pairs
+
+
+def test_every_ratelimit_cluster_and_filter_takes_a_dead_replica_out(
+    bootstrap: Any, envoy_filter: dict[str, Any]
+) -> None:
+    """The shipped bootstrap, the Istio patches and every generated config carry the same
+    outlier detection, merge window and health check on the service's cluster, and the
+    same retry policy on the ratelimit filter's calls, as the generator builds them: what
+    tests/faults/test_replica_killed.py measures in a real Envoy on envoy/envoy.yaml holds
+    for all of them."""
+    expected = envoy_config.ratelimit_cluster("any", "ratelimit:8081")
+    retry = envoy_config.ratelimit_retry_policy()
+    for name, (service, cluster) in ratelimit_pairs(bootstrap, envoy_filter).items():
+        assert_valid(cluster)
+        assert cluster.outlier_detection == expected.outlier_detection, name
+        assert cluster.common_lb_config == expected.common_lb_config, name
+        assert list(cluster.health_checks) == list(expected.health_checks), name
+        if service is not None:
+            assert_valid(service)
+            assert service.retry_policy == retry, name
+
+
+def test_the_dead_replica_settings_fit_the_filter_timeout(bootstrap: Any) -> None:
+    """What makes the shipped settings work, field by field: calls that failed before a
+    replica answered them are retried once, at once, on another replica, and never a
+    slow call; no try is cut shorter than the filter's timeout; three local failures in a
+    row eject a replica at once, even one of two."""
+    (hcm,) = hcms(bootstrap)
+    config = ratelimit_config(hcm.http_filters[0])
+    retry = config.rate_limit_service.grpc_service.retry_policy
+    cluster = clusters_by_name(bootstrap)[
+        config.rate_limit_service.grpc_service.envoy_grpc.cluster_name
+    ]
+    assert set(retry.retry_on.split(",")) == {
+        "connect-failure",
+        "refused-stream",
+        "reset",
+        "unavailable",
+    }
+    assert retry.num_retries.value == 1
+    # The first back-off is drawn below base_interval (in whole ms): 1 ms draws 0 ms.
+    assert retry.retry_back_off.base_interval.ToMilliseconds() == 1
+    # Envoy takes max_interval as each try's timeout: it must not cut a try short.
+    assert retry.retry_back_off.max_interval.ToMilliseconds() > config.timeout.ToMilliseconds()
+    (predicate,) = retry.retry_host_predicate
+    assert predicate.name == "envoy.retry_host_predicates.previous_hosts"
+    detection = cluster.outlier_detection
+    assert detection.split_external_local_origin_errors is True
+    assert detection.consecutive_local_origin_failure.value == 3
+    assert detection.enforcing_consecutive_local_origin_failure.value == 100
+    # One of two replicas is 50 %: Envoy ejects a host only if the ejected share stays
+    # within max_ejection_percent.
+    assert detection.max_ejection_percent.value == 50
+    assert cluster.common_lb_config.update_merge_window.ToMilliseconds() == 0
 
 
 # ---------------------------------------------------------------- docker-compose.yml, Dockerfile

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from ratelimit_service.core.headers import (
 )
 from ratelimit_service.core.request import Code, DescriptorStatus
 from ratelimit_service.core.units import Unit
+from ratelimit_service.server.logs import LATE_ANSWERS, configure_logging
 from ratelimit_service.testing.fleet import wait_healthy
 from ratelimit_service.testing.redis import free_port
 
@@ -125,3 +127,29 @@ def test_json_logs(tmp_path) -> None:
     assert start["level"] == "info"
     assert "store=embedded" in start["@message"] and "domains=d" in start["@message"]
     assert start["@timestamp"].endswith("Z")
+
+
+def test_grpc_error_for_an_answer_after_its_call_ended_is_dropped(capsys) -> None:
+    """grpc logs ExecuteBatchError with a traceback when an answer comes after its call
+    ended (the caller's deadline passed): dropped and counted, while grpc's other
+    errors still reach the log."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    configure_logging()
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+
+    class ExecuteBatchError(Exception):  # grpc's class of that name, as grpc raises it
+        pass
+
+    before = LATE_ANSWERS.dropped
+    try:
+        raise ExecuteBatchError('Failed "execute_batch"')
+    except ExecuteBatchError:
+        grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]", "/m")
+    grpc_log.error("something else")
+    root.handlers[:], level = saved
+    root.setLevel(level)
+    err = capsys.readouterr().err
+    assert "ExecuteBatchError" not in err and "Traceback" not in err
+    assert "something else" in err
+    assert LATE_ANSWERS.dropped == before + 1

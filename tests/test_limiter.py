@@ -291,6 +291,25 @@ async def test_override_on_configured_descriptor_wins() -> None:
     assert "d.ex10" not in h.stats.rules
 
 
+async def test_override_is_enforced_as_the_rule_it_matches() -> None:
+    """A limit carried by the request on a descriptor of an exact rule that fails
+    closed is decided by the store, and denied when the store fails, even where the
+    default mode is probabilistic; on a descriptor matching no rule, the default mode
+    decides (locally, without the store)."""
+    h = Harness(default_mode=Mode.PROBABILISTIC)
+
+    async def failing(*args: object, **kwargs: object) -> None:
+        raise StoreUnavailable("store down")
+
+    h.store.hit = failing  # type: ignore[method-assign,assignment]
+    closed = Descriptor((("closed", "1"),), override=(100, Unit.MINUTE))
+    assert (await h.call(closed)).overall is OVER  # exact, failure_mode closed
+    assert h.stats.rules["d.closed_1"].failure_mode_denied == 1
+    unmatched = Descriptor((("nothing", "1"),), override=(100, Unit.MINUTE))
+    assert (await h.call(unmatched)).overall is OK  # probabilistic: no store call
+    assert h.stats.rules["d.nothing_1"].failure_mode_denied == 0
+
+
 async def test_request_hits_addend() -> None:
     h = Harness()
     remaining = []

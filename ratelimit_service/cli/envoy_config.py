@@ -22,9 +22,11 @@ from typing import Any
 
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
-from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.cluster.v3 import cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import (
     address_pb2,
+    backoff_pb2,
+    base_pb2,
     config_source_pb2,
     grpc_service_pb2,
     health_check_pb2,
@@ -39,6 +41,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2,
 )
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
@@ -60,6 +63,10 @@ ROUTER_FILTER = "envoy.filters.http.router"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 RLS_HEALTH_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+PREVIOUS_HOSTS = "envoy.retry_host_predicates.previous_hosts"
+# The calls retried (once, on another replica): those that failed before any replica
+# could answer them. Never a slow call, which has spent the filter's timeout already.
+RETRY_ON = "connect-failure,refused-stream,reset,unavailable"
 
 # Descriptor keys whose values Envoy reads from HTTP/2 pseudo-headers.
 PSEUDO_HEADERS = {
@@ -138,9 +145,32 @@ def _duration(text: str) -> duration_pb2.Duration:
     return duration
 
 
+def ratelimit_retry_policy() -> base_pb2.RetryPolicy:
+    """One retry, on another replica, of a call that failed before a replica could answer
+    it (a replica killed: connection refused or reset; one shutting down: REFUSED_STREAM,
+    UNAVAILABLE), at once: the back-off is drawn below ``base_interval`` (1 ms), so 0 ms.
+    It fits in the filter's timeout, which bounds it. Envoy also takes ``max_interval``
+    as each try's timeout; at 1 s the filter's timeout stays the only one, so no call is
+    cut short while the service still decides it (an exact rule waits for Redis up to
+    the deadline)."""
+    predicate = base_pb2.RetryPolicy.RetryHostPredicate(
+        name=PREVIOUS_HOSTS, typed_config=_pack(previous_hosts_pb2.PreviousHostsPredicate())
+    )
+    return base_pb2.RetryPolicy(
+        retry_on=RETRY_ON,
+        num_retries=wrappers_pb2.UInt32Value(value=1),
+        retry_back_off=backoff_pb2.BackoffStrategy(
+            base_interval=_duration("0.001s"), max_interval=_duration("1s")
+        ),
+        retry_host_predicate=[predicate],
+        host_selection_retry_max_attempts=3,
+    )
+
+
 def ratelimit_filter(domain: str, cluster: str, timeout: str) -> Message:
     """The HTTP filter. ``failure_mode_deny: false``: when the service cannot answer in
-    time, traffic flows (the service's own rules already choose open/closed per rule)."""
+    time, traffic flows (the service's own rules already choose open/closed per rule).
+    A call to a dead replica is retried on another (``ratelimit_retry_policy``)."""
     config = rate_limit_pb2.RateLimit(
         domain=domain,
         timeout=_duration(timeout),
@@ -148,7 +178,8 @@ def ratelimit_filter(domain: str, cluster: str, timeout: str) -> Message:
         enable_x_ratelimit_headers=rate_limit_pb2.RateLimit.DRAFT_VERSION_03,
         rate_limit_service=rls_config_pb2.RateLimitServiceConfig(
             grpc_service=grpc_service_pb2.GrpcService(
-                envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=cluster)
+                envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=cluster),
+                retry_policy=ratelimit_retry_policy(),
             ),
             transport_api_version=config_source_pb2.V3,
         ),
@@ -201,10 +232,29 @@ def ratelimit_health_check() -> health_check_pb2.HealthCheck:
     )
 
 
+def ratelimit_outlier_detection() -> outlier_detection_pb2.OutlierDetection:
+    """A dead replica out within milliseconds: three local failures in a row (connection
+    refused or reset; counted apart from the errors a replica answers) eject it at once
+    instead of at its health checks. Not a slow replica: the filter's timeouts do not
+    count. At most half the replicas (at Envoy's default of 10 %, not one of two or
+    three). Back after 30 s, more after each new ejection, or at its first passing
+    health check; ``interval`` is how often ejections are reviewed."""
+    return outlier_detection_pb2.OutlierDetection(
+        split_external_local_origin_errors=True,
+        consecutive_local_origin_failure=wrappers_pb2.UInt32Value(value=3),
+        enforcing_consecutive_local_origin_failure=wrappers_pb2.UInt32Value(value=100),
+        interval=_duration("1s"),
+        base_ejection_time=_duration("30s"),
+        max_ejection_percent=wrappers_pb2.UInt32Value(value=50),
+    )
+
+
 def ratelimit_cluster(name: str, address: str) -> Message:
     """The cluster the filter calls. gRPC needs HTTP/2; STRICT_DNS spreads the calls over
     every address the name resolves to (every replica behind a headless service); gRPC
-    health checks take a draining replica out."""
+    health checks take a draining replica out, outlier detection a dead one
+    (``ratelimit_outlier_detection``); host health changes reach the workers at once
+    (``update_merge_window: 0s``; Envoy may hold them up to 1 s by default)."""
     options = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
@@ -215,6 +265,8 @@ def ratelimit_cluster(name: str, address: str) -> Message:
     cluster = _static_cluster(name, address, "service address")
     cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(packed)
     cluster.health_checks.append(ratelimit_health_check())
+    cluster.outlier_detection.CopyFrom(ratelimit_outlier_detection())
+    cluster.common_lb_config.update_merge_window.CopyFrom(_duration("0s"))
     return cluster
 
 
@@ -429,7 +481,8 @@ def build_bootstrap(
 ) -> bootstrap_pb2.Bootstrap:
     """A complete Envoy bootstrap: admin, one listener whose HTTP connection manager runs
     the ratelimit filter then the router, the routes of ``plan_routes`` (to a placeholder
-    upstream cluster), and the service's HTTP/2 cluster with gRPC health checks."""
+    upstream cluster), and the service's HTTP/2 cluster with gRPC health checks and
+    outlier detection."""
     if cluster == upstream_cluster:
         raise ValueError(f"--cluster {cluster!r} is the name of the upstream cluster")
     routes = [

@@ -208,7 +208,9 @@ def build_rlqs_bootstrap(
 ) -> bootstrap_pb2.Bootstrap:
     """Admin, one listener (the RLQS filter, then the router; every path to the
     placeholder upstream), the upstream and the service's HTTP/2 cluster with gRPC
-    health checks."""
+    health checks and outlier detection (``ratelimit_cluster``: a dead replica is out
+    at once, so the stream Envoy reopens at its next report lands on a live one). The
+    stream has no retry policy of its own: it is long-lived, not a call to retry."""
     if cluster == upstream_cluster:
         raise ValueError(f"--cluster {cluster!r} is the name of the upstream cluster")
     manager = http_connection_manager_pb2.HttpConnectionManager(

@@ -332,27 +332,30 @@ class RateLimiter:
 
     def _match(self, domain: DomainConfig, descriptor: Descriptor) -> tuple[Match, ...]:
         """The descriptor's limits: none, one, or each of a ``rate_limits`` list; a
-        limit the request carries replaces them."""
+        limit the request carries replaces them, and is enforced as the rule it matches
+        is (its mode and failure_mode), or in the default mode if it matches none."""
+        # Matching builds key strings; most traffic repeats a few descriptors, so the
+        # result is remembered (per config, bounded: cleared when full).
+        cache_key = (domain.name, descriptor.entries)
+        cache = self._matches
+        matches = cache.get(cache_key)
+        if matches is None:
+            matches = find_limits(domain, descriptor.entries)
+            if len(cache) >= MATCH_CACHE_SIZE:
+                cache.clear()
+            cache[cache_key] = matches
         if descriptor.override is None:
-            # Matching builds key strings; most traffic repeats a few descriptors, so the
-            # result is remembered (per config, bounded: cleared when full).
-            cache_key = (domain.name, descriptor.entries)
-            cache = self._matches
-            matches = cache.get(cache_key)
-            if matches is None:
-                matches = find_limits(domain, descriptor.entries)
-                if len(cache) >= MATCH_CACHE_SIZE:
-                    cache.clear()
-                cache[cache_key] = matches
             return matches
         domain_name = domain.name
         requests_per_unit, unit = descriptor.override
         assert unit is not None  # validate() rejects UNKNOWN units
         key = override_stats_key(domain_name, descriptor.entries)
+        rule = matches[0].limit if matches else None
         limit = RateLimit(
             requests_per_unit=requests_per_unit,
             unit=Unit(unit),
-            mode=self.default_mode,
+            mode=rule.mode if rule is not None else self.default_mode,
+            failure_mode=rule.failure_mode if rule is not None else FailureMode.OPEN,
             stats_key=key,
         )
         bucket = with_window(override_bucket_key(domain_name, descriptor.entries), limit)

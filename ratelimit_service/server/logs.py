@@ -29,6 +29,31 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class LateAnswers(logging.Filter):
+    """Drops grpc's ERROR for an answer that came after its call ended (the caller's
+    deadline passed, or it went away): grpc's core refuses to send it, and grpc logs
+    ``ExecuteBatchError`` with a traceback. The caller had already stopped waiting and
+    its policy (Envoy's failure mode) answered; a slow answer shows in the latency
+    histogram and the loop-lag metric, not as a traceback per call. Counted in
+    ``dropped``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        late = type(error).__name__ == "ExecuteBatchError" or (
+            "ExecuteBatchError" in str(record.msg)
+        )
+        if late:
+            self.dropped += 1
+        return not late
+
+
+LATE_ANSWERS = LateAnswers()
+"""The one filter on grpc's logger (configure_logging installs it)."""
+
 DEFAULT_LEVEL = "INFO"
 
 
@@ -41,3 +66,6 @@ def configure_logging(level: str = DEFAULT_LEVEL, log_format: str = "text") -> N
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    if LATE_ANSWERS not in grpc_log.filters:
+        grpc_log.addFilter(LATE_ANSWERS)

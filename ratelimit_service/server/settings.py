@@ -20,6 +20,7 @@ from ratelimit_service.config.xds_settings import XdsSettings
 from ratelimit_service.core.address import split_host_port
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
+from ratelimit_service.rls.servicer import DEADLINE_MARGIN
 from ratelimit_service.storage.redis_connect import normalize_url
 
 # -- value parsers ---------------------------------------------------------------------
@@ -216,8 +217,8 @@ SETTINGS: tuple[Setting, ...] = (
             " --deadline-margin) shortens it", 1.0, positive(float), fills="redis_timeout"),
     Setting("--deadline-margin", "store",
             "seconds before the caller's gRPC deadline at which an exact decision stops"
-            " waiting for Redis and answers by failure_mode",
-            0.002, not_negative, fills="deadline_margin"),
+            " waiting for Redis and answers by failure_mode (time to send the answer)",
+            DEADLINE_MARGIN, not_negative, fills="deadline_margin"),
     Setting("--redis-silence", "store",
             "seconds with calls outstanding and no byte from Redis after which Redis counts"
             " as down (the circuit breaker opens); a slow reply never opens it",
@@ -355,7 +356,7 @@ class Settings:
     redis_silence: float = 1.0
     """Seconds with calls outstanding and no byte from Redis after which it counts as
     down (the breaker opens)."""
-    deadline_margin: float = 0.002
+    deadline_margin: float = DEADLINE_MARGIN
     """Seconds before a caller's gRPC deadline at which an exact decision stops waiting."""
     redis_pool_size: int = 64
     redis_key_prefix: str = "rl:"

@@ -55,6 +55,10 @@ class CircuitBreaker:
         self.name = name
         self.summary_every = summary_every
         self._down_since = 0.0
+        self._up_since = -summary_every
+        """When it last became available again (the start counts as long ago)."""
+        self._flaps = 0
+        """Outages that began within ``summary_every`` of a recovery, in a row."""
         self._failures_at_down = 0
         self._summary_at = 0.0
 
@@ -82,10 +86,14 @@ class CircuitBreaker:
         if not self.healthy and self.successes_in_row >= self.flip_after:
             self.healthy = True
             self.recoveries += 1
+            now = self._clock()
+            self._up_since = now
+            if self._flaps:
+                return  # the next outage or the flapping summary says it
             log.info(
                 "%s answering again after %.1f s unavailable (%d failed calls)",
                 self.name,
-                self._clock() - self._down_since,
+                now - self._down_since,
                 self.total_failures - self._failures_at_down,
             )
 
@@ -116,8 +124,12 @@ class CircuitBreaker:
         if self.healthy:
             self.healthy = False
             self.outages += 1
-            self._down_since = self._summary_at = now
             self._failures_at_down = self.total_failures - self.failures_in_row
+            if now - self._up_since < self.summary_every:
+                self._flapping(now, reason)
+                return
+            self._flaps = 0
+            self._down_since = self._summary_at = now
             cause = (
                 f"({reason})"
                 if evidence
@@ -137,6 +149,22 @@ class CircuitBreaker:
                 self.name,
                 now - self._down_since,
                 self.total_failures - self._failures_at_down,
+                reason or "no reason given",
+            )
+
+    def _flapping(self, now: float, reason: str) -> None:
+        """Down again soon after a recovery (a Cluster with one node away answers some
+        calls and fails others): one summary line at most every ``summary_every``
+        instead of a line per transition; the metrics count every one."""
+        self._flaps += 1
+        self._down_since = now
+        if self._flaps == 1 or now - self._summary_at >= self.summary_every:
+            self._summary_at = now
+            log.warning(
+                "%s flapping: unavailable %d times within %.0f s of answering (last: %s)",
+                self.name,
+                self._flaps,
+                self.summary_every,
                 reason or "no reason given",
             )
 

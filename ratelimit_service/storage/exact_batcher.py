@@ -23,11 +23,14 @@ after it was submitted. One timer serves every request. When it fires, the chann
 first reads what is already on the socket (Channel.poll): a reply that arrived while
 the process was descheduled or its loop busy is used, not taken for a Redis failure.
 Only then are the requests past their deadline answered with StoreUnavailable (their
-rules' failure_mode applies). Giving up on a request says nothing about Redis, so it
-is no breaker event; the channel decides from evidence (errors, a silent connection)
-when Redis is down. The number of requests waiting is bounded too (``max_pending``):
-past it, :meth:`ExactBatcher.submit` refuses at once with :class:`StoreOverloaded`,
-which the limiter answers explicitly.
+rules' failure_mode applies). A request that arrives while Redis has already been
+silent for longer than it can wait is answered so at once: during the second before a
+silent Redis counts as down, callers do not each wait out their whole deadline (an
+answer given at the last moment often reaches its caller too late). Giving up on a
+request says nothing about Redis, so it is no breaker event; the channel decides from
+evidence (errors, a silent connection) when Redis is down. The number of requests
+waiting is bounded too (``max_pending``): past it, :meth:`ExactBatcher.submit` refuses
+at once with :class:`StoreOverloaded`, which the limiter answers explicitly.
 
 A request whose caller admits it when Redis fails (``owe``: its rules fail open) is
 not lost to the window when that happens: see owed_hits, which the batcher feeds. A
@@ -84,6 +87,12 @@ class Channel(Protocol):
     def poll(self) -> None:
         """Deliver now the replies already received (read the socket), and fail the
         calls of a connection known to be dead."""
+        ...
+
+    def silent_longer_than(self, seconds: float) -> bool:
+        """Whether Redis has sent no byte for longer than ``seconds`` while calls wait
+        for it (after reading what the socket holds): a request that can wait only that
+        long would most likely wait in vain, so it is answered at once."""
         ...
 
     def ready(self) -> bool:
@@ -210,6 +219,9 @@ class ExactBatcher:
         """Requests refused because ``max_pending`` were waiting."""
         self.given_up = 0
         """Requests answered with StoreUnavailable at their deadline."""
+        self.hopeless = 0
+        """Requests answered with StoreUnavailable at once: Redis had been silent for
+        longer than they could wait."""
         self.owed = OwedHits()
         self._open: _Batch | None = None
         self._in_flight = 0
@@ -250,6 +262,11 @@ class ExactBatcher:
         latest = now + self._timeout
         if deadline is None or deadline > latest:
             deadline = latest
+        if self._channel.silent_longer_than(deadline - now):
+            self.hopeless += 1
+            if owe and commit:
+                self.owed.add(keys, args, now)
+            raise StoreUnavailable("redis: silent for longer than the caller can wait")
         batch = self._open
         if batch is None:
             batch = self._open = _Batch(self._slices)

@@ -91,10 +91,11 @@ def _forget(task: asyncio.Future[Any]) -> None:
 
 
 LATE_TURNS = 3
-"""Loop turns, a millisecond apart, that a redis-py call past its deadline gets to
-finish before it is given up: a reply that came while the loop was busy elsewhere
-needs a poll to be read and a turn or two for redis-py's task to parse it (redis-py's
-sockets are not ours to read directly, as the request path's pipe is)."""
+"""Loop turns (each polls the sockets, without waiting) that a redis-py call past its
+deadline gets to finish before it is given up: a reply that came while the loop was
+busy elsewhere needs a poll to be read and a turn or two for redis-py's task to parse
+it (redis-py's sockets are not ours to read directly, as the request path's pipe is).
+Turns, not milliseconds: the answer must still reach the caller within its deadline."""
 REQUEST_TIMEOUT = 1.0
 """Seconds an exact decision waits for Redis at most, by default: the bound for a
 caller that sets no deadline (Envoy's filter sets one: 20 ms by default)."""
@@ -106,7 +107,7 @@ Redis counts as down (the connection is dropped and the breaker opens)."""
 async def _answered_late(command: asyncio.Future[Any]) -> bool:
     """Whether a call whose deadline has just passed had in fact been answered."""
     for _ in range(LATE_TURNS):
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0)
         if command.done():
             return True
     return False
@@ -137,6 +138,8 @@ replica (a failover moved the master elsewhere), one loading its data, a cluster
 that no longer owns the slot. A fresh connection may reach the right one."""
 
 
+MAX_NODE_GATES = 1000
+"""Cluster nodes with a breaker of their own, at most (cleared when full)."""
 REDIAL_EVERY = 0.25
 """Seconds between two drops of redis-py's pool (and log lines) at most."""
 
@@ -210,6 +213,8 @@ class RedisStore:
         keep for the zone's aggregator, and the count of zones; None: no zone."""
         self.breaker = CircuitBreaker(name=f"redis at {_display(url)}")
         self._initialized = not self.cluster
+        self._node_gates: dict[str, CircuitBreaker] = {}
+        """A Cluster's nodes by name, each with its own breaker (see _node_gate)."""
         self._init_lock = asyncio.Lock()
         self.calls = 0
         self.timeouts = 0
@@ -315,12 +320,20 @@ class RedisStore:
             return reply
         if isinstance(reply, StoreUnavailable):  # the circuit was open: nothing was sent
             raise reply
-        if isinstance(reply, RedisError | OSError):
+        if isinstance(reply, Exception):  # redis-py's own troubles in a failover too
             raise self._failed(reply) from reply
         raise reply
 
     def ready(self) -> bool:
         return not self.breaker.open
+
+    def silent_longer_than(self, seconds: float) -> bool:
+        pipe = self._pipe
+        if pipe is None or pipe.silent_for() < seconds:  # the common case: one look
+            return False
+        self.poll()  # a reply may be waiting while this process was busy; or the
+        # silence is long enough to drop the connection (and open the breaker)
+        return pipe.silent_for() >= seconds
 
     def poll(self) -> None:
         """Read the replies already on the socket; drop a connection that has been
@@ -478,6 +491,9 @@ class RedisStore:
     async def _call(self, script: Any, keys: list[str], args: list[Any], timeout: float) -> Any:
         if not self.breaker.allow():
             raise StoreUnavailable("redis: circuit open after recent failures")
+        gate = self._node_gate(keys[0]) if self.cluster and keys else None
+        if gate is not None and not gate.allow():
+            raise StoreUnavailable(f"redis: {gate.name} failing: circuit open")
         self.calls += 1
         # The command runs as its own task and is shielded from our deadline: when the
         # deadline passes we answer without it, but the command finishes in the
@@ -486,19 +502,49 @@ class RedisStore:
         # connection's handshake (several round trips) inside its own deadline: under a
         # slow Redis that spirals into every call timing out.
         command = asyncio.ensure_future(self._run_timed(script, keys, args))
+        # Its outcome is collected even if our caller is cancelled meanwhile (gRPC
+        # cancels a call past its deadline) and nobody awaits it any more.
+        command.add_done_callback(_forget)
         try:
             try:
                 async with asyncio.timeout(timeout):
                     raw = await asyncio.shield(command)
             except TimeoutError:
                 if not await _answered_late(command):
-                    command.add_done_callback(_forget)
                     raise self._timed_out(timeout) from None
                 raw = command.result()
-        except (RedisError, RedisClusterException, OSError) as exc:
+        except StoreUnavailable:  # no answer in time: no verdict on Redis (see _timed_out)
+            raise
+        except Exception as exc:  # RedisError, OSError, and redis-py's own troubles in a
+            # failover (a RuntimeError on a transport it closed): the call failed
+            if gate is not None:
+                gate.failure(describe(exc), evidence=True)
             raise self._failed(exc) from exc
+        if gate is not None:
+            gate.success()
         self._replied()
         return raw
+
+    def _node_gate(self, key: str) -> CircuitBreaker | None:
+        """A Cluster node's own breaker, for the node that serves ``key`` now: calls to
+        a node that just failed fail at once for a backoff, then one goes through,
+        while the other nodes are called as usual. Without it a master that is away
+        until its replica is promoted costs every call to its slots redis-py's whole
+        error path (reconnecting, reloading the slots), and the process saturates."""
+        try:
+            node = self._client.get_node_from_key(key)
+        except Exception:  # slots not loaded yet, or not covered: no node to gate
+            return None
+        if node is None:
+            return None
+        gate = self._node_gates.get(node.name)
+        if gate is None:
+            if len(self._node_gates) >= MAX_NODE_GATES:
+                self._node_gates.clear()
+            gate = self._node_gates[node.name] = CircuitBreaker(
+                flip_after=1, open_after=1, max_backoff=0.5, name=f"redis node {node.name}"
+            )
+        return gate
 
     def _failed(self, exc: BaseException) -> StoreUnavailable:
         """A call failed: a breaker event, and a connection that answered that it is
@@ -641,10 +687,12 @@ class RedisStore:
             "silences": self.silences,
             "dropped_connections": self.dropped_connections,
             "circuit_open": 1.0 if self.breaker.open else 0.0,
+            "nodes_unavailable": sum(not gate.healthy for gate in self._node_gates.values()),
             "healthy": 1.0 if self.breaker.healthy else 0.0,
             "outages": self.breaker.outages,
             "recoveries": self.breaker.recoveries,
             "exact_given_up": self._batcher.given_up,
+            "exact_hopeless": self._batcher.hopeless,
             "exact_batches": self._batcher.batches,
             "exact_batched_requests": self._batcher.requests,
             "exact_held_batches": self._batcher.held,

@@ -125,15 +125,18 @@ class _suppress_cancel:
 _fresh = itertools.count()
 
 
-async def store_decides(port: int) -> bool:
-    """Whether the store decides exact rules now: a value never used before admits
-    exactly its limit (5) of 8 calls (failure_mode open would admit all 8)."""
-    value = f"f{next(_fresh)}"
-    request = build_request("faults", [f"fresh={value}"], 0)
-    admitted = 0
+async def store_decides(port: int, values: int = 1) -> bool:
+    """Whether the store decides exact rules now: each of ``values`` values never used
+    before admits exactly its limit (5) of 8 calls (failure_mode open would admit all
+    8). Several values reach several nodes of a Cluster."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = rls_pb2_grpc.RateLimitServiceStub(channel)
-        for _ in range(FRESH_LIMIT + 3):
-            response = await stub.ShouldRateLimit(request, timeout=1.0)
-            admitted += response.overall_code == rls_pb2.RateLimitResponse.OK
-    return admitted == FRESH_LIMIT
+        for _ in range(values):
+            request = build_request("faults", [f"fresh=f{next(_fresh)}"], 0)
+            admitted = 0
+            for _ in range(FRESH_LIMIT + 3):
+                response = await stub.ShouldRateLimit(request, timeout=1.0)
+                admitted += response.overall_code == rls_pb2.RateLimitResponse.OK
+            if admitted != FRESH_LIMIT:
+                return False
+    return True

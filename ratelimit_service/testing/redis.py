@@ -100,13 +100,37 @@ def _cluster_port() -> int:
 
 
 class RedisCluster(_Processes):
-    """A Redis Cluster of masters only, on loopback, built with redis-cli."""
+    """A Redis Cluster on loopback, built with redis-cli: ``masters`` masters, each with
+    ``replicas`` replicas (promoted ``node_timeout_ms`` after their master stops
+    answering)."""
 
-    def __init__(self, directory: Path, masters: int = 3) -> None:
+    def __init__(
+        self, directory: Path, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 15000
+    ) -> None:
         super().__init__()
-        self.ports = [_cluster_port() for _ in range(masters)]
+        self.ports = [_cluster_port() for _ in range(masters * (1 + replicas))]
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
         self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
         self._directory = directory
+
+    def masters(self) -> list[int]:
+        """The ports of the nodes that are masters now (as the first live node sees it)."""
+        for port in self.ports:
+            nodes = _cli(port, "cluster", "nodes")
+            if nodes:
+                return [
+                    int(line.split()[1].split(":")[1].split("@")[0])
+                    for line in nodes.splitlines()
+                    if "master" in line.split()[2] and "fail" not in line.split()[2]
+                ]
+        return []
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node."""
+        process = self.processes[self.ports.index(port)]
+        process.kill()
+        process.wait()
 
     def start(self) -> None:
         for port in self.ports:
@@ -118,6 +142,10 @@ class RedisCluster(_Processes):
                     "yes",
                     "--cluster-config-file",
                     "nodes.conf",
+                    "--cluster-node-timeout",
+                    str(self.node_timeout_ms),
+                    "--repl-diskless-sync-delay",
+                    "0",
                 )
             )
         for port in self.ports:
@@ -129,7 +157,7 @@ class RedisCluster(_Processes):
                 "create",
                 *(f"127.0.0.1:{p}" for p in self.ports),
                 "--cluster-replicas",
-                "0",
+                str(self.replicas),
                 "--cluster-yes",
             ],
             capture_output=True,
@@ -141,6 +169,18 @@ class RedisCluster(_Processes):
             timeout=20,
             what="the cluster ready",
         )
+        if self.replicas:  # a replica that never synced is not promoted
+            eventually(
+                lambda: (
+                    sum(
+                        "master_link_status:up" in _cli(p, "info", "replication")
+                        for p in self.ports
+                    )
+                    == len(self.ports) - len(self.ports) // (1 + self.replicas)
+                ),
+                timeout=20,
+                what="every replica in sync",
+            )
 
 
 class RedisSentinelSetup(_Processes):
@@ -182,6 +222,11 @@ class RedisSentinelSetup(_Processes):
             )
         )
         wait_ping(self.sentinel_port)
+
+    def kill_master(self) -> None:
+        """SIGKILL the first master (the Sentinel promotes the replica)."""
+        self.processes[0].kill()
+        self.processes[0].wait()
 
     def master(self) -> int:
         """The port the Sentinel names as master now."""

@@ -8,7 +8,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 _T = TypeVar("_T")
 
@@ -44,14 +44,36 @@ def eventually(
         time.sleep(INTERVAL)
 
 
+@overload
 async def eventually_async(
-    check: Callable[[], _T | Awaitable[_T]],
+    check: Callable[[], Awaitable[_T]],
+    *,
+    timeout: float = ...,
+    what: str = ...,
+    context: Callable[[], str] | None = ...,
+    ignore: tuple[type[BaseException], ...] = ...,
+) -> _T: ...
+
+
+@overload
+async def eventually_async(
+    check: Callable[[], _T],
+    *,
+    timeout: float = ...,
+    what: str = ...,
+    context: Callable[[], str] | None = ...,
+    ignore: tuple[type[BaseException], ...] = ...,
+) -> _T: ...
+
+
+async def eventually_async(
+    check: Callable[[], Any],
     *,
     timeout: float = 20.0,
     what: str = "",
     context: Callable[[], str] | None = None,
     ignore: tuple[type[BaseException], ...] = (OSError,),
-) -> _T:
+) -> Any:
     """:func:`eventually` on the running event loop: ``check`` may be a coroutine
     function, and the loop keeps running between looks."""
     deadline = time.monotonic() + timeout
