@@ -66,8 +66,8 @@ LEASE_TTL_SHARE = 1.0
 about that long (plus one renewal period)."""
 RENEW_SHARE = 0.25
 """Every replica asks for the lease every this many intervals (the holder renews it,
-the others try to take it), each call bounded by as long: three renewals can fail in
-a row before the holder stops."""
+the others try to take it), each call bounded by as long: a holder keeps its term
+through two failed renewals in a row (the third must answer within the margin)."""
 MARGIN_SHARE = 0.125
 """Of an interval: how long before its lease could expire a holder stops acting as the
 aggregator (covers a write sent at the last moment; a later one is fenced)."""

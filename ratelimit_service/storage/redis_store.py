@@ -61,6 +61,8 @@ _R = TypeVar("_R")
 
 SYNC_CHUNK = 256
 """Buckets per sync script call: keeps each Lua call short so Redis stays responsive."""
+PREFIX = "rl:"
+"""What every key starts with, by default (--redis-key-prefix)."""
 PUBLISH_CHUNK = 256
 """Counters per fenced publish call (a zone's aggregator publishes every counter of its
 zone at once), for the same reason."""
@@ -182,7 +184,7 @@ class RedisStore:
         silence: float = SILENCE,
         sync_timeout: float = 1.0,
         connect_timeout: float = 0.5,
-        prefix: str = "rl:",
+        prefix: str = PREFIX,
         slices: int = DEFAULT_SLICES,
         node_ttl: float = 5.0,
         max_connections: int = 64,

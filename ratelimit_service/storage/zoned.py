@@ -30,7 +30,7 @@ from ratelimit_service.core.zones import (
     ZoneShare,
     ZoneTotals,
 )
-from ratelimit_service.storage.redis_store import RedisStore, _script
+from ratelimit_service.storage.redis_store import PREFIX, RedisStore, _script
 from ratelimit_service.storage.script_replies import (
     lease_reply,
     zone_read_fleet_reply,
@@ -51,8 +51,7 @@ class ZoneRedisStore(RedisStore):
     by the deadline (the event loop's time) or timeout it is given."""
 
     def __init__(self, url: str, zone: str, **options: Any) -> None:
-        prefix = options.get("prefix", "rl:")
-        keys = ZoneKeys.of(prefix, zone)
+        keys = ZoneKeys.of(options.get("prefix", PREFIX), zone)
         super().__init__(url, zone_keys=keys, **options)
         if self.cluster:
             raise ValueError("a zone store must be one Redis (or Sentinel), not Cluster")
