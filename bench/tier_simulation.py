@@ -11,11 +11,12 @@ here). What the stores see, per hot bucket:
 * one zone's store: every replica of the zone (100) publishes its RLQS totals every
   --rlqs-publish-interval (1 s; quota_tier.lua with the zone's index) and syncs its
   probabilistic buckets every --sync-interval (0.25 s; fleet_sync.lua); the zone's
-  aggregator takes its lease twice per --zone-interval (1 s) and once per interval
-  reads the zone (zone_read.lua, zone_read_fleet.lua) and writes back
-  (zone_write.lua);
+  aggregator renews its lease four times per --zone-interval (1 s; lease.lua) and once
+  per interval reads the zone (zone_read.lua, zone_read_fleet.lua) and writes back
+  (zone_write.lua, with its fencing token);
 * the global store: every zone (10) publishes once per --zone-interval, RLQS
-  counters and probabilistic buckets alike (quota_tier.lua, the zones its members).
+  counters and probabilistic buckets alike (quota_tier.lua, the zones its members,
+  each with its fencing token).
 
 All ten zone stores do the same work, so one is simulated at one zone's rates; the
 global store gets all ten zones. Each cell runs --seconds on fresh redis-servers,
@@ -42,13 +43,18 @@ import redis
 import redis.asyncio as aioredis
 from throughput import BENCH, lab, start_redis
 
+from ratelimit_service.core.zones import RENEW_SHARE
 from ratelimit_service.storage.redis_store import _script
+from ratelimit_service.storage.script_replies import zone_read_fleet_reply, zone_read_reply
 
 ENVOYS, REPLICAS, ZONES = 100_000, 1_000, 10
 PUBLISH, SYNC, ZONE = 1.0, 0.25, 1.0
 LIMIT = 100_000
 FORGET_US = 15_000_000
 BATCH = 256
+AGGREGATOR = (1 / RENEW_SHARE + 3) / ZONE
+"""The aggregator's calls per second on its zone store: its lease renewals, and once
+per interval its two reads and its write-back (one chunk)."""
 
 
 @dataclass
@@ -108,13 +114,13 @@ async def zone_store(
     rng = random.Random(1)
     per_zone = replicas
     index, buckets = "rl:zone:z:counters", "rl:zone:z:buckets"
-    zones_key = "rl:zone:z:zones"
+    zones_key, lease_key, fence_key = "rl:zone:z:zones", "rl:zone:z:lease", "rl:zone:z:fence"
 
     def publish(member: str, demand: int) -> Any:
         async def call() -> None:
             for start in range(0, hot, BATCH):
                 chunk = keys[start : start + BATCH]
-                args: list[Any] = [member, FORGET_US]
+                args: list[Any] = [member, FORGET_US, ""]
                 call_keys: list[str] = []
                 for key in chunk:
                     call_keys += (f"rl:qt{{{key}}}", f"rl:qt{{{key}}}:m")
@@ -137,20 +143,20 @@ async def zone_store(
         return call
 
     async def aggregate() -> None:
-        await lease(keys=["rl:zone:z:aggregator"], args=["replica-0", 1000])
         rows = await read(keys=[index], args=[FORGET_US, 10_000])
         fleet = await read_fleet(keys=[buckets, "rl:nodes"], args=[FORGET_US, 10_000])
-        written = [rows[i] for i in range(0, len(rows), 9)]
-        written += [fleet[i] for i in range(2, len(fleet), 7)]
+        written = [t.store_key for t in zone_read_reply(rows)]
+        written += [b.store_key for b in zone_read_fleet_reply(fleet).buckets]
         for start in range(0, max(1, len(written)), BATCH):
             chunk = written[start : start + BATCH]
             count = "" if start else ZONES  # the zones, written once per pass
             await write(
-                keys=[zones_key, *chunk], args=[count, 120_000, *[5_000_000, 0, 0, 0] * len(chunk)]
+                keys=[zones_key, fence_key, *chunk],
+                args=[count, 120_000, 1, *[5_000_000, 0, 0, 0] * len(chunk)],
             )
 
     async def renew() -> None:
-        await lease(keys=["rl:zone:z:aggregator"], args=["replica-0", 1000])
+        await lease(keys=[lease_key, fence_key], args=["replica-0", int(ZONE * 1e6), ""])
 
     tasks = []
     for n in range(per_zone):
@@ -160,7 +166,7 @@ async def zone_store(
         tasks.append(driver.every(SYNC, rng.uniform(0, SYNC), until, synced(member, 200)))
     if aggregator:
         tasks.append(driver.every(ZONE, 0.0, until, aggregate))
-        tasks.append(driver.every(ZONE, ZONE / 2, until, renew))
+        tasks.append(driver.every(RENEW_SHARE * ZONE, ZONE / 8, until, renew))
     await asyncio.gather(*tasks)
     return driver.late
 
@@ -178,7 +184,7 @@ async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
             reports = [(k, "q") for k in keys] + [(k, "f") for k in keys] + [("zones", "z")]
             for start in range(0, len(reports), BATCH):
                 chunk = reports[start : start + BATCH]
-                args: list[Any] = [zone, FORGET_US]
+                args: list[Any] = [zone, FORGET_US, 1]  # its fencing token
                 call_keys: list[str] = []
                 for key, kind in chunk:
                     call_keys += (f"rl:qt{{{kind}{key}}}", f"rl:qt{{{kind}{key}}}:m")
@@ -259,7 +265,7 @@ def model(
     calls = math.ceil(hot / BATCH)
     return {
         "Envoy reports/s (at the replicas)": envoys / 5.0,
-        "zone store calls/s": per_zone * calls / PUBLISH + per_zone * calls / SYNC + 4 / ZONE,
+        "zone store calls/s": per_zone * calls / PUBLISH + per_zone * calls / SYNC + AGGREGATOR,
         "zone store counter updates/s": per_zone * hot / PUBLISH + per_zone * hot / SYNC,
         "global store calls/s": zones * math.ceil((2 * hot + 1) / BATCH) / ZONE,
         "global store counter updates/s": zones * (2 * hot + 1) / ZONE,

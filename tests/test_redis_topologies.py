@@ -219,17 +219,18 @@ async def test_cluster_as_the_global_store_of_a_zone(cluster: RedisCluster, redi
     keys stay in one slot, the counters spread over the masters, and every counter's
     zone part comes back."""
     from ratelimit_service.core.tiers import TierReport
+    from ratelimit_service.engine.zone_aggregator import ZoneAggregator
     from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
 
-    store = ZonedStore(
-        ZoneRedisStore(redis_server.url, "z"), RedisStore(cluster.url), interval=1.0,
-        forget_after=15.0,
-    )  # fmt: skip
+    zone_store, global_store = ZoneRedisStore(redis_server.url, "z"), RedisStore(cluster.url)
+    store = ZonedStore(zone_store, global_store)
+    aggregator = ZoneAggregator(zone_store, global_store, interval=1.0, forget_after=15.0)
     keys = [f"q\x1ftenant\x1et{n}\x1f1" for n in range(30)]
     try:
         await store.publish([TierReport(k, "r1", 10.0, 1, 5, 1, 100.0) for k in keys], 15.0)
-        await store.aggregator.aggregate()
-        assert store.aggregator.counters == 30 and store.aggregator.global_errors == 0
+        await aggregator.renew()
+        await aggregator.aggregate()
+        assert aggregator.counters == 30 and aggregator.global_errors == 0
         zone = redis.Redis(port=redis_server.port)
         parts = [int(zone.hget(h, "Z")) for h in zone.zrange("rl:zone:z:counters", 0, -1)]
         zone.close()

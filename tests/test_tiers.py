@@ -12,13 +12,16 @@ from ratelimit_service.core.shares import fair_shares, water_level
 from ratelimit_service.core.tiers import (
     EXPIRE_PER_CALL,
     MILLI,
+    Fenced,
     TierReport,
     TierTable,
     TierTotals,
-    ZoneShare,
     member_demand,
+    publish_fenced,
 )
+from ratelimit_service.core.zones import ZoneShare
 from ratelimit_service.storage.redis_store import RedisStore, _script
+from ratelimit_service.storage.script_replies import tier_reply, zone_read_reply, zone_write_reply
 from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
 FORGET_US = 15_000_000
@@ -131,18 +134,18 @@ def test_the_water_level_gives_the_fair_shares() -> None:
 # -- the Lua script and its twin ----------------------------------------------------------
 
 
-def totals_of(raw: list[int]) -> TierTotals:
-    return TierTotals(raw[0] / MILLI, raw[1] / MILLI, raw[2], raw[3], raw[4])
-
-
-@pytest.mark.parametrize("zoned", [False, True])
-async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, zoned: bool) -> None:
+@pytest.mark.parametrize("kind", ["replicas", "zoned", "fenced"])
+async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: str) -> None:
     """Members come, publish, go silent and come back; counters with windows of 1 s
     and a minute; more members go silent at once than one call removes. In a zone,
     an aggregator now and then reads the zone (zone_read.lua) and writes back a part
-    and the fleet's count (zone_write.lua). After every call the scripts' answers equal
-    the twin's (TierTable) on the same clock."""
+    and the fleet's count (zone_write.lua). Fenced: the members are zones publishing
+    with fencing tokens that now and then move on, and now and then one publishes with
+    a token older than its last (a deposed aggregator's late write), which is refused
+    whole. After every call the scripts' answers equal the twin's (TierTable,
+    publish_fenced) on the same clock."""
     rng = random.Random(11)
+    zoned, fenced = kind == "zoned", kind == "fenced"
     client = aioredis.Redis.from_url(redis_server.url)
     source = script_on_test_clock("quota_tier.lua")
     read = script_on_test_clock("zone_read.lua")
@@ -150,17 +153,24 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, zoned:
     counters = {"q\x1ftenant\x1e{a}\x1f1": 1, "q\x1fday\x1eb\x1f60": 60}
     tables = {key: TierTable() for key in counters}
     names = [f"replica-{n}" for n in range(40)]
+    tokens = {name: rng.randint(1, 5) for name in names}
     now_us = 1_700_000_000_000_000
-    seen = {"expired": 0, "windows": 0, "zone": 0}
-    await client.delete(*[f"t:{k}" for k in counters], *[f"t:{k}:m" for k in counters], "t:i")
+    seen = {"expired": 0, "windows": 0, "zone": 0, "refused": 0, "accepted": 0}
+    await client.delete(*[f"t:{k}" for k in counters], *[f"t:{k}:m" for k in counters], "t:i",
+                        "t:fence")  # fmt: skip
     try:
         for step in range(400):
             # Mostly quick steps, now and then a silence longer than the forget time.
             now_us += rng.choice([rng.randrange(300_000)] * 9 + [FORGET_US + rng.randrange(10**6)])
             await set_test_clock(client, now_us)
             member = rng.choice(names[: 5 + step // 10])
+            token: int | None = None
+            if fenced:
+                if rng.random() < 0.2:
+                    tokens[member] += rng.randint(1, 3)  # the lease changed hands
+                token = tokens[member] - (rng.random() < 0.15) * rng.randint(1, 2)
             keys: list[str] = []
-            args: list[object] = [member, FORGET_US]
+            args: list[object] = [member, FORGET_US, "" if token is None else token]
             reports = []
             for key, window in counters.items():
                 report = TierReport(
@@ -176,40 +186,51 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, zoned:
             if zoned:
                 keys.append("t:i")
             raw = await client.eval(source, len(keys), *keys, *args)
-            for n, report in enumerate(reports):
-                table = tables[report.key]
-                before = (len(table.members), table.window)
-                want = table.publish(report, now_us, FORGET_US)
-                got = totals_of(raw[5 * n : 5 * n + 5])
-                assert got == want, (step, report)
-                seen["expired"] += want.members < before[0]
-                seen["windows"] += before[1] is not None and table.window != before[1]
+            counted = [tables[r.key] for r in reports]
+            before = [(len(t.members), t.window) for t in counted]
+            want = publish_fenced(counted, reports, now_us, FORGET_US, token)
+            got = tier_reply(raw)
+            assert got == want, (step, reports, token)
+            if isinstance(want, Fenced):
+                seen["refused"] += 1
+                continue
+            seen["accepted"] += token is not None
+            for (members, window), table, totals in zip(before, counted, want, strict=True):
+                seen["expired"] += totals.members < members
+                seen["windows"] += window is not None and table.window != window
             if zoned and rng.random() < 0.2:
-                seen["zone"] += await check_zone(client, read, write, tables, now_us, rng)
+                seen["zone"] += await check_zone(client, read, write, tables, now_us, rng, step)
         assert seen["expired"] > 10 and seen["windows"] > 50  # both paths ran
         assert seen["zone"] > 10 or not zoned
+        assert (seen["refused"] > 10 and seen["accepted"] > 100) or not fenced
     finally:
         await client.aclose()
 
 
-async def check_zone(client, read, write, tables, now_us: int, rng: random.Random) -> int:  # type: ignore[no-untyped-def]
-    """The aggregator's read equals the twin's; then a random write-back to both."""
-    raw = await client.eval(read, 1, "t:i", FORGET_US, 100)
-    rows = {raw[i + 1].decode(): raw[i : i + 9] for i in range(0, len(raw), 9)}
+async def check_zone(client, read, write, tables, now_us: int, rng: random.Random,  # type: ignore[no-untyped-def]
+                     token: int) -> int:  # fmt: skip
+    """The aggregator's read equals the twin's; then a random write-back to both (with
+    a token that never goes back: the fence is zone_write's own test, in
+    test_zones_core.py)."""
+    rows = {t.key: t for t in zone_read_reply(await client.eval(read, 1, "t:i", FORGET_US, 100))}
     assert sorted(rows) == sorted(tables)
     for key, table in tables.items():
-        _, _, demand, instances, limit, window_us, used, forwarded, index = rows[key]
+        row = rows[key]
+        demand, instances = round(row.demand * MILLI), row.instances
         assert (demand, instances) == (max(0, table.demand), max(0, table.instances))
-        assert (used, forwarded, index) == table.read_zone(now_us, window_us // 1_000_000)
-        assert limit > 0
+        read_zone = table.read_zone(now_us, row.window_seconds)
+        assert (row.used, row.forwarded, row.window) == read_zone
+        assert row.limit > 0
         share = ZoneShare(
             part=rng.randrange(0, 300_000),
-            global_used=used + rng.randrange(0, 500),
-            window=index - rng.choice([0, 0, 1]),
-            forwarded=rng.randint(0, used) if used else 0,
+            global_used=row.used + rng.randrange(0, 500),
+            window=row.window - rng.choice([0, 0, 1]),
+            forwarded=rng.randint(0, row.used) if row.used else 0,
         )
-        await client.eval(write, 2, "t:zones", f"t:{key}", "", 1000, share.part,
-                          share.global_used, share.window, share.forwarded)  # fmt: skip
+        raw = await client.eval(write, 3, "t:zones", "t:fence", f"t:{key}", "", 1000, token,
+                                share.part, share.global_used, share.window,
+                                share.forwarded)  # fmt: skip
+        assert zone_write_reply(raw) == 1
         table.settle_zone(share)
     return 1
 
@@ -222,11 +243,11 @@ async def test_silent_members_leave_the_sums_a_bounded_number_per_call(redis_ser
 
     async def publish(member: str, demand: float) -> TierTotals:
         await set_test_clock(client, now_us)
-        raw = await client.eval(source, 2, "t:x", "t:x:m", member, FORGET_US,
+        raw = await client.eval(source, 2, "t:x", "t:x:m", member, FORGET_US, "",
                                 round(demand * MILLI), 1, 0, 1_000_000, 100_000)  # fmt: skip
         report = TierReport("x", member, demand, 1, 0, 1, 100.0)
         want = table.publish(report, now_us, FORGET_US)
-        got = totals_of(raw)
+        (got,) = tier_reply(raw)
         assert got == want
         return got
 
@@ -260,13 +281,3 @@ async def test_the_store_keeps_a_counters_two_keys_in_one_cluster_slot(redis_ser
         assert again.part == 23.75  # first heard: its fair part (2.5 and a quarter of 85)
     finally:
         await store.close()
-
-
-def test_a_new_buckets_part_leaves_room_for_the_zones_not_heard_yet() -> None:
-    from ratelimit_service.core.tiers import reserved_part
-
-    assert reserved_part(100.0, 100.0, 1, 2) == 50.0  # b not heard: half for a
-    assert reserved_part(30.0, 100.0, 1, 2) == 30.0  # never more than its part
-    assert reserved_part(100.0, 100.0, 2, 3) == pytest.approx(66.67, abs=0.01)
-    assert reserved_part(100.0, 100.0, 2, 2) == 100.0  # every zone heard
-    assert reserved_part(100.0, 100.0, 1, 1) == 100.0

@@ -1,5 +1,6 @@
 """The zone tier on three real redis-servers (two zone stores, one global store): the
-replicas' coordinators in this process, the aggregators stepped by the test.
+replicas' coordinators in this process, the aggregators' lease calls and passes made by
+the test.
 
 Zone a: replicas a1, a2, each with one Envoy asking 60/s; zone b: b1, b2 with 30/s
 each; one limit of 100/s over them all. The global store sees two members (the
@@ -10,16 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
+from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.tiers import Fenced
 from ratelimit_service.engine.quota import FORGET_AFTER, QuotaCoordinator, Usage
 from ratelimit_service.engine.stats import Stats
+from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
 from ratelimit_service.testing.redis import RedisServer
@@ -58,23 +62,48 @@ def servers(tmp_path: Path) -> Iterator[dict[str, RedisServer]]:
             server.stop()
 
 
+class Replica:
+    """One replica's stores and its zone's aggregator, as server/app.py wires them."""
+
+    def __init__(self, zone_url: str, zone: str, global_url: str, interval: float = 1.0) -> None:
+        self.zone_store = ZoneRedisStore(zone_url, zone)
+        self.global_store = RedisStore(global_url)
+        self.store = ZonedStore(self.zone_store, self.global_store)
+        self.aggregator = self.aggregator_on(interval)
+
+    def aggregator_on(
+        self, interval: float, clock: Callable[[], float] | None = None
+    ) -> ZoneAggregator:
+        """An aggregator on this replica's stores (``clock``: its own, else the loop's)."""
+        return ZoneAggregator(self.zone_store, self.global_store, interval=interval,
+                              forget_after=FORGET_AFTER, clock=clock)  # fmt: skip
+
+    async def sync(self, reports: list[BucketReport]) -> SyncResult:
+        return await self.store.sync(reports, 0.25)
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+async def aggregate(aggregator: ZoneAggregator) -> None:
+    """One lease call, then one pass (the pass runs on the lease's holder only)."""
+    await aggregator.renew()
+    await aggregator.aggregate()
+
+
 class Fleet:
     """Four replicas in two zones, one Envoy each."""
 
     def __init__(self, servers: dict[str, RedisServer], interval: float = 1.0) -> None:
         config = load_config([ConfigFile("q.yaml", RULES)])
         self.clock = Clock()
-        self.stores: dict[str, ZonedStore] = {}
+        self.stores: dict[str, Replica] = {}
         self.replicas: dict[str, QuotaCoordinator] = {}
         for name in DEMAND:
             zone = name[0]
-            store = ZonedStore(
-                ZoneRedisStore(servers[zone].url, zone),
-                RedisStore(servers["global"].url),
-                interval=interval,
-                forget_after=FORGET_AFTER,
-            )
-            self.stores[name] = store
+            replica = Replica(servers[zone].url, zone, servers["global"].url, interval)
+            self.stores[name] = replica
+            store = replica.store
             self.replicas[name] = QuotaCoordinator(
                 lambda: config, Stats(), store, member=name, clock=self.clock
             )
@@ -97,7 +126,7 @@ class Fleet:
         for replica in self.replicas.values():
             await replica.tick()
         for name in ("a1", "b1"):
-            await self.stores[name].aggregator.aggregate()
+            await aggregate(self.stores[name].aggregator)
         for replica in self.replicas.values():
             await replica.tick()
 
@@ -187,21 +216,21 @@ async def test_another_replica_takes_the_lease_when_the_aggregator_stops(servers
     interval = 0.2
     async with fleet_of(servers, interval) as fleet:
         first, second = fleet.stores["a1"].aggregator, fleet.stores["a2"].aggregator
-        await first.step()
-        await second.step()
+        await first.renew()
+        await second.renew()
         assert first.leading and not second.leading
-        # first stops stepping (its process died): the lease lives one interval.
+        # first stops renewing (its process died): the lease lives one interval.
         taken = await eventually_async(
-            lambda: _stepped(second), timeout=4 * interval + 1, what="a2 takes the lease"
+            lambda: _renewed(second), timeout=4 * interval + 1, what="a2 takes the lease"
         )
         assert taken and second.takeovers == 1
-        await first.step()  # back: it finds the lease held by a2
+        await first.renew()  # back: it finds the lease held by a2
         assert not first.leading and first.lease_lost == 1
 
 
-async def _stepped(aggregator) -> bool:  # type: ignore[no-untyped-def]
-    await aggregator.step()
-    return bool(aggregator.leading)
+async def _renewed(aggregator: ZoneAggregator) -> bool:
+    await aggregator.renew()
+    return aggregator.leading
 
 
 async def test_probabilistic_buckets_refill_at_the_zones_part(servers) -> None:
@@ -209,28 +238,21 @@ async def test_probabilistic_buckets_refill_at_the_zones_part(servers) -> None:
     after two aggregation passes (the first measures nothing yet) each zone's fleet
     bucket refills at its part, about 67 and 33 a second, and the replicas' syncs say
     so (the local controller's budget follows it)."""
-    stores = {
-        name: ZonedStore(
-            ZoneRedisStore(servers[name[0]].url, name[0]),
-            RedisStore(servers["global"].url),
-            interval=1.0,
-            forget_after=FORGET_AFTER,
-        )
-        for name in DEMAND
-    }
+    stores = {name: Replica(servers[name[0]].url, name[0], servers["global"].url)
+              for name in DEMAND}  # fmt: skip
     report = {name: BucketReport("q\x1fk\x1ev\x1f1", 100, 1, offered=rate, admitted=rate // 2)
               for name, rate in DEMAND.items()}  # fmt: skip
     try:
         views = {}
         for _ in range(3):
             for name, store in stores.items():
-                result = await store.sync([report[name]], 0.25)
+                result = await store.sync([report[name]])
                 views[name] = result.views[0]
             for name in ("a1", "b1"):
-                await stores[name].aggregator.aggregate()
+                await aggregate(stores[name].aggregator)
             await asyncio.sleep(0.3)
         for name in DEMAND:
-            result = await stores[name].sync([report[name]], 0.25)
+            result = await stores[name].sync([report[name]])
             views[name] = result.views[0]
             assert result.nodes == 2  # the zone's replicas, not the fleet's
         assert views["a1"].limit == pytest.approx(66.7, rel=0.1)
@@ -240,7 +262,7 @@ async def test_probabilistic_buckets_refill_at_the_zones_part(servers) -> None:
         # A bucket new to the zone refills at the limit over the two zones until its
         # own part comes back, not at the whole limit.
         fresh = BucketReport("q\x1fk\x1enew\x1f1", 100, 1, offered=1, admitted=1)
-        (view,) = (await stores["a1"].sync([fresh], 0.25)).views
+        (view,) = (await stores["a1"].sync([fresh])).views
         assert view.limit == 50.0 and view.tokens == pytest.approx(49.0, abs=0.5)
     finally:
         for store in stores.values():
@@ -252,35 +274,27 @@ async def test_a_fresh_deployment_counts_its_zones_before_any_bucket(servers) ->
     zone a before zone b was there, so it makes a second): each zone knows there are
     two, so the very first bucket starts at half the limit in each, not at the whole
     limit in both."""
-    stores = {
-        zone: ZonedStore(
-            ZoneRedisStore(servers[zone].url, zone),
-            RedisStore(servers["global"].url),
-            interval=1.0,
-            forget_after=FORGET_AFTER,
-        )
-        for zone in ("a", "b")
-    }
+    stores = {zone: Replica(servers[zone].url, zone, servers["global"].url) for zone in "ab"}
     try:
         for zone in ("a", "b", "a"):
-            await stores[zone].aggregator.aggregate()
+            await aggregate(stores[zone].aggregator)
         assert global_members(servers["global"]) == {(b"a", b"b")}
         first = BucketReport("q\x1fk\x1efirst\x1f1", 100, 1, offered=1, admitted=1)
         for store in stores.values():
-            (view,) = (await store.sync([first], 0.25)).views
+            (view,) = (await store.sync([first])).views
             assert view.limit == 50.0 and view.tokens == pytest.approx(49.0, abs=0.5)
         # Zone a is heard first with the new bucket, and asks for more than the limit:
         # alone in the global store it would get all of it, beside zone b's half. It
         # gets half until b is heard too; then the two parts by demand hold the limit.
         hot = BucketReport(first.key, 100, 1, offered=300, admitted=50)
-        await stores["a"].sync([hot], 0.25)
-        await stores["a"].aggregator.aggregate()
-        (view,) = (await stores["a"].sync([hot], 0.25)).views
+        await stores["a"].sync([hot])
+        await aggregate(stores["a"].aggregator)
+        (view,) = (await stores["a"].sync([hot])).views
         assert view.limit == 50.0
-        await stores["b"].sync([hot], 0.25)
+        await stores["b"].sync([hot])
         for zone in ("b", "a"):
-            await stores[zone].aggregator.aggregate()
-        views = {zone: (await store.sync([hot], 0.25)).views[0] for zone, store in stores.items()}
+            await aggregate(stores[zone].aggregator)
+        views = {zone: (await store.sync([hot])).views[0] for zone, store in stores.items()}
         assert views["a"].limit > 0 and views["b"].limit > 0
         assert views["a"].limit + views["b"].limit <= 100.01
     finally:
@@ -295,15 +309,74 @@ async def test_the_others_stay_within_their_parts_while_a_zone_is_cut_off(server
     async with fleet_of(servers) as fleet:
         aggregator = fleet.stores["a1"].aggregator
         aggregator.zone_forget_after = 2.0
-        await aggregator.aggregate()
+        await aggregate(aggregator)
         held = zone_part(servers["a"], "a")
         for name in ("a1", "a2"):  # b is silent from now on
             await fleet.replicas[name].tick()
-        await aggregator.aggregate()
+        await aggregate(aggregator)
         assert zone_part(servers["a"], "a") == pytest.approx(held, abs=0.01)
 
         async def grown() -> bool:
-            await aggregator.aggregate()
+            await aggregate(aggregator)
             return zone_part(servers["a"], "a") > 99.0
 
         await eventually_async(grown, timeout=10, what="zone a to take b's part")
+
+
+async def test_a_deposed_aggregators_late_pass_is_refused(servers) -> None:
+    """a1 aggregates, then its clock stands still (its process paused between its
+    check and its writes): its lease expires, a2 takes it and publishes with a later
+    token. a1's pass then goes out as if nothing had happened: the global store refuses
+    it whole, a1 stops aggregating, and a2's part stands. A write-back with a1's token
+    is refused by the zone store too."""
+    interval = 0.2
+    async with fleet_of(servers, interval) as fleet:
+        paused_at = asyncio.get_running_loop().time()
+        first = fleet.stores["a1"].aggregator_on(interval, clock=lambda: paused_at)
+        second = fleet.stores["a2"].aggregator
+        await first.renew()
+        token = first.leadership.token
+        assert first.leading and token is not None
+        await eventually_async(lambda: _renewed(second), timeout=4 * interval + 1,
+                               what="a2 takes the lease")  # fmt: skip
+        await second.aggregate()
+        assert second.passes == 1 and second.leadership.token == token + 1
+        held = zone_part(servers["a"], "a")
+
+        await first.aggregate()  # its clock says its term goes on
+        assert first.fenced == 1 and first.passes == 0 and first.lease_lost == 1
+        assert not first.leading and first.leadership.floor == token + 1
+        assert zone_part(servers["a"], "a") == held
+        deadline = asyncio.get_running_loop().time() + 1.0
+        refused = await fleet.stores["a1"].zone_store.write_back([], 2, token, deadline)
+        assert refused == Fenced(token + 1)
+        await first.renew()  # a deposed replica's ask changes nothing
+        assert not first.leading and second.leadership.token == token + 1
+        await aggregate(second)
+        assert second.passes == 2 and second.fenced == 0
+
+
+async def test_a_holder_whose_zone_store_lost_its_tokens_gets_above_them(servers) -> None:
+    """Zone a's store restarts empty: its fencing counter starts again below the token
+    the global store has seen from zone a. The holder's first publish is refused; its
+    next lease call names that token and brings one above it, and the zone publishes
+    again."""
+    async with fleet_of(servers) as fleet:
+        aggregator = fleet.stores["a1"].aggregator
+        client = redis.Redis(port=servers["a"].port)
+        client.set("rl:zone:a:fence", 6)  # the lease changed hands six times so far
+        client.delete("rl:zone:a:lease")  # and expired
+        await aggregate(aggregator)
+        seen = aggregator.leadership.token
+        assert seen == 7 and aggregator.passes > 0
+        client.flushall()
+        client.close()
+        await aggregate(aggregator)
+        assert aggregator.fenced == 1 and not aggregator.leading
+        await aggregate(aggregator)
+        assert aggregator.leading and aggregator.leadership.token == seen + 1
+        assert aggregator.fenced == 1 and aggregator.passes > 0
+        passes = aggregator.passes
+        await fleet.round()
+        assert aggregator.passes == passes + 1
+        assert zone_part(servers["a"], "a") == pytest.approx(66.67, abs=0.5)

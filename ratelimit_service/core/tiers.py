@@ -26,10 +26,12 @@ not grow with the fleet:
 **Zones** (``serve --zone``) stack the same arithmetic twice: the replicas of a zone
 are the members of the zone store, where their parts divide the zone's part; the
 zones are the members of the global store, published by one aggregator per zone
-(storage/zoned.py) with the zone's sums, which brings back the zone's part and the
-fleet's allowed hits (:class:`ZoneTotals` out, :class:`ZoneShare` back). The global
-store's work per hot bucket grows with zones, the zone store's with its replicas;
-neither with the Envoys.
+with the zone's sums, which brings back the zone's part and the fleet's allowed hits
+(core/zones.py). A zone's aggregator writes with a fencing token: the store refuses a
+member's write whose token is lower than one it has seen from that member
+(:class:`Fenced`), so a deposed aggregator's late write cannot overwrite its
+successor's. The global store's work per hot bucket grows with zones, the zone
+store's with its replicas; neither with the Envoys.
 
 Demands, limits and parts travel as integer thousandths of a hit per second, so the
 running sums are exact and the arithmetic below gives the same numbers in Python and
@@ -41,7 +43,12 @@ clock; the embedded store holds its counters in it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ratelimit_service.core.zones import ZoneShare
 
 MILLI = 1000
 """Rates travel and are summed as integer thousandths of a hit per second."""
@@ -108,46 +115,14 @@ def capped_part(fair: float, room: int, even: float, first: bool) -> int:
     return math.floor(min(fair, most))
 
 
-def reserved_part(part: float, limit: float, members: int, zones: int) -> float:
-    """A new bucket's part in one zone while fewer of the ``zones`` than all have
-    published it (``members``): at most the even parts of those heard. The zones not
-    heard from yet refill their own new bucket at the limit over the zones meanwhile
-    (zone_limit); the first zone heard would otherwise get the whole limit beside
-    them."""
-    if members >= zones or zones <= 0:
-        return part
-    return min(part, limit * members / zones)
-
-
 @dataclass(frozen=True, slots=True)
-class ZoneTotals:
-    """One counter as a zone's aggregator reads it from the zone store."""
+class Fenced:
+    """A write refused: it carried a fencing token lower than one the store has seen
+    from the same member (a zone's aggregator that was deposed while its write was on
+    the way). Nothing of the call was written."""
 
-    key: str
-    """The counter's key (the rule's bucket key)."""
-    store_key: str
-    """Its hash in the zone store."""
-    demand: float
-    instances: int
-    limit: float
-    window_seconds: int
-    used: int
-    """The zone's allowed hits in the current window."""
-    forwarded: int
-    """Of those, what the aggregator already published to the global store."""
-    window: int
-    """The current window's index."""
-
-
-@dataclass(frozen=True, slots=True)
-class ZoneShare:
-    """What a zone's aggregator writes back to one counter of the zone store."""
-
-    part: int
-    """The zone's part of the limit, thousandths of a hit per second."""
-    global_used: int
-    window: int
-    forwarded: int
+    highest: int
+    """The highest token the store has seen from that member."""
 
 
 @dataclass(slots=True)
@@ -178,11 +153,22 @@ class TierTable:
     forwarded: int = 0
     """Of ``global_used`` (the fleet's allowed hits in ``global_window``), what came
     from this zone."""
+    fences: dict[str, int] = field(default_factory=dict)
+    """Per member that writes with a fencing token (a zone's aggregator, in the global
+    store): the highest token seen. Kept when the member leaves the sums."""
 
-    def publish(self, report: TierReport, now_us: int, forget_us: int) -> TierTotals:
+    def refuses(self, member: str, token: int) -> int | None:
+        """The highest token seen from ``member`` when ``token`` is lower, else None."""
+        highest = self.fences.get(member)
+        return highest if highest is not None and token < highest else None
+
+    def publish(
+        self, report: TierReport, now_us: int, forget_us: int, token: int | None = None
+    ) -> TierTotals:
         """Record ``report`` at ``now_us`` (microseconds) and hand out the member's part;
         forget members silent longer than ``forget_us`` (at most EXPIRE_PER_CALL per
-        call, oldest first)."""
+        call, oldest first). ``token``: the member's fencing token, recorded (the
+        caller checked it first, see :func:`publish_fenced`)."""
         stale = sorted(
             (m.seen, name) for name, m in self.members.items() if m.seen < now_us - forget_us
         )
@@ -201,6 +187,8 @@ class TierTable:
         even = limit * report.instances / everyone
         part = capped_part(fair, limit - self.parts, even, old is None)
         self.members[report.member] = _Member(demand, report.instances, part, now_us)
+        if token is not None:
+            self.fences[report.member] = token
         self.parts += part
         index = now_us // (report.window_seconds * 1_000_000)
         if index != self.window:
@@ -236,3 +224,28 @@ class TierTable:
         self.demand -= member.demand
         self.instances -= member.instances
         self.parts -= member.part
+
+
+def publish_fenced(
+    tables: Sequence[TierTable],
+    reports: Sequence[TierReport],
+    now_us: int,
+    forget_us: int,
+    token: int | None,
+) -> list[TierTotals] | Fenced:
+    """One call of quota_tier.lua: each report into its table (index-aligned). With a
+    ``token``, the call is refused as a whole, before anything is written, when any of
+    the tables has seen a higher token from the member (the highest of those is
+    named)."""
+    if token is not None:
+        refusals = [
+            highest
+            for table, report in zip(tables, reports, strict=True)
+            if (highest := table.refuses(report.member, token)) is not None
+        ]
+        if refusals:
+            return Fenced(max(refusals))
+    return [
+        table.publish(report, now_us, forget_us, token)
+        for table, report in zip(tables, reports, strict=True)
+    ]

@@ -7,7 +7,7 @@ walk (up to 100,000 buckets): a point where the scrape returns to the event loop
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -85,9 +85,11 @@ def _by_rule(name: str, help_text: str, values: dict[str, float]) -> Iterator[Me
     yield family
 
 
-def store_metrics(store: Store) -> Iterator[Metric]:
+def store_metrics(store: Store, beside: Mapping[str, float] | None = None) -> Iterator[Metric]:
+    """The store's figures; ``beside``: more under the store's name (with --zone, the
+    zone's aggregator)."""
     family = GaugeMetricFamily("ratelimit_store", "Store state", labels=["store", "name"])
-    for name, value in store.stats().items():
+    for name, value in {**store.stats(), **(beside or {})}.items():
         family.add_metric([store.name, name], value)
     family.add_metric([store.name, "healthy"], 1.0 if store.healthy() else 0.0)
     yield family

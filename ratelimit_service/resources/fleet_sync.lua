@@ -8,10 +8,10 @@
 --
 -- In a zone (serve --zone) this is the zone's store: the bucket then refills at the
 -- zone's part of the limit, 'Z' (thousandths of a hit per second, written by the
--- zone's aggregator, storage/zoned.py), when it is below the limit, its capacity in
--- proportion (core/drop_ratio.py zone_limit); until its first part comes back, at
--- the limit over the number of zones (the aggregator keeps that count); and the
--- hash keeps for the aggregator
+-- zone's aggregator, engine/zone_aggregator.py), when it is below the limit, its
+-- capacity in proportion (core/drop_ratio.py zone_limit); until its first part comes
+-- back, at the limit over the number of zones (the aggregator keeps that count); and
+-- the hash keeps for the aggregator
 -- 'K' the bucket's key, 'L' the limit, 'W' the window, 'a' the monotonic count of
 -- admitted hits, 'c' when the bucket was created (microseconds), with an index of
 -- live buckets (a sorted set scored by last sync).

@@ -16,22 +16,30 @@
 -- other members' parts leave of the limit; a member heard from for the first time
 -- gets at least its even share by instances.
 --
--- In a zone (serve --zone) the replicas' store also keeps, per counter, what the zone's
--- aggregator (storage/zoned.py) reads and writes back: 'K' the counter's key, 'L' the
--- rule's limit, 'W' its window; 'Z' the zone's part of the limit (the parts here divide
--- Z, not the limit), 'G' the hits the whole fleet allowed in window 'gw' as the global
--- store counted them, of which 'g' came from this zone. An index of live counters
--- (a sorted set, scored by last publish) lets the aggregator find them.
+-- In a zone (serve --zone) the replicas' store also keeps, per counter, what the
+-- zone's aggregator (engine/zone_aggregator.py) reads and writes back: 'K' the
+-- counter's key, 'L' the rule's limit, 'W' its window; 'Z' the zone's part of the
+-- limit (the parts here divide Z, not the limit), 'G' the hits the whole fleet allowed
+-- in window 'gw' as the global store counted them, of which 'g' came from this zone.
+-- An index of live counters (a sorted set, scored by last publish) lets the aggregator
+-- find them.
+--
+-- Fencing: a member that publishes with a token (a zone's aggregator, in the global
+-- store) has the highest token seen from it kept per counter, 'f:<name>'; a call whose
+-- token is lower than that on any of its counters is refused whole, before anything is
+-- written (a deposed aggregator's late publish; twin: core/tiers.py publish_fenced).
 --
 -- KEYS      per counter: its hash, then its sorted set; then, in a zone, the index
 -- ARGV[1]   this member's name
 -- ARGV[2]   forget time in microseconds
--- ARGV[3 + 6*(i-1) ...] for counter i: demand, instances, allowed hits since the last
+-- ARGV[3]   the member's fencing token, or '' (a replica: no fencing)
+-- ARGV[4 + 6*(i-1) ...] for counter i: demand, instances, allowed hits since the last
 --           publish, window in microseconds, limit (demand and limit in thousandths
 --           of a hit per second), the counter's key (in a zone; '' otherwise)
 -- Returns   per counter: {part (thousandths), fleet demand (thousandths), fleet
 --           instances, live members, allowed hits in the window (in a zone: the
---           fleet's, the global count plus what the zone allowed since)}, flattened
+--           fleet's, the global count plus what the zone allowed since)}, flattened;
+--           or, refused, {-1, the highest token seen from the member}
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local call, tonumber, format = redis.call, tonumber, string.format
@@ -51,10 +59,21 @@ end
 local counters = math.floor(#KEYS / 2)
 local index_key = nil
 if #KEYS > 2 * counters then index_key = KEYS[#KEYS] end
+local token = tonumber(ARGV[3])
+if token then
+  local refused = nil
+  for i = 1, counters do
+    local seen = tonumber(call('HGET', KEYS[2 * i - 1], 'f:' .. me))
+    if seen and seen > token and (refused == nil or seen > refused) then
+      refused = seen
+    end
+  end
+  if refused then return {-1, refused} end
+end
 local out = {}
 for i = 1, counters do
   local hash, members = KEYS[2 * i - 1], KEYS[2 * i]
-  local base = 3 + 6 * (i - 1)
+  local base = 4 + 6 * (i - 1)
   local demand, instances = tonumber(ARGV[base]), tonumber(ARGV[base + 1])
   local allowed, window = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local limit = tonumber(ARGV[base + 4])
@@ -93,6 +112,7 @@ for i = 1, counters do
   call('HSET', hash, 'd:' .. me, format('%d', demand), 'n:' .. me, format('%d', instances),
     'p:' .. me, format('%d', part))
   call('ZADD', members, format('%d', now), me)
+  if token then call('HSET', hash, 'f:' .. me, ARGV[3]) end
   local index = format('%d', math.floor(now / window))
   local state = call('HMGET', hash, 'w', 'u')
   local used = 0

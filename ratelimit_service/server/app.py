@@ -71,6 +71,7 @@ from ratelimit_service.engine.state_metrics import (
 )
 from ratelimit_service.engine.stats import Stats, StatsCollector, histogram_family
 from ratelimit_service.engine.statsd import StatsdSink
+from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
 from ratelimit_service.server.go_http import GoEndpoints
@@ -196,10 +197,11 @@ def load_rules(settings: Settings) -> RateLimitConfig:
     )
 
 
-def make_store(settings: Settings) -> Store:
-    """The embedded store, one Redis, or (``--zone``) a zone's Redis under a global one."""
+def make_store(settings: Settings) -> tuple[Store, ZoneAggregator | None]:
+    """The embedded store, one Redis, or (``--zone``) a zone's Redis under a global one
+    with the zone's aggregator beside them."""
     if not settings.redis_url:
-        return EmbeddedStore(max_keys=settings.max_buckets)
+        return EmbeddedStore(max_keys=settings.max_buckets), None
     options: dict[str, Any] = {
         "request_timeout": settings.redis_timeout,
         "silence": settings.redis_silence,
@@ -210,13 +212,13 @@ def make_store(settings: Settings) -> Store:
         "prefix": settings.redis_key_prefix,
     }
     if settings.zone and settings.global_redis_url:
-        return ZonedStore(
-            ZoneRedisStore(settings.redis_url, settings.zone, **options),
-            RedisStore(settings.global_redis_url, **options),
-            interval=settings.zone_interval,
-            forget_after=FORGET_AFTER,
+        zone = ZoneRedisStore(settings.redis_url, settings.zone, **options)
+        above = RedisStore(settings.global_redis_url, **options)
+        aggregator = ZoneAggregator(
+            zone, above, interval=settings.zone_interval, forget_after=FORGET_AFTER
         )
-    return RedisStore(settings.redis_url, **options)
+        return ZonedStore(zone, above), aggregator
+    return RedisStore(settings.redis_url, **options), None
 
 
 class RateLimitService:
@@ -226,7 +228,11 @@ class RateLimitService:
         self.settings = settings
         self.stats = Stats(max_keys=settings.max_stats_keys)
         config = self._initial_rules()
-        self.store = store if store is not None else make_store(settings)
+        self.zone_aggregator: ZoneAggregator | None = None
+        """With --zone: the zone's aggregator (its lease and its passes)."""
+        if store is None:
+            store, self.zone_aggregator = make_store(settings)
+        self.store = store
         self.local = LocalBuckets(
             max_buckets=settings.max_buckets,
             # Never stale between two normal syncs, whatever the flags say.
@@ -358,6 +364,8 @@ class RateLimitService:
             self._server = None
             raise
         await self.store.start()
+        if self.zone_aggregator is not None:
+            self.zone_aggregator.start()
         self.reconciler.start()
         self.quota.start()
         if self._loop_load_task is not None:
@@ -472,6 +480,8 @@ class RateLimitService:
         await self._stop_listeners()
         if self.statsd is not None:
             await self.statsd.stop()  # the last counts go out too
+        if self.zone_aggregator is not None:
+            await self.zone_aggregator.stop()
         await self.store.close()
 
     async def _drain(self) -> None:
@@ -606,7 +616,8 @@ class RateLimitService:
 
     def _gauges(self) -> Iterator[Metric | None]:
         yield from bucket_metrics(self.local)
-        yield from store_metrics(self.store)
+        zone = self.zone_aggregator.stats() if self.zone_aggregator is not None else {}
+        yield from store_metrics(self.store, zone)
         yield histogram_family(
             "ratelimit_event_loop_lag_seconds",
             "How late the event loop ran a timer that was due (busy, or not scheduled)",

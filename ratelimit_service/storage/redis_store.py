@@ -34,12 +34,13 @@ from redis.crc import key_slot
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity
+from ratelimit_service.core.drop_ratio import SyncResult, capacity
 from ratelimit_service.core.exact import ExactHit, ExactResult, request_denied
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.core.tiers import MILLI, TierReport, TierTotals
+from ratelimit_service.core.tiers import MILLI, Fenced, TierReport, TierTotals
 from ratelimit_service.core.window import DEFAULT_SLICES
+from ratelimit_service.core.zones import ZoneKeys
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
 from ratelimit_service.storage.exact_batcher import (
@@ -51,6 +52,7 @@ from ratelimit_service.storage.exact_batcher import (
 )
 from ratelimit_service.storage.redis_connect import connect
 from ratelimit_service.storage.redis_pipe import RedisPipe, supports
+from ratelimit_service.storage.script_replies import sync_reply, tier_reply
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,11 @@ _R = TypeVar("_R")
 
 SYNC_CHUNK = 256
 """Buckets per sync script call: keeps each Lua call short so Redis stays responsive."""
+PREFIX = "rl:"
+"""What every key starts with, by default (--redis-key-prefix)."""
+PUBLISH_CHUNK = 256
+"""Counters per fenced publish call (a zone's aggregator publishes every counter of its
+zone at once), for the same reason."""
 
 
 @dataclass(slots=True)
@@ -177,12 +184,13 @@ class RedisStore:
         silence: float = SILENCE,
         sync_timeout: float = 1.0,
         connect_timeout: float = 0.5,
-        prefix: str = "rl:",
+        prefix: str = PREFIX,
         slices: int = DEFAULT_SLICES,
         node_ttl: float = 5.0,
         max_connections: int = 64,
         batch_hold: float = 0.001,
         max_pending: int = MAX_PENDING,
+        zone_keys: ZoneKeys | None = None,
     ) -> None:
         self.url = url
         self.request_timeout = request_timeout
@@ -202,14 +210,9 @@ class RedisStore:
         self._exact = self._client.register_script(_script("exact_window.lua"))
         self._sync = self._client.register_script(_script("fleet_sync.lua"))
         self._tier = self._client.register_script(_script("quota_tier.lua"))
-        self.fleet_index: str | None = None
-        """In a zone: the index of probabilistic buckets fleet_sync.lua keeps for the
-        zone's aggregator; None: no index."""
-        self.zones_key = ""
-        """In a zone: the key of the count of zones fleet_sync.lua reads."""
-        self.tier_index: str | None = None
-        """In a zone: the key of the index of counters quota_tier.lua keeps for the
-        zone's aggregator (storage/zoned.py); None: no index."""
+        self.zone_keys = zone_keys
+        """In a zone (a zone's store): the indexes fleet_sync.lua and quota_tier.lua
+        keep for the zone's aggregator, and the count of zones; None: no zone."""
         self.breaker = CircuitBreaker(name=f"redis at {_display(url)}")
         self._initialized = not self.cluster
         self._node_gates: dict[str, CircuitBreaker] = {}
@@ -361,8 +364,8 @@ class RedisStore:
             calls = [self._sync_call([], [], heartbeat=True)]
             calls += [self._sync_call(g.keys, g.hits, heartbeat=False) for g in groups]
             results = await asyncio.gather(*calls)
-            views = _reorder(groups, [v for _, v in results[1:]], len(reports))
-            return SyncResult(nodes=results[0][0], views=views)
+            views = _reorder(groups, [r.views for r in results[1:]], len(reports))
+            return SyncResult(nodes=results[0].nodes, views=views)
         # One server: each chunk carries the heartbeat; an empty sync still runs once.
         bounds = range(0, len(reports), SYNC_CHUNK)
         chunks = [(keys[i : i + SYNC_CHUNK], reports[i : i + SYNC_CHUNK]) for i in bounds]
@@ -370,14 +373,15 @@ class RedisStore:
             *(self._sync_call(k, r, heartbeat=True) for k, r in chunks or [([], [])])
         )
         return SyncResult(
-            nodes=max(nodes for nodes, _ in results),
-            views=[view for _, views in results for view in views],
+            nodes=max(r.nodes for r in results),
+            views=[view for r in results for view in r.views],
         )
 
     async def _sync_call(
         self, keys: list[str], reports: Sequence[BucketReport], heartbeat: bool
-    ) -> tuple[int, list[FleetView]]:
-        zoned = self.fleet_index is not None
+    ) -> SyncResult:
+        zone = self.zone_keys
+        zoned = zone is not None
         args: list[Any] = [
             self.node_id if heartbeat else "",
             int(self.node_ttl * 1_000_000),
@@ -393,28 +397,50 @@ class RedisStore:
                 report.key if zoned else "",
             )
         call_keys = [self.prefix + "nodes", *keys] if heartbeat else list(keys)
-        if self.fleet_index is not None:
-            call_keys += (self.fleet_index, self.zones_key)
+        if zone is not None:
+            call_keys += (zone.buckets, zone.zones)
         raw = await self._call(self._sync, call_keys, args, self.sync_timeout)
-        views = [
-            FleetView(
-                tokens=int(raw[i]) / 1000,
-                offered_total=int(raw[i + 1]),
-                limit=int(raw[i + 2]) / 1000 if zoned else None,
-            )
-            for i in range(1, len(raw), 3)
-        ]
-        return int(raw[0]), views
+        return sync_reply(raw, zoned)
 
     # -- RLQS --------------------------------------------------------------------
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
+        answers = await self._publish(reports, forget_after, None, self.sync_timeout)
+        assert not isinstance(answers, Fenced)  # no token, no fence
+        return answers
+
+    async def publish_fenced(
+        self, reports: Sequence[TierReport], forget_after: float, token: int, deadline: float
+    ) -> list[TierTotals] | Fenced:
+        """:meth:`publish` for a member that writes with a fencing token (a zone's
+        aggregator), by ``deadline`` (the event loop's time): each call (of at most
+        PUBLISH_CHUNK counters) is refused whole when the store has seen a higher token
+        from the member on any of its counters; the first refusal ends it."""
+        answers: list[TierTotals] = []
+        for start in range(0, len(reports), PUBLISH_CHUNK):
+            chunk = reports[start : start + PUBLISH_CHUNK]
+            got = await self._publish(chunk, forget_after, token, self.time_left(deadline))
+            if isinstance(got, Fenced):
+                return got
+            answers += got
+        return answers
+
+    async def _publish(
+        self,
+        reports: Sequence[TierReport],
+        forget_after: float,
+        token: int | None,
+        timeout: float,
+    ) -> list[TierTotals] | Fenced:
         keys = [self._tier_key(report.key) for report in reports]
         groups = self._by_slot(keys, reports)  # one group on a single server
         answers = await asyncio.gather(
-            *(self._publish_call(g.keys, g.hits, forget_after) for g in groups)
+            *(self._publish_call(g.keys, g.hits, forget_after, token, timeout) for g in groups)
         )
-        return _reorder(groups, answers, len(reports))
+        refused = [a.highest for a in answers if isinstance(a, Fenced)]
+        if refused:
+            return Fenced(max(refused))
+        return _reorder(groups, [a for a in answers if not isinstance(a, Fenced)], len(reports))
 
     def _tier_key(self, counter: str) -> str:
         """A counter's hash; its sorted set is the same name with ``:m``. Both carry a
@@ -424,10 +450,16 @@ class RedisStore:
         return f"{self.prefix}qt{{{digest}}}"
 
     async def _publish_call(
-        self, keys: list[str], reports: Sequence[TierReport], forget_after: float
-    ) -> list[TierTotals]:
+        self,
+        keys: list[str],
+        reports: Sequence[TierReport],
+        forget_after: float,
+        token: int | None,
+        timeout: float,
+    ) -> list[TierTotals] | Fenced:
         member = reports[0].member
-        args: list[Any] = [member, int(forget_after * 1_000_000)]
+        index = self.zone_keys.counters if self.zone_keys is not None else None
+        args: list[Any] = [member, int(forget_after * 1_000_000), "" if token is None else token]
         call_keys: list[str] = []
         for key, report in zip(keys, reports, strict=True):
             call_keys += (key, key + ":m")
@@ -437,21 +469,12 @@ class RedisStore:
                 report.allowed,
                 report.window_seconds * 1_000_000,
                 round(report.limit * MILLI),
-                report.key if self.tier_index else "",
+                report.key if index is not None else "",
             )
-        if self.tier_index:
-            call_keys.append(self.tier_index)
-        raw = await self._call(self._tier, call_keys, args, self.sync_timeout)
-        return [
-            TierTotals(
-                part=int(raw[i]) / MILLI,
-                demand=int(raw[i + 1]) / MILLI,
-                instances=int(raw[i + 2]),
-                members=int(raw[i + 3]),
-                used=int(raw[i + 4]),
-            )
-            for i in range(0, len(raw), 5)
-        ]
+        if index is not None:
+            call_keys.append(index)
+        raw = await self._call(self._tier, call_keys, args, timeout)
+        return tier_reply(raw)
 
     def _by_slot(self, keys: list[str], items: Sequence[_T]) -> list[_Group]:
         """One group per cluster slot (everything in one group on a single server)."""
@@ -555,6 +578,17 @@ class RedisStore:
         if pool is not None and not self.cluster:  # a Cluster client follows slots itself
             task = asyncio.ensure_future(pool.disconnect())
             task.add_done_callback(_forget)
+
+    def time_left(self, deadline: float | None) -> float:
+        """A call's timeout: ``sync_timeout``, or less to end by ``deadline`` (the event
+        loop's time; None: no deadline). Raises StoreUnavailable when none is left."""
+        if deadline is None:
+            return self.sync_timeout
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            self.timeouts += 1
+            raise StoreUnavailable("redis: no time left for the call")
+        return min(self.sync_timeout, left)
 
     def _replied(self) -> None:
         """A reply came: Redis is alive."""

@@ -1,0 +1,259 @@
+"""The zone's aggregator (``serve --zone``): two loops on every replica of a zone, beside
+the server on the same event loop.
+
+- **The lease**, every RENEW_SHARE of the interval, each call bounded by as long: the
+  holder renews the zone's lease in the zone store, the other replicas try to take it.
+  Nothing else runs in this loop, so a global store that hangs, answers late or is cut
+  off does not touch the lease: the zone keeps its aggregator. A replica acts as the
+  aggregator only while its :class:`~ratelimit_service.core.zones.Leadership` says so
+  (until its last successful renewal's send time plus the lease's time to live, less a
+  margin, on this process's clock), so a replica that cannot renew stops before another
+  can take the lease.
+- **The pass**, every interval, on the holder only, bounded by PASS_SHARE of the
+  interval (each store call gets what is left): read the zone's sums, publish them to
+  the global store as the zone, write back the zone's parts (core/zones.py ZonePass).
+  Every write carries the term's fencing token; a store that has seen a later token
+  refuses it, and this replica stops acting as the aggregator.
+
+The global store away, the zone keeps its last parts and its replicas go on dividing
+them (fail-static). Every transition (lease taken, resumed, lost, lapsed, a write
+refused, the global store away or back) is counted in :meth:`ZoneAggregator.stats`
+(``ratelimit_store{store="zoned",name=...}``) and logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from ratelimit_service.core.tiers import Fenced, TierReport, TierTotals
+from ratelimit_service.core.zones import (
+    LEASE_TTL_SHARE,
+    MARGIN_SHARE,
+    PASS_SHARE,
+    RENEW_SHARE,
+    ZONE_FORGET_AFTER,
+    Change,
+    Leadership,
+    ZonePass,
+)
+from ratelimit_service.engine.background import BackgroundTask, every
+from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.storage.zoned import ZoneRedisStore
+
+log = logging.getLogger(__name__)
+
+
+class ZoneAggregator:
+    """Runs on every replica of a zone; the one that holds the zone's lease publishes the
+    zone's totals to the global store every ``interval`` and writes back its parts."""
+
+    def __init__(
+        self,
+        zone_store: ZoneRedisStore,
+        global_store: RedisStore,
+        *,
+        interval: float,
+        forget_after: float,
+        zone_forget_after: float = ZONE_FORGET_AFTER,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.zone_store = zone_store
+        self.global_store = global_store
+        self.zone = zone_store.zone
+        self.interval = interval
+        self.forget_after = forget_after
+        """Seconds after which the zone's own replicas, counters and buckets are
+        forgotten (as a replica forgets its Envoys)."""
+        self.zone_forget_after = zone_forget_after
+        self.holder = zone_store.node_id
+        self.ttl = LEASE_TTL_SHARE * interval
+        self.renew_every = RENEW_SHARE * interval
+        """Seconds between two lease calls, and the most one may take."""
+        self.pass_timeout = PASS_SHARE * interval
+        self.leadership = Leadership(self.ttl, MARGIN_SHARE * interval)
+        self.arithmetic = ZonePass(self.zone, interval)
+        self._clock = clock
+        self.takeovers = 0
+        """Times this replica took the zone's lease."""
+        self.resumed = 0
+        """Times it aggregated again under the lease it still held (after a lapse)."""
+        self.lease_lost = 0
+        """Times it stopped aggregating: another replica holds the lease, it could not
+        renew it in time, or a store refused its write."""
+        self.lease_lapsed = 0
+        """Of those, times it could not renew the lease in time (the zone store slow or
+        away)."""
+        self.fenced = 0
+        """Writes refused: a store had seen a later fencing token for the zone."""
+        self.abandoned = 0
+        """Passes left before their write-back: the term ended meanwhile."""
+        self.global_outages = 0
+        self.global_recoveries = 0
+        self.passes = 0
+        self.counters = 0
+        """Counters and buckets in the last pass."""
+        self.global_errors = 0
+        self.zone_errors = 0
+        self.global_away = False
+        self._tasks = [
+            BackgroundTask(f"zone-{self.zone}-lease", self._lease_loop),
+            BackgroundTask(f"zone-{self.zone}-pass", self._pass_loop),
+        ]
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
+    @property
+    def leading(self) -> bool:
+        """Whether this replica acts as the zone's aggregator now."""
+        return self.leadership.leading(self._now())
+
+    # -- the lease -------------------------------------------------------------------
+
+    async def renew(self) -> None:
+        """One lease call: renew (the holder) or try to take it (the others)."""
+        sent_at = self._now()
+        try:
+            lease = await self.zone_store.lease(
+                self.holder, self.ttl, self.leadership.floor, self.renew_every
+            )
+        except StoreUnavailable as exc:
+            self.zone_errors += 1
+            self._moved(self.leadership.failed(self._now()), f"could not renew its lease: {exc}")
+            return
+        change = self.leadership.answered(lease, sent_at, self._now())
+        self._moved(change, f"the lease is held by {lease.holder}")
+
+    def _moved(self, change: Change, why: str) -> None:
+        """Count and log a transition once."""
+        token = self.leadership.token
+        if change == Change.TOOK:
+            self.takeovers += 1
+            log.info("zone %s: this replica aggregates the zone now (token %s)", self.zone, token)
+        elif change == Change.RESUMED:
+            self.resumed += 1
+            log.info("zone %s: this replica aggregates the zone again (token %s)", self.zone, token)
+        elif change in (Change.LOST, Change.LAPSED, Change.FENCED):
+            self.lease_lost += 1
+            self.lease_lapsed += change == Change.LAPSED
+            self.global_away = False  # no longer this replica's to tell
+            log.warning("zone %s: this replica no longer aggregates (%s)", self.zone, why)
+
+    # -- the pass --------------------------------------------------------------------
+
+    async def aggregate(self) -> None:
+        """One pass, if this replica holds the lease: the zone's sums to the global
+        store, the zone's parts back (RLQS counters and probabilistic buckets alike: the
+        zones are the global store's members for both), all within pass_timeout."""
+        started = self._now()
+        token = self.leadership.term(started)
+        if token is None:
+            return
+        deadline = asyncio.get_running_loop().time() + self.pass_timeout
+        try:
+            counters = await self.zone_store.zone_totals(self.forget_after, deadline)
+            buckets = await self.zone_store.zone_buckets(self.forget_after, deadline)
+        except StoreUnavailable:
+            self.zone_errors += 1
+            return
+        plan = self.arithmetic.plan(counters, buckets)
+        if not self._still(token):
+            return
+        answers = await self._publish(plan.reports, token, deadline)
+        if answers is None:
+            return
+        if isinstance(answers, Fenced):
+            self._refused("global", token, answers.highest)
+            return
+        shares, zones = self.arithmetic.shares(plan, answers)
+        if not self._still(token):
+            return
+        try:
+            written = await self.zone_store.write_back(shares, zones, token, deadline)
+        except StoreUnavailable:
+            self.zone_errors += 1
+            return
+        if isinstance(written, Fenced):
+            self._refused("zone", token, written.highest)
+            return
+        self.passes += 1
+        self.counters = len(plan.counters) + len(plan.buckets)
+
+    def _still(self, token: int) -> bool:
+        """Whether the term that started this pass goes on (else the pass is left)."""
+        if self.leadership.term(self._now()) == token:
+            return True
+        self.abandoned += 1
+        return False
+
+    def _refused(self, store: str, token: int, highest: int) -> None:
+        self.fenced += 1
+        change = self.leadership.refused(token, highest, self._now())
+        why = f"the {store} store refused its write with token {token}: it has seen {highest}"
+        if change == Change.NONE:  # a late write of a term already over
+            log.info("zone %s: %s", self.zone, why)
+        self._moved(change, why)
+
+    async def _publish(
+        self, reports: list[TierReport], token: int, deadline: float
+    ) -> list[TierTotals] | Fenced | None:
+        """The zone's reports to the global store; None while it is away."""
+        try:
+            answers = await self.global_store.publish_fenced(
+                reports, self.zone_forget_after, token, deadline
+            )
+        except StoreUnavailable as exc:
+            self.global_errors += 1
+            if not self.global_away:
+                self.global_outages += 1
+                log.warning(
+                    "zone %s: the global store is away (%s); the zone keeps its last parts",
+                    self.zone,
+                    exc,
+                )
+            self.global_away = True
+            return None
+        if self.global_away:
+            self.global_recoveries += 1
+            log.info("zone %s: the global store answers again", self.zone)
+            self.global_away = False
+        return answers
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def _lease_loop(self) -> None:
+        await every(self.renew_every, self.renew, f"zone {self.zone}: lease call")
+
+    async def _pass_loop(self) -> None:
+        await every(self.interval, self.aggregate, f"zone {self.zone}: aggregation pass")
+
+    def start(self) -> None:
+        for task in self._tasks:
+            task.start()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            await task.stop()
+
+    def stats(self) -> dict[str, float]:
+        now = self._now()
+        return {
+            "zone_aggregating": float(self.leadership.leading(now)),
+            "zone_token": float(self.leadership.term(now) or 0),
+            "zone_takeovers": self.takeovers,
+            "zone_resumed": self.resumed,
+            "zone_lease_lost": self.lease_lost,
+            "zone_lease_lapsed": self.lease_lapsed,
+            "zone_fenced": self.fenced,
+            "zone_passes_abandoned": self.abandoned,
+            "zone_global_outages": self.global_outages,
+            "zone_global_recoveries": self.global_recoveries,
+            "zone_passes": self.passes,
+            "zone_counters": self.counters,
+            "zone_global_errors": self.global_errors,
+            "zone_store_errors": self.zone_errors,
+            "zone_global_away": float(self.global_away),
+        }
