@@ -53,14 +53,22 @@ descriptors:
 """
 
 
-def over(samples: dict[str, float], histogram: str, bound: str) -> float:
-    """Observations of a histogram above ``bound`` (one of its le labels)."""
-    return samples[f"{histogram}_count"] - samples[f'{histogram}_bucket{{le="{bound}"}}']
+def over(samples: dict[str, float], histogram: str, bound: str) -> float | None:
+    """Observations of a histogram above ``bound`` (one of its le labels); None where
+    the service has no such histogram or bound (an older revision)."""
+    bucket = samples.get(f'{histogram}_bucket{{le="{bound}"}}')
+    return None if bucket is None else samples[f"{histogram}_count"] - bucket
 
 
-def top_bucket(samples: dict[str, float], histogram: str) -> str:
+def grown(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+def top_bucket(samples: dict[str, float], histogram: str) -> str | None:
     """The lowest bound at or below which every observation lies."""
-    count = samples[f"{histogram}_count"]
+    count = samples.get(f"{histogram}_count")
+    if count is None:
+        return None
     bounds = [
         (float(name.split('le="')[1].rstrip('"}')), value)
         for name, value in samples.items()
@@ -180,13 +188,13 @@ def report(
         "rss_mb_start": round(rss[0][1] / 2**20, 1),
         "rss_mb_all_keys_seen": round(seen_all / 2**20, 1),
         "rss_mb_end": round(rss[-1][1] / 2**20, 1),
-        "gc_pauses": after.get(f"{gc}_count", 0) - before.get(f"{gc}_count", 0),
-        "gc_pauses_over_5ms": over(after, gc, "0.005") - over(before, gc, "0.005"),
+        "gc_pauses": grown(before.get(f"{gc}_count"), after.get(f"{gc}_count")),
+        "gc_pauses_over_5ms": grown(over(before, gc, "0.005"), over(after, gc, "0.005")),
         "gc_pause_top_bucket_s": top_bucket(after, gc),
-        "tenures": after.get("ratelimit_gc_tenures_total", 0),
-        "tenure_rounds_skipped": after.get("ratelimit_gc_tenures_skipped_total", 0),
+        "tenures": after.get("ratelimit_gc_tenures_total"),
+        "tenure_rounds_skipped": after.get("ratelimit_gc_tenures_skipped_total"),
         "loop_lag_top_bucket_s": top_bucket(after, "ratelimit_event_loop_lag_seconds"),
-        "histogram_over_20ms": over(after, latency, "0.02") - over(before, latency, "0.02"),
+        "histogram_over_20ms": grown(over(before, latency, "0.02"), over(after, latency, "0.02")),
         "scrapes": len(scrapes),
         "scrape_max_s": max(scrapes, default=0.0),
         "scrape_mb": round(max((size for _, size in watched.scrapes), default=0) / 2**20, 2),

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from ratelimit_service.engine.background import WORK
 from ratelimit_service.engine.stats import SLICE, Stats, StatsCollector
-from ratelimit_service.server.http_server import WORK, HttpServer, pages
+from ratelimit_service.server.http_server import HttpServer, pages
 
 AWKWARD_KEYS = ['a"quoted"', "back\\slash", "new\nline", "plain.key_1", "ünïcode"]
 

@@ -13,6 +13,10 @@ into datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go servi
 - ``ratelimit_server.ShouldRateLimit.total_requests`` (counter) and
   ``ratelimit_server.ShouldRateLimit.response_time`` (timer, milliseconds).
 
+A flush reads every stats key (30 ms at the 10,000 keys' cap): it is made in pieces of
+SLICE keys, taken in stretches that leave the event loop to the calls between
+(background.in_stretches).
+
 The timer comes from the latency histogram, not from one line per call: each histogram
 bucket that gained ``n`` calls is sent as one sample with sample rate ``1/n`` (statsd
 and statsd_exporter count it ``n`` times), its value the interval's mean latency held
@@ -27,8 +31,8 @@ import socket
 from collections.abc import Iterable, Iterator
 
 from ratelimit_service.core.histogram import LATENCY_BOUNDS
-from ratelimit_service.engine.background import BackgroundTask
-from ratelimit_service.engine.stats import Stats
+from ratelimit_service.engine.background import BackgroundTask, in_stretches
+from ratelimit_service.engine.stats import SLICE, Stats
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +64,13 @@ class StatsdDeltas:
         self._latency_sum = 0.0
 
     def lines(self) -> list[str]:
+        return [line for piece in self.pieces() for line in piece]
+
+    def pieces(self) -> Iterator[list[str]]:
+        """The lines, SLICE stats keys (or domains) at a time, then the service's own."""
         stats = self._stats
         out: list[str] = []
-        for key, rule in list(stats.rules.items()):
+        for count, (key, rule) in enumerate(list(stats.rules.items()), 1):
             now = tuple(getattr(rule, name) for name in RULE_COUNTERS)
             before = self._rules.get(key)
             self._rules[key] = now
@@ -71,9 +79,15 @@ class StatsdDeltas:
                 delta = _delta(value, old)
                 if delta:
                     out.append(f"{prefix}{name}:{delta}|c")
-        for domain, count in list(stats.domain_not_found.items()):
+            if count % SLICE == 0:
+                yield out
+                out = []
+        for count, (domain, found) in enumerate(list(stats.domain_not_found.items()), 1):
             name = f"{SERVICE}.rate_limit.{stat_name(domain)}.domain_not_found"
-            out.extend(self._counter(name, count))
+            out.extend(self._counter(name, found))
+            if count % SLICE == 0:
+                yield out
+                out = []
         for name, value in (
             (f"{SERVICE}.config_load_success", stats.config_load_success),
             (f"{SERVICE}.config_load_error", stats.config_load_error),
@@ -84,7 +98,7 @@ class StatsdDeltas:
         ):
             out.extend(self._counter(name, value))
         out.extend(self._timer_lines())
-        return out
+        yield out
 
     def _counter(self, name: str, value: int) -> Iterator[str]:
         delta = _delta(value, self._plain.get(name, 0))
@@ -168,7 +182,10 @@ class StatsdSink:
 
     async def flush(self) -> int:
         """Send what changed; returns the number of datagrams sent."""
-        datagrams = pack(self.deltas.lines())
+        lines: list[str] = []
+        async for piece in in_stretches(self.deltas.pieces()):
+            lines += piece
+        datagrams = pack(lines)
         self.flushes += 1
         if not datagrams:
             return 0

@@ -7,21 +7,21 @@ request bodies (Content-Length or chunked, bounded), ``Expect: 100-continue``, a
 timeout for each request and for idle connections.
 
 A page may answer with its body in pieces (an iterator of bytes, /metrics), so that a
-large page never holds the calls the same loop answers: the server takes pieces for
-WORK seconds at most, then leaves the loop to the calls for REST seconds (a call needs
-several turns of the loop; returning for a single turn between pieces would add a piece
-to each of them), and writes the page in blocks the same way. The page is sent with a
-Content-Length, as every page is (the simplest clients, the supervisor's among them,
-need no chunked coding).
+large page never holds the calls the same loop answers: the server takes the pieces in
+stretches that leave the loop to the calls between (engine/background.in_stretches),
+and writes the page in blocks the same way. The page is sent with a Content-Length, as
+every page is (the simplest clients, the supervisor's among them, need no chunked
+coding).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from http import HTTPStatus
+
+from ratelimit_service.engine.background import in_stretches
 
 Body = bytes | Iterator[bytes]
 """A whole body, or its pieces (an empty piece: only a point to return to the loop)."""
@@ -33,10 +33,6 @@ IDLE_TIMEOUT = 60.0
 """Seconds a kept-alive connection may wait for its next request."""
 REQUEST_TIMEOUT = 10.0
 """Seconds one request may take to arrive, once its first line has."""
-WORK = 0.001
-"""Seconds a page in pieces holds the event loop at a time (pieces are far shorter)."""
-REST = 0.001
-"""Seconds the loop is left to other work between two such stretches."""
 BLOCK = 1 << 18
 """Bytes written at a time of a page in pieces."""
 
@@ -203,29 +199,22 @@ async def _respond(
         await writer.drain()
         return
     writer.write(head.encode("latin-1"))
-    for block in blocks:
+    async for block in in_stretches(blocks):
         writer.write(block)
         await writer.drain()
-        await asyncio.sleep(REST)
 
 
 async def _in_blocks(pieces: Iterator[bytes]) -> list[bytes]:
-    """A body's pieces taken WORK seconds at a time with REST between, joined into
-    blocks of about BLOCK bytes."""
+    """A body's pieces, taken in stretches, joined into blocks of about BLOCK bytes."""
     blocks: list[bytes] = []
     block: list[bytes] = []
     size = 0
-    clock = time.perf_counter
-    until = clock() + WORK
-    for piece in pieces:
+    async for piece in in_stretches(pieces):
         block.append(piece)
         size += len(piece)
         if size >= BLOCK:
             blocks.append(b"".join(block))
             block, size = [], 0
-        if clock() > until:
-            await asyncio.sleep(REST)
-            until = clock() + WORK
     blocks.append(b"".join(block))
     return blocks
 
