@@ -36,6 +36,10 @@ STOP_TIMEOUT = 30.0
 """Seconds the workers get to drain and stop before they are killed (their
 --drain-timeout, 15 s by default, plus the in-flight grace)."""
 FETCH_TIMEOUT = 2.0
+METRICS_FETCH_TIMEOUT = 8.0
+"""A worker's /metrics at the stats keys' cap is 8 MB, made in stretches that leave the
+worker's loop to its calls: it takes longer than a page (under Prometheus's default
+10 s scrape timeout)."""
 SUMMED_TYPES = ("counter", "histogram", "summary")
 
 
@@ -65,10 +69,10 @@ class Worker:
                 self.process.send_signal(sig)
 
 
-async def fetch(port: int, path: str) -> tuple[int, bytes]:
-    """GET a worker's admin page; (0, b"") when it does not answer."""
+async def fetch(port: int, path: str, timeout: float = FETCH_TIMEOUT) -> tuple[int, bytes]:
+    """GET a worker's admin page; (0, b"") when it does not answer in ``timeout``."""
     try:
-        async with asyncio.timeout(FETCH_TIMEOUT):
+        async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(f"GET {path} HTTP/1.0\r\nHost: worker\r\n\r\n".encode())
             await writer.drain()
@@ -107,6 +111,15 @@ def merge_metrics(texts: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _merged_page(pages: Sequence[bytes]) -> bytes:
+    """The merged exposition and how many workers answered."""
+    merged = merge_metrics([page.decode() for page in pages]) + (
+        "# HELP ratelimit_workers_serving Worker processes answering their admin port\n"
+        f"# TYPE ratelimit_workers_serving gauge\nratelimit_workers_serving {len(pages)}\n"
+    )
+    return merged.encode()
+
+
 def _labels(labels: tuple[tuple[str, str], ...]) -> str:
     if not labels:
         return ""
@@ -143,14 +156,15 @@ class Supervisor:
         return 503, "text/plain", b"NOT SERVING\n" + body
 
     async def _metrics(self) -> tuple[int, str, bytes]:
-        results = await asyncio.gather(*(fetch(w.admin_port, "/metrics") for w in self.workers))
-        texts = [body.decode() for status, body in results if status == 200]
-        up = len(texts)
-        merged = merge_metrics(texts) + (
-            "# HELP ratelimit_workers_serving Worker processes answering their admin port\n"
-            f"# TYPE ratelimit_workers_serving gauge\nratelimit_workers_serving {up}\n"
+        """The workers' pages merged. In a thread: parsing and merging the pages of two
+        workers at the stats keys' cap takes seconds of CPU, and this loop answers
+        /healthcheck meanwhile."""
+        results = await asyncio.gather(
+            *(fetch(w.admin_port, "/metrics", METRICS_FETCH_TIMEOUT) for w in self.workers)
         )
-        return 200, "text/plain; version=0.0.4; charset=utf-8", merged.encode()
+        pages = [body for status, body in results if status == 200]
+        merged = await asyncio.to_thread(_merged_page, pages)
+        return 200, "text/plain; version=0.0.4; charset=utf-8", merged
 
     async def _rlconfig(self) -> tuple[int, str, bytes]:
         status, body = await fetch(self.workers[0].admin_port, "/rlconfig")
