@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from ratelimit_service.testing.faults import (
     store_decides,
     touch_probabilistic,
 )
+from ratelimit_service.testing.fleet import scrape
 from ratelimit_service.testing.forwarder import Forwarder
 from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup, RedisServer
 from ratelimit_service.testing.waiting import eventually_async
@@ -38,16 +38,6 @@ AFTER = 1.0
 """Seconds of load after the store decides again."""
 RECOVERY_LIMIT = 15.0
 """Seconds a scenario waits for the store to decide again before it gives up."""
-
-
-def _metrics(service: ServiceProcess) -> dict[str, float]:
-    url = f"http://127.0.0.1:{service.admin_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        lines = response.read().decode().splitlines()
-    return {
-        name: float(value)
-        for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))
-    }
 
 
 def store_metric(name: str) -> str:
@@ -125,11 +115,11 @@ async def _until_decides(service: ServiceProcess, probe: Probe, values: int = 1)
 
 async def _syncs(service: ServiceProcess) -> bool:
     """Whether the reconciler's syncs succeed now: a round completes with no error."""
-    before = await asyncio.to_thread(_metrics, service)
+    before = await asyncio.to_thread(scrape, service.admin_port)
     rounds = before["ratelimit_sync_rounds_total"]
     while True:
         await asyncio.sleep(0.05)
-        after = await asyncio.to_thread(_metrics, service)
+        after = await asyncio.to_thread(scrape, service.admin_port)
         if after["ratelimit_sync_rounds_total"] > rounds:
             return after["ratelimit_sync_errors_total"] == before["ratelimit_sync_errors_total"]
 
@@ -161,7 +151,7 @@ async def _finish(
 ) -> FaultRun:
     """AFTER seconds more of load, then the run with the service's metrics ("end")."""
     await asyncio.sleep(AFTER)
-    metrics = await asyncio.to_thread(_metrics, service)
+    metrics = await asyncio.to_thread(scrape, service.admin_port)
     return FaultRun(fault, probe, fault_at, recovery, "", {"end": metrics})
 
 
@@ -210,9 +200,9 @@ async def silent_store(directory: Path, how: str, seconds: float) -> FaultRun:
             else:
                 master.pause()
             await asyncio.sleep(seconds / 2)
-            during = await asyncio.to_thread(_metrics, service)
+            during = await asyncio.to_thread(scrape, service.admin_port)
             await asyncio.sleep(seconds / 2)
-            later = await asyncio.to_thread(_metrics, service)
+            later = await asyncio.to_thread(scrape, service.admin_port)
             if how == "blackhole":
                 forwarder.forward()
             else:

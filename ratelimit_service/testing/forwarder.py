@@ -6,14 +6,22 @@ store whose failures the test stages as they happen in production.
   DNS, a proxy): the demoted master keeps its clients' connections.
 - ``blackhole()``: every connection, open or new, is accepted and never answered, and
   what the client sends is swallowed. That is a partition, or a store that hangs.
-- ``forward()``: back to normal for the connections opened from now on and for the
-  black-holed ones (their upstream side is still open).
-- ``reset()``: every open connection is closed at once.
+  ``forward()`` ends it (for the connections open and to come).
+- ``delay(seconds)``: every chunk coming back from the store is written to the client
+  that long after it arrived (in order, pipelined: one chunk's delay does not add to
+  the next one's), so every round trip grows by it. That is a slow store (a busy one,
+  a far one).
+- ``hold()``: what clients send is kept, in order, and not forwarded; ``release()``
+  forwards it all and lets the rest through; ``held()`` is the bytes kept. That is a
+  request stuck in the network, which reaches the store after its sender has been
+  replaced (a late write).
+- ``reset()``: every open connection is closed at once; ``connections()`` counts them.
 
 It runs as its own process (``python -m ratelimit_service.testing.forwarder``), so that
-its latency does not depend on the test's event loop or GIL, and takes one command a
-line on a control port: ``upstream PORT``, ``blackhole``, ``forward``, ``reset``,
-``count`` (open connections). :class:`Forwarder` starts it and speaks that protocol.
+its timing does not depend on the test's event loop or GIL, and takes one command a
+line on a control port (``upstream PORT``, ``blackhole``, ``forward``, ``delay MS``,
+``hold``, ``release``, ``held``, ``reset``, ``count``). :class:`Forwarder` starts it
+and speaks that protocol.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ratelimit_service.testing.redis import free_port
@@ -31,40 +40,96 @@ from ratelimit_service.testing.redis import free_port
 CHUNK = 65536
 
 
+class _State:
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.blackhole = False
+        self.delay = 0.0
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self.held = 0
+        """Bytes read from clients and not forwarded yet."""
+        self.pairs: set[_Pair] = set()
+
+
 class _Pair:
     """One client connection and its upstream side."""
 
     def __init__(self, client: asyncio.StreamWriter, upstream: asyncio.StreamWriter) -> None:
-        self.client = client
-        self.upstream = upstream
-        self.tasks: list[asyncio.Task[None]] = []
+        self.writers = (client, upstream)
+        self.tasks: list[asyncio.Future[Any]] = []
 
     def close(self) -> None:
-        for writer in (self.client, self.upstream):
+        for writer in self.writers:
             with contextlib.suppress(Exception):
                 writer.transport.abort()
         for task in self.tasks:
             task.cancel()
 
 
-class _State:
-    def __init__(self, upstream: int) -> None:
-        self.upstream = upstream
-        self.blackhole = asyncio.Event()
-        self.flowing = asyncio.Event()
-        self.flowing.set()
-        self.pairs: set[_Pair] = set()
+async def _upward(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: _State
+) -> None:
+    """Client to store: chunks queue while held, and go out in order once released; in
+    a black hole they are read and dropped."""
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
 
-
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: _State) -> None:
-    """Copy bytes one way; in a black hole, read and drop them (the peer's kernel
-    buffers do not fill, as with a host that is gone but a route that is not)."""
-    with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
-        while data := await reader.read(CHUNK):
-            if state.blackhole.is_set():
-                continue
+    async def send() -> None:
+        while data := await queue.get():
+            await state.flowing.wait()
+            state.held -= len(data)
             writer.write(data)
             await writer.drain()
+
+    await _pump(reader, writer, state, send, lambda data: _queue_held(queue, data, state))
+
+
+def _queue_held(queue: asyncio.Queue[bytes], data: bytes, state: _State) -> None:
+    state.held += len(data)
+    queue.put_nowait(data)
+
+
+async def _downward(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: _State
+) -> None:
+    """Store to client: each chunk written ``state.delay`` after it arrived; in a black
+    hole, read and dropped."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def send() -> None:
+        while True:
+            due, data = await queue.get()
+            if not data:
+                return
+            if (wait := due - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            await writer.drain()
+
+    def put(data: bytes) -> None:
+        queue.put_nowait((loop.time() + state.delay, data))
+
+    await _pump(reader, writer, state, send, put)
+
+
+async def _pump(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    state: _State,
+    send: Callable[[], Awaitable[None]],
+    put: Callable[[bytes], None],
+) -> None:
+    """Read chunks and hand them to ``put`` (dropped in a black hole) while ``send``
+    writes them; an empty chunk ends ``send`` once the reader is done."""
+    sender = asyncio.ensure_future(send())
+    with contextlib.suppress(ConnectionError, OSError):
+        while data := await reader.read(CHUNK):
+            if not state.blackhole:
+                put(data)
+    put(b"")
+    with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+        await sender
     with contextlib.suppress(Exception):
         writer.close()
 
@@ -72,7 +137,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stat
 async def _serve_client(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: _State
 ) -> None:
-    if state.blackhole.is_set():  # accepted, never answered
+    if state.blackhole:  # accepted, never answered
         with contextlib.suppress(ConnectionError, OSError):
             while await reader.read(CHUNK):
                 pass
@@ -86,8 +151,8 @@ async def _serve_client(
     pair = _Pair(writer, up_writer)
     state.pairs.add(pair)
     pair.tasks = [
-        asyncio.ensure_future(_pump(reader, up_writer, state)),
-        asyncio.ensure_future(_pump(up_reader, writer, state)),
+        asyncio.ensure_future(_upward(reader, up_writer, state)),
+        asyncio.ensure_future(_downward(up_reader, writer, state)),
     ]
     with contextlib.suppress(asyncio.CancelledError):
         await asyncio.gather(*pair.tasks, return_exceptions=True)
@@ -95,27 +160,39 @@ async def _serve_client(
     pair.close()
 
 
+def _command(state: _State, words: list[str]) -> str:
+    """One control command's answer ("ok", a number, or "error: ...")."""
+    match words:
+        case ["upstream", port]:
+            state.upstream = int(port)
+        case ["blackhole"]:
+            state.blackhole = True
+        case ["forward"]:
+            state.blackhole = False
+        case ["delay", ms]:
+            state.delay = float(ms) / 1000
+        case ["hold"]:
+            state.flowing.clear()
+        case ["release"]:
+            state.flowing.set()
+        case ["held"]:
+            return str(state.held)
+        case ["reset"]:
+            for pair in list(state.pairs):
+                pair.close()
+            state.pairs.clear()
+        case ["count"]:
+            return str(len(state.pairs))
+        case _:
+            return f"error: unknown command {' '.join(words)!r}"
+    return "ok"
+
+
 async def _control(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: _State
 ) -> None:
     while line := await reader.readline():
-        words = line.decode().split()
-        answer = "ok"
-        if words[:1] == ["upstream"]:
-            state.upstream = int(words[1])
-        elif words == ["blackhole"]:
-            state.blackhole.set()
-        elif words == ["forward"]:
-            state.blackhole.clear()
-        elif words == ["reset"]:
-            for pair in list(state.pairs):
-                pair.close()
-            state.pairs.clear()
-        elif words == ["count"]:
-            answer = str(len(state.pairs))
-        else:
-            answer = f"error: unknown command {line.decode().strip()!r}"
-        writer.write(answer.encode() + b"\n")
+        writer.write(_command(state, line.decode().split()).encode() + b"\n")
         await writer.drain()
     writer.close()
 
@@ -133,24 +210,18 @@ async def _main(listen: int, upstream: int, control: int) -> None:
 
 
 class Forwarder:
-    """The forwarder process, listening on ``port`` in front of ``upstream``."""
+    """The forwarder process, listening on ``port`` (``url`` for Redis) in front of
+    ``upstream``."""
 
     def __init__(self, upstream: int) -> None:
         self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
         self.control_port = free_port()
         self._process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ratelimit_service.testing.forwarder",
-                "--listen",
-                str(self.port),
-                "--upstream",
-                str(upstream),
-                "--control",
-                str(self.control_port),
-            ]
-        )
+            [sys.executable, "-m", "ratelimit_service.testing.forwarder",
+             "--listen", str(self.port), "--upstream", str(upstream),
+             "--control", str(self.control_port)]
+        )  # fmt: skip
         self._control: socket.socket | None = None
 
     def _command(self, line: str) -> str:
@@ -182,6 +253,18 @@ class Forwarder:
 
     def forward(self) -> None:
         self._command("forward")
+
+    def delay(self, seconds: float) -> None:
+        self._command(f"delay {seconds * 1000}")
+
+    def hold(self) -> None:
+        self._command("hold")
+
+    def release(self) -> None:
+        self._command("release")
+
+    def held(self) -> int:
+        return int(self._command("held"))
 
     def reset(self) -> None:
         self._command("reset")

@@ -4,7 +4,7 @@ failure does").
 
 Real processes: two zones (a redis-server each) under a global redis-server, two
 ``serve --zone`` replicas per zone, each dialling the global store through its own
-delay proxy (testing/delay_proxy.py), and eight simulated Envoys on RLQS streams asking
+forwarder (testing/forwarder.py), and eight simulated Envoys on RLQS streams asking
 twice the limit (zone a's twice zone b's). Intervals are shortened (zones every 0.5 s,
 replicas every 0.25 s, Envoys report every second) so that a fault of 10 s spans twenty
 passes.
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from ratelimit_service.testing.delay_proxy import DelayProxy
 from ratelimit_service.testing.envoy import ServiceProcess
 from ratelimit_service.testing.envoy_fixtures import scrape
+from ratelimit_service.testing.forwarder import Forwarder
 from ratelimit_service.testing.redis import RedisServer
 from ratelimit_service.testing.rlqs_sim import SimEnvoy, StreamingEnvoy
 from ratelimit_service.testing.waiting import eventually_async
@@ -50,7 +50,7 @@ NAMES = ("a1", "a2", "b1", "b2")
 class Zones:
     servers: dict[str, RedisServer]
     replicas: dict[str, ServiceProcess]
-    proxies: dict[str, DelayProxy]
+    proxies: dict[str, Forwarder]
     envoys: list[StreamingEnvoy] = field(default_factory=list)
 
     def stat(self, name: str, stat: str) -> float:
@@ -109,7 +109,7 @@ async def zones(tmp_path: Path) -> AsyncIterator[Zones]:
     servers = {name: RedisServer(tmp_path) for name in ("a", "b", "global")}
     for server in servers.values():
         server.start()
-    proxies = {name: DelayProxy(servers["global"].port) for name in NAMES}
+    proxies = {name: Forwarder(servers["global"].port) for name in NAMES}
     fleet = Zones(servers, {}, proxies)
     try:
         for name in NAMES:
