@@ -4,31 +4,31 @@ start them, and stop them gracefully (health NOT_SERVING first, then drain).
 The garbage collector is part of the process set-up (:class:`Tenuring`). CPython's
 oldest-generation pass scans every tracked object, and a limiter keeps tracked objects
 per key: probabilistic buckets, stats keys, cached requests and their plans, the store's
-entries. Over 50,000 keys at 500 calls a second that pass took 15-90 ms (up to 190 ms on
-a busy machine) every 10 s and freed nothing; it holds the event loop, so every call in
-flight missed Envoy's 20 ms deadline. At the caps (100,000 buckets, 10,000 stats keys and
-cached requests) one pass takes 60 ms on an idle core. The options, measured:
+entries. Over 50,000 keys at 500 calls a second that pass took 15-90 ms (190 ms on a
+busy machine) every 10 s and freed almost nothing; it holds the event loop, so calls in
+flight missed Envoy's 20 ms deadline. At the caps (100,000 buckets, 10,000 stats keys
+and cached requests) one pass takes 60 ms on an idle core. The options, measured:
 
 - ``gc.freeze()`` after start-up alone keeps modules and config out of the scans, but
   the per-key state arrives later: the pass still grows with the keys.
 - ``gc.set_threshold`` changes how often the pass runs, not how long it holds the loop.
-- Per-key state the collector does not track (arrays, atomic tuples): cheapest to scan,
-  but the state lives in several layers (buckets, stats, request cache, the stores' own
-  tables); a pass over 100,000 untracked-valued entries still costs 6 ms, and every
-  store would have to follow.
+- Per-key state made cheap to scan (numbers in arrays, atomic tuples): the state lives
+  in several layers (buckets, stats, request cache, each store's own tables), and even
+  100,000 entries whose values hold no references (arrays) cost a 6 ms pass.
 - CPython 3.11 cannot run a full pass in steps.
 
-So the process *tenures*: every second, at a moment when no task started since the
-previous round is still running (no call, scrape or stream is half-done), it collects
-everything not yet tenured (what was made since: cheap) and then freezes what survived.
-Full passes afterwards scan only what is newer than the last tenure, whatever the number
-of keys. Garbage is never frozen (the collection comes first), and only objects that
-outlived a quiet moment are: per-key state, which is acyclic and freed by reference
-counting when it is evicted, and long-lived service objects. The cost is that a cycle
-among tenured objects would not be collected: the process's memory stays flat over the
-soak, and the tenured objects still alive level off (docs/benchmarks.md; counting them,
-``gc.get_freeze_count()``, walks them all, a pause of its own, so /metrics shows the
-objects tenured so far instead). Collections are timed (``ratelimit_gc_pause_seconds``)."""
+So the process *tenures*: every second, at a moment when every task running has been
+running since the round before at least (background loops, RLQS streams, kept-alive
+connections; no call or scrape is half-done), it collects everything not yet tenured
+(what was made since: a pass of a millisecond or two) and freezes what survived. Full
+passes then scan only what is newer than the last tenure, whatever the number of keys.
+Garbage is never frozen (the collection comes first), only objects that were alive at a
+quiet moment: per-key state, which holds no cycles and is freed by reference counting
+when evicted, and long-lived service objects. The cost: a cycle formed later among
+tenured objects is not collected. The process's memory stays flat over a 30-minute soak
+(docs/benchmarks.md). ``ratelimit_gc_pause_seconds`` times every collection;
+``ratelimit_gc_tenured_objects_total`` counts the objects tenured (counting those still
+alive, ``gc.get_freeze_count()``, walks them all: a pause of its own)."""
 
 from __future__ import annotations
 
