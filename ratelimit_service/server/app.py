@@ -26,7 +26,10 @@ Garbage is never frozen (the collection comes first), only objects that were ali
 quiet moment: per-key state, which holds no cycles and is freed by reference counting
 when evicted, and long-lived service objects. The cost: a cycle formed later among
 tenured objects is not collected. The process's memory stays flat over a 30-minute soak
-(docs/benchmarks.md). ``ratelimit_gc_pause_seconds`` times every collection;
+(docs/benchmarks.md), and the tenured objects still alive follow the live state: between
+104,000 and 149,000 over 7 minutes of 500 calls a second over 50,000 keys, with 20
+refused calls a second and a scrape every 15 s beside them, and 84,000 half a minute
+after the load stopped. ``ratelimit_gc_pause_seconds`` times every collection;
 ``ratelimit_gc_tenured_objects_total`` counts the objects tenured (counting those still
 alive, ``gc.get_freeze_count()``, walks them all: a pause of its own)."""
 
