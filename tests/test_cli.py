@@ -285,7 +285,7 @@ def test_serve_freezes_start_up_objects(tmp_path: Path) -> None:
     (about 10 ms, stalling every request in flight); serve freezes it once it is up."""
     with serve(tmp_path, "--config", "config/", "--log-level", "DEBUG") as served:
         found = eventually(
-            lambda: re.search(r"frozen for the garbage collector: (\d+)", served.output()),
+            lambda: re.search(r"objects tenured at start: (\d+)", served.output()),
             timeout=10,
             what="the freeze logged",
             context=served.output,
