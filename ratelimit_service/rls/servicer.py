@@ -29,10 +29,9 @@ log = logging.getLogger(__name__)
 RLS_SERVICE = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
 DEADLINE_MARGIN = 0.005
 """Seconds before the caller's gRPC deadline at which an exact decision stops waiting
-for the store and answers by failure_mode, by default: time to send the answer. A
-call's trip through grpc, both ways, takes up to 4 ms at the 99th percentile on a
-2-core machine (docs/reliability.md); an answer given later than this often arrives
-after the caller has stopped waiting."""
+for the store and answers by failure_mode, by default: time to send the answer. An
+answer given later than this often reaches its caller after it has stopped waiting
+(the fault tests in tests/faults/ show it with answers 2 ms before the deadline)."""
 
 
 def request_from_proto(message: Any) -> Request:
