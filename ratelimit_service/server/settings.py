@@ -286,6 +286,9 @@ SETTINGS: tuple[Setting, ...] = (
             "RateLimit-Remaining"),
     Setting("--header-reset", "Envoy compatibility", "name of the reset header",
             "RateLimit-Reset"),
+    Setting("--header-rule", "Envoy compatibility",
+            "name of a response header naming the rule that decided (its name, else its stats"
+            " key), with or without --response-headers (empty: not sent)", ""),
     Setting("--http-addr", "Envoy compatibility",
             "envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (off unless"
             " given)", None, host_port, fills="http_addr", to_field=_none_if_empty),
@@ -430,7 +433,7 @@ class Settings:
 
 def fields_from(values: dict[str, Any]) -> dict[str, Any]:
     """Settings fields from parsed values by flag ``dest``: every declared field, and
-    the header names (three flags, one field)."""
+    the header names (four flags, one field)."""
     fields = {}
     for setting in SETTINGS:
         if setting.fills is None:
@@ -438,7 +441,10 @@ def fields_from(values: dict[str, Any]) -> dict[str, Any]:
         value = values[setting.dest]
         fields[setting.fills] = setting.to_field(value) if setting.to_field else value
     fields["header_names"] = HeaderNames(
-        values["header_limit"], values["header_remaining"], values["header_reset"]
+        values["header_limit"],
+        values["header_remaining"],
+        values["header_reset"],
+        values["header_rule"],
     )
     return fields
 
