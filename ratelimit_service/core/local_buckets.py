@@ -263,6 +263,10 @@ class LocalBuckets:
         bucket.last_used = now
         return bucket
 
+    def peek(self, key: str) -> ProbabilisticBucket | None:
+        """The bucket of ``key`` if there is one, as it is: not created, not marked used."""
+        return self._buckets.get(key)
+
     @staticmethod
     def decide(bucket: ProbabilisticBucket, hits: int, draw: float) -> bool:
         """Admit ``hits`` or not, against a given draw (see ProbabilisticBucket.take)."""

@@ -77,8 +77,9 @@ from ratelimit_service.engine.statsd import StatsdSink
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
+from ratelimit_service.server.explain_page import explain_page
 from ratelimit_service.server.go_http import GoEndpoints
-from ratelimit_service.server.http_server import HttpServer, pages
+from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
 from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.tls import CertificateReloader
 from ratelimit_service.storage.base import Store
@@ -293,6 +294,7 @@ class RateLimitService:
                     "/": self._index_page,
                 }
             )
+            | {"/explain": query_page(self._explain_page)}
         )
         # envoyproxy/ratelimit's own ports and its statsd stats, when asked for.
         self.http: HttpServer | None = None
@@ -612,7 +614,10 @@ class RateLimitService:
         return 200, "text/plain; charset=utf-8", self.limiter.config.dump().encode()
 
     def _index_page(self) -> tuple[int, str, bytes]:
-        return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n"
+        return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n/explain\n"
+
+    async def _explain_page(self, query: str) -> PageResult:
+        return await explain_page(self.limiter, query)
 
     def _debug_index_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain", b"/rlconfig\n/metrics\n"
