@@ -24,6 +24,7 @@ LOG_FORMAT = (
     f" %DYNAMIC_METADATA({NAMESPACE}:rule)% %DYNAMIC_METADATA({NAMESPACE}:descriptors)%\n"
 )
 """The line docs/operations.md gives: status, domain, deciding rule, every descriptor."""
+FILE_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
 
 
 def with_access_log(bootstrap: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -33,7 +34,7 @@ def with_access_log(bootstrap: dict[str, Any], path: Path) -> dict[str, Any]:
         {
             "name": "envoy.access_loggers.file",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "@type": FILE_LOG,
                 "path": str(path),
                 "log_format": {"text_format_source": {"inline_string": LOG_FORMAT}},
             },
