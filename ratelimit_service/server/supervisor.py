@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratelimit_service.core.address import listen_host, split_host_port
-from ratelimit_service.server.http_server import HttpServer, pages
+from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ class Supervisor:
                     "/": self._index,
                 }
             )
+            | {"/explain": query_page(self._explain)}
         )
 
     async def _health(self) -> tuple[int, str, bytes]:
@@ -172,8 +173,17 @@ class Supervisor:
             return 503, "text/plain", b"worker 0 is not answering\n"
         return 200, "text/plain; charset=utf-8", body
 
+    async def _explain(self, query: str) -> PageResult:
+        """Worker 0's page: the same rules, the store's counts for exact rules, and its
+        own view of the fleet's for probabilistic ones."""
+        status, body = await fetch(self.workers[0].admin_port, f"/explain?{query}")
+        if status == 0:
+            return 503, "text/plain", b"worker 0 is not answering\n"
+        kind = "application/json" if body.startswith(b"{") else "text/plain; charset=utf-8"
+        return status, kind, body
+
     async def _index(self) -> tuple[int, str, bytes]:
-        return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n"
+        return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n/explain\n"
 
     def _forward(self, sig: int) -> None:
         for worker in self.workers:
