@@ -87,8 +87,8 @@ class FleetView:
     offered_total: int
     """Monotonic count of hits offered to the whole fleet."""
     limit: float | None = None
-    """The limit per window the bucket refilled at, when it is not the rule's: in a
-    zone, the zone's part of it (see zone_limit)."""
+    """The limit per window the bucket refilled at: the rule's, or in a zone the zone's
+    part of it (see zone_limit); None: the rule's."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ call('ZREMRANGEBYSCORE', KEYS[1], '-inf', format('(%d', since))
 local keys = call('ZRANGEBYSCORE', KEYS[1], format('%d', since), '+inf', 'LIMIT', '0', ARGV[2])
 local out = {}
 for _, hash in ipairs(keys) do
-  local f = call('HMGET', hash, 'K', 'D', 'N', 'L', 'W', 'w', 'u', 'gw', 'g')
+  local f = call('HMGET', hash, 'K', 'D', 'N', 'R', 'W', 'w', 'u', 'gw', 'g')
   local window = tonumber(f[5])
   if f[1] and window then
     local index = math.floor(now / window)

@@ -30,7 +30,7 @@ from ratelimit_service.core.zones import (
     ZoneShare,
     ZoneTotals,
 )
-from ratelimit_service.storage.redis_store import PREFIX, RedisStore, _script
+from ratelimit_service.storage.redis_store import CALL_CHUNK, PREFIX, RedisStore, _script
 from ratelimit_service.storage.script_replies import (
     lease_reply,
     zone_read_fleet_reply,
@@ -41,8 +41,17 @@ from ratelimit_service.storage.script_replies import (
 MOST_COUNTERS = 10_000
 """Counters (and buckets) one aggregation pass reads from the zone store at most (the
 least recently published first)."""
-WRITE_CHUNK = 256
-"""Counters per write-back call: keeps each Lua call short."""
+
+
+def write_args(
+    shares: Sequence[ZoneShare], zones: int | None, keep_ms: int, token: int
+) -> list[Any]:
+    """zone_write.lua's ARGV: the count of ``zones`` (None: left as it is), how long it
+    lives, the writer's token, then each hash's share (see the script's header)."""
+    args: list[Any] = ["" if zones is None else zones, keep_ms, token]
+    for share in shares:
+        args += (share.part, share.global_used, share.window, share.forwarded)
+    return args
 
 
 class ZoneRedisStore(RedisStore):
@@ -86,11 +95,10 @@ class ZoneRedisStore(RedisStore):
         counters written."""
         keep_ms = round(2 * ZONE_FORGET_AFTER * 1000)
         written = 0
-        for start in range(0, max(1, len(shares)), WRITE_CHUNK):
-            chunk = shares[start : start + WRITE_CHUNK]
-            args: list[Any] = ["" if start else zones, keep_ms, token]
-            for _, share in chunk:
-                args += (share.part, share.global_used, share.window, share.forwarded)
+        for start in range(0, max(1, len(shares)), CALL_CHUNK):
+            chunk = shares[start : start + CALL_CHUNK]
+            shares_now = [share for _, share in chunk]
+            args = write_args(shares_now, None if start else zones, keep_ms, token)
             keys = [self.keys.zones, self.keys.fence, *(key for key, _ in chunk)]
             raw = await self._call(self._write, keys, args, self.time_left(deadline))
             answer = zone_write_reply(raw)
