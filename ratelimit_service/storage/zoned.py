@@ -54,6 +54,12 @@ def write_args(
     return args
 
 
+def lease_args(holder: str, ttl_us: int, floor: int | None) -> list[Any]:
+    """lease.lua's ARGV: who asks, for how long, and a token a write of theirs was
+    refused against (None: none)."""
+    return [holder, ttl_us, "" if floor is None else floor]
+
+
 class ZoneRedisStore(RedisStore):
     """The zone store: a RedisStore that keeps the zone's indexes (its ZoneKeys), and
     answers the aggregator's lease, reads and writes. Every aggregator call is bounded
@@ -110,8 +116,8 @@ class ZoneRedisStore(RedisStore):
     async def lease(self, holder: str, ttl: float, floor: int | None, timeout: float) -> Lease:
         """Take or renew the zone's lease for ``ttl`` seconds (lease.lua), within
         ``timeout``; ``floor``: a token a write of ``holder`` was refused against."""
-        args = [holder, max(1, round(ttl * 1_000_000)), "" if floor is None else floor]
         keys = [self.keys.lease, self.keys.fence]
+        args = lease_args(holder, max(1, round(ttl * 1_000_000)), floor)
         return lease_reply(await self._call(self._lease, keys, args, timeout))
 
 
