@@ -26,6 +26,8 @@
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local call, tonumber, floor, format = redis.call, tonumber, math.floor, string.format
+local ENFORCE, QUOTA = 0, 2  -- roles: core/exact.py HitRole
+local COMMIT, FORCE = 1, 2  -- commit: storage/exact_batcher.py encode, FORCE
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local slices = tonumber(ARGV[1])
@@ -126,7 +128,7 @@ local out, o = {}, 0
 local arg, key_index = 3, 1
 for _ = 1, requests do
   local commit_arg = tonumber(ARGV[arg])
-  local commit, force = commit_arg == 1, commit_arg == 2
+  local commit, force = commit_arg == COMMIT, commit_arg == FORCE
   local n = tonumber(ARGV[arg + 1])
   arg = arg + 2
   local denied, quota_seen, quota_all_over = false, false, true
@@ -136,9 +138,9 @@ for _ = 1, requests do
     local need = hits
     if need < 1 then need = 1 end
     local ok = w.total + need <= limit
-    if role == 0 then
+    if role == ENFORCE then
       if not ok then denied = true end
-    elseif role == 2 then
+    elseif role == QUOTA then
       quota_seen = true
       if ok then quota_all_over = false end
     end
