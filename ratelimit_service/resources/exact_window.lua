@@ -36,10 +36,11 @@ local requests = tonumber(ARGV[2])
 -- A key also holds three bookkeeping fields: sum, the hits in its live slices, first,
 -- the index of its oldest live slice, and last, the index of its newest. While first
 -- is inside the window nothing has expired and the decision needs only these fields
--- (HMGET), not every slice: the slices are read (HGETALL) only when one has expired, at most
--- once per slice width, or when a denied hit needs its wait. The key's expiry is set
--- only when a hit opens a new slice (last grows): set then to outlive that slice by a
--- slice width, it outlives every older one too, so the other hits skip a PEXPIRE.
+-- (HMGET), not every slice: the slices are read (HGETALL) only when one has expired,
+-- at most once per slice width, or when a denied hit needs its wait. The key's expiry
+-- is set only when a hit opens a new slice (last grows): set then to outlive that
+-- slice by a slice width, it outlives every older one too, so the other hits skip a
+-- PEXPIRE.
 --
 -- Each key is read once per batch and then kept in `windows`, updated as hits are
 -- consumed: a batch often repeats the same few keys. Writes wait until the end: one
@@ -76,8 +77,9 @@ local function read_slices(w)
     total = total + w.added
     if first == nil then first = w.cur end
   end
-  -- Rewrite sum, first and last whole at the end: they now come from the slices themselves
-  -- (a stale slice deleted here may still be counted in sum if the clock stepped back).
+  -- Rewrite sum, first and last whole at the end: they now come from the slices
+  -- themselves (a stale slice deleted here may still be counted in sum if the clock
+  -- stepped back).
   w.live, w.total, w.first, w.recount = live, total, first, true
 end
 
