@@ -133,25 +133,27 @@ for _ = 1, requests do
   local commit, force = commit_arg == COMMIT, commit_arg == FORCE
   local n = tonumber(ARGV[arg + 1])
   arg = arg + 2
-  local denied, quota_seen, quota_all_over = false, false, true
+  local enforce_over, quota_seen, quota_admitted = false, false, false
   for i = 1, n do
     local w = load(KEYS[key_index], tonumber(ARGV[arg + 1]))
-    local limit, hits, role = tonumber(ARGV[arg]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+    local limit, hits = tonumber(ARGV[arg]), tonumber(ARGV[arg + 2])
+    local role = tonumber(ARGV[arg + 3])
     local need = hits
     if need < 1 then need = 1 end
     local ok = w.total + need <= limit
     if role == ENFORCE then
-      if not ok then denied = true end
+      if not ok then enforce_over = true end
     elseif role == QUOTA then
       quota_seen = true
-      if ok then quota_all_over = false end
+      if ok then quota_admitted = true end
     end
     -- "before" is read before any of this request's hits land.
     hw[i], hlimit[i], hhits[i], hok[i], hbefore[i] = w, limit, hits, ok, w.total
     arg = arg + 4
     key_index = key_index + 1
   end
-  if quota_seen and quota_all_over then denied = true end
+  -- The denial rule: core/exact.py denies.
+  local denied = enforce_over or (quota_seen and not quota_admitted)
   local consume = force or (commit and not denied)
 
   -- Hits land descriptor by descriptor, each reported with the window as it then
