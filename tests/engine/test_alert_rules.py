@@ -1,11 +1,13 @@
-"""The alerting rules shipped in k8s/monitoring/: promtool checks them and runs their
-unit tests (alerts-test.yml: synthetic series, each alert firing and not firing), the
-PrometheusRule holds the same groups as the plain rules file, and every alert has both
-kinds of case. That the rules' metrics exist on a real service's /metrics and evaluate
-against them: tests/server/test_dashboard_live.py."""
+"""What k8s/monitoring/ ships: promtool checks the alerting rules and runs their unit
+tests (alerts-test.yml: synthetic series, each alert firing and not firing), the
+PrometheusRule holds the same groups as the plain rules file, every alert has both
+kinds of case, and the Grafana dashboard's panels are well formed. That the rules'
+metrics and the panels' queries return data from a real service:
+tests/server/test_dashboard_live.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,8 +16,6 @@ from typing import Any
 
 import pytest
 import yaml
-
-pytestmark = pytest.mark.slow  # runs promtool
 
 MONITORING = Path(__file__).resolve().parents[2] / "k8s" / "monitoring"
 RULES = MONITORING / "alerts.yml"
@@ -37,12 +37,14 @@ def alerts() -> set[str]:
     return {rule["alert"] for group in groups for rule in group["rules"] if "alert" in rule}
 
 
+@pytest.mark.slow  # runs promtool
 def test_promtool_checks_the_rules() -> None:
     result = promtool("check", "rules", RULES.name)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 8 rules found" in result.stdout
 
 
+@pytest.mark.slow  # runs promtool
 def test_promtool_runs_the_rules_unit_tests() -> None:
     result = promtool("test", "rules", "alerts-test.yml")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -86,3 +88,34 @@ def test_the_monitoring_kustomization_lists_its_manifests() -> None:
         assert yaml.safe_load((MONITORING / name).read_text())["metadata"]["namespace"] == (
             "ratelimit"
         )
+
+
+def test_the_dashboards_panels_are_well_formed() -> None:
+    """Unique ids, the datasource variable everywhere, unique refIds per panel, panels
+    side by side within the 24 columns and not over one another."""
+    dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    (variable,) = dashboard["templating"]["list"]
+    assert (variable["name"], variable["type"], variable["query"]) == (
+        "datasource",
+        "datasource",
+        "prometheus",
+    )
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: set[tuple[int, int]] = set()
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        area = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
+        assert not area & cells, f"{panel['title']} overlaps another panel"
+        cells |= area
+        if panel["type"] == "row":
+            continue
+        targets = panel["targets"]
+        assert targets and len({t["refId"] for t in targets}) == len(targets), panel["title"]
+        for where in (panel, *targets):
+            assert where["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
