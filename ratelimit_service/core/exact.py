@@ -6,7 +6,7 @@ request goes through do the admitted hits consume their windows, so a denied
 request never eats quota of its other descriptors (envoyproxy/ratelimit increments
 every counter, denied or not; see its issues #185 and #440). resources/exact_window.lua
 states the same rule for Redis, held to :func:`denies` by
-tests/test_exact_script_vs_core.py.
+tests/storage/test_exact_script_vs_core.py.
 """
 
 from __future__ import annotations

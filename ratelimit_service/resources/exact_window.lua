@@ -5,7 +5,7 @@
 -- window at `now` holds slices cur-S .. cur (cur = floor(now / (T/S))). Within one
 -- request every hit is checked first; the request is denied if an enforcing
 -- descriptor does not fit, or if every quota descriptor does not fit (core/exact.py
--- denies, held equal by tests/test_exact_script_vs_core.py); only an admitted
+-- denies, held equal by tests/storage/test_exact_script_vs_core.py); only an admitted
 -- request consumes. Requests are decided one after the other, so a later
 -- request in the batch sees what an earlier one consumed: the batch is exactly the
 -- same as R separate calls, with one round trip and one script call instead of R.

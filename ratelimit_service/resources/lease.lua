@@ -1,5 +1,5 @@
 -- lease.lua: take or renew a zone's aggregator lease, and hand out fencing tokens
--- (engine/zone_aggregator.py). Held to its model by tests/test_zones_core.py.
+-- (engine/zone_aggregator.py). Held to its model by tests/core/test_zones.py.
 --
 -- The lease is a hash: 'h' the holder, 't' its fencing token, 'e' when it expires
 -- (microseconds, the server's clock). The fencing counter is the last token handed out

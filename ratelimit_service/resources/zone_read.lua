@@ -1,6 +1,6 @@
 -- zone_read.lua: the zone aggregator's read of its zone store
 -- (engine/zone_aggregator.py): every counter a replica of the zone published lately,
--- with the zone's sums (held to what quota_tier.lua kept by tests/test_tiers.py).
+-- with the zone's sums (held to what quota_tier.lua kept by tests/core/test_tiers.py).
 --
 -- KEYS[1]   the zone's index of counters (a sorted set of counter hashes, scored by
 --           their last publish in microseconds; written by quota_tier.lua)

@@ -2,8 +2,8 @@
 -- each counter (engine/zone_aggregator.py; the fields quota_tier.lua and fleet_sync.lua
 -- read in a zone), and how many zones share the fleet; refused for a fencing token
 -- lower than the zone's counter. Held to what the other scripts then read by
--- tests/test_fleet_sync_script.py and tests/test_tiers.py, its fence by
--- tests/test_zones_core.py.
+-- tests/storage/test_fleet_sync_script.py and tests/core/test_tiers.py, its fence by
+-- tests/core/test_zones.py.
 --
 -- KEYS[1]   the zone's count of zones (fleet_sync.lua divides a bucket's limit by it
 --           until the bucket's own part comes back)

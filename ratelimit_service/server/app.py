@@ -71,6 +71,7 @@ from ratelimit_service.engine.state_metrics import (
     quota_metrics,
     reconciler_metrics,
     store_metrics,
+    zone_metrics,
 )
 from ratelimit_service.engine.stats import Stats, StatsCollector, histogram_family
 from ratelimit_service.engine.statsd import StatsdSink
@@ -617,6 +618,8 @@ class RateLimitService:
         yield from bucket_metrics(self.local)
         zone = self.zone_aggregator.stats() if self.zone_aggregator is not None else {}
         yield from store_metrics(self.store, zone)
+        if self.zone_aggregator is not None:
+            yield from zone_metrics(self.zone_aggregator)
         yield histogram_family(
             "ratelimit_event_loop_lag_seconds",
             "How late the event loop ran a timer that was due (busy, or not scheduled)",

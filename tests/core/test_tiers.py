@@ -227,7 +227,7 @@ async def check_zone(client, read, write, tables, limits, now_us: int, rng: rand
     """The aggregator's read (zone_read.lua) equals what the twin's tables hold; then a
     random write-back (zone_write.lua) that the tables take as the script's hash does
     (with a token that never goes back: the fence is zone_write's own test, in
-    test_zones_core.py)."""
+    tests/core/test_zones.py)."""
     rows = {t.key: t for t in zone_read_reply(await client.eval(read, 1, "t:i", FORGET_US, 100))}
     assert sorted(rows) == sorted(tables)
     for key, table in tables.items():
