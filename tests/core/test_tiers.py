@@ -300,17 +300,19 @@ async def test_the_store_keeps_a_counters_two_keys_in_one_cluster_slot(redis_ser
 
 async def test_the_aggregators_read_leaves_out_what_is_gone(redis_server) -> None:
     """zone_read.lua: a counter silent past the forget time leaves the index, a hash
-    that expired is left out, and a counter's fields of another window read as zero
-    (its allowed and forwarded hits are the current window's only)."""
+    that expired or has no limit (another layout's) is left out, and a counter's fields
+    of another window read as zero (its allowed and forwarded hits are the current
+    window's only)."""
     client = aioredis.Redis.from_url(redis_server.url)
     read = script_on_test_clock("zone_read.lua")
     now_us = 1_700_000_000_000_000
     index = now_us // 1_000_000
-    await client.delete("r:i", "r:old", "r:gone", "r:past", "r:now")
+    await client.delete("r:i", "r:old", "r:gone", "r:past", "r:now", "r:bare")
     try:
         await client.zadd("r:i", {"r:old": now_us - FORGET_US - 1, "r:gone": now_us,
-                                  "r:past": now_us, "r:now": now_us})  # fmt: skip
+                                  "r:past": now_us, "r:now": now_us, "r:bare": now_us})  # fmt: skip
         await client.hset("r:old", mapping={"K": "old", "W": 1_000_000})
+        await client.hset("r:bare", mapping={"K": "bare", "W": 1_000_000, "L": 9000})
         counter = {"W": 1_000_000, "R": 9000, "u": 7, "g": 3}
         past = {"K": "past", "D": -5, "w": index - 1, "gw": index - 1}
         await client.hset("r:past", mapping={**counter, **past})
@@ -322,6 +324,6 @@ async def test_the_aggregators_read_leaves_out_what_is_gone(redis_server) -> Non
                          row.window) for row in rows}  # fmt: skip
         assert got == {"past": (0.0, 0, 9.0, 0, 0, index), "now": (2.5, 4, 9.0, 7, 3, index)}
         assert [row.store_key for row in rows] == ["r:now", "r:past"]
-        assert await client.zrange("r:i", 0, -1) == [b"r:gone", b"r:now", b"r:past"]
+        assert await client.zrange("r:i", 0, -1) == [b"r:bare", b"r:gone", b"r:now", b"r:past"]
     finally:
         await client.aclose()
