@@ -279,7 +279,7 @@ def test_a_zones_keys() -> None:
 # -- the scripts and their twin -----------------------------------------------------------
 
 
-async def test_the_lease_script_and_the_zone_writes_fence_keep_what_their_twin_keeps(
+async def test_the_lease_script_and_the_zone_writes_fence_keep_what_their_model_keeps(
     redis_server,
 ) -> None:
     """Replicas ask for the lease at random moments (now and then naming a token they
