@@ -1,0 +1,25 @@
+"""The status page on the admin port: ``/status`` for a browser (resources/status.html,
+which reads the JSON every 2 s) and ``/status.json`` (engine/status.py's snapshot)."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from ratelimit_service.engine.status import StatusBoard
+from ratelimit_service.server.http_server import Page, PageResult
+
+PAGE = resources.files("ratelimit_service.resources").joinpath("status.html").read_bytes()
+HTML = "text/html; charset=utf-8"
+JSON = "application/json"
+
+
+def status_routes(board: StatusBoard) -> dict[str, Page]:
+    """The page and its JSON, for pages()."""
+
+    def page() -> PageResult:
+        return 200, HTML, PAGE
+
+    async def snapshot() -> PageResult:
+        return 200, JSON, await board.json()
+
+    return {"/status": page, "/status.json": snapshot}
