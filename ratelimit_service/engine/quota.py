@@ -216,9 +216,10 @@ class CounterView:
     totals: TierTotals | None
     used: int
     """The fleet's allowed hits in the current window (0 once a new one began)."""
-    instances: tuple[tuple[str, float | None, float | None], ...]
+    instances: tuple[tuple[str, float | None, float | None, float | None], ...]
     """Each instance reporting it here: (name, demand per second or None while
-    unmeasured, share in hits per window or None before any)."""
+    unmeasured, share in hits per window or None before any, tokens per second of the
+    token bucket it holds or None: none, or a blanket rule)."""
 
 
 @dataclass(slots=True)
@@ -600,7 +601,8 @@ class QuotaCoordinator:
         for counter in list(self._counters.values()):
             shares = counter.shares
             instances = tuple(
-                (name, seen.demand, shares.get(name)) for name, seen in list(counter.seen.items())
+                (name, seen.demand, shares.get(name), _per_second(seen.sent))
+                for name, seen in list(counter.seen.items())
             )
             current = window_index(wall, counter.window_seconds) == counter.window
             match = counter.match
@@ -622,6 +624,10 @@ class QuotaCoordinator:
         """Each counter's part of the limit held by this replica (hits per window) and
         the fleet's totals it came from (None: never read from the store)."""
         return {key: (c.part, c.totals) for key, c in self._counters.items() if c.part is not None}
+
+
+def _per_second(bucket: TokenBucket | None) -> float | None:
+    return None if bucket is None else bucket.tokens_per_fill / bucket.fill_seconds
 
 
 def tightest(matches: tuple[Match, ...]) -> Match | None:

@@ -384,20 +384,20 @@ def _fleet_demand(view: CounterView) -> float:
     publish, else what this replica's instances report."""
     if view.totals is not None:
         return view.totals.demand
-    return sum(demand for _, demand, _ in view.instances if demand is not None)
+    return sum(demand for _, demand, _, _ in view.instances if demand is not None)
 
 
 def _envoys(views: list[CounterView]) -> Work[Json]:
-    """Each RLQS Envoy reporting here: the counters it reports, its demand and the
-    shares assigned to it (per second, over its counters); the TOP by demand."""
+    """Each RLQS Envoy reporting here: the counters it reports, its demand, its shares
+    of their limits and the token buckets it holds (per second, summed over its
+    counters); the TOP by demand."""
     envoys: dict[str, _Envoy] = {}
     for count, view in enumerate(views, 1):
-        window = view.limit.window_seconds
-        for name, demand, share in view.instances:
+        for name, demand, share, bucket in view.instances:
             envoy = envoys.get(name)
             if envoy is None:
                 envoy = envoys[name] = _Envoy(name)
-            envoy.add(view, window, demand, share)
+            envoy.add(view, demand, share, bucket)
         if count % SLICE == 0:
             yield None
     top: Top[_Envoy] = Top()
@@ -414,19 +414,25 @@ class _Envoy:
     counters: int = 0
     demand: float = 0.0
     measured: bool = False
+    share: float = 0.0
+    """Its shares of its counters' limits, per second: the division by demand."""
     assigned: float = 0.0
+    """The token buckets it holds, per second: the shares in whole tokens and seconds,
+    as Envoy enforces them."""
     busiest: tuple[float, CounterView, float | None] | None = None
     """Its counter of highest demand, that demand and the share it holds of it."""
 
     def add(
-        self, view: CounterView, window: int, demand: float | None, share: float | None
+        self, view: CounterView, demand: float | None, share: float | None, bucket: float | None
     ) -> None:
         self.counters += 1
         if demand is not None:
             self.demand += demand
             self.measured = True
         if share is not None:
-            self.assigned += share / window
+            self.share += share / view.limit.window_seconds
+        if bucket is not None:
+            self.assigned += bucket
         if self.busiest is None or (demand or 0.0) > self.busiest[0]:
             self.busiest = (demand or 0.0, view, share)
 
@@ -435,6 +441,7 @@ class _Envoy:
             "name": self.name,
             "counters": self.counters,
             "demand": _num(self.demand) if self.measured else None,
+            "share": _num(self.share),
             "assigned": _num(self.assigned),
             "busiest": None,
             "busiest_share": None,

@@ -73,8 +73,8 @@ from ratelimit_service.engine.state_metrics import (
     store_metrics,
 )
 from ratelimit_service.engine.stats import Stats, StatsCollector, histogram_family
-from ratelimit_service.engine.status import StatusBoard, StatusSources
 from ratelimit_service.engine.statsd import StatsdSink
+from ratelimit_service.engine.status import StatusBoard, StatusSources
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
