@@ -1,5 +1,7 @@
 """The status page on the admin port: ``/status`` for a browser (resources/status.html,
-which reads the JSON every 2 s) and ``/status.json`` (engine/status.py's snapshot)."""
+which reads the JSON every 2 s) and ``/status.json`` (engine/status.py's snapshot). With
+``--workers`` the supervisor serves the same page, and as its JSON each worker's
+snapshot (:func:`workers_json`): the page offers a choice among them."""
 
 from __future__ import annotations
 
@@ -23,3 +25,9 @@ def status_routes(board: StatusBoard) -> dict[str, Page]:
         return 200, JSON, await board.json()
 
     return {"/status": page, "/status.json": snapshot}
+
+
+def workers_json(snapshots: list[bytes | None]) -> bytes:
+    """The workers' snapshots in one document, ``{"workers": [...]}``, in worker order
+    (null for a worker that did not answer): each is bounded, so the whole is too."""
+    return b'{"workers":[' + b",".join(s or b"null" for s in snapshots) + b"]}"
