@@ -419,6 +419,8 @@ class _Envoy:
     assigned: float = 0.0
     """The token buckets it holds, per second: the shares in whole tokens and seconds,
     as Envoy enforces them."""
+    buckets: int = 0
+    """Counters it holds a token bucket for (the others: a blanket rule)."""
     busiest: tuple[float, CounterView, float | None] | None = None
     """Its counter of highest demand, that demand and the share it holds of it."""
 
@@ -433,6 +435,7 @@ class _Envoy:
             self.share += share / view.limit.window_seconds
         if bucket is not None:
             self.assigned += bucket
+            self.buckets += 1
         if self.busiest is None or (demand or 0.0) > self.busiest[0]:
             self.busiest = (demand or 0.0, view, share)
 
@@ -442,7 +445,7 @@ class _Envoy:
             "counters": self.counters,
             "demand": _num(self.demand) if self.measured else None,
             "share": _num(self.share),
-            "assigned": _num(self.assigned),
+            "assigned": _num(self.assigned) if self.buckets else None,
             "busiest": None,
             "busiest_share": None,
             "busiest_limit": None,
@@ -570,11 +573,16 @@ def limit_text(limit: RateLimit) -> str:
     return "unlimited" if limit.unlimited else f"{limit.requests_per_unit}/{limit.period}"
 
 
-PERIODS = {1: "second", 60: "minute", 3600: "hour", 86400: "day"}
+PERIODS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
 
 
 def _period(seconds: int) -> str:
-    return PERIODS.get(seconds, f"{seconds} s")
+    """A window in words, as RateLimit.period says it: ``minute``, ``10 minutes``."""
+    for length, name in PERIODS:
+        if seconds % length == 0:
+            count = seconds // length
+            return name if count == 1 else f"{count} {name}s"
+    return f"{seconds} seconds"  # unreachable: every window is whole seconds
 
 
 def _share(part: int, whole: int) -> float | None:
