@@ -178,11 +178,10 @@ class StatusBoard:
 
     async def _make(self) -> bytes:
         try:
-            started, now = self._clock(), self._clock()
-            timing = _Timing()
+            now, timing = self._clock(), _Timing()
             snapshot = await result_in_stretches(timing.timed(self._compose(now)))
             snapshot["took"] = {
-                "seconds": _num(self._clock() - started, 4),
+                "seconds": _num(self._clock() - now, 4),
                 "work_seconds": _num(timing.work, 4),
                 "longest_piece_seconds": _num(timing.longest, 4),
                 "pieces": timing.pieces,

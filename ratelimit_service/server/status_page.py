@@ -5,10 +5,13 @@ snapshot (:func:`workers_json`): the page offers a choice among them."""
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 
 from ratelimit_service.engine.status import StatusBoard
 from ratelimit_service.server.http_server import Page, PageResult
+
+log = logging.getLogger(__name__)
 
 PAGE = resources.files("ratelimit_service.resources").joinpath("status.html").read_bytes()
 HTML = "text/html; charset=utf-8"
@@ -22,7 +25,11 @@ def status_routes(board: StatusBoard) -> dict[str, Page]:
         return 200, HTML, PAGE
 
     async def snapshot() -> PageResult:
-        return 200, JSON, await board.json()
+        try:
+            return 200, JSON, await board.json()
+        except Exception as exc:  # a bug in the snapshot must not cost the admin port
+            log.exception("status snapshot failed")
+            return 500, "text/plain", f"status snapshot failed: {exc}\n".encode()
 
     return {"/status": page, "/status.json": snapshot}
 
