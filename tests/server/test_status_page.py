@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import Awaitable, Callable
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit_service.testing.browser import chromium, dump_dom
 from ratelimit_service.testing.fixtures import RunningService
+from ratelimit_service.testing.fleet import redis_server as fleet_redis
 from ratelimit_service.testing.rlqs_sim import usage_report
 from ratelimit_service.testing.waiting import eventually_async
 
@@ -240,3 +242,50 @@ async def test_the_page_renders_the_snapshot_in_chromium(
     assert dict(page.tables["breakers"]) == {}  # the embedded store has none
     figures = {cells[0]: cells[1] for _, cells in page.tables["store-figures"]}
     assert set(figures) == {"evictions", "exact_keys", "fleet_keys", "swept"}
+
+
+async def test_zone_and_breakers_of_a_zoned_replica(
+    write_config: Any, start_service: Starter, redis_server: Any, tmp_path: Path
+) -> None:
+    """With --zone on real Redis servers: the zoned store's two breakers (the global
+    Redis and the zone's) and the zone's aggregator, which this lone replica becomes."""
+    with fleet_redis(tmp_path / "global") as above:
+        service = await start_service(
+            write_config(RULES),
+            redis_url=redis_server.url,
+            zone="z1",
+            global_redis_url=above.url,
+            zone_interval=0.2,
+        )
+        port = service.service.admin.port
+
+        async def aggregating() -> Json | None:
+            current = await snapshot(port)
+            return current if current["zone"]["aggregating"] else None
+
+        status = await eventually_async(aggregating, what="the replica aggregating its zone")
+        await service.service.stop()
+    zone, store = status["zone"], status["store"]
+    assert (zone["zone"], zone["global_away"], store["name"], store["healthy"]) == (
+        "z1", False, "zoned", True,
+    )  # fmt: skip
+    assert zone["figures"]["zone_takeovers"] == 1
+    breakers = {b["name"]: (b["open"], b["healthy"]) for b in store["breakers"]}
+    assert breakers == {"store": (False, True), "zone store": (False, True)}
+
+
+async def test_a_failing_snapshot_answers_500_and_the_port_keeps_serving(
+    write_config: Any, start_service: Starter
+) -> None:
+    service = await start_service(write_config(RULES))
+    port = service.service.admin.port
+
+    def broken() -> dict[str, float]:
+        raise RuntimeError("figures unavailable")
+
+    service.service.store.stats = broken  # type: ignore[method-assign]
+    status, content_type, body = await get(port, "/status.json")
+    assert (status, content_type, body) == (
+        500, "text/plain", b"status snapshot failed: figures unavailable\n",
+    )  # fmt: skip
+    assert (await get(port, "/healthcheck"))[0] == 200
