@@ -34,8 +34,9 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from ratelimit_service.core.config_model import RateLimit, RateLimitConfig
+from ratelimit_service.core.config_model import RateLimit, RateLimitConfig, period_text
 from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.core.units import UNIT_SECONDS, Unit
 from ratelimit_service.engine.background import result_in_stretches
 from ratelimit_service.engine.quota import CounterView, QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
@@ -572,16 +573,16 @@ def limit_text(limit: RateLimit) -> str:
     return "unlimited" if limit.unlimited else f"{limit.requests_per_unit}/{limit.period}"
 
 
-PERIODS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
+LONGEST_FIRST = sorted(UNIT_SECONDS.items(), key=lambda item: -item[1])
 
 
 def _period(seconds: int) -> str:
-    """A window in words, as RateLimit.period says it: ``minute``, ``10 minutes``."""
-    for length, name in PERIODS:
+    """A window of ``seconds`` in words, as RateLimit.period says a rule's period: in
+    the longest unit it is a whole number of (``minute``, ``10 minutes``)."""
+    for unit, length in LONGEST_FIRST:
         if seconds % length == 0:
-            count = seconds // length
-            return name if count == 1 else f"{count} {name}s"
-    return f"{seconds} seconds"  # unreachable: every window is whole seconds
+            return period_text(unit, seconds // length)
+    return period_text(Unit.SECOND, seconds)
 
 
 def _share(part: int, whole: int) -> float | None:
