@@ -136,9 +136,9 @@ class Top(Generic[_Item]):
     def best(self) -> list[_Item]:
         return [item for _, _, item in sorted(self._heap, key=lambda e: e[:2], reverse=True)]
 
-    def table(self, rows: list[Json], total: int | None = None) -> Json:
-        """A table of ``rows`` (the best, made into rows) out of ``total`` (the offered)."""
-        total = self.offered if total is None else total
+    def table(self, rows: list[Json]) -> Json:
+        """A table of ``rows`` (the best, made into rows) out of all those offered."""
+        total = self.offered
         return {"total": total, "shown": len(rows), "more": max(0, total - len(rows)), "rows": rows}
 
 

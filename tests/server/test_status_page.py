@@ -35,8 +35,10 @@ descriptors:
     mode: probabilistic
     rate_limit: {unit: minute, requests_per_unit: 100}
   - key: tenant
-    rate_limit: {unit: minute, requests_per_unit: 60}
+    rate_limit: {unit: day, requests_per_unit: 86400}
 """
+"""The RLQS rule counts its fleet's hits per day: a test crosses a day's end (which
+starts the count again) far less often than a minute's."""
 
 Starter = Callable[..., Awaitable[RunningService]]
 Json = dict[str, Any]
@@ -179,20 +181,20 @@ async def test_status_json_after_real_traffic(write_config: Any, start_service: 
         "100/minute",
     )
     assert bucket["used"] == 0.04  # 4 of the 100 the bucket holds
-    counter = keys["d.tenant=t/60s"]
-    assert (counter["kind"], counter["used"]) == ("rlqs", round(2 / 60, 3))  # 2 allowed of 60
+    counter = keys["d.tenant=t/86400s"]
+    assert (counter["kind"], counter["limit"]) == ("rlqs", "86400/day")
 
     rlqs = status["rlqs"]
     assert (rlqs["streams"], rlqs["reports"], rlqs["envoys"]["total"]) == (2, 2, 2)
     envoys = {row["name"]: row for row in rlqs["envoys"]["rows"]}
     for name, per_second in assigned.items():
         assert envoys[name]["assigned"] == round(per_second, 3)  # the bucket it was sent
-        # Their shares: envoy-a first had the whole 60/minute; envoy-b came second, to an
+        # Their shares: envoy-a first had the whole 86400/day; envoy-b came second, to an
         # even half (envoy-a's shrinks at its own next report).
-        assert (envoys[name]["counters"], envoys[name]["busiest"]) == (1, "d.tenant=t/60s")
+        assert (envoys[name]["counters"], envoys[name]["busiest"]) == (1, "d.tenant=t/86400s")
     assert (envoys["envoy-a"]["share"], envoys["envoy-b"]["share"]) == (1.0, 0.5)
     (row,) = rlqs["counters"]["rows"]
-    assert (row["instances"], row["limit"], row["part"], row["used"]) == (2, "60/minute", 60.0, 2)
+    assert (row["instances"], row["part"], row["used"]) == (2, 86400.0, 2)  # 2 hits allowed
     assert status["store"]["name"] == "embedded" and status["store"]["healthy"] is True
     assert status["zone"] is None and status["reconciler"]["buckets"] == 1
 
@@ -235,10 +237,13 @@ async def test_the_page_renders_the_snapshot_in_chromium(
     envoys = dict(page.tables["envoys"])
     assert set(envoys) == {"envoy-a", "envoy-b"}
     # Envoy, counters, demand, share/s, token buckets/s, busiest counter, its share, limit.
-    assert envoys["envoy-a"][3:] == ["1.00", "1.00", "d.tenant=t/60s", "60.0", "60/minute"]
-    assert envoys["envoy-b"][3:6] == ["0.50", "1.00", "d.tenant=t/60s"]
+    assert envoys["envoy-a"][3:] == ["1.00", "1.00", "d.tenant=t/86400s", "86400", "86400/day"]
+    assert envoys["envoy-b"][3:6] == ["0.50", "1.00", "d.tenant=t/86400s"]
     (counter,) = page.tables["counters"]
-    assert counter[1][:3] == ["d.tenant=t/60s", "60/minute", "2"]
+    # Counter, limit, Envoys here and in the fleet, replicas, this replica's part, the
+    # fleet's demand (Envoys not measured yet count for the limit's rate between them),
+    # and the hits used in the window.
+    assert counter[1] == ["d.tenant=t/86400s", "86400/day", "2", "2", "1", "86400", "1.00", "2"]
     assert dict(page.tables["breakers"]) == {}  # the embedded store has none
     figures = {cells[0]: cells[1] for _, cells in page.tables["store-figures"]}
     assert set(figures) == {"evictions", "exact_keys", "fleet_keys", "swept"}
