@@ -6,14 +6,13 @@ done in pieces."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.engine.quota import QuotaCoordinator, Usage
 from ratelimit_service.engine.reconciler import Reconciler
-from ratelimit_service.engine.stats import Stats
+from ratelimit_service.engine.stats import SLICE, Stats
 from ratelimit_service.engine.status import (
     FRESH_FOR,
     RATE_WINDOW,
@@ -145,12 +144,7 @@ async def test_tables_stay_bounded_with_10000_stats_keys_and_1000_envoys() -> No
         bucket.take(n % 50, 0.5)
     for n in range(1_000):  # 1,000 Envoys over 100 counters
         await src.quota.report(f"envoy-{n}", "d", [Usage({"tenant": f"t{n % 100}"}, 1, 0)])
-    gc.collect()  # what this test made: its collection is no piece of the snapshot's
-    gc.disable()
-    try:
-        snapshot = await status.snapshot()
-    finally:
-        gc.enable()
+    snapshot = await status.snapshot()
     body = await status.json()
     assert len(body) < 64_000, len(body)
     rules, keys = snapshot["rules"], snapshot["keys"]
@@ -162,9 +156,9 @@ async def test_tables_stay_bounded_with_10000_stats_keys_and_1000_envoys() -> No
     envoys, counters = snapshot["rlqs"]["envoys"], snapshot["rlqs"]["counters"]
     assert (envoys["total"], envoys["shown"], envoys["more"]) == (1_000, TOP, 1_000 - TOP)
     assert (counters["total"], counters["shown"], counters["more"]) == (100, TOP, 100 - TOP)
-    took = snapshot["took"]
-    assert took["pieces"] > 40  # it returned to the loop between pieces
-    assert took["longest_piece_seconds"] < 0.020, took
+    # It may return to the loop every SLICE items (how long each piece holds it is a
+    # timing matter: tests/server/test_status_bounds.py, run alone, holds that).
+    assert snapshot["took"]["pieces"] > 2 * 10_000 // SLICE
 
 
 async def test_rlqs_envoys_show_the_demand_and_share_the_coordinator_holds() -> None:
