@@ -91,7 +91,8 @@ class Baselines:
     """Earlier samples of the counters to measure rates against. A sample is kept when
     the newest is RATE_WINDOW old, two at most, and none older than twice that: polled
     steadily, the reference is between RATE_WINDOW and twice that old; after a quiet
-    spell there is none (the next snapshot measures from this one)."""
+    spell there is none (the next snapshot measures from this one). Memory: two copies
+    of four counters per stats key (the stats keys are capped, --max-stats-keys)."""
 
     samples: list[Sample] = field(default_factory=list)
 
