@@ -123,6 +123,10 @@ class Setting:
     """The default when started from the Go service's settings, if it differs."""
     hidden: bool = False
 
+    def field(self, value: Any) -> Any:
+        """The Settings field's value for a parsed ``value``."""
+        return self.to_field(value) if self.to_field is not None else value
+
     @property
     def metavar(self) -> str:
         """What ``--help`` shows for the value."""
@@ -332,19 +336,13 @@ SETTINGS: tuple[Setting, ...] = (
 BY_FLAG = {setting.flag: setting for setting in SETTINGS}
 
 
-def field_default(setting: Setting) -> Any:
-    """The Settings field's value for the setting's default."""
-    value = setting.default if not setting.switch else False
-    return setting.to_field(value) if setting.to_field is not None else value
-
-
 # -- what the service gets -------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     """What a running service needs, filled from SETTINGS (the defaults here are the
-    declared ones: tests/test_settings.py holds them equal)."""
+    declared ones: tests/server/test_settings.py holds them equal)."""
 
     config_path: str = ""
     grpc_addr: str = "0.0.0.0:8081"
@@ -438,8 +436,7 @@ def fields_from(values: dict[str, Any]) -> dict[str, Any]:
     for setting in SETTINGS:
         if setting.fills is None:
             continue
-        value = values[setting.dest]
-        fields[setting.fills] = setting.to_field(value) if setting.to_field else value
+        fields[setting.fills] = setting.field(values[setting.dest])
     fields["header_names"] = HeaderNames(
         values["header_limit"],
         values["header_remaining"],

@@ -141,6 +141,17 @@ def test_workers_share_limits_and_metrics_add_up(workers) -> None:
         (rule,) = json.loads(response.read())["descriptors"][0]["rules"]
     assert (rule["stats_key"], rule["count"]) == ("d.exact", 50)
     assert len(children(process.pid)) == 2
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/status.json", timeout=5) as r:
+        snapshots = json.loads(r.read())["workers"]
+    assert len(snapshots) == 2
+    hits = [row["total_hits"] for s in snapshots for row in s["rules"]["rows"]]
+    assert sum(hits) == 300  # 240 exact and 60 probabilistic, each worker its own
+    (breaker,) = snapshots[0]["store"]["breakers"]
+    assert (snapshots[0]["store"]["name"], breaker["open"], breaker["healthy"]) == (
+        "redis", False, True,
+    )  # fmt: skip
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/status", timeout=5) as r:
+        assert b'id="worker"' in r.read()
 
 
 def test_dead_worker_is_restarted_and_health_follows(workers) -> None:

@@ -5,7 +5,7 @@ Envoy YAML is parsed into its Envoy API type with unknown fields rejected and ``
 protos (required fields, lengths, enum values), which is what Envoy checks at load time
 beyond the parse. The descriptors the routes can send are matched against config/ with the
 service's own loader and matcher, in both directions. A real Envoy runs these files in
-tests/test_envoy_real.py (envoy/envoy.yaml) and tests/test_envoy_generated.py (the
+tests/envoy/test_envoy_real.py (envoy/envoy.yaml) and tests/envoy/test_envoy_generated.py (the
 generator's bootstrap, istio/envoyfilter.yaml's patches, ``envoy --mode validate``); what
 remains for Docker or a cluster to show is listed in docs/envoy-istio.md.
 """
@@ -42,7 +42,7 @@ from ratelimit_service.cli import envoy_config, envoy_rlqs
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, NodeChildren
-from ratelimit_service.core.matching import find_limit
+from ratelimit_service.core.matching import find_limit, find_limits
 from ratelimit_service.server.app import HEALTH_NAMES
 from ratelimit_service.server.settings import SETTINGS
 from ratelimit_service.testing.fixtures import REPO
@@ -304,7 +304,7 @@ def why_unmatched(domain: DomainConfig, entries: tuple[tuple[str, str], ...]) ->
 
 def limit_nodes(children: NodeChildren) -> Iterator[DescriptorNode]:
     for node in children:
-        if node.limit is not None:
+        if node.limits:
             yield node
         yield from limit_nodes(node.children)
 
@@ -321,12 +321,11 @@ def coverage(domain: DomainConfig, routes: Iterable[tuple[RouteScope, Any]]) -> 
     reached: set[str] = set()
     for scope, rate_limits in routes:
         for entries in emitted_descriptors(scope, rate_limits, samples):
-            match = find_limit(domain, entries)
-            if match is None:
+            matches = find_limits(domain, entries)
+            if not matches:
                 unmatched.add(f"{scope.name}: {why_unmatched(domain, entries)}")
-            else:
-                reached.add(match.limit.stats_key)
-    every = {node.limit.stats_key for node in limit_nodes(domain.root) if node.limit}
+            reached.update(match.limit.stats_key for match in matches)
+    every = {limit.stats_key for node in limit_nodes(domain.root) for limit in node.limits}
     return Coverage(unmatched, every - reached)
 
 
@@ -971,7 +970,7 @@ def test_envoy_config_command(tmp_path: Path) -> None:
 
     result = subprocess.run(
         [sys.executable, "-m", "ratelimit_service", "envoy-config", "--config", "config/"],
-        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "envoy.filters.http.ratelimit" in result.stdout and "domain: edge" in result.stdout
