@@ -1,0 +1,208 @@
+"""OpenTelemetry spans for decisions, exported over OTLP (``serve --tracing``).
+
+Off by default, and then free: nothing here imports opentelemetry until
+:class:`Tracing` is built, and the service installs the traced paths only when it is
+(the servicer's traced handler, the limiter's traced store call), so an untraced
+call runs exactly the code it runs without this module.
+
+When on, each ShouldRateLimit call is one SERVER span, a child of the caller's span:
+the caller's trace context comes from the call's gRPC metadata (W3C ``traceparent`` /
+``tracestate``, or B3 as ``b3`` or ``x-b3-*``). Envoy's ratelimit filter makes a span
+for its call to the service and sends its context there, so the service's span sits
+under it in the same trace. A decision that asks the store (exact rules) has a CLIENT
+span for that call under its own. The outcome goes on the decision's span as
+attributes, set in one place (:func:`outcome_attributes`).
+
+Sampling: a call whose caller sampled it out is not traced (its parent is not
+exported: a span of ours would hang from nothing); any other call is traced with the
+probability ``sampling_rate``, decided on its trace id, so that every service using
+the same rate keeps or drops the same traces. Spans leave in batches, from a thread of
+the SDK's (BatchSpanProcessor: a bounded queue, spans beyond it dropped), never on
+the request path; the SDK's ``OTEL_BSP_*`` variables tune it, and the exporters read
+``OTEL_EXPORTER_OTLP_*`` (endpoint, headers, certificates) themselves.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from ratelimit_service.core.request import Request
+
+PROTOCOLS = ("grpc", "http")
+INSTRUMENTATION = "ratelimit_service"
+RLS_SPAN = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+STORE_SPAN = "ratelimit store hit"
+FLUSH_TIMEOUT_MS = 5000
+"""How long stopping waits for the last spans to leave."""
+_NEEDS = "pip install 'ratelimit-service[tracing]'"
+
+
+class TracingUnavailable(RuntimeError):
+    """Tracing was asked for but cannot run here (the extra is not installed, or its
+    modules are broken); the message says what to install."""
+
+
+class Tracing:
+    """A tracer provider exporting to one OTLP endpoint, the propagators that read a
+    caller's context, and the spans the service makes."""
+
+    def __init__(
+        self,
+        *,
+        protocol: str = "http",
+        endpoint: str | None = None,
+        sampling_rate: float = 1.0,
+        service_name: str = "ratelimit-service",
+        service_namespace: str = "",
+        service_instance_id: str = "",
+    ) -> None:
+        """``endpoint``: the OTLP receiver's base URL, as ``OTEL_EXPORTER_OTLP_ENDPOINT``
+        gives it (the HTTP exporter posts to its ``/v1/traces``); None: the exporter's
+        own (its environment, else localhost:4317 for gRPC, :4318 for HTTP)."""
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"tracing protocol: choose grpc or http, got {protocol!r}")
+        sdk = _import_sdk(protocol)
+        resource = sdk.Resource.create(
+            {
+                "service.name": service_name,
+                "service.namespace": service_namespace,
+                # A random one when none is given, as the Go service does.
+                "service.instance.id": service_instance_id or str(uuid.uuid4()),
+            }
+        )
+        ratio = sdk.TraceIdRatioBased(sampling_rate)
+        sampler = sdk.ParentBased(
+            root=ratio, remote_parent_sampled=ratio, remote_parent_not_sampled=sdk.ALWAYS_OFF
+        )
+        self.provider = sdk.TracerProvider(resource=resource, sampler=sampler)
+        self.provider.add_span_processor(sdk.BatchSpanProcessor(sdk.exporter(endpoint)))
+        self.tracer = self.provider.get_tracer(INSTRUMENTATION)
+        self._propagator = sdk.propagator
+        self._server = sdk.SpanKind.SERVER
+        self._client = sdk.SpanKind.CLIENT
+        self.protocol = protocol
+
+    @contextmanager
+    def decision(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Iterator[Any]:
+        """The span of one ShouldRateLimit call, current (so that the store's span
+        goes under it) and a child of the caller's span when ``metadata`` (the call's
+        gRPC metadata) carries one."""
+        carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
+        parent = self._propagator.extract(carrier) if carrier else None
+        with self.tracer.start_as_current_span(
+            RLS_SPAN,
+            context=parent,
+            kind=self._server,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
+                "rpc.method": "ShouldRateLimit",
+            },
+        ) as span:
+            yield span
+
+    def traced_hit(
+        self, hit: Callable[..., Awaitable[Any]], store_name: str
+    ) -> Callable[..., Awaitable[Any]]:
+        """``hit`` (a store's Store.hit) with a CLIENT span per call, under the
+        current span (the decision's)."""
+        tracer, kind = self.tracer, self._client
+
+        async def traced(
+            hits: Sequence[Any], commit: bool, owe: bool = False, deadline: float | None = None
+        ) -> Any:
+            attributes: dict[str, Any] = {"ratelimit.store": store_name}
+            attributes["ratelimit.store.keys"] = len(hits)
+            if store_name.startswith("redis"):
+                attributes["db.system"] = "redis"
+            with tracer.start_as_current_span(STORE_SPAN, kind=kind, attributes=attributes):
+                return await hit(hits, commit, owe, deadline)
+
+        return traced
+
+    def shutdown(self) -> None:
+        """Send the spans still queued (for up to FLUSH_TIMEOUT_MS), then stop the
+        exporter. Blocking: run it off the event loop."""
+        self.provider.force_flush(FLUSH_TIMEOUT_MS)
+        self.provider.shutdown()
+
+
+def outcome_attributes(
+    request: Request | None,
+    rules: Sequence[tuple[int, str]],
+    overall: str,
+    codes: Sequence[str],
+) -> dict[str, Any]:
+    """What a decision's span says about it: the domain, the overall code, every rule
+    the request matched (stats keys) and the rules of the descriptors answered
+    OVER_LIMIT (those that denied it). ``rules``: (descriptor index, stats key) per
+    matched rule; ``codes``: each descriptor's code as answered."""
+    attributes: dict[str, Any] = {"ratelimit.overall_code": overall}
+    if request is not None:
+        attributes["ratelimit.domain"] = request.domain
+        attributes["ratelimit.descriptors"] = len(request.descriptors)
+    if rules:
+        attributes["ratelimit.rules"] = [key for _, key in rules]
+    over = [key for index, key in rules if index < len(codes) and codes[index] == "OVER_LIMIT"]
+    if over:
+        attributes["ratelimit.over_limit_rules"] = over
+    return attributes
+
+
+class _Sdk:
+    """The opentelemetry names this module uses, imported on demand."""
+
+    def __init__(self, protocol: str) -> None:
+        from opentelemetry.propagators.b3 import B3MultiFormat, B3SingleFormat
+        from opentelemetry.propagators.composite import CompositePropagator
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        exporter: Any
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as exporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http import trace_exporter as exporter
+        self.Resource = Resource
+        self.TracerProvider = TracerProvider
+        self.BatchSpanProcessor = BatchSpanProcessor
+        self.ALWAYS_OFF = ALWAYS_OFF
+        self.ParentBased = ParentBased
+        self.TraceIdRatioBased = TraceIdRatioBased
+        self.SpanKind = SpanKind
+        self.propagator = CompositePropagator(
+            [TraceContextTextMapPropagator(), B3MultiFormat(), B3SingleFormat()]
+        )
+        self._exporter = exporter.OTLPSpanExporter
+        self._protocol = protocol
+
+    def exporter(self, endpoint: str | None) -> Any:
+        if endpoint is None:
+            return self._exporter()
+        if self._protocol == "http":
+            endpoint = endpoint.rstrip("/") + "/v1/traces"
+        return self._exporter(endpoint=endpoint)
+
+
+def _import_sdk(protocol: str) -> _Sdk:
+    """The SDK, or TracingUnavailable saying what is missing, in one line."""
+    try:
+        return _Sdk(protocol)
+    except ImportError as exc:
+        if "InstrumentationScope" in str(exc):
+            # xds-protos carries an older copy of opentelemetry-proto's modules; when
+            # pip installs it last, its copy replaces the exporter's.
+            raise TracingUnavailable(
+                "tracing: opentelemetry-proto's modules were overwritten by xds-protos's"
+                " older copy; run: pip install --force-reinstall --no-deps opentelemetry-proto"
+            ) from None
+        raise TracingUnavailable(
+            f"tracing needs the tracing extra ({exc.name or exc}): {_NEEDS}"
+        ) from None
