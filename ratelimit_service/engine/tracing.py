@@ -38,6 +38,7 @@ STORE_SPAN = "ratelimit store hit"
 FLUSH_TIMEOUT_MS = 5000
 """How long stopping waits for the last spans to leave."""
 _NEEDS = "pip install 'ratelimit-service[tracing]'"
+REINSTALL_PROTO = "pip install --force-reinstall --no-deps opentelemetry-proto"
 
 
 class TracingUnavailable(RuntimeError):
@@ -84,6 +85,7 @@ class Tracing:
         self._server = sdk.SpanKind.SERVER
         self._client = sdk.SpanKind.CLIENT
         self.protocol = protocol
+        self._stopped = False
 
     @contextmanager
     def decision(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Iterator[Any]:
@@ -125,7 +127,10 @@ class Tracing:
 
     def shutdown(self) -> None:
         """Send the spans still queued (for up to FLUSH_TIMEOUT_MS), then stop the
-        exporter. Blocking: run it off the event loop."""
+        exporter (once). Blocking: run it off the event loop."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.provider.force_flush(FLUSH_TIMEOUT_MS)
         self.provider.shutdown()
 
@@ -191,18 +196,31 @@ class _Sdk:
         return self._exporter(endpoint=endpoint)
 
 
+def check_sdk() -> None:
+    """Raise TracingUnavailable unless both exporters and the receivers' protos import."""
+    for protocol in PROTOCOLS:
+        _import_sdk(protocol)
+    try:
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: F401
+    except ImportError as exc:
+        raise TracingUnavailable(_unavailable(exc)) from None
+
+
 def _import_sdk(protocol: str) -> _Sdk:
     """The SDK, or TracingUnavailable saying what is missing, in one line."""
     try:
         return _Sdk(protocol)
     except ImportError as exc:
-        if "InstrumentationScope" in str(exc):
-            # xds-protos carries an older copy of opentelemetry-proto's modules; when
-            # pip installs it last, its copy replaces the exporter's.
-            raise TracingUnavailable(
-                "tracing: opentelemetry-proto's modules were overwritten by xds-protos's"
-                " older copy; run: pip install --force-reinstall --no-deps opentelemetry-proto"
-            ) from None
-        raise TracingUnavailable(
-            f"tracing needs the tracing extra ({exc.name or exc}): {_NEEDS}"
-        ) from None
+        raise TracingUnavailable(_unavailable(exc)) from None
+
+
+def _unavailable(exc: ImportError) -> str:
+    """What to install, in one line."""
+    if exc.name is None or exc.name.startswith("opentelemetry.proto"):
+        # xds-protos carries an older copy of opentelemetry-proto's modules; when pip
+        # installs it last, its copy replaces the exporters' (a name is then missing).
+        return (
+            "tracing: opentelemetry-proto's modules are xds-protos's older copy"
+            f" ({exc}); run: {REINSTALL_PROTO}"
+        )
+    return f"tracing needs the tracing extra (no module {exc.name}): {_NEEDS}"
