@@ -244,6 +244,7 @@ class RateLimitService:
 
     def __init__(self, settings: Settings, store: Store | None = None) -> None:
         self.settings = settings
+        self.tracing = start_tracing(settings)  # first: without its extra, nothing else starts
         self.stats = Stats(max_keys=settings.max_stats_keys)
         config = self._initial_rules()
         self.zone_aggregator: ZoneAggregator | None = None
@@ -268,7 +269,6 @@ class RateLimitService:
             global_shadow=settings.shadow_mode,
             near_ratio=settings.near_limit_ratio,
         )
-        self.tracing = start_tracing(settings)
         if self.tracing is not None:
             self.limiter.hit_store = self.tracing.traced_hit(self.store.hit, self.store.name)
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)

@@ -118,7 +118,8 @@ class GrpcReceiver(_Spans):
                 return _Reply()
 
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._server)
+        add = trace_service_pb2_grpc.add_TraceServiceServicer_to_server  # untyped: generated
+        add(Service(), self._server)  # type: ignore[no-untyped-call]
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
