@@ -14,19 +14,22 @@ span for that call under its own. The outcome goes on the decision's span as
 attributes, set in one place (:func:`outcome_attributes`).
 
 Sampling: a call whose caller sampled it out is not traced (its parent is not
-exported: a span of ours would hang from nothing); any other call is traced with the
-probability ``sampling_rate``, decided on its trace id, so that every service using
-the same rate keeps or drops the same traces. Spans leave in batches, from a thread of
-the SDK's (BatchSpanProcessor: a bounded queue, spans beyond it dropped), never on
-the request path; the SDK's ``OTEL_BSP_*`` variables tune it, and the exporters read
-``OTEL_EXPORTER_OTLP_*`` (endpoint, headers, certificates) themselves.
+exported: a span of ours would hang from nothing), and a store call only under a
+traced decision. Any other call is traced with the probability ``sampling_rate``:
+drawn here for a call without a trace context (a root span), decided on the trace id
+for a call with one, so that services using the same rate keep or drop the same
+traces. Spans leave in batches, from a thread of the SDK's (BatchSpanProcessor: a
+bounded queue, spans beyond it dropped), never on the request path; the SDK's
+``OTEL_BSP_*`` variables tune it, and the exporters read ``OTEL_EXPORTER_OTLP_*``
+(endpoint, headers, certificates) themselves.
 """
 
 from __future__ import annotations
 
+import random
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ratelimit_service.core.request import Request
@@ -35,6 +38,13 @@ PROTOCOLS = ("grpc", "http")
 INSTRUMENTATION = "ratelimit_service"
 RLS_SPAN = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 STORE_SPAN = "ratelimit store hit"
+_RPC = {
+    "rpc.system": "grpc",
+    "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
+    "rpc.method": "ShouldRateLimit",
+}
+_PROPAGATED = frozenset({"traceparent", "b3", "x-b3-traceid"})
+"""Metadata keys that carry a caller's trace context (W3C, B3 single, B3 multi)."""
 FLUSH_TIMEOUT_MS = 5000
 """How long stopping waits for the last spans to leave."""
 _NEEDS = "pip install 'ratelimit-service[tracing]'"
@@ -76,46 +86,57 @@ class Tracing:
         )
         ratio = sdk.TraceIdRatioBased(sampling_rate)
         sampler = sdk.ParentBased(
-            root=ratio, remote_parent_sampled=ratio, remote_parent_not_sampled=sdk.ALWAYS_OFF
+            root=sdk.ALWAYS_ON,  # decision() draws for root spans itself
+            remote_parent_sampled=ratio,
+            remote_parent_not_sampled=sdk.ALWAYS_OFF,
         )
+        self._rate = sampling_rate
+        self._draw = random.random
         self.provider = sdk.TracerProvider(resource=resource, sampler=sampler)
         self.provider.add_span_processor(sdk.BatchSpanProcessor(sdk.exporter(endpoint)))
         self.tracer = self.provider.get_tracer(INSTRUMENTATION)
         self._propagator = sdk.propagator
+        self._current = sdk.get_current_span
         self._server = sdk.SpanKind.SERVER
         self._client = sdk.SpanKind.CLIENT
         self.protocol = protocol
         self._stopped = False
 
-    @contextmanager
-    def decision(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Iterator[Any]:
-        """The span of one ShouldRateLimit call, current (so that the store's span
-        goes under it) and a child of the caller's span when ``metadata`` (the call's
-        gRPC metadata) carries one."""
+    def decision(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None
+    ) -> AbstractContextManager[Any] | None:
+        """The span of one ShouldRateLimit call, to enter (it is then current, so that
+        the store's span goes under it), a child of the caller's span when
+        ``metadata`` (the call's gRPC metadata) carries one; None for a call not to
+        be traced. Most calls are not (a rate below 1, or a caller that sampled them
+        out): those are told apart here before the SDK is called, for a microsecond
+        where the SDK's unsampled span costs several."""
         carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
-        parent = self._propagator.extract(carrier) if carrier else None
-        with self.tracer.start_as_current_span(
-            RLS_SPAN,
-            context=parent,
-            kind=self._server,
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
-                "rpc.method": "ShouldRateLimit",
-            },
-        ) as span:
-            yield span
+        if not _PROPAGATED.intersection(carrier):
+            if self._rate < 1.0 and self._draw() >= self._rate:
+                return None
+            parent = None  # a root span, sampled here (the SDK's root sampler: always on)
+        else:
+            if carrier.get("traceparent", "").endswith("-00"):
+                return None  # W3C: the caller did not sample it (B3: the SDK tells)
+            parent = self._propagator.extract(carrier)
+        return self.tracer.start_as_current_span(
+            RLS_SPAN, context=parent, kind=self._server, attributes=_RPC
+        )
 
     def traced_hit(
         self, hit: Callable[..., Awaitable[Any]], store_name: str
     ) -> Callable[..., Awaitable[Any]]:
-        """``hit`` (a store's Store.hit) with a CLIENT span per call, under the
-        current span (the decision's)."""
-        tracer, kind = self.tracer, self._client
+        """``hit`` (a store's Store.hit) with a CLIENT span per call under the
+        current span (the decision's), when that one is traced: a store call is
+        never a trace of its own."""
+        tracer, kind, current = self.tracer, self._client, self._current
 
         async def traced(
             hits: Sequence[Any], commit: bool, owe: bool = False, deadline: float | None = None
         ) -> Any:
+            if not current().is_recording():
+                return await hit(hits, commit, owe, deadline)
             attributes: dict[str, Any] = {"ratelimit.store": store_name}
             attributes["ratelimit.store.keys"] = len(hits)
             if store_name.startswith("redis"):
@@ -166,8 +187,13 @@ class _Sdk:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
-        from opentelemetry.trace import SpanKind
+        from opentelemetry.sdk.trace.sampling import (
+            ALWAYS_OFF,
+            ALWAYS_ON,
+            ParentBased,
+            TraceIdRatioBased,
+        )
+        from opentelemetry.trace import SpanKind, get_current_span
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         exporter: Any
@@ -179,9 +205,11 @@ class _Sdk:
         self.TracerProvider = TracerProvider
         self.BatchSpanProcessor = BatchSpanProcessor
         self.ALWAYS_OFF = ALWAYS_OFF
+        self.ALWAYS_ON = ALWAYS_ON
         self.ParentBased = ParentBased
         self.TraceIdRatioBased = TraceIdRatioBased
         self.SpanKind = SpanKind
+        self.get_current_span = get_current_span
         self.propagator = CompositePropagator(
             [TraceContextTextMapPropagator(), B3MultiFormat(), B3SingleFormat()]
         )

@@ -155,7 +155,10 @@ class RateLimitServicer:
         on the span when it is sampled (read back from the answer's bytes: the span
         says what the caller was told)."""
         assert self.tracing is not None
-        with self.tracing.decision(context.invocation_metadata()) as span:
+        traced = self.tracing.decision(context.invocation_metadata())
+        if traced is None:  # not sampled
+            return await self.should_rate_limit(raw, context)
+        with traced as span:
             answer = await self.should_rate_limit(raw, context)
             if span.is_recording():
                 span.set_attributes(self._outcome(raw, answer))

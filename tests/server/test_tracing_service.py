@@ -125,6 +125,7 @@ async def test_calls_the_caller_sampled_out_are_never_traced(
     service = await traced()
     _, dropped, header = traceparent(sampled=False)
     assert await call(service, ("user", "u1"), (("traceparent", header),)) == OK
+    assert await call(service, ("tenant", "t1"), (("traceparent", header),)) == OK  # exact
     assert await call(service, ("user", "u1")) == OK  # no caller: a root span at rate 1
     _, kept, header = traceparent()
     assert await call(service, ("user", "u1"), (("traceparent", header),)) == OK
@@ -132,7 +133,7 @@ async def test_calls_the_caller_sampled_out_are_never_traced(
         "the last call's span", lambda spans: bool(by_parent(spans, kept))
     )
     assert not by_parent(spans, dropped)
-    assert [span.parent_span_id for span in spans] == ["", kept]
+    assert [span.parent_span_id for span in spans] == ["", kept]  # no store span either
 
 
 async def test_at_a_sampling_rate_of_0_nothing_is_traced(traced: Any, http_receiver: Any) -> None:
