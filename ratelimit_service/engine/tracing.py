@@ -5,7 +5,8 @@ Off by default, and then free: nothing here imports opentelemetry until
 (the servicer's traced handler, the limiter's traced store call), so an untraced
 call runs exactly the code it runs without this module.
 
-When on, each ShouldRateLimit call is one SERVER span, a child of the caller's span:
+When on, each ShouldRateLimit call is one SERVER span (and each RLQS usage report:
+one every few seconds per Envoy), a child of the caller's span:
 the caller's trace context comes from the call's gRPC metadata (W3C ``traceparent`` /
 ``tracestate``, or B3 as ``b3`` or ``x-b3-*``). Envoy's ratelimit filter makes a span
 for its call to the service and sends its context there, so the service's span sits
@@ -37,11 +38,17 @@ from ratelimit_service.core.request import Request
 PROTOCOLS = ("grpc", "http")
 INSTRUMENTATION = "ratelimit_service"
 RLS_SPAN = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+RLQS_SPAN = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService report"
 STORE_SPAN = "ratelimit store hit"
 _RPC = {
     "rpc.system": "grpc",
     "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
     "rpc.method": "ShouldRateLimit",
+}
+_RLQS = {
+    "rpc.system": "grpc",
+    "rpc.service": "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
+    "rpc.method": "StreamRateLimitQuotas",
 }
 _PROPAGATED = frozenset({"traceparent", "b3", "x-b3-traceid"})
 """Metadata keys that carry a caller's trace context (W3C, B3 single, B3 multi)."""
@@ -108,9 +115,27 @@ class Tracing:
         """The span of one ShouldRateLimit call, to enter (it is then current, so that
         the store's span goes under it), a child of the caller's span when
         ``metadata`` (the call's gRPC metadata) carries one; None for a call not to
-        be traced. Most calls are not (a rate below 1, or a caller that sampled them
-        out): those are told apart here before the SDK is called, for a microsecond
-        where the SDK's unsampled span costs several."""
+        be traced."""
+        return self._span(RLS_SPAN, metadata, _RPC)
+
+    def report(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None, attributes: dict[str, Any]
+    ) -> AbstractContextManager[Any] | None:
+        """The span of one RLQS usage report (a stream carries one every few seconds),
+        under the stream's trace context if its opening metadata has one; None when
+        not traced."""
+        return self._span(RLQS_SPAN, metadata, {**_RLQS, **attributes})
+
+    def _span(
+        self,
+        name: str,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        attributes: dict[str, Any],
+    ) -> AbstractContextManager[Any] | None:
+        """A SERVER span, sampled as the module docstring says. Most calls are not
+        traced (a rate below 1, or a caller that sampled them out): those are told
+        apart here before the SDK is called, for a microsecond where the SDK's
+        unsampled span costs several."""
         carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
         if not _PROPAGATED.intersection(carrier):
             if self._rate < 1.0 and self._draw() >= self._rate:
@@ -121,7 +146,7 @@ class Tracing:
                 return None  # W3C: the caller did not sample it (B3: the SDK tells)
             parent = self._propagator.extract(carrier)
         return self.tracer.start_as_current_span(
-            RLS_SPAN, context=parent, kind=self._server, attributes=_RPC
+            name, context=parent, kind=self._server, attributes=attributes
         )
 
     def traced_hit(

@@ -363,7 +363,8 @@ class RateLimitService:
             self.tracing,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
-        rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(QuotaServicer(self.quota), server)
+        quota = QuotaServicer(self.quota, self.tracing)
+        rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(quota, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (RLS_SERVICE, RLQS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server

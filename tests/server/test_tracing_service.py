@@ -10,9 +10,10 @@ import secrets
 from typing import Any
 
 import pytest
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service.engine.tracing import RLS_SPAN, STORE_SPAN
+from ratelimit_service.engine.tracing import RLQS_SPAN, RLS_SPAN, STORE_SPAN
 from ratelimit_service.testing.fixtures import make_request
 
 OK = rls_pb2.RateLimitResponse.OK
@@ -152,3 +153,41 @@ async def test_stopping_sends_the_spans_still_queued(traced: Any, http_receiver:
     assert http_receiver.spans() == []
     await service.service.stop()
     assert [span.parent_span_id for span in http_receiver.spans()] == [parent]
+
+
+async def test_each_rlqs_report_is_a_span_under_the_streams_context(
+    traced: Any, http_receiver: Any
+) -> None:
+    service = await traced()
+    trace, parent, header = traceparent()
+    stub = rlqs_pb2_grpc.RateLimitQuotaServiceStub(service.channel)
+    stream = stub.StreamRateLimitQuotas(
+        metadata=(("x-envoy-node-id", "envoy-1"), ("traceparent", header))
+    )
+    usage = rlqs_pb2.RateLimitQuotaUsageReports.BucketQuotaUsage
+    for allowed in (3, 4):
+        await stream.write(
+            rlqs_pb2.RateLimitQuotaUsageReports(
+                domain="edge",
+                bucket_quota_usages=[
+                    usage(
+                        bucket_id=rlqs_pb2.BucketId(bucket={"user": "u1"}),
+                        num_requests_allowed=allowed,
+                        num_requests_denied=1,
+                    )
+                ],
+            )
+        )
+        assert (await stream.read()).bucket_action
+    stream.cancel()
+    spans = await http_receiver.wait_for_async(
+        "two reports", lambda spans: len(by_parent(spans, parent)) == 2
+    )
+    for span, allowed in zip(by_parent(spans, parent), (3, 4), strict=True):
+        assert span.name == RLQS_SPAN
+        assert span.trace_id == trace
+        assert span.attributes["rlqs.instance"] == "envoy-1"
+        assert span.attributes["rlqs.buckets"] == 1
+        assert span.attributes["rlqs.requests_allowed"] == allowed
+        assert span.attributes["rlqs.requests_denied"] == 1
+        assert span.attributes["ratelimit.domain"] == "edge"
