@@ -3,6 +3,7 @@ side by side in one run, straight at its gRPC port (h2load, as bench/throughput.
 
     python bench/tracing_cost.py               # 2 rounds, about 2 minutes
     python bench/tracing_cost.py --quick       # 1 round of short runs, to try it out
+    python bench/tracing_cost.py --micro       # a decision's span alone, in a loop: µs per call
 
 Two set-ups, each served three times (off, ``--tracing-sampling-rate 0.01``, 1.0), all
 six at once, exporting over OTLP/gRPC to a receiver in this process (which keeps every
@@ -22,12 +23,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import throughput as tp
 
-from ratelimit_service.engine.tracing import RLS_SPAN
+from ratelimit_service.engine.tracing import RLS_SPAN, Tracing
 from ratelimit_service.testing.otlp import GrpcReceiver
 
 RATES = {"off": None, "1 %": "0.01", "100 %": "1.0"}
@@ -42,7 +44,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--quick", action="store_true", help="1 round of 2 s runs")
+    parser.add_argument("--micro", action="store_true", help="the span alone, per rate")
     args = parser.parse_args()
+    if args.micro:
+        micro()
+        return
     if args.quick:
         args.rounds, args.seconds = 1, 2.0
     progress = tp.Progress()
@@ -92,6 +98,27 @@ def main() -> None:
 
 
 CALLS = "ratelimit_server_should_rate_limit_total_requests_total"
+
+
+def micro(calls: int = 50_000) -> None:
+    """What Tracing.decision costs a call with no trace context, per rate (the span
+    entered, two attributes set when it records, ended), exporting to a receiver."""
+    receiver = GrpcReceiver().start()
+    try:
+        for rate in (0.0, 0.01, 1.0):
+            tracing = Tracing(protocol="grpc", endpoint=receiver.endpoint, sampling_rate=rate)
+            metadata = (("user-agent", "grpc-c"),)
+            started = time.perf_counter()
+            for _ in range(calls):
+                span = tracing.decision(metadata)
+                if span is not None:
+                    with span as current:
+                        current.set_attributes({"ratelimit.overall_code": "OK", "n": 1})
+            elapsed = time.perf_counter() - started
+            tracing.shutdown()
+            print(f"rate {rate:g}: {elapsed / calls * 1e6:.1f} µs per call", flush=True)
+    finally:
+        receiver.stop()
 
 
 def table(results: dict[tuple[str, str, str], list[tp.Run]], traced: dict[str, float]) -> str:
