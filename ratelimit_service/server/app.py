@@ -71,9 +71,11 @@ from ratelimit_service.engine.state_metrics import (
     quota_metrics,
     reconciler_metrics,
     store_metrics,
+    zone_metrics,
 )
 from ratelimit_service.engine.stats import Stats, StatsCollector, histogram_family
 from ratelimit_service.engine.statsd import StatsdSink
+from ratelimit_service.engine.status import StatusBoard, StatusSources
 from ratelimit_service.engine.tracing import Tracing
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
@@ -81,6 +83,7 @@ from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
 from ratelimit_service.server.go_http import GoEndpoints
 from ratelimit_service.server.http_server import HttpServer, pages
 from ratelimit_service.server.settings import Settings
+from ratelimit_service.server.status_page import status_routes
 from ratelimit_service.server.tls import CertificateReloader
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
@@ -302,12 +305,24 @@ class RateLimitService:
             sensor = LoopLoad(self.store.loop_saturated)
             self._loop_load_task = BackgroundTask("loop-load", sensor.run)
         self.health = health.aio.HealthServicer()
+        self.status = StatusBoard(
+            StatusSources(
+                self.stats,
+                lambda: self.limiter.config,
+                self.local,
+                self.store,
+                self.reconciler,
+                self.quota,
+                self.zone_aggregator,
+            )
+        )
         self.admin = HttpServer(
             pages(
                 {
                     "/healthcheck": self._healthcheck_page,
                     "/metrics": self._metrics_stream,
                     "/rlconfig": self._rlconfig_page,
+                    **status_routes(self.status),
                     "/": self._index_page,
                 }
             )
@@ -634,7 +649,7 @@ class RateLimitService:
         return 200, "text/plain; charset=utf-8", self.limiter.config.dump().encode()
 
     def _index_page(self) -> tuple[int, str, bytes]:
-        return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n"
+        return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n"
 
     def _debug_index_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain", b"/rlconfig\n/metrics\n"
@@ -643,6 +658,8 @@ class RateLimitService:
         yield from bucket_metrics(self.local)
         zone = self.zone_aggregator.stats() if self.zone_aggregator is not None else {}
         yield from store_metrics(self.store, zone)
+        if self.zone_aggregator is not None:
+            yield from zone_metrics(self.zone_aggregator)
         yield histogram_family(
             "ratelimit_event_loop_lag_seconds",
             "How late the event loop ran a timer that was due (busy, or not scheduled)",

@@ -361,7 +361,7 @@ def field_default(setting: Setting) -> Any:
 @dataclass(frozen=True, slots=True)
 class Settings:
     """What a running service needs, filled from SETTINGS (the defaults here are the
-    declared ones: tests/test_settings.py holds them equal)."""
+    declared ones: tests/server/test_settings.py holds them equal)."""
 
     config_path: str = ""
     grpc_addr: str = "0.0.0.0:8081"

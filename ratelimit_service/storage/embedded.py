@@ -8,7 +8,8 @@ own store, so the service must not run more than one process on it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from itertools import chain
 
 from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity, refill, take
 from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
@@ -103,13 +104,17 @@ class EmbeddedStore:
             for report in reports
         ]
 
-    def sweep(self) -> int:
-        """Forget state that no longer holds anything; called by the reconciler."""
-        now = self._clock()
-        removed = self._windows.remove_if(lambda window: window.count(now) == 0)
-        removed += self._fleet.remove_if(lambda bucket: bucket.idle(now))
-        self.swept += removed
-        return removed
+    def sweep(self) -> Iterator[int]:
+        """Forget state that no longer holds anything, a piece at a time (the clock is
+        read per entry: calls run between pieces)."""
+        clock = self._clock
+        pieces = chain(
+            self._windows.remove_if(lambda window: window.count(clock()) == 0),
+            self._fleet.remove_if(lambda bucket: bucket.idle(clock())),
+        )
+        for removed in pieces:
+            self.swept += removed
+            yield removed
 
     async def start(self) -> None:
         """Nothing to connect to."""

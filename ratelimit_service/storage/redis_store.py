@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -662,9 +662,9 @@ class RedisStore:
     def healthy(self) -> bool:
         return self.breaker.healthy
 
-    def sweep(self) -> int:
+    def sweep(self) -> Iterator[int]:
         """Redis expires every key itself."""
-        return 0
+        return iter(())
 
     @property
     def wants_saturation(self) -> bool:

@@ -14,7 +14,7 @@ its arithmetic core/zones.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any
 
 from ratelimit_service.core.drop_ratio import SyncResult
@@ -136,8 +136,9 @@ class ZonedStore:
     async def start(self) -> None:
         await asyncio.gather(self.zone_store.start(), self.global_store.start())
 
-    def sweep(self) -> int:
-        return 0
+    def sweep(self) -> Iterator[int]:
+        """Both stores are Redis, which expires every key itself."""
+        return iter(())
 
     @property
     def wants_saturation(self) -> bool:

@@ -5,7 +5,7 @@ Envoy YAML is parsed into its Envoy API type with unknown fields rejected and ``
 protos (required fields, lengths, enum values), which is what Envoy checks at load time
 beyond the parse. The descriptors the routes can send are matched against config/ with the
 service's own loader and matcher, in both directions. A real Envoy runs these files in
-tests/test_envoy_real.py (envoy/envoy.yaml) and tests/test_envoy_generated.py (the
+tests/envoy/test_envoy_real.py (envoy/envoy.yaml) and tests/envoy/test_envoy_generated.py (the
 generator's bootstrap, istio/envoyfilter.yaml's patches, ``envoy --mode validate``); what
 remains for Docker or a cluster to show is listed in docs/envoy-istio.md.
 """
@@ -971,7 +971,7 @@ def test_envoy_config_command(tmp_path: Path) -> None:
 
     result = subprocess.run(
         [sys.executable, "-m", "ratelimit_service", "envoy-config", "--config", "config/"],
-        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "envoy.filters.http.ratelimit" in result.stdout and "domain: edge" in result.stdout

@@ -405,7 +405,7 @@ def test_envoy_validates_every_shipped_and_generated_config(
 def test_envoy_validate_rejects_a_broken_config(envoy_binary: str, tmp_path: Path) -> None:
     """The check above can fail: routes to a cluster that is not there. (A ratelimit
     filter whose cluster is missing passes validation: Envoy looks it up per request, so
-    tests/test_envoy_configs.py checks that one.)"""
+    tests/envoy/test_envoy_configs.py checks that one.)"""
     broken = load_yaml(SHIPPED_BOOTSTRAP)
     broken["static_resources"]["clusters"] = [
         c for c in broken["static_resources"]["clusters"] if c["name"] != "upstream"

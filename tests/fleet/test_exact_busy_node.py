@@ -102,7 +102,7 @@ def test_really_slow_redis_gets_failure_mode_at_the_caller_s_deadline(tmp_path: 
         proxy = subprocess.Popen(
             [
                 sys.executable,
-                str(Path(__file__).resolve().parent.parent / "bench" / "redis_delay_proxy.py"),
+                str(Path(__file__).resolve().parents[2] / "bench" / "redis_delay_proxy.py"),
                 *("--listen-port", str(proxy_port), "--upstream-port", str(redis.port)),
                 *("--delay-ms", "400"),
             ]

@@ -21,7 +21,7 @@ from ratelimit_service.server.settings import (
     markdown_table,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NOT_FLAGS = {"xds", "header_names", "shutdown_grace"}
 """Settings fields that no single flag fills: the xDS client's own settings, the three
 header names, and the grace after draining (fixed)."""

@@ -571,7 +571,33 @@ def test_renew_gives_back_the_last_grant() -> None:
     assert grant > 0
     bucket.credit = 0.0  # spent
     local.renew()
-    assert bucket.credit == grant
+    assert local.credit(bucket) == grant
+    assert local.get("k", 100, 1, now=0.3).credit == grant  # granted when touched
+
+
+def test_renewals_are_granted_as_each_bucket_is_touched_as_if_granted_at_once() -> None:
+    """The lazy renewal gives the credit a pass over every bucket would have: renewals
+    missed add nothing beyond the grant, a give-back and a sync's answer land on a
+    renewed bucket, and a bucket born after a renewal owes nothing to it."""
+    local = LocalBuckets()
+    spent, given_back, answered = (local.get(k, 100, 1, now=0.0) for k in "abc")
+    local.take_reports(now=0.25, interval=0.25)
+    for key in "abc":
+        local.apply(key, FleetView(tokens=0.0, offered_total=50), now=0.25, interval=0.25)
+    grant = spent.grant
+    for bucket in (spent, given_back, answered):
+        bucket.credit = 0.0
+    local.renew()
+    local.renew()  # missed twice: still one grant
+    assert local.get("a", 100, 1, now=0.3).credit == grant
+    local.give_back([(given_back, 2)])
+    assert given_back.credit == grant + 2  # renewed, then given back
+    born = local.get("d", 100, 1, now=0.3)
+    assert born.renewed == local.renewals
+    local.take_reports(now=0.5, interval=0.25)
+    before = local.credit(answered)
+    local.apply("c", FleetView(tokens=0.0, offered_total=100), now=0.5, interval=0.25)
+    assert before == grant and answered.renewed == local.renewals
 
 
 def test_stale_and_fail() -> None:

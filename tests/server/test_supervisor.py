@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -134,6 +135,17 @@ def test_workers_share_limits_and_metrics_add_up(workers) -> None:
     ]
     assert per_worker == [1.0, 1.0]  # connections were spread over both workers
     assert len(children(process.pid)) == 2
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/status.json", timeout=5) as r:
+        snapshots = json.loads(r.read())["workers"]
+    assert len(snapshots) == 2
+    hits = [row["total_hits"] for s in snapshots for row in s["rules"]["rows"]]
+    assert sum(hits) == 300  # 240 exact and 60 probabilistic, each worker its own
+    (breaker,) = snapshots[0]["store"]["breakers"]
+    assert (snapshots[0]["store"]["name"], breaker["open"], breaker["healthy"]) == (
+        "redis", False, True,
+    )  # fmt: skip
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/status", timeout=5) as r:
+        assert b'id="worker"' in r.read()
 
 
 def test_dead_worker_is_restarted_and_health_follows(workers) -> None:

@@ -211,7 +211,7 @@ async def check_zone(client, read, write, tables, now_us: int, rng: random.Rando
                      token: int) -> int:  # fmt: skip
     """The aggregator's read equals the twin's; then a random write-back to both (with
     a token that never goes back: the fence is zone_write's own test, in
-    test_zones_core.py)."""
+    tests/core/test_zones.py)."""
     rows = {t.key: t for t in zone_read_reply(await client.eval(read, 1, "t:i", FORGET_US, 100))}
     assert sorted(rows) == sorted(tables)
     for key, table in tables.items():

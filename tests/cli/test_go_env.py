@@ -26,7 +26,7 @@ from ratelimit_service.testing.waiting import eventually
 
 pytestmark = pytest.mark.slow  # starts processes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OK, OVER = 1, 2
 
 RULES = """\
