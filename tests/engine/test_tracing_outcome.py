@@ -3,6 +3,7 @@ error when tracing is asked for and the extra cannot run."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -59,3 +60,15 @@ def test_xds_protos_copy_of_the_otlp_protos_is_named_with_the_fix(
 def test_an_unknown_protocol_is_refused() -> None:
     with pytest.raises(ValueError, match="choose grpc or http"):
         Tracing(protocol="udp")
+
+
+def test_the_request_path_imports_nothing_of_opentelemetry() -> None:
+    """The servicer, the limiter and this module, imported as a service does with
+    tracing off: not one opentelemetry module (a fresh interpreter)."""
+    code = (
+        "import sys, ratelimit_service.rls.servicer, ratelimit_service.engine.tracing\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -191,3 +191,10 @@ async def test_each_rlqs_report_is_a_span_under_the_streams_context(
         assert span.attributes["rlqs.requests_allowed"] == allowed
         assert span.attributes["rlqs.requests_denied"] == 1
         assert span.attributes["ratelimit.domain"] == "edge"
+
+
+async def test_off_the_untraced_path_is_installed(write_config: Any, start_service: Any) -> None:
+    service = (await start_service(write_config(RULES))).service
+    assert service.tracing is None
+    assert service.servicer.tracing is None  # handler() serves should_rate_limit itself
+    assert service.limiter.hit_store == service.store.hit
