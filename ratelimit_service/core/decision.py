@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.exact import denies
 from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus
 
 NEAR_LIMIT_RATIO = 0.8
@@ -51,15 +52,15 @@ def near_hits(threshold: int, before: int, hits: int) -> int:
 
 
 def overall_code(statuses: Sequence[DescriptorStatus]) -> Code:
-    """OVER_LIMIT iff a non-quota descriptor is over, or every quota-mode descriptor is."""
-    quota_seen = False
-    quota_all_over = True
+    """OVER_LIMIT when the statuses deny the request (core/exact.py :func:`denies`): a
+    shadow descriptor's status is OK, so an over status that is not quota enforces."""
+    enforce_over = quota_seen = quota_admitted = False
     for status in statuses:
         limit = status.limit
         if limit is not None and limit.quota_mode:
             quota_seen = True
-            if status.code is not _OVER:
-                quota_all_over = False
+            quota_admitted = quota_admitted or status.code is not _OVER
         elif status.code is _OVER:
-            return _OVER
-    return _OVER if quota_seen and quota_all_over else _OK
+            enforce_over = True
+            break
+    return _OVER if denies(enforce_over, quota_seen, quota_admitted) else _OK

@@ -27,7 +27,7 @@ from ratelimit_service.core.decision import (
     near_threshold,
     overall_code,
 )
-from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, request_denied
+from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, denies, request_denied
 from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
 from ratelimit_service.core.matching import (
     Match,
@@ -389,7 +389,7 @@ class RateLimiter:
         local = self.local
         draw = self._draw
         stale = local.stale(now)
-        denied = quota_seen = quota_ok = False
+        enforce_over = quota_seen = quota_ok = False
         for step in steps:
             if step.zero:
                 window = step.window_seconds
@@ -419,10 +419,9 @@ class RateLimiter:
                 quota_seen = True
                 quota_ok = quota_ok or admitted
             elif step.enforce and not admitted:
-                denied = True
-        if quota_seen and not quota_ok and not exact_quota:
-            denied = True  # every quota descriptor is over: the request is denied
-        return not denied, quota_ok
+                enforce_over = True
+        # An exact quota descriptor, asked next, may yet admit the request.
+        return not denies(enforce_over, quota_seen, quota_ok or exact_quota), quota_ok
 
     def _record_exact(
         self, steps: tuple[_Step, ...], results: list[ExactResult], statuses: list[DescriptorStatus]

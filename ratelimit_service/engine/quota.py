@@ -75,8 +75,6 @@ FORGET_AFTER = 3 * REPORT_INTERVAL
 share of it."""
 PUBLISH_INTERVAL = 1.0
 """Seconds between two publishes of a replica's totals (``--rlqs-publish-interval``)."""
-PUBLISH_BATCH = 256
-"""Counters per store call when a replica publishes."""
 MIN_ELAPSED = 0.5
 """A report sooner than this after the previous one measures no demand (Envoy's first
 report of a bucket comes at once, then the periodic ones)."""
@@ -424,11 +422,9 @@ class QuotaCoordinator:
         send the totals, take the new parts, and push grown shares."""
         self._forget_silent(self._clock())
         counters = [c for c in self._counters.values() if c.part is not None]
-        for start in range(0, len(counters), PUBLISH_BATCH):
-            chunk = counters[start : start + PUBLISH_BATCH]
-            if await self._publish(chunk):
-                for counter in chunk:
-                    self._grow(counter)
+        if counters and await self._publish(counters):  # the store splits it into calls
+            for counter in counters:
+                self._grow(counter)
 
     async def _publish(self, counters: list[_Counter]) -> bool:
         """Publish this replica's totals of ``counters`` and take its new parts; False

@@ -637,10 +637,6 @@ class RateLimitService:
             return 200, "text/plain", b"OK\n" + detail
         return 503, "text/plain", b"NOT SERVING\n" + detail
 
-    def _metrics_page(self) -> tuple[int, str, bytes]:
-        """The whole page at once (for tests; the listeners stream it)."""
-        return 200, METRICS_TYPE, b"".join(self.metrics.exposition())
-
     def _metrics_stream(self) -> tuple[int, str, Iterator[bytes]]:
         """The page in pieces: the HTTP server returns to the event loop between two."""
         return 200, METRICS_TYPE, self.metrics.exposition()

@@ -124,6 +124,10 @@ class Setting:
     """The default when started from the Go service's settings, if it differs."""
     hidden: bool = False
 
+    def field(self, value: Any) -> Any:
+        """The Settings field's value for a parsed ``value``."""
+        return self.to_field(value) if self.to_field is not None else value
+
     @property
     def metavar(self) -> str:
         """What ``--help`` shows for the value."""
@@ -349,12 +353,6 @@ SETTINGS: tuple[Setting, ...] = (
 BY_FLAG = {setting.flag: setting for setting in SETTINGS}
 
 
-def field_default(setting: Setting) -> Any:
-    """The Settings field's value for the setting's default."""
-    value = setting.default if not setting.switch else False
-    return setting.to_field(value) if setting.to_field is not None else value
-
-
 # -- what the service gets -------------------------------------------------------------
 
 
@@ -463,8 +461,7 @@ def fields_from(values: dict[str, Any]) -> dict[str, Any]:
     for setting in SETTINGS:
         if setting.fills is None:
             continue
-        value = values[setting.dest]
-        fields[setting.fills] = setting.to_field(value) if setting.to_field else value
+        fields[setting.fills] = setting.field(values[setting.dest])
     fields["header_names"] = HeaderNames(
         values["header_limit"], values["header_remaining"], values["header_reset"]
     )

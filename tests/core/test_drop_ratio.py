@@ -319,7 +319,7 @@ async def test_embedded_store_sync_is_a_token_bucket() -> None:
     report = BucketReport("k", limit=100, window_seconds=1, offered=80, admitted=60)
     result = await store.sync([report], 0.25)
     assert result.nodes == 1
-    assert result.views == [FleetView(tokens=40.0, offered_total=80)]  # 100 stored
+    assert result.views == [FleetView(tokens=40.0, offered_total=80, limit=100)]  # 100 stored
     clock[0] = 100.25  # refilled by 25, then 10 taken
     report = BucketReport("k", limit=100, window_seconds=1, offered=90, admitted=10)
     (view,) = (await store.sync([report], 0.25)).views

@@ -94,10 +94,9 @@ async def test_two_streams_split_and_a_reload_applies_at_the_next_report(
     (Path(config) / "rules.yaml").write_text(RULES.replace("LIMIT", "40"))
     for _ in range(50):
         await asyncio.sleep(0.1)
-        if service.service.limiter.config.domains["q"].root.defaults["tenant"].limit:
-            limit = service.service.limiter.config.domains["q"].root.defaults["tenant"].limit
-            if limit.requests_per_unit == 40:
-                break
+        limits = service.service.limiter.config.domains["q"].root.defaults["tenant"].limits
+        if [limit.requests_per_unit for limit in limits] == [40]:
+            break
     assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [20]
     a.call.cancel()
     b.call.cancel()
