@@ -66,12 +66,6 @@ _DURATION_UNITS = {
 ACCEPTED = {
     "RUNTIME_WATCH_ROOT": "rules are polled by content, which sees both a changed file and a"
     " swapped directory: nothing to choose",
-    "TRACING_ENABLED": "tracing is not implemented",
-    "TRACING_SERVICE_NAME": "tracing is not implemented",
-    "TRACING_SERVICE_NAMESPACE": "tracing is not implemented",
-    "TRACING_SERVICE_INSTANCE_ID": "tracing is not implemented",
-    "TRACING_EXPORTER_PROTOCOL": "tracing is not implemented",
-    "TRACING_SAMPLING_RATE": "tracing is not implemented",
     "EXTRA_TAGS": "statsd stats carry no tags",
     "USE_DOG_STATSD": "stats go out as plain statsd",
     "USE_DOG_STATSD_MOGRIFIERS": "stats go out as plain statsd",
@@ -108,7 +102,6 @@ ACCEPTED = {
 
 _QUIET_WHEN = {
     "RUNTIME_WATCH_ROOT": None,  # never worth a warning
-    "TRACING_ENABLED": _FALSE,
     "USE_DOG_STATSD": _FALSE,
     "USE_DOG_STATSD_MOGRIFIERS": ("",),
     "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS": _FALSE,
@@ -513,6 +506,33 @@ def _xds(r: _Reader) -> None:
         r.set("--xds-max-message-size", size, "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
 
 
+def _tracing(r: _Reader) -> None:
+    """TRACING_*: spans over OTLP; the exporters read OTEL_EXPORTER_OTLP_* themselves."""
+    if r.has("TRACING_ENABLED"):
+        r.set("--tracing", "1" if r.boolean("TRACING_ENABLED") else "", "TRACING_ENABLED")
+    for name, flag in (
+        ("TRACING_SERVICE_NAME", "--tracing-service-name"),
+        ("TRACING_SERVICE_NAMESPACE", "--tracing-service-namespace"),
+        ("TRACING_SERVICE_INSTANCE_ID", "--tracing-service-instance-id"),
+    ):
+        if r.text(name):
+            r.set(flag, r.text(name), name)
+    protocol = r.text("TRACING_EXPORTER_PROTOCOL")
+    if protocol:
+        if protocol.lower() not in ("grpc", "http"):
+            raise GoSettingError("TRACING_EXPORTER_PROTOCOL", protocol, "choose grpc or http")
+        r.set("--tracing-protocol", protocol.lower(), "TRACING_EXPORTER_PROTOCOL")
+    rate = r.text("TRACING_SAMPLING_RATE")
+    if rate:
+        try:
+            value = float(rate)
+        except ValueError:
+            value = math.nan
+        if not 0 <= value <= 1:
+            raise GoSettingError("TRACING_SAMPLING_RATE", rate, "expected a number from 0 to 1")
+        r.set("--tracing-sampling-rate", value, "TRACING_SAMPLING_RATE")
+
+
 def _accepted(r: _Reader) -> None:
     for name, why in ACCEPTED.items():
         if not r.has(name):
@@ -534,5 +554,6 @@ _RULES: tuple[Callable[[_Reader], None], ...] = (
     _headers,
     _stats,
     _xds,
+    _tracing,
     _accepted,
 )

@@ -27,6 +27,7 @@ from ratelimit_service.cli.tune import add_tune_parser, cmd_tune
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import check_config
 from ratelimit_service.core.config_model import Mode
+from ratelimit_service.engine.tracing import TracingUnavailable
 from ratelimit_service.server.logs import configure_logging
 from ratelimit_service.server.settings import (
     BY_FLAG,
@@ -336,6 +337,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for error in exc.errors:
             print(error, file=sys.stderr)
         _hint_config_source(args)
+        return 1
+    except TracingUnavailable as exc:
+        print(f"serve: {exc}", file=sys.stderr)
         return 1
     try:
         run_loop(service.run_until_signal(), str(args.event_loop))

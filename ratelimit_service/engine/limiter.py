@@ -162,6 +162,9 @@ class RateLimiter:
         scatters far less than random numbers; tests inject fixed values."""
         self.config = config
         self.store = store
+        self.hit_store = store.hit
+        """The exact decisions' call to the store: ``store.hit``, or tracing's wrapper
+        of it (engine/tracing.py), installed only when tracing is on."""
         self.near_ratio = near_ratio
         """Share of a limit past which admitted hits count as near_limit."""
         self.stats = stats if stats is not None else Stats()
@@ -211,7 +214,7 @@ class RateLimiter:
             else:
                 hits, owe = plan.exact_hits, commit and plan.exact_owe
             try:
-                results = await self.store.hit(hits, commit, owe, deadline)
+                results = await self.hit_store(hits, commit, owe, deadline)
             except StoreUnavailable as exc:
                 self.stats.store_error += 1
                 log.debug("exact store unavailable: %s", exc)
@@ -280,6 +283,15 @@ class RateLimiter:
         if commit:  # nothing denied: OK, with nothing to give back
             return Response(_OK, statuses)
         return self._finish(statuses, taken)
+
+    @staticmethod
+    def rules_of(request: Request) -> list[tuple[int, str]]:
+        """(descriptor index, stats key) of every rule the request matched when it was
+        last decided, in descriptor order (tracing names them)."""
+        plan = request.plan
+        if not isinstance(plan, _Plan):
+            return []
+        return sorted((step.index, step.stats_key) for step in plan.local + plan.exact)
 
     def _plan(self, request: Request) -> _Plan:
         try:

@@ -36,6 +36,7 @@ from ratelimit_service.engine.quota import (
     QuotaCoordinator,
     Usage,
 )
+from ratelimit_service.engine.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ dropped (and counted): the instance's next report is answered in full anyway."""
 class QuotaServicer:
     """Install with ``rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server``."""
 
-    def __init__(self, coordinator: QuotaCoordinator) -> None:
+    def __init__(self, coordinator: QuotaCoordinator, tracing: Tracing | None = None) -> None:
         self.coordinator = coordinator
+        self.tracing = tracing
+        """When set, each report is a span (engine/tracing.py)."""
 
     async def StreamRateLimitQuotas(
         self,
@@ -82,7 +85,16 @@ class QuotaServicer:
                         )
                         for usage in item.bucket_quota_usages
                     ]
-                    actions = await coordinator.report(instance, item.domain, usages)
+                    traced = None
+                    if self.tracing is not None:
+                        traced = self.tracing.report(
+                            context.invocation_metadata(), report_attributes(instance, item)
+                        )
+                    if traced is None:
+                        actions = await coordinator.report(instance, item.domain, usages)
+                    else:
+                        with traced:
+                            actions = await coordinator.report(instance, item.domain, usages)
                 if actions:
                     yield rlqs_pb2.RateLimitQuotaResponse(
                         bucket_action=[bucket_action(a) for a in actions]
@@ -93,6 +105,18 @@ class QuotaServicer:
         finally:
             coordinator.forget(instance)
             log.debug("RLQS stream from %s ended", instance)
+
+
+def report_attributes(instance: str, report: Any) -> dict[str, Any]:
+    """What a report's span says: the domain, the instance, its buckets and requests."""
+    usages = report.bucket_quota_usages
+    return {
+        "ratelimit.domain": report.domain,
+        "rlqs.instance": instance,
+        "rlqs.buckets": len(usages),
+        "rlqs.requests_allowed": sum(usage.num_requests_allowed for usage in usages),
+        "rlqs.requests_denied": sum(usage.num_requests_denied for usage in usages),
+    }
 
 
 def offer(queue: asyncio.Queue[list[Action]], actions: list[Action]) -> bool:

@@ -22,6 +22,7 @@ from ratelimit_service.core.request import Descriptor, InvalidRequest, Request
 from ratelimit_service.core.units import unit_from_wire
 from ratelimit_service.engine.limiter import Overloaded, RateLimiter
 from ratelimit_service.engine.loop_load import LoopLag
+from ratelimit_service.engine.tracing import Tracing, outcome_attributes
 from ratelimit_service.rls.wire import LimitHeads, RequestCache, encode_response
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,11 @@ class RateLimitServicer:
         header_names: HeaderNames | None = None,
         deadline_margin: float = DEADLINE_MARGIN,
         lag: LoopLag | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.limiter = limiter
+        self.tracing = tracing
+        """When set, :meth:`handler` serves :meth:`traced_should_rate_limit`."""
         self.lag = lag if lag is not None else LoopLag()
         """Tells the latency histogram what a call waited for the loop before it."""
         self.deadline_margin = deadline_margin
@@ -87,8 +91,11 @@ class RateLimitServicer:
         self._requests = RequestCache(_parse)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The RLS service with bytes in and out: no (de)serializer runs in grpc."""
-        method = grpc.unary_unary_rpc_method_handler(self.should_rate_limit)
+        """The RLS service with bytes in and out: no (de)serializer runs in grpc. With
+        tracing on, each call goes through :meth:`traced_should_rate_limit`; without,
+        the untraced path has not one instruction more."""
+        call = self.should_rate_limit if self.tracing is None else self.traced_should_rate_limit
+        method = grpc.unary_unary_rpc_method_handler(call)
         return grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": method})
 
     async def should_rate_limit(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -140,3 +147,32 @@ class RateLimitServicer:
                 elapsed += lag.held(started)
             stats.latency.observe(elapsed)
         raise AssertionError("context.abort() returned")  # it always raises
+
+    async def traced_should_rate_limit(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        """:meth:`should_rate_limit` inside its span (engine/tracing.py), the outcome
+        on the span when it is sampled (read back from the answer's bytes: the span
+        says what the caller was told)."""
+        assert self.tracing is not None
+        traced = self.tracing.decision(context.invocation_metadata())
+        if traced is None:  # not sampled
+            return await self.should_rate_limit(raw, context)
+        with traced as span:
+            answer = await self.should_rate_limit(raw, context)
+            if span.is_recording():
+                span.set_attributes(self._outcome(raw, answer))
+            return answer
+
+    def _outcome(self, raw: bytes, answer: bytes) -> dict[str, Any]:
+        request = self._requests.find(raw)
+        if request is None:
+            request = self._requests.get(raw)  # not kept (large): parsed again
+        response = rls_pb2.RateLimitResponse.FromString(answer)
+        name = rls_pb2.RateLimitResponse.Code.Name
+        return outcome_attributes(
+            request,
+            self.limiter.rules_of(request),
+            name(response.overall_code),
+            [name(status.code) for status in response.statuses],
+        )

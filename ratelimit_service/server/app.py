@@ -76,6 +76,7 @@ from ratelimit_service.engine.state_metrics import (
 from ratelimit_service.engine.stats import Stats, StatsCollector, histogram_family
 from ratelimit_service.engine.statsd import StatsdSink
 from ratelimit_service.engine.status import StatusBoard, StatusSources
+from ratelimit_service.engine.tracing import Tracing
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
@@ -204,6 +205,20 @@ def load_rules(settings: Settings) -> RateLimitConfig:
     )
 
 
+def start_tracing(settings: Settings) -> Tracing | None:
+    """The tracer (--tracing), or None; raises TracingUnavailable without the extra."""
+    if not settings.tracing:
+        return None
+    return Tracing(
+        protocol=settings.tracing_protocol,
+        endpoint=settings.tracing_endpoint,
+        sampling_rate=settings.tracing_sampling_rate,
+        service_name=settings.tracing_service_name,
+        service_namespace=settings.tracing_service_namespace,
+        service_instance_id=settings.tracing_service_instance_id,
+    )
+
+
 def make_store(settings: Settings) -> tuple[Store, ZoneAggregator | None]:
     """The embedded store, one Redis, or (``--zone``) a zone's Redis under a global one
     with the zone's aggregator beside them."""
@@ -233,6 +248,7 @@ class RateLimitService:
 
     def __init__(self, settings: Settings, store: Store | None = None) -> None:
         self.settings = settings
+        self.tracing = start_tracing(settings)  # first: without its extra, nothing else starts
         self.stats = Stats(max_keys=settings.max_stats_keys)
         config = self._initial_rules()
         self.zone_aggregator: ZoneAggregator | None = None
@@ -257,6 +273,8 @@ class RateLimitService:
             global_shadow=settings.shadow_mode,
             near_ratio=settings.near_limit_ratio,
         )
+        if self.tracing is not None:
+            self.limiter.hit_store = self.tracing.traced_hit(self.store.hit, self.store.name)
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
         self.quota = QuotaCoordinator(
             lambda: self.limiter.config,
@@ -359,9 +377,11 @@ class RateLimitService:
             self.settings.header_names,
             self.settings.deadline_margin,
             self.loop_lag,
+            self.tracing,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
-        rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(QuotaServicer(self.quota), server)
+        quota = QuotaServicer(self.quota, self.tracing)
+        rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(quota, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (RLS_SERVICE, RLQS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -503,6 +523,8 @@ class RateLimitService:
         if self.zone_aggregator is not None:
             await self.zone_aggregator.stop()
         await self.store.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the last spans go out
 
     async def _drain(self) -> None:
         """Answer calls while NOT_SERVING until none came for ``drain_quiet`` seconds,

@@ -20,6 +20,7 @@ from ratelimit_service.config.xds_settings import XdsSettings
 from ratelimit_service.core.address import split_host_port
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle
+from ratelimit_service.engine.tracing import PROTOCOLS
 from ratelimit_service.rls.servicer import DEADLINE_MARGIN
 from ratelimit_service.storage.redis_connect import normalize_url
 
@@ -331,6 +332,25 @@ SETTINGS: tuple[Setting, ...] = (
             None, host_port, fills="prometheus_addr", to_field=_none_if_empty),
     Setting("--prometheus-path", "observability", "path of the metrics there", "/metrics",
             fills="prometheus_path"),
+    Setting("--tracing", "observability",
+            "OpenTelemetry spans per decision, children of the caller's (Envoy's), exported"
+            " over OTLP (needs the tracing extra)", switch=True, fills="tracing"),
+    Setting("--tracing-endpoint", "observability",
+            "the OTLP receiver's base URL (http://HOST:4317 for grpc, :4318 for http);"
+            " unset: OTEL_EXPORTER_OTLP_ENDPOINT, else localhost",
+            None, fills="tracing_endpoint", to_field=_none_if_empty),
+    Setting("--tracing-protocol", "observability", "OTLP over grpc or http (protobuf)",
+            "http", choices=PROTOCOLS, fills="tracing_protocol"),
+    Setting("--tracing-sampling-rate", "observability",
+            "share of calls traced (those their caller sampled out never are)",
+            1.0, ratio, fills="tracing_sampling_rate"),
+    Setting("--tracing-service-name", "observability", "service.name of the spans",
+            "ratelimit-service", fills="tracing_service_name", go_default="RateLimit"),
+    Setting("--tracing-service-namespace", "observability", "service.namespace of the spans",
+            "", fills="tracing_service_namespace"),
+    Setting("--tracing-service-instance-id", "observability",
+            "service.instance.id of the spans (unset: a random UUID per process)",
+            "", fills="tracing_service_instance_id"),
 )  # fmt: skip
 
 BY_FLAG = {setting.flag: setting for setting in SETTINGS}
@@ -420,6 +440,14 @@ class Settings:
     prometheus_addr: str | None = None
     """A listener serving only the metrics, at ``prometheus_path`` (USE_PROMETHEUS)."""
     prometheus_path: str = "/metrics"
+    tracing: bool = False
+    """Spans per decision over OTLP (engine/tracing.py); the tracing_* fields set them up."""
+    tracing_endpoint: str | None = None
+    tracing_protocol: str = "http"
+    tracing_sampling_rate: float = 1.0
+    tracing_service_name: str = "ratelimit-service"
+    tracing_service_namespace: str = ""
+    tracing_service_instance_id: str = ""
     grpc_max_connection_age: float | None = None
     grpc_max_connection_age_grace: float | None = None
     """gRPC connections asked to go away after this long, and the calls' grace then."""

@@ -226,11 +226,11 @@ def test_durations_read_as_go_writes_them() -> None:
 
 def test_accepted_settings_warn_only_when_they_ask_for_something() -> None:
     go = read_go_environment(
-        {"TRACING_ENABLED": "true", "RESPONSE_DYNAMIC_METADATA": "false", "REDIS_PERSECOND": "1"},
+        {"USE_DOG_STATSD": "true", "RESPONSE_DYNAMIC_METADATA": "false", "REDIS_PERSECOND": "1"},
         go_mode=False,
     )
     assert len(go.warnings) == 2
-    assert go.warnings[1].startswith("TRACING_ENABLED='true' is accepted and ignored")
+    assert go.warnings[1].startswith("USE_DOG_STATSD='true' is accepted and ignored")
     assert go.warnings[0].startswith("REDIS_PERSECOND=true: one Redis")
 
 
@@ -309,7 +309,7 @@ def test_ratelimit_runs_from_a_go_deployments_environment(
         "USE_PROMETHEUS": "true",
         "PROMETHEUS_ADDR": f"127.0.0.1:{prometheus_port}",
         "PROMETHEUS_PATH": "/prom",
-        "TRACING_ENABLED": "true",
+        "USE_DOG_STATSD": "true",
     }
     log = tmp_path / "ratelimit.log"
     with ratelimit_command(env, log) as process:
@@ -334,7 +334,7 @@ def test_ratelimit_runs_from_a_go_deployments_environment(
         received = _statsd_lines(statsd, "ratelimit.service.rate_limit.go.user.total_hits")
         assert received == 6
     output = log.read_text()
-    assert "TRACING_ENABLED='true' is accepted and ignored: tracing is not implemented" in output
+    assert "USE_DOG_STATSD='true' is accepted and ignored: stats go out as plain statsd" in output
     assert "Traceback" not in output
 
 

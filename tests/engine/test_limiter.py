@@ -301,7 +301,7 @@ async def test_override_is_enforced_as_the_rule_it_matches() -> None:
     async def failing(*args: object, **kwargs: object) -> None:
         raise StoreUnavailable("store down")
 
-    h.store.hit = failing  # type: ignore[method-assign,assignment]
+    h.limiter.hit_store = failing  # type: ignore[assignment]  # the limiter's store call
     closed = Descriptor((("closed", "1"),), override=(100, Unit.MINUTE))
     assert (await h.call(closed)).overall is OVER  # exact, failure_mode closed
     assert h.stats.rules["d.closed_1"].failure_mode_denied == 1

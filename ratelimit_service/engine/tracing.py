@@ -1,0 +1,279 @@
+"""OpenTelemetry spans for decisions, exported over OTLP (``serve --tracing``).
+
+Off by default, and then free: nothing here imports opentelemetry until
+:class:`Tracing` is built, and the service installs the traced paths only when it is
+(the servicer's traced handler, the limiter's traced store call), so an untraced
+call runs exactly the code it runs without this module.
+
+When on, each ShouldRateLimit call is one SERVER span (and each RLQS usage report:
+one every few seconds per Envoy), a child of the caller's span:
+the caller's trace context comes from the call's gRPC metadata (W3C ``traceparent`` /
+``tracestate``, or B3 as ``b3`` or ``x-b3-*``). Envoy's ratelimit filter makes a span
+for its call to the service and sends its context there, so the service's span sits
+under it in the same trace. A decision that asks the store (exact rules) has a CLIENT
+span for that call under its own. The outcome goes on the decision's span as
+attributes, set in one place (:func:`outcome_attributes`).
+
+Sampling: a call whose caller sampled it out is not traced (its parent is not
+exported: a span of ours would hang from nothing), and a store call only under a
+traced decision. Any other call is traced with the probability ``sampling_rate``:
+drawn here for a call without a trace context (a root span), decided on the trace id
+for a call with one, so that services using the same rate keep or drop the same
+traces. Spans leave in batches, from a thread of the SDK's (BatchSpanProcessor: a
+bounded queue, spans beyond it dropped), never on the request path; the SDK's
+``OTEL_BSP_*`` variables tune it, and the exporters read ``OTEL_EXPORTER_OTLP_*``
+(endpoint, headers, certificates) themselves.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from ratelimit_service.core.request import Request
+
+PROTOCOLS = ("grpc", "http")
+INSTRUMENTATION = "ratelimit_service"
+RLS_SPAN = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+RLQS_SPAN = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService report"
+STORE_SPAN = "ratelimit store hit"
+_RPC = {
+    "rpc.system": "grpc",
+    "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
+    "rpc.method": "ShouldRateLimit",
+}
+_RLQS = {
+    "rpc.system": "grpc",
+    "rpc.service": "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
+    "rpc.method": "StreamRateLimitQuotas",
+}
+_PROPAGATED = frozenset({"traceparent", "b3", "x-b3-traceid"})
+"""Metadata keys that carry a caller's trace context (W3C, B3 single, B3 multi)."""
+FLUSH_TIMEOUT_MS = 5000
+"""How long stopping waits for the last spans to leave."""
+_NEEDS = "pip install 'ratelimit-service[tracing]'"
+REINSTALL_PROTO = "pip install --force-reinstall --no-deps opentelemetry-proto"
+
+
+class TracingUnavailable(RuntimeError):
+    """Tracing was asked for but cannot run here (the extra is not installed, or its
+    modules are broken); the message says what to install."""
+
+
+class Tracing:
+    """A tracer provider exporting to one OTLP endpoint, the propagators that read a
+    caller's context, and the spans the service makes."""
+
+    def __init__(
+        self,
+        *,
+        protocol: str = "http",
+        endpoint: str | None = None,
+        sampling_rate: float = 1.0,
+        service_name: str = "ratelimit-service",
+        service_namespace: str = "",
+        service_instance_id: str = "",
+    ) -> None:
+        """``endpoint``: the OTLP receiver's base URL, as ``OTEL_EXPORTER_OTLP_ENDPOINT``
+        gives it (the HTTP exporter posts to its ``/v1/traces``); None: the exporter's
+        own (its environment, else localhost:4317 for gRPC, :4318 for HTTP)."""
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"tracing protocol: choose grpc or http, got {protocol!r}")
+        sdk = _import_sdk(protocol)
+        resource = sdk.Resource.create(
+            {
+                "service.name": service_name,
+                "service.namespace": service_namespace,
+                # A random one when none is given, as the Go service does.
+                "service.instance.id": service_instance_id or str(uuid.uuid4()),
+            }
+        )
+        ratio = sdk.TraceIdRatioBased(sampling_rate)
+        sampler = sdk.ParentBased(
+            root=sdk.ALWAYS_ON,  # decision() draws for root spans itself
+            remote_parent_sampled=ratio,
+            remote_parent_not_sampled=sdk.ALWAYS_OFF,
+        )
+        self._rate = sampling_rate
+        self._draw = random.random
+        self.provider = sdk.TracerProvider(resource=resource, sampler=sampler)
+        self.provider.add_span_processor(sdk.BatchSpanProcessor(sdk.exporter(endpoint)))
+        self.tracer = self.provider.get_tracer(INSTRUMENTATION)
+        self._propagator = sdk.propagator
+        self._current = sdk.get_current_span
+        self._server = sdk.SpanKind.SERVER
+        self._client = sdk.SpanKind.CLIENT
+        self.protocol = protocol
+        self._stopped = False
+
+    def decision(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None
+    ) -> AbstractContextManager[Any] | None:
+        """The span of one ShouldRateLimit call, to enter (it is then current, so that
+        the store's span goes under it), a child of the caller's span when
+        ``metadata`` (the call's gRPC metadata) carries one; None for a call not to
+        be traced."""
+        return self._span(RLS_SPAN, metadata, _RPC)
+
+    def report(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None, attributes: dict[str, Any]
+    ) -> AbstractContextManager[Any] | None:
+        """The span of one RLQS usage report (a stream carries one every few seconds),
+        under the stream's trace context if its opening metadata has one; None when
+        not traced."""
+        return self._span(RLQS_SPAN, metadata, {**_RLQS, **attributes})
+
+    def _span(
+        self,
+        name: str,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        attributes: dict[str, Any],
+    ) -> AbstractContextManager[Any] | None:
+        """A SERVER span, sampled as the module docstring says. Most calls are not
+        traced (a rate below 1, or a caller that sampled them out): those are told
+        apart here before the SDK is called, for a microsecond where the SDK's
+        unsampled span costs several."""
+        carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
+        if not _PROPAGATED.intersection(carrier):
+            if self._rate < 1.0 and self._draw() >= self._rate:
+                return None
+            parent = None  # a root span, sampled here (the SDK's root sampler: always on)
+        else:
+            if carrier.get("traceparent", "").endswith("-00"):
+                return None  # W3C: the caller did not sample it (B3: the SDK tells)
+            parent = self._propagator.extract(carrier)
+        return self.tracer.start_as_current_span(
+            name, context=parent, kind=self._server, attributes=attributes
+        )
+
+    def traced_hit(
+        self, hit: Callable[..., Awaitable[Any]], store_name: str
+    ) -> Callable[..., Awaitable[Any]]:
+        """``hit`` (a store's Store.hit) with a CLIENT span per call under the
+        current span (the decision's), when that one is traced: a store call is
+        never a trace of its own."""
+        tracer, kind, current = self.tracer, self._client, self._current
+
+        async def traced(
+            hits: Sequence[Any], commit: bool, owe: bool = False, deadline: float | None = None
+        ) -> Any:
+            if not current().is_recording():
+                return await hit(hits, commit, owe, deadline)
+            attributes: dict[str, Any] = {"ratelimit.store": store_name}
+            attributes["ratelimit.store.keys"] = len(hits)
+            if store_name.startswith("redis"):
+                attributes["db.system"] = "redis"
+            with tracer.start_as_current_span(STORE_SPAN, kind=kind, attributes=attributes):
+                return await hit(hits, commit, owe, deadline)
+
+        return traced
+
+    def shutdown(self) -> None:
+        """Send the spans still queued (for up to FLUSH_TIMEOUT_MS), then stop the
+        exporter (once). Blocking: run it off the event loop."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.provider.force_flush(FLUSH_TIMEOUT_MS)
+        self.provider.shutdown()
+
+
+def outcome_attributes(
+    request: Request | None,
+    rules: Sequence[tuple[int, str]],
+    overall: str,
+    codes: Sequence[str],
+) -> dict[str, Any]:
+    """What a decision's span says about it: the domain, the overall code, every rule
+    the request matched (stats keys) and the rules of the descriptors answered
+    OVER_LIMIT (those that denied it). ``rules``: (descriptor index, stats key) per
+    matched rule; ``codes``: each descriptor's code as answered."""
+    attributes: dict[str, Any] = {"ratelimit.overall_code": overall}
+    if request is not None:
+        attributes["ratelimit.domain"] = request.domain
+        attributes["ratelimit.descriptors"] = len(request.descriptors)
+    if rules:
+        attributes["ratelimit.rules"] = [key for _, key in rules]
+    over = [key for index, key in rules if index < len(codes) and codes[index] == "OVER_LIMIT"]
+    if over:
+        attributes["ratelimit.over_limit_rules"] = over
+    return attributes
+
+
+class _Sdk:
+    """The opentelemetry names this module uses, imported on demand."""
+
+    def __init__(self, protocol: str) -> None:
+        from opentelemetry.propagators.b3 import B3MultiFormat, B3SingleFormat
+        from opentelemetry.propagators.composite import CompositePropagator
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import (
+            ALWAYS_OFF,
+            ALWAYS_ON,
+            ParentBased,
+            TraceIdRatioBased,
+        )
+        from opentelemetry.trace import SpanKind, get_current_span
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        exporter: Any
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as exporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http import trace_exporter as exporter
+        self.Resource = Resource
+        self.TracerProvider = TracerProvider
+        self.BatchSpanProcessor = BatchSpanProcessor
+        self.ALWAYS_OFF = ALWAYS_OFF
+        self.ALWAYS_ON = ALWAYS_ON
+        self.ParentBased = ParentBased
+        self.TraceIdRatioBased = TraceIdRatioBased
+        self.SpanKind = SpanKind
+        self.get_current_span = get_current_span
+        self.propagator = CompositePropagator(
+            [TraceContextTextMapPropagator(), B3MultiFormat(), B3SingleFormat()]
+        )
+        self._exporter = exporter.OTLPSpanExporter
+        self._protocol = protocol
+
+    def exporter(self, endpoint: str | None) -> Any:
+        if endpoint is None:
+            return self._exporter()
+        if self._protocol == "http":
+            endpoint = endpoint.rstrip("/") + "/v1/traces"
+        return self._exporter(endpoint=endpoint)
+
+
+def check_sdk() -> None:
+    """Raise TracingUnavailable unless both exporters and the receivers' protos import."""
+    for protocol in PROTOCOLS:
+        _import_sdk(protocol)
+    try:
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: F401
+    except ImportError as exc:
+        raise TracingUnavailable(_unavailable(exc)) from None
+
+
+def _import_sdk(protocol: str) -> _Sdk:
+    """The SDK, or TracingUnavailable saying what is missing, in one line."""
+    try:
+        return _Sdk(protocol)
+    except ImportError as exc:
+        raise TracingUnavailable(_unavailable(exc)) from None
+
+
+def _unavailable(exc: ImportError) -> str:
+    """What to install, in one line."""
+    if exc.name is None or exc.name.startswith("opentelemetry.proto"):
+        # xds-protos carries an older copy of opentelemetry-proto's modules; when pip
+        # installs it last, its copy replaces the exporters' (a name is then missing).
+        return (
+            "tracing: opentelemetry-proto's modules are xds-protos's older copy"
+            f" ({exc}); run: {REINSTALL_PROTO}"
+        )
+    return f"tracing needs the tracing extra (no module {exc.name}): {_NEEDS}"
