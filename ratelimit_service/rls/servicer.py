@@ -170,9 +170,11 @@ class RateLimitServicer:
             request = self._requests.get(raw)  # not kept (large): parsed again
         response = rls_pb2.RateLimitResponse.FromString(answer)
         name = rls_pb2.RateLimitResponse.Code.Name
+        deciding = response.dynamic_metadata.fields.get("rule")
         return outcome_attributes(
             request,
             self.limiter.rules_of(request),
             name(response.overall_code),
             [name(status.code) for status in response.statuses],
+            None if deciding is None else deciding.string_value,
         )

@@ -20,9 +20,12 @@ from ratelimit_service.engine.tracing import (
 def test_the_outcome_names_the_rules_and_those_that_denied() -> None:
     request = Request("edge", [Descriptor((("ip", "1"),)), Descriptor((("tenant", "a"),))])
     rules = [(0, "edge.ip"), (1, "edge.tenant"), (1, "edge.tenant_burst")]
-    attributes = outcome_attributes(request, rules, "OVER_LIMIT", ["OK", "OVER_LIMIT"])
+    attributes = outcome_attributes(
+        request, rules, "OVER_LIMIT", ["OK", "OVER_LIMIT"], "edge.tenant_burst"
+    )
     assert attributes == {
         "ratelimit.overall_code": "OVER_LIMIT",
+        "ratelimit.rule": "edge.tenant_burst",
         "ratelimit.domain": "edge",
         "ratelimit.descriptors": 2,
         "ratelimit.rules": ["edge.ip", "edge.tenant", "edge.tenant_burst"],

@@ -139,6 +139,7 @@ def test_the_decision_is_a_child_of_envoys_call_and_redis_a_child_of_the_decisio
         assert decision.trace_id == egress.trace_id
         assert decision.attributes["ratelimit.domain"] == "edge"
         assert decision.attributes["ratelimit.rules"] == ["edge.tenant"]
+        assert decision.attributes["ratelimit.rule"] == "edge.tenant"  # the deciding rule
         codes.append(decision.attributes["ratelimit.overall_code"])
         if codes[-1] == "OVER_LIMIT":
             assert decision.attributes["ratelimit.over_limit_rules"] == ["edge.tenant"]

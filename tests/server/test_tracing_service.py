@@ -88,6 +88,7 @@ async def test_each_decision_is_a_span_under_the_callers_with_the_store_call_und
         assert decision.attributes["ratelimit.overall_code"] == code
         assert decision.attributes["ratelimit.domain"] == "edge"
         assert decision.attributes["ratelimit.rules"] == ["edge.tenant"]
+        assert decision.attributes["ratelimit.rule"] == "edge.tenant"  # the deciding rule
         denied = decision.attributes.get("ratelimit.over_limit_rules")
         assert denied == (["edge.tenant"] if code == "OVER_LIMIT" else None)
         (store,) = by_parent(spans, decision.span_id)
