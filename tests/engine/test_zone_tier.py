@@ -29,6 +29,8 @@ from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
 from ratelimit_service.testing.redis import RedisServer
 from ratelimit_service.testing.waiting import eventually_async
 
+pytestmark = pytest.mark.slow  # starts three redis-servers per test
+
 RULES = """\
 domain: q
 descriptors:

@@ -26,7 +26,7 @@ from ratelimit_service.testing.redis import RedisServer
 from ratelimit_service.testing.rlqs_sim import SimEnvoy, StreamingEnvoy
 from ratelimit_service.testing.waiting import eventually_async
 
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # starts processes; timing: run alone
 
 ZONE_INTERVAL = 0.5
 LIMIT = 1000

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from google.protobuf import duration_pb2
 
@@ -119,6 +120,7 @@ async def test_close_streams_ends_every_stream_with_unavailable(
     assert service.service.quota.streams == 0
 
 
+@pytest.mark.slow  # starts a process
 async def test_sigterm_ends_rlqs_streams_with_a_status_and_at_once(
     write_config, tmp_path: Path
 ) -> None:

@@ -50,6 +50,7 @@ async def test_selects_the_database_in_the_url(redis_server) -> None:
         await store.close()
 
 
+@pytest.mark.slow  # starts a process
 async def test_unix_socket(tmp_path: Path) -> None:
     sock = tmp_path / "redis.sock"
     port = 0  # no TCP listener at all
