@@ -14,9 +14,11 @@ import grpc
 import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from google.protobuf import duration_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
 from ratelimit_service.testing.envoy import ServiceProcess
+from ratelimit_service.testing.waiting import eventually_async
 
 Usage = rlqs_pb2.RateLimitQuotaUsageReports.BucketQuotaUsage
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -93,12 +95,12 @@ async def test_two_streams_split_and_a_reload_applies_at_the_next_report(
     assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [10]  # alone
     assert tokens(await b.ask(report("q", {"tenant": "t"}))) == [5]  # two, just seen
     (Path(config) / "rules.yaml").write_text(RULES.replace("LIMIT", "40"))
-    for _ in range(50):
-        await asyncio.sleep(0.1)
-        if service.service.limiter.config.domains["q"].root.defaults["tenant"].limit:
-            limit = service.service.limiter.config.domains["q"].root.defaults["tenant"].limit
-            if limit.requests_per_unit == 40:
-                break
+
+    def reloaded() -> bool:
+        limit = service.service.limiter.config.domains["q"].root.defaults["tenant"].limit
+        return limit is not None and limit.requests_per_unit == 40
+
+    await eventually_async(reloaded, timeout=5, what="the edited limit loaded")
     assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [20]
     a.call.cancel()
     b.call.cancel()
@@ -136,7 +138,10 @@ async def test_sigterm_ends_rlqs_streams_with_a_status_and_at_once(
             assert tokens(await stream.ask(report("q", {"tenant": "t"}))) == [10]
             started = time.monotonic()
             service.terminate()
-            await asyncio.sleep(0.3)  # draining: reports are still answered
+            await eventually_async(  # draining: reports are still answered
+                lambda: not_serving(channel), timeout=5, what="health NOT_SERVING",
+                ignore=(grpc.aio.AioRpcError,),
+            )  # fmt: skip
             assert tokens(await stream.ask(report("q", {"tenant": "t"}))) == [10]
             status = await asyncio.wait_for(stream.end(), 10)
             ended = time.monotonic() - started
@@ -150,6 +155,12 @@ async def test_sigterm_ends_rlqs_streams_with_a_status_and_at_once(
         print(service.log())
 
 
+async def not_serving(channel: grpc.aio.Channel) -> bool:
+    health = health_pb2_grpc.HealthStub(channel)
+    answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+    return bool(answer.status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 async def test_a_fleet_starting_together_is_not_held_to_one_token(
     start_service, write_config
 ) -> None:
@@ -161,7 +172,7 @@ async def test_a_fleet_starting_together_is_not_held_to_one_token(
     a, b = Stream(service.channel, "envoy-a"), Stream(service.channel, "envoy-b")
     assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [10]  # alone
     assert tokens(await b.ask(report("q", {"tenant": "t"}))) == [5]  # just seen
-    await asyncio.sleep(0.6)  # a demand is measured over at least 0.5 s
+    await asyncio.sleep(0.6)  # the subject: a demand is measured over 0.5 s of real time
     assert tokens(await b.ask(report("q", {"tenant": "t"}, allowed=30))) == [5]
     a.call.cancel()
     b.call.cancel()
