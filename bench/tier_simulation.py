@@ -43,15 +43,18 @@ import redis
 import redis.asyncio as aioredis
 from throughput import BENCH, lab, start_redis
 
-from ratelimit_service.core.zones import RENEW_SHARE
-from ratelimit_service.storage.redis_store import _script
+from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.tiers import MILLI, TierReport
+from ratelimit_service.core.zones import RENEW_SHARE, ZoneShare
+from ratelimit_service.storage.redis_store import CALL_CHUNK, _script, sync_args, tier_args
 from ratelimit_service.storage.script_replies import zone_read_fleet_reply, zone_read_reply
+from ratelimit_service.storage.zoned import write_args
 
 ENVOYS, REPLICAS, ZONES = 100_000, 1_000, 10
 PUBLISH, SYNC, ZONE = 1.0, 0.25, 1.0
 LIMIT = 100_000
 FORGET_US = 15_000_000
-BATCH = 256
+BATCH = CALL_CHUNK  # items per script call, as the stores send them
 AGGREGATOR = (1 / RENEW_SHARE + 3) / ZONE
 """The aggregator's calls per second on its zone store: its lease renewals, and once
 per interval its two reads and its write-back (one chunk)."""
@@ -120,12 +123,12 @@ async def zone_store(
         async def call() -> None:
             for start in range(0, hot, BATCH):
                 chunk = keys[start : start + BATCH]
-                args: list[Any] = [member, FORGET_US, ""]
+                reports = [TierReport(key, member, demand / MILLI, ENVOYS // REPLICAS,
+                                      demand // 10, 1, LIMIT) for key in chunk]  # fmt: skip
                 call_keys: list[str] = []
                 for key in chunk:
                     call_keys += (f"rl:qt{{{key}}}", f"rl:qt{{{key}}}:m")
-                    args += (demand, ENVOYS // REPLICAS, demand // 10, 1_000_000,
-                             LIMIT * 1000, key)  # fmt: skip
+                args = tier_args(reports, FORGET_US, None, zoned=True)
                 await tier(keys=[*call_keys, index], args=args)
 
         return call
@@ -134,9 +137,8 @@ async def zone_store(
         async def call() -> None:
             for start in range(0, hot, BATCH):
                 chunk = keys[start : start + BATCH]
-                args: list[Any] = [member, 5_000_000, "1"]
-                for key in chunk:
-                    args += (1_000_000, LIMIT, LIMIT, offered // 2, offered, key)
+                reports = [BucketReport(key, LIMIT, 1, offered, offered // 2) for key in chunk]
+                args = sync_args(reports, member, 5_000_000, zoned=True)
                 bucket_keys = [f"rl:f:{k}" for k in chunk]
                 await sync(keys=["rl:nodes", *bucket_keys, buckets, zones_key], args=args)
 
@@ -149,11 +151,10 @@ async def zone_store(
         written += [b.store_key for b in zone_read_fleet_reply(fleet).buckets]
         for start in range(0, max(1, len(written)), BATCH):
             chunk = written[start : start + BATCH]
-            count = "" if start else ZONES  # the zones, written once per pass
-            await write(
-                keys=[zones_key, fence_key, *chunk],
-                args=[count, 120_000, 1, *[5_000_000, 0, 0, 0] * len(chunk)],
-            )
+            count = None if start else ZONES  # the zones, written once per pass
+            shares = [ZoneShare(5_000_000, 0, 0, 0)] * len(chunk)
+            await write(keys=[zones_key, fence_key, *chunk],
+                        args=write_args(shares, count, 120_000, 1))  # fmt: skip
 
     async def renew() -> None:
         await lease(keys=[lease_key, fence_key], args=["replica-0", int(ZONE * 1e6), ""])
@@ -184,11 +185,12 @@ async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
             reports = [(k, "q") for k in keys] + [(k, "f") for k in keys] + [("zones", "z")]
             for start in range(0, len(reports), BATCH):
                 chunk = reports[start : start + BATCH]
-                args: list[Any] = [zone, FORGET_US, 1]  # its fencing token
                 call_keys: list[str] = []
                 for key, kind in chunk:
                     call_keys += (f"rl:qt{{{kind}{key}}}", f"rl:qt{{{kind}{key}}}:m")
-                    args += (demand, ENVOYS // ZONES, demand // 10, 1_000_000, LIMIT * 1000, "")
+                totals = [TierReport(key, zone, demand / MILLI, ENVOYS // ZONES, demand // 10,
+                                     1, LIMIT) for key, _ in chunk]  # fmt: skip
+                args = tier_args(totals, FORGET_US, 1, zoned=False)  # 1: its fencing token
                 await tier(keys=call_keys, args=args)
 
         return call

@@ -11,20 +11,11 @@ import grpc
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from ratelimit_service.core.request import parse_descriptor
+
 _CODES = {0: "UNKNOWN", 1: "OK", 2: "OVER_LIMIT"}
 _UNITS = dict(rls_pb2.RateLimitResponse.RateLimit.Unit.items())
 _UNIT_NAMES = {number: name for name, number in _UNITS.items()}
-
-
-def parse_descriptor(text: str) -> list[tuple[str, str]]:
-    """``k=v,k2=v2`` → entries; raises ValueError on a part without ``=`` or an empty key."""
-    entries = []
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        if not sep or not key:
-            raise ValueError(f"bad descriptor {text!r}: expected k=v[,k2=v2]")
-        entries.append((key, value))
-    return entries
 
 
 def build_request(domain: str, descriptors: Sequence[str], hits_addend: int) -> Any:

@@ -110,7 +110,7 @@ def _limited_paths(
     order of the rule files (the index groups nodes by kind, not by line)."""
     for node in sorted(children, key=lambda child: child.line or 0):
         chain = (*prefix, node)
-        if node.limit is not None:
+        if node.limits:
             yield chain
         yield from _limited_paths(node.children, chain)
 
@@ -435,7 +435,7 @@ def plan_routes(domain: DomainConfig) -> list[RoutePlan]:
             chain for chain in chains if any(_covers(rule, value) for rule in _path_values(chain))
         ]
         only_unlimited = all(
-            chain[-1].limit is not None and chain[-1].limit.unlimited for chain in concerned
+            any(limit.unlimited for limit in chain[-1].limits) for chain in concerned
         )
         sent = concerned if only_unlimited else general + concerned
         plans.append(

@@ -161,8 +161,7 @@ def bucket_chains(domain: DomainConfig) -> list[tuple[DescriptorNode, ...]]:
     chains = [
         chain
         for chain in _limited_paths(domain.root)
-        if chain[-1].limit is not None
-        and not chain[-1].limit.unlimited
+        if not any(limit.unlimited for limit in chain[-1].limits)
         and not any(n.key == "generic_key" and n.value is None for n in chain)
     ]
     return sorted(chains, key=lambda chain: (-len(chain), [_specificity(n) for n in chain]))

@@ -26,6 +26,7 @@ from ratelimit_service.cli.go_env import (
 from ratelimit_service.cli.tune import add_tune_parser, cmd_tune
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import check_config
+from ratelimit_service.core.config_model import Mode
 from ratelimit_service.server.logs import configure_logging
 from ratelimit_service.server.settings import (
     BY_FLAG,
@@ -280,6 +281,36 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
     _add(client, "--tls-ca", default=None, help="PEM CA bundle: connect over TLS")
     _add(client, "--tls-cert", default=None, help="PEM client certificate (mTLS)")
     _add(client, "--tls-key", default=None, help="PEM key of --tls-cert")
+    explain = commands.add_parser(
+        "explain",
+        help="which rule each descriptor matches, its window, limit, mode and current count"
+        " (nothing recorded)",
+    )
+    _add(explain, "--domain", required=True)
+    explain.add_argument(
+        "--descriptor",
+        action="append",
+        required=True,
+        help="k=v[,k2=v2]; repeat for several descriptors",
+    )
+    explain.add_argument(
+        "--admin-addr",
+        default="127.0.0.1:6070",
+        help="the running service's admin port HOST:PORT (its /explain page)",
+    )
+    explain.add_argument(
+        "--config",
+        default=None,
+        help="answer from this rule file or directory instead, without a service (no counts)",
+    )
+    explain.add_argument(
+        "--mode",
+        choices=[mode.value for mode in Mode],
+        default=Mode.PROBABILISTIC.value,
+        help="with --config: the mode of rules that do not set one (serve's --mode)",
+    )
+    _add(explain, "--merge-domain-config", action="store_true", help=MERGE_HELP)
+    explain.add_argument("--json", action="store_true", help="print JSON")
     add_tune_parser(commands)
     for command in commands.choices.values():
         command.formatter_class = _Formatter
@@ -481,6 +512,20 @@ def cmd_client(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from ratelimit_service.cli.explain import run_explain
+
+    return run_explain(
+        args.domain,
+        args.descriptor,
+        admin=args.admin_addr,
+        config=args.config,
+        mode=Mode(args.mode),
+        merge_domains=bool(args.merge_domain_config),
+        as_json=bool(args.json),
+    )
+
+
 def main(argv: Sequence[str] | None = None, *, go_mode: bool = False) -> int:
     """``go_mode``: the Go service's defaults apply (see cli/go_env.py); also on for
     ``serve`` given no ``--config`` and no ``RATELIMIT_CONFIG``."""
@@ -498,6 +543,7 @@ def main(argv: Sequence[str] | None = None, *, go_mode: bool = False) -> int:
         "check-config": cmd_check_config,
         "client": cmd_client,
         "envoy-config": cmd_envoy_config,
+        "explain": cmd_explain,
         "tune": cmd_tune,
     }
     stdout = sys.stdout

@@ -266,7 +266,6 @@ class _FileLoader:
         descriptor = DescriptorNode(
             key=key,
             value=value,
-            limit=limits[0] if limits else None,
             limits=limits,
             children=NodeChildren(),
             config_path=config_path,

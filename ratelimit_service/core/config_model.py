@@ -129,8 +129,6 @@ class DescriptorNode:
 
     key: str
     value: str | None
-    limit: RateLimit | None
-    """The node's limit; with ``rate_limits``, the first of them."""
     children: NodeChildren
     config_path: str
     pattern: WildcardPattern | None = None
@@ -139,12 +137,9 @@ class DescriptorNode:
     detailed_metric: bool = False
     line: int | None = None
     limits: tuple[RateLimit, ...] = ()
-    """Every limit of the node: the one of ``rate_limit``, or each of ``rate_limits``
-    (a request is denied if any of them is over)."""
-
-    def __post_init__(self) -> None:
-        if not self.limits and self.limit is not None:
-            self.limits = (self.limit,)
+    """Every limit of the node: none, the one of ``rate_limit``, or each of
+    ``rate_limits`` (a request is denied if any of them is over). An ``unlimited``
+    limit is only ever alone."""
 
     def stats_element(self) -> str:
         """The part of the roll-up stats key this node contributes (``key`` or ``key_value``)."""

@@ -1,10 +1,14 @@
-"""Small rules that turn per-descriptor results into a response, shared by both modes."""
+"""Small rules that turn per-descriptor results into a response, shared by both modes,
+and the one place that says which rule decided an answer (for the response's
+metadata, its headers, explain and traces)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.exact import denies
 from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus
 
 NEAR_LIMIT_RATIO = 0.8
@@ -51,15 +55,68 @@ def near_hits(threshold: int, before: int, hits: int) -> int:
 
 
 def overall_code(statuses: Sequence[DescriptorStatus]) -> Code:
-    """OVER_LIMIT iff a non-quota descriptor is over, or every quota-mode descriptor is."""
-    quota_seen = False
-    quota_all_over = True
+    """OVER_LIMIT when the statuses deny the request (core/exact.py :func:`denies`): a
+    shadow descriptor's status is OK, so an over status that is not quota enforces."""
+    enforce_over = quota_seen = quota_admitted = False
     for status in statuses:
         limit = status.limit
         if limit is not None and limit.quota_mode:
             quota_seen = True
-            if status.code is not _OVER:
-                quota_all_over = False
+            quota_admitted = quota_admitted or status.code is not _OVER
         elif status.code is _OVER:
-            return _OVER
-    return _OVER if quota_seen and quota_all_over else _OK
+            enforce_over = True
+            break
+    return _OVER if denies(enforce_over, quota_seen, quota_admitted) else _OK
+
+
+def deciding_status(statuses: Sequence[DescriptorStatus]) -> DescriptorStatus | None:
+    """The status of the rule that decided the answer: the last over-limit descriptor
+    not in quota mode; else the limited descriptor with the least remaining (on an OK,
+    the rule nearest to denying; when every quota descriptor is over, one of them).
+    None when no descriptor has a finite limit. The rate-limit headers report it too,
+    as envoyproxy/ratelimit chooses the descriptor they report."""
+    chosen: DescriptorStatus | None = None
+    for status in statuses:
+        if status.limit is not None and (chosen is None or status.remaining < chosen.remaining):
+            chosen = status
+    for status in statuses:
+        limit = status.limit
+        if status.code is _OVER and limit is not None and not limit.quota_mode:
+            chosen = status
+    return chosen
+
+
+def rule_name(limit: RateLimit) -> str:
+    """How a rule is named to operators: its YAML ``name``, else its stats key."""
+    return limit.name or limit.stats_key
+
+
+def deciding_rule(statuses: Sequence[DescriptorStatus]) -> str | None:
+    """The name (:func:`rule_name`) of the rule that decided the answer, or None."""
+    status = deciding_status(statuses)
+    return None if status is None or status.limit is None else rule_name(status.limit)
+
+
+def limit_facts(limit: RateLimit) -> dict[str, Any]:
+    """What the decision metadata says of a descriptor's rule: the same for every
+    request it matches (the wire encoder serializes it once per config)."""
+    return {"rule": rule_name(limit), "limit": limit.requests_per_unit, "unit": limit.period}
+
+
+def decision_metadata(domain: str, statuses: Sequence[DescriptorStatus]) -> dict[str, Any]:
+    """The response's ``dynamic_metadata``, which Envoy's ratelimit filter puts under
+    its namespace for access logs: the domain, the deciding rule (:func:`deciding_rule`;
+    absent when no descriptor has a finite limit) and, per descriptor in request order,
+    its rule's :func:`limit_facts` and ``remaining``, or None when it has no finite
+    limit. rls/wire.py writes the same content straight to bytes."""
+    metadata: dict[str, Any] = {"domain": domain}
+    rule = deciding_rule(statuses)
+    if rule is not None:
+        metadata["rule"] = rule
+    metadata["descriptors"] = [
+        None
+        if status.limit is None
+        else {**limit_facts(status.limit), "remaining": status.remaining}
+        for status in statuses
+    ]
+    return metadata

@@ -11,7 +11,8 @@ gives:
   the Go service and exact mode do); under sustained overload the bucket is empty,
   the budget is ``limit * interval / T`` and the ratio is the seed's formula.
   After a step from 0.5x to 3x the stored burst is spent and the fleet is back at
-  the limit one second later, as an ideal token bucket of the same capacity is.
+  the limit one second later, as an ideal token bucket of the same capacity is
+  (docs/benchmarks.md, "Step reaction").
   Admissions flow smoothly at the limit rate (a sliding window, as in exact mode,
   instead re-admits a burst each time an old burst leaves the window). A 1 s window
   of a per-second rule sees at most 2x the limit (the stored burst plus a second's
@@ -49,9 +50,8 @@ from dataclasses import dataclass
 TOKEN_SPEND = 0.5
 """Share of the stored tokens (or of a debt) the fleet may spend (repay) in one
 interval. Each node sees the others' admissions up to one interval late, so handing
-out all the tokens at once lets a burst overshoot them and the debt then starves the
-bucket; spending half per interval (a geometric drain) cut the undershoot after a
-0.5x -> 3x step from 0.31x to 0.76x of the limit in the fleet simulation."""
+out all the tokens at once would let a burst overshoot them, and the debt would then
+starve the bucket; spending half per interval drains them geometrically instead."""
 
 
 TOKEN_RESERVE = 1.0
@@ -59,12 +59,11 @@ TOKEN_RESERVE = 1.0
 budget spends half of what is stored above it (``TOKEN_SPEND``), none of what is
 below. Each node's view of the bucket misses the admissions the others made since
 their last sync, about an interval's worth after a step in load, so the last
-interval's worth of stored tokens looked spendable to every node at once: after a
-0.5x -> 3x step the fleet then ran 15-30 % over the limit for two more intervals and
-came back within +-10 % in 1.25 s. Kept in store, they are spent by no one under
-sustained overload (the fleet admits the refill, the limit), and the fleet is back
-in 1.00 s (four real processes, with zones as on one Redis). An idle key still gets
-its whole burst at once: a new bucket's credit does not go through the budget."""
+interval's worth of stored tokens would look spendable to every node at once and the
+fleet would run over the limit for the next intervals. Kept in store, they are spent
+by no one under sustained overload (the fleet admits the refill, the limit). An idle
+key still gets its whole burst at once: a new bucket's credit does not go through the
+budget."""
 
 RATIO_SLACK = 0.5
 """How far above the budget the ratio aims. The credit enforces the budget exactly;
@@ -87,8 +86,8 @@ class FleetView:
     offered_total: int
     """Monotonic count of hits offered to the whole fleet."""
     limit: float | None = None
-    """The limit per window the bucket refilled at, when it is not the rule's: in a
-    zone, the zone's part of it (see zone_limit)."""
+    """The limit per window the bucket refilled at: the rule's, or in a zone the zone's
+    part of it (see zone_limit); None: the rule's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +183,8 @@ def control(
     spend in the next interval (the stored tokens and an interval's refill).
     """
     span = interval if span is None else max(interval, span)
-    # A debt (negative tokens) is repaid at the same pace: repaid in full, the debt a
-    # burst leaves after a step dipped the next 250 ms to 0.85x of the limit.
+    # A debt (negative tokens) is repaid at the same pace: repaid in full at once, the
+    # debt a burst leaves after a step would starve the next interval.
     refill = limit * interval / window_seconds
     budget = max(0.0, spendable(tokens, refill, nodes) + limit * span / window_seconds)
     expected = fleet_rate * span

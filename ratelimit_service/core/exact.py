@@ -1,11 +1,12 @@
 """Exact-mode decision for all of one request's exact descriptors, taken together.
 
-Every hit is checked against its sliding window first; the request is denied if an
-enforcing descriptor is over, or if every quota-mode descriptor is. Only when the
+Every hit is checked against its sliding window first; the request is denied by
+:func:`denies` (the one statement of the rule, which every path calls). Only when the
 request goes through do the admitted hits consume their windows, so a denied
 request never eats quota of its other descriptors (envoyproxy/ratelimit increments
-every counter, denied or not; see its issues #185 and #440). The Redis Lua script
-implements the same rule.
+every counter, denied or not; see its issues #185 and #440). resources/exact_window.lua
+states the same rule for Redis, held to :func:`denies` by
+tests/storage/test_exact_script_vs_core.py.
 """
 
 from __future__ import annotations
@@ -51,16 +52,23 @@ def fits(window_count: int, hits: int, limit: int) -> bool:
     return window_count + max(hits, 1) <= limit
 
 
+def denies(enforce_over: bool, quota_seen: bool, quota_admitted: bool) -> bool:
+    """The denial rule, stated once: a request is denied if an enforcing descriptor is
+    over (``enforce_over``), or if it has quota descriptors (``quota_seen``) and every
+    one of them is over (none ``quota_admitted``). Shadow descriptors never deny."""
+    return enforce_over or (quota_seen and not quota_admitted)
+
+
 def request_denied(roles: Sequence[HitRole], admitted: Sequence[bool]) -> bool:
-    quota_seen = False
-    quota_all_over = True
+    """:func:`denies` for descriptors given by role, each admitted or not."""
+    enforce_over = quota_seen = quota_admitted = False
     for role, ok in zip(roles, admitted, strict=True):
-        if role is HitRole.ENFORCE and not ok:
-            return True
-        if role is HitRole.QUOTA:
+        if role is HitRole.ENFORCE:
+            enforce_over = enforce_over or not ok
+        elif role is HitRole.QUOTA:
             quota_seen = True
-            quota_all_over = quota_all_over and not ok
-    return quota_seen and quota_all_over
+            quota_admitted = quota_admitted or ok
+    return denies(enforce_over, quota_seen, quota_admitted)
 
 
 def evaluate(

@@ -1,7 +1,8 @@
 """Rate-limit response headers, chosen the way envoyproxy/ratelimit chooses them.
 
-The descriptor reported is the one with the smallest remaining count, except that
-an over-limit descriptor that is not in quota mode wins (the last one, if several).
+The descriptor reported is the one that decided the answer (core.decision's
+deciding_status): the one with the smallest remaining count, except that an
+over-limit descriptor that is not in quota mode wins (the last one, if several).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ratelimit_service.core.request import Code, DescriptorStatus
+from ratelimit_service.core.decision import deciding_status, rule_name
+from ratelimit_service.core.request import DescriptorStatus
 
 
 class HeaderStyle(enum.Enum):
@@ -28,21 +30,12 @@ class HeaderNames:
     limit: str = "RateLimit-Limit"
     remaining: str = "RateLimit-Remaining"
     reset: str = "RateLimit-Reset"
+    rule: str = ""
+    """A header naming the deciding rule (its name, else its stats key); empty: none.
+    Independent of the style: it may be the only header sent."""
 
 
 DRAFT03_NAMES = HeaderNames("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
-
-
-def most_restrictive(statuses: Sequence[DescriptorStatus]) -> DescriptorStatus | None:
-    chosen: DescriptorStatus | None = None
-    for status in statuses:
-        if status.limit is not None and (chosen is None or status.remaining < chosen.remaining):
-            chosen = status
-    for status in statuses:
-        limit = status.limit
-        if status.code is Code.OVER_LIMIT and limit is not None and not limit.quota_mode:
-            chosen = status
-    return chosen
 
 
 def rate_limit_headers(
@@ -50,10 +43,22 @@ def rate_limit_headers(
 ) -> list[tuple[str, str]]:
     """Header name/value pairs for Envoy to add to the client response; empty when off
     or when no descriptor had a limit."""
-    if style is HeaderStyle.OFF:
+    if style is HeaderStyle.OFF and not names.rule:
         return []
-    status = most_restrictive(statuses)
+    status = deciding_status(statuses)
     if status is None or status.limit is None:
+        return []
+    headers = _count_headers(status, style, names)
+    if names.rule:
+        headers.append((names.rule, rule_name(status.limit)))
+    return headers
+
+
+def _count_headers(
+    status: DescriptorStatus, style: HeaderStyle, names: HeaderNames
+) -> list[tuple[str, str]]:
+    assert status.limit is not None
+    if style is HeaderStyle.OFF:
         return []
     count = status.limit.requests_per_unit
     reset = str(math.ceil(status.reset_after or 0.0))

@@ -87,6 +87,7 @@ class ProbabilisticBucket:
         "period",
         "phase",
         "ratio",
+        "renewed",
         "rule",
         "synced_at",
         "tokens",
@@ -116,6 +117,8 @@ class ProbabilisticBucket:
         self.credit = initial_credit(self.capacity, nodes)
         self.grant = self.credit
         """The credit of the last sync, renewed each interval while the store is away."""
+        self.renewed = 0
+        """The renewals (LocalBuckets.renewals) already granted to this bucket."""
         self.offered = 0
         self.admitted = 0
         self.offered_total_seen: int | None = None
@@ -219,6 +222,8 @@ class LocalBuckets:
         self.evicted_idle = 0
         self._period = SyncPeriod()
         """The buckets that counted hits since the last sync; take_reports starts anew."""
+        self.renewals = 0
+        """How many times :meth:`renew` was called; a bucket catches up when next used."""
 
     def __len__(self) -> int:
         return len(self._buckets)
@@ -239,6 +244,7 @@ class LocalBuckets:
                 key, limit, window_seconds, now, self.nodes, burst, self._period
             )
             bucket.rule = rule
+            bucket.renewed = self.renewals
             self._buckets[key] = bucket
             self._buckets.move_to_end(key)
             if len(self._buckets) > self.max_buckets:
@@ -246,6 +252,8 @@ class LocalBuckets:
                 self.evicted_overflow += 1
         else:
             self._buckets.move_to_end(key)
+            if bucket.renewed != self.renewals:
+                self._catch_up(bucket)
             if now - bucket.last_used > bucket.window_seconds and (
                 bucket.ratio == 0.0 or self.nodes <= 1
             ):
@@ -262,6 +270,10 @@ class LocalBuckets:
                 bucket.capacity = capacity(limit, burst)
         bucket.last_used = now
         return bucket
+
+    def peek(self, key: str) -> ProbabilisticBucket | None:
+        """The bucket of ``key`` if there is one, as it is: not created, not marked used."""
+        return self._buckets.get(key)
 
     @staticmethod
     def decide(bucket: ProbabilisticBucket, hits: int, draw: float) -> bool:
@@ -348,9 +360,24 @@ class LocalBuckets:
     def renew(self) -> None:
         """A sync failed: grant every bucket its last interval's credit again, so it
         keeps admitting at its last rate (its last ratio) instead of running dry and
-        denying everything until the staleness bound switches to failure_mode."""
-        for bucket in self._buckets.values():
-            bucket.credit = max(bucket.credit, bucket.grant)
+        denying everything until the staleness bound switches to failure_mode.
+
+        Granted when each bucket is next touched (:meth:`_catch_up`), not by a pass over
+        every bucket now: the same credit (renewals in between change nothing, as
+        ``max`` with an unchanged grant is idempotent), at a cost that does not grow with
+        the buckets held."""
+        self.renewals += 1
+
+    def credit(self, bucket: ProbabilisticBucket) -> float:
+        """``bucket``'s credit, the renewals it has not been touched since included."""
+        if bucket.renewed != self.renewals:
+            return max(bucket.credit, bucket.grant)
+        return bucket.credit
+
+    def _catch_up(self, bucket: ProbabilisticBucket) -> None:
+        """Grant ``bucket`` the renewal(s) it missed since it was last touched."""
+        bucket.credit = max(bucket.credit, bucket.grant)
+        bucket.renewed = self.renewals
 
     def forgive(self, reports: list[BucketReport]) -> None:
         """Drop the admitted counts gathered since ``reports`` were taken: they were made
@@ -380,6 +407,8 @@ class LocalBuckets:
         whose counts were reported meanwhile (the request waited for the store across
         a sync) reports the return at the next sync."""
         for bucket, hits in taken:
+            if bucket.renewed != self.renewals:
+                self._catch_up(bucket)
             bucket.credit += hits
             bucket.admitted -= hits
             _mark_used(bucket)
@@ -389,6 +418,8 @@ class LocalBuckets:
         bucket = self._buckets.get(key)
         if bucket is None:
             return
+        if bucket.renewed != self.renewals:
+            self._catch_up(bucket)  # renewed before this sync's answer came
         if bucket.offered_total_seen is None:
             measured = bucket.local_rate or 0.0
         else:

@@ -12,6 +12,9 @@ from typing import Generic, TypeVar
 
 V = TypeVar("V")
 
+SWEEP_PIECE = 1_000
+"""Entries judged per piece of :meth:`LruMap.remove_if` (well under a millisecond)."""
+
 
 class LruMap(Generic[V]):
     __slots__ = ("_data", "evictions", "max_size")
@@ -35,12 +38,23 @@ class LruMap(Generic[V]):
             self._data.move_to_end(key)
         return value
 
-    def remove_if(self, predicate: Callable[[V], bool]) -> int:
-        """Drop entries for which ``predicate`` holds (used to sweep idle state)."""
-        doomed = [key for key, value in self._data.items() if predicate(value)]
-        for key in doomed:
-            del self._data[key]
-        return len(doomed)
+    def remove_if(self, predicate: Callable[[V], bool], piece: int = SWEEP_PIECE) -> Iterator[int]:
+        """Drop the entries for which ``predicate`` holds, ``piece`` entries at a time:
+        yields how many each piece removed, so a caller can leave the event loop to
+        other work between pieces (a whole pass over 100,000 entries holds it for tens
+        of milliseconds). The keys are listed first: the map may change between pieces
+        (a key added since waits for the next pass), and each entry is judged as it is
+        when its piece comes."""
+        keys = list(self._data)
+        data = self._data
+        for start in range(0, len(keys), piece):
+            removed = 0
+            for key in keys[start : start + piece]:
+                value = data.get(key)
+                if value is not None and predicate(value):
+                    del data[key]
+                    removed += 1
+            yield removed
 
     def __len__(self) -> int:
         return len(self._data)

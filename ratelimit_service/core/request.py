@@ -103,3 +103,15 @@ def _validate_descriptor(index: int, descriptor: Descriptor, bounds: RequestBoun
         raise InvalidRequest(f"descriptor {index} has a limit override with an unknown unit")
     if descriptor.hits_addend is not None and descriptor.hits_addend > UINT32_MAX:
         raise InvalidRequest(f"descriptor {index} hits_addend exceeds {UINT32_MAX}")
+
+
+def parse_descriptor(text: str) -> tuple[tuple[str, str], ...]:
+    """``k=v,k2=v2`` (a descriptor as people type it) → entries; ValueError on a part
+    without ``=`` or with an empty key."""
+    entries = []
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad descriptor {text!r}: expected k=v[,k2=v2]")
+        entries.append((key, value))
+    return tuple(entries)

@@ -60,17 +60,6 @@ def water_level(limit: float, asked: Mapping[str, float]) -> Split:
     return Split(math.inf, left / len(waiting))
 
 
-def fair_shares(limit: float, demands: Mapping[str, float | None]) -> dict[str, float]:
-    """Each instance's share of ``limit`` (same unit as the demands). ``None``: an
-    instance with no demand measured yet, counted as asking for an equal share."""
-    if not demands:
-        return {}
-    even = limit / len(demands)
-    asked = {name: even if d is None else max(0.0, d) for name, d in demands.items()}
-    split = water_level(limit, asked)
-    return {name: split.share(a) for name, a in asked.items()}
-
-
 @dataclass(frozen=True, slots=True)
 class TokenBucket:
     max_tokens: int

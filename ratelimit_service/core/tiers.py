@@ -45,10 +45,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ratelimit_service.core.zones import ZoneShare
 
 MILLI = 1000
 """Rates travel and are summed as integer thousandths of a hit per second."""
@@ -137,7 +133,8 @@ class _Member:
 @dataclass(slots=True)
 class TierTable:
     """One counter as a store keeps it: each member's last publish and part, running
-    sums, and the current window's allowed hits (the twin of ``quota_tier.lua``)."""
+    sums, and the current window's allowed hits (the twin of ``quota_tier.lua``, whose
+    calls :func:`publish_fenced` makes; the embedded store's counters)."""
 
     members: dict[str, _Member] = field(default_factory=dict)
     demand: int = 0
@@ -146,8 +143,9 @@ class TierTable:
     window: int | None = None
     used: int = 0
     zone_part: int | None = None
-    """In a zone: the zone's part of the limit (thousandths), which the members'
-    parts divide; set by the zone's aggregator (see ZoneShare)."""
+    """In a zone's store: the zone's part of the limit (thousandths), which the
+    members' parts divide; written by the zone's aggregator (zone_write.lua, a
+    ZoneShare), never in process."""
     global_used: int = 0
     global_window: int | None = None
     forwarded: int = 0
@@ -204,21 +202,6 @@ class TierTable:
             members=len(self.members),
             used=used,
         )
-
-    def read_zone(self, now_us: int, window_seconds: int) -> tuple[int, int, int]:
-        """What the zone's aggregator reads of the counter (zone_read.lua): the zone's
-        allowed hits in the current window, how many of them it already forwarded, and
-        the window's index."""
-        index = now_us // (window_seconds * 1_000_000)
-        used = self.used if self.window == index else 0
-        forwarded = self.forwarded if self.global_window == index else 0
-        return used, forwarded, index
-
-    def settle_zone(self, share: ZoneShare) -> None:
-        """What the zone's aggregator writes back after publishing the zone's totals."""
-        self.zone_part = share.part
-        self.global_used, self.global_window = share.global_used, share.window
-        self.forwarded = share.forwarded
 
     def _leave(self, member: _Member) -> None:
         self.demand -= member.demand

@@ -20,7 +20,7 @@ that call was sent, so the replica stops before another can take the lease.
 
 **Fencing.** A write can still arrive after its sender stopped (a process paused past
 its lease, a request held in the network). Each time the lease changes hands the zone
-store hands out a higher fencing token (:class:`LeaseTable`, the twin of lease.lua);
+store hands out a higher fencing token (lease.lua);
 the aggregator sends its token with every write, to the global store (quota_tier.lua,
 per counter and zone) and to the zone store (zone_write.lua), and both refuse a token
 lower than the highest they have seen for the zone (:class:`~ratelimit_service.core.
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
-from ratelimit_service.core.tiers import MILLI, Fenced, TierReport, TierTotals
+from ratelimit_service.core.tiers import MILLI, TierReport, TierTotals
 
 ZONE_FORGET_AFTER = 60.0
 """Seconds after which the global store no longer counts a zone that stopped
@@ -192,45 +192,6 @@ class Lease:
     state: LeaseState
     holder: str
     token: int
-
-
-@dataclass(slots=True)
-class LeaseTable:
-    """A zone's lease and fencing counter as the zone store keeps them: the twin of
-    lease.lua and of zone_write.lua's fence, kept equal to them by a test on a set
-    clock."""
-
-    holder: str | None = None
-    token: int = 0
-    """The holder's fencing token."""
-    expires_us: int = 0
-    highest: int = 0
-    """The fencing counter: the last token handed out, or a higher one a write brought."""
-
-    def ask(self, who: str, ttl_us: int, now_us: int, floor: int | None = None) -> Lease:
-        """``who`` asks for the lease at ``now_us``: the holder renews it; anyone takes
-        it once it has expired, with the next token. ``floor``: a token a write of
-        ``who`` was refused against; a holder whose token is not above it gets a new one
-        above both it and the counter."""
-        if self.holder is not None and self.expires_us > now_us:
-            if self.holder != who:
-                return Lease(LeaseState.HELD_BY_ANOTHER, self.holder, self.token)
-            if floor is not None and floor >= self.token:
-                self.highest = max(self.highest, floor) + 1
-                self.token = self.highest
-            self.expires_us = now_us + ttl_us
-            return Lease(LeaseState.RENEWED, who, self.token)
-        self.highest = max(self.highest, floor if floor is not None else 0) + 1
-        self.holder, self.token, self.expires_us = who, self.highest, now_us + ttl_us
-        return Lease(LeaseState.TAKEN, who, self.token)
-
-    def write(self, token: int) -> Fenced | None:
-        """A write to the zone store with ``token`` (zone_write.lua): refused below the
-        counter; a higher token raises it."""
-        if token < self.highest:
-            return Fenced(self.highest)
-        self.highest = token
-        return None
 
 
 class Change(Enum):

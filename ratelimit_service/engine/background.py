@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,19 @@ async def in_stretches(pieces: Iterable[_T]) -> AsyncIterator[_T]:
         if clock() > until:
             await asyncio.sleep(REST)
             until = clock() + WORK
+
+
+async def result_in_stretches(work: Generator[None, None, _T]) -> _T:
+    """What ``work`` returns: a generator that yields (None) at points where it may
+    return to the loop, run in stretches as :func:`in_stretches` takes pieces."""
+    returned: list[_T] = []
+
+    def pieces() -> Iterable[None]:
+        returned.append((yield from work))
+
+    async for _ in in_stretches(pieces()):
+        pass
+    return returned[0]
 
 
 async def every(

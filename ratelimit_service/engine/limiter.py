@@ -27,7 +27,7 @@ from ratelimit_service.core.decision import (
     near_threshold,
     overall_code,
 )
-from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, request_denied
+from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, denies, request_denied
 from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
 from ratelimit_service.core.matching import (
     Match,
@@ -293,16 +293,9 @@ class RateLimiter:
         unlimited: list[int] = []
         unmatched: list[int] = []
         if domain is not None:
-            found = [self._match(domain, d) for d in request.descriptors]
-            limits: list[RateLimit | None] = [m.limit for matches in found for m in matches]
-            drop_replaced(limits)
-            remaining = iter(limits)
+            matched = self.matches(domain, request.descriptors)
             for index, descriptor in enumerate(request.descriptors):
-                kept = []
-                for match in found[index]:  # a descriptor may have several (rate_limits)
-                    limit = next(remaining)
-                    if limit is not None:
-                        kept.append((limit, match))
+                kept = matched[index]
                 if not kept:
                     unmatched.append(index)
                 elif kept[0][0].unlimited:  # only ever alone
@@ -329,6 +322,26 @@ class RateLimiter:
         )
         request.plan = plan
         return plan
+
+    def matches(
+        self, domain: DomainConfig, descriptors: list[Descriptor]
+    ) -> list[list[tuple[RateLimit, Match]]]:
+        """Each descriptor's limits and their keys, those a ``replaces`` of another
+        matched limit removes left out: what the request is decided against (explain
+        shows it without deciding)."""
+        found = [self._match(domain, d) for d in descriptors]
+        limits: list[RateLimit | None] = [m.limit for matches in found for m in matches]
+        drop_replaced(limits)
+        remaining = iter(limits)
+        kept: list[list[tuple[RateLimit, Match]]] = []
+        for matches in found:  # a descriptor may have several (rate_limits)
+            own = []
+            for match in matches:
+                limit = next(remaining)
+                if limit is not None:
+                    own.append((limit, match))
+            kept.append(own)
+        return kept
 
     def _match(self, domain: DomainConfig, descriptor: Descriptor) -> tuple[Match, ...]:
         """The descriptor's limits: none, one, or each of a ``rate_limits`` list; a
@@ -377,7 +390,7 @@ class RateLimiter:
         local = self.local
         draw = self._draw
         stale = local.stale(now)
-        denied = quota_seen = quota_ok = False
+        enforce_over = quota_seen = quota_ok = False
         for step in steps:
             if step.zero:
                 window = step.window_seconds
@@ -407,10 +420,9 @@ class RateLimiter:
                 quota_seen = True
                 quota_ok = quota_ok or admitted
             elif step.enforce and not admitted:
-                denied = True
-        if quota_seen and not quota_ok and not exact_quota:
-            denied = True  # every quota descriptor is over: the request is denied
-        return not denied, quota_ok
+                enforce_over = True
+        # An exact quota descriptor, asked next, may yet admit the request.
+        return not denies(enforce_over, quota_seen, quota_ok or exact_quota), quota_ok
 
     def _record_exact(
         self, steps: tuple[_Step, ...], results: list[ExactResult], statuses: list[DescriptorStatus]

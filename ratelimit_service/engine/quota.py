@@ -38,10 +38,10 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from ratelimit_service.core.config_model import RateLimitConfig
+from ratelimit_service.core.config_model import RateLimit, RateLimitConfig
 from ratelimit_service.core.matching import Match, bucket_entries, find_limits
 from ratelimit_service.core.shares import (
     Split,
@@ -56,7 +56,7 @@ from ratelimit_service.core.shares import (
 )
 from ratelimit_service.core.tiers import TierReport, TierTotals, member_demand
 from ratelimit_service.engine.background import BackgroundTask, every
-from ratelimit_service.engine.stats import Stats
+from ratelimit_service.engine.stats import SLICE, Stats
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -75,8 +75,6 @@ FORGET_AFTER = 3 * REPORT_INTERVAL
 share of it."""
 PUBLISH_INTERVAL = 1.0
 """Seconds between two publishes of a replica's totals (``--rlqs-publish-interval``)."""
-PUBLISH_BATCH = 256
-"""Counters per store call when a replica publishes."""
 MIN_ELAPSED = 0.5
 """A report sooner than this after the previous one measures no demand (Envoy's first
 report of a bucket comes at once, then the periodic ones)."""
@@ -201,6 +199,25 @@ class _Counter:
         self.seen.pop(name, None)
         self.shares.pop(name, None)
         self.held -= self.counts.pop(name, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class CounterView:
+    """One counter as the status page reads it (engine/status.py): a copy, taken
+    between two reports."""
+
+    key: str
+    stats_key: str
+    limit: RateLimit
+    part: float | None
+    """This replica's part of the limit, hits per window (None: not published yet)."""
+    totals: TierTotals | None
+    used: int
+    """The fleet's allowed hits in the current window (0 once a new one began)."""
+    instances: tuple[tuple[str, float | None, float | None, float | None], ...]
+    """Each instance reporting it here: (name, demand per second or None while
+    unmeasured, share in hits per window or None before any, tokens per second of the
+    token bucket it holds or None: none, or a blanket rule)."""
 
 
 @dataclass(slots=True)
@@ -405,11 +422,9 @@ class QuotaCoordinator:
         send the totals, take the new parts, and push grown shares."""
         self._forget_silent(self._clock())
         counters = [c for c in self._counters.values() if c.part is not None]
-        for start in range(0, len(counters), PUBLISH_BATCH):
-            chunk = counters[start : start + PUBLISH_BATCH]
-            if await self._publish(chunk):
-                for counter in chunk:
-                    self._grow(counter)
+        if counters and await self._publish(counters):  # the store splits it into calls
+            for counter in counters:
+                self._grow(counter)
 
     async def _publish(self, counters: list[_Counter]) -> bool:
         """Publish this replica's totals of ``counters`` and take its new parts; False
@@ -574,10 +589,41 @@ class QuotaCoordinator:
         hits per window."""
         return {key: dict(c.shares) for key, c in self._counters.items()}
 
+    def view(self) -> Iterator[CounterView | None]:
+        """Each counter reported here, copied for the status page; a None after every
+        SLICE instances copied: a point where the reader may return to the event loop
+        (1,000 Envoys on one counter are read in pieces)."""
+        wall, copied = self._wall(), 0
+        for counter in list(self._counters.values()):
+            shares = counter.shares
+            instances = tuple(
+                (name, seen.demand, shares.get(name), _per_second(seen.sent))
+                for name, seen in list(counter.seen.items())
+            )
+            current = window_index(wall, counter.window_seconds) == counter.window
+            match = counter.match
+            yield CounterView(
+                counter.key,
+                match.stats_key,
+                match.limit,
+                counter.part,
+                counter.totals,
+                counter.used if current else 0,
+                instances,
+            )
+            copied += 1 + len(instances)
+            if copied >= SLICE:
+                copied = 0
+                yield None
+
     def parts(self) -> dict[str, tuple[float, TierTotals | None]]:
         """Each counter's part of the limit held by this replica (hits per window) and
         the fleet's totals it came from (None: never read from the store)."""
         return {key: (c.part, c.totals) for key, c in self._counters.items() if c.part is not None}
+
+
+def _per_second(bucket: TokenBucket | None) -> float | None:
+    return None if bucket is None else bucket.tokens_per_fill / bucket.fill_seconds
 
 
 def tightest(matches: tuple[Match, ...]) -> Match | None:

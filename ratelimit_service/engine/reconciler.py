@@ -12,7 +12,7 @@ from dataclasses import replace
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
-from ratelimit_service.engine.background import BackgroundTask, every
+from ratelimit_service.engine.background import BackgroundTask, every, in_stretches
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ class Reconciler:
             self.local.forgive(reports)
         self.local.apply_all(reports, result, now, self.interval)
         if self.syncs % 40 == 0:
-            self.store.sweep()
+            async for _ in in_stretches(self.store.sweep()):
+                pass
         self.syncs += 1
         self.failing = False
         self.local.last_sync_ok = now

@@ -15,6 +15,7 @@ from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.engine.quota import QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.stats import SLICE, histogram_family
+from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.storage.base import Store
 
 MAX_BUCKET_SERIES = 1000
@@ -51,7 +52,7 @@ def bucket_metrics(local: LocalBuckets) -> Iterator[Metric | None]:
     for count, bucket in enumerate(buckets, 1):
         if count % SLICE == 0:
             yield None
-        ratio = 1.0 if bucket.credit < 1 else bucket.ratio
+        ratio = 1.0 if local.credit(bucket) < 1 else bucket.ratio
         rule = bucket.rule
         ratio_by_rule[rule] = max(ratio_by_rule.get(rule, 0.0), ratio)
         offered_by_rule[rule] = offered_by_rule.get(rule, 0.0) + (bucket.fleet_rate or 0.0)
@@ -89,9 +90,11 @@ def store_metrics(store: Store, beside: Mapping[str, float] | None = None) -> It
     """The store's figures; ``beside``: more under the store's name (with --zone, the
     zone's aggregator)."""
     family = GaugeMetricFamily("ratelimit_store", "Store state", labels=["store", "name"])
-    for name, value in {**store.stats(), **(beside or {})}.items():
+    # A store whose figures say "healthy" already (Redis; with --zone, the global store)
+    # keeps its own: one sample per name, or Prometheus drops the second of the scrape.
+    figures = {"healthy": 1.0 if store.healthy() else 0.0, **store.stats(), **(beside or {})}
+    for name, value in figures.items():
         family.add_metric([store.name, name], value)
-    family.add_metric([store.name, "healthy"], 1.0 if store.healthy() else 0.0)
     yield family
     for name, histogram in store.histograms().items():
         yield histogram_family(
@@ -194,3 +197,15 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric | None]:
     for domain, count in domains.items():
         per_domain.add_metric([domain], count)
     yield from (instances, demand, share, part, fleet, per_domain)
+
+
+def zone_metrics(aggregator: ZoneAggregator) -> Iterator[Metric]:
+    """``--zone``: whether this replica acts as its zone's aggregator, labelled by zone
+    (one series per process), so that a rule can see a zone whose replicas all say 0."""
+    family = GaugeMetricFamily(
+        "ratelimit_zone_aggregating",
+        "1 while this replica acts as its zone's aggregator (holds the zone's lease), else 0",
+        labels=["zone"],
+    )
+    family.add_metric([aggregator.zone], 1.0 if aggregator.leading else 0.0)
+    yield family

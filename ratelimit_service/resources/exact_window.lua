@@ -4,13 +4,15 @@
 -- T microseconds is cut into S slices; a key is a hash {slice index -> hits}; the
 -- window at `now` holds slices cur-S .. cur (cur = floor(now / (T/S))). Within one
 -- request every hit is checked first; the request is denied if an enforcing
--- descriptor does not fit, or if every quota descriptor does not fit; only an
--- admitted request consumes. Requests are decided one after the other, so a later
+-- descriptor does not fit, or if every quota descriptor does not fit (core/exact.py
+-- denies, held equal by tests/storage/test_exact_script_vs_core.py); only an admitted
+-- request consumes. Requests are decided one after the other, so a later
 -- request in the batch sees what an earlier one consumed: the batch is exactly the
 -- same as R separate calls, with one round trip and one script call instead of R.
 --
 -- KEYS     the window hashes of every descriptor of every request, in request order
---          (fields: slice index -> hits, plus the bookkeeping fields n, o and c below)
+--          (fields: slice index -> hits, plus the bookkeeping fields sum, first and
+--          last below)
 -- ARGV[1]  S, slices per window
 -- ARGV[2]  R, requests in the batch
 -- then, per request: commit (1 = consume if admitted, 0 = check only, 2 = consume
@@ -24,35 +26,41 @@
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local call, tonumber, floor, format = redis.call, tonumber, math.floor, string.format
+local ENFORCE, QUOTA = 0, 2  -- roles: core/exact.py HitRole
+local COMMIT, FORCE = 1, 2  -- commit: storage/exact_batcher.py encode, FORCE
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local slices = tonumber(ARGV[1])
 local requests = tonumber(ARGV[2])
 
--- A key also holds three bookkeeping fields: n, the hits in its live slices, o, the
--- index of its oldest live slice, and c, the index of its newest. While o is inside
--- the window nothing has expired and the decision needs only these fields (HMGET),
--- not every slice: the slices are read (HGETALL) only when one has expired, at most
--- once per slice width, or when a denied hit needs its wait. The key's expiry is set
--- only when a hit opens a new slice (c grows): set then to outlive that slice by a
--- slice width, it outlives every older one too, so the other hits skip a PEXPIRE.
+-- A key also holds three bookkeeping fields: sum, the hits in its live slices, first,
+-- the index of its oldest live slice, and last, the index of its newest. While first
+-- is inside the window nothing has expired and the decision needs only these fields
+-- (HMGET), not every slice: the slices are read (HGETALL) only when one has expired,
+-- at most once per slice width, or when a denied hit needs its wait. The key's expiry
+-- is set only when a hit opens a new slice (last grows): set then to outlive that
+-- slice by a slice width, it outlives every older one too, so the other hits skip a
+-- PEXPIRE.
 --
 -- Each key is read once per batch and then kept in `windows`, updated as hits are
 -- consumed: a batch often repeats the same few keys. Writes wait until the end: one
--- HINCRBY of the slice and one of n per key (n, o and c are rewritten whole when the
--- call has read the slices), with numbers formatted here, since Redis turns a Lua
--- number argument into a string with a printf of its own, which costs more than the
--- command itself (measured: an HSET of three numbers 1.1-1.6 us, of three strings
--- 0.5 us).
+-- HINCRBY of the slice and one of sum per key (sum, first and last are rewritten whole
+-- when the call has read the slices), with numbers formatted here, since Redis turns a
+-- Lua number argument into a string with a printf of its own, which costs more than
+-- the command itself.
 local windows = {}
+local BOOKKEEPING = {sum = true, first = true, last = true}
 
--- Every live slice, {index -> hits}; expired slices are deleted on the way.
+-- Every live slice, {index -> hits}; expired slices are deleted on the way, and so is
+-- any field that is neither a slice nor sum, first or last (another layout's).
 local function read_slices(w)
   local raw = call('HGETALL', w.key)
   local stale, live, total, first = {}, {}, 0, nil
   for j = 1, #raw, 2 do
     local index = tonumber(raw[j])
-    if index ~= nil then  -- not n, o or c
+    if index == nil then
+      if BOOKKEEPING[raw[j]] == nil then stale[#stale + 1] = raw[j] end
+    else
       if index < w.oldest then
         stale[#stale + 1] = raw[j]
       else
@@ -69,8 +77,9 @@ local function read_slices(w)
     total = total + w.added
     if first == nil then first = w.cur end
   end
-  -- Rewrite n, o and c whole at the end: they now come from the slices themselves
-  -- (a stale slice deleted here may still be counted in n if the clock stepped back).
+  -- Rewrite sum, first and last whole at the end: they now come from the slices
+  -- themselves (a stale slice deleted here may still be counted in sum if the clock
+  -- stepped back).
   w.live, w.total, w.first, w.recount = live, total, first, true
 end
 
@@ -79,7 +88,7 @@ local function load(key, window)
   if w ~= nil then return w end
   local width = window / slices
   local cur = floor(now / width)
-  local meta = call('HMGET', key, 'n', 'o', 'c')
+  local meta = call('HMGET', key, 'sum', 'first', 'last')
   w = {key = key, width = width, window = window, cur = cur, oldest = cur - slices,
        total = tonumber(meta[1]), first = tonumber(meta[2]), newest = tonumber(meta[3]),
        live = false, recount = false, extend = false, added = 0}
@@ -121,28 +130,30 @@ local out, o = {}, 0
 local arg, key_index = 3, 1
 for _ = 1, requests do
   local commit_arg = tonumber(ARGV[arg])
-  local commit, force = commit_arg == 1, commit_arg == 2
+  local commit, force = commit_arg == COMMIT, commit_arg == FORCE
   local n = tonumber(ARGV[arg + 1])
   arg = arg + 2
-  local denied, quota_seen, quota_all_over = false, false, true
+  local enforce_over, quota_seen, quota_admitted = false, false, false
   for i = 1, n do
     local w = load(KEYS[key_index], tonumber(ARGV[arg + 1]))
-    local limit, hits, role = tonumber(ARGV[arg]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+    local limit, hits = tonumber(ARGV[arg]), tonumber(ARGV[arg + 2])
+    local role = tonumber(ARGV[arg + 3])
     local need = hits
     if need < 1 then need = 1 end
     local ok = w.total + need <= limit
-    if role == 0 then
-      if not ok then denied = true end
-    elseif role == 2 then
+    if role == ENFORCE then
+      if not ok then enforce_over = true end
+    elseif role == QUOTA then
       quota_seen = true
-      if ok then quota_all_over = false end
+      if ok then quota_admitted = true end
     end
     -- "before" is read before any of this request's hits land.
     hw[i], hlimit[i], hhits[i], hok[i], hbefore[i] = w, limit, hits, ok, w.total
     arg = arg + 4
     key_index = key_index + 1
   end
-  if quota_seen and quota_all_over then denied = true end
+  -- The denial rule: core/exact.py denies.
+  local denied = enforce_over or (quota_seen and not quota_admitted)
   local consume = force or (commit and not denied)
 
   -- Hits land descriptor by descriptor, each reported with the window as it then
@@ -179,7 +190,7 @@ for _, w in pairs(windows) do
   if w.added > 0 then
     local added = format('%d', w.added)
     call('HINCRBY', key, format('%d', w.cur), added)
-    if not w.recount then call('HINCRBY', key, 'n', added) end
+    if not w.recount then call('HINCRBY', key, 'sum', added) end
   end
   if w.recount then
     if w.first == nil then
@@ -187,13 +198,13 @@ for _, w in pairs(windows) do
     else
       local n, oldest = format('%d', w.total), format('%d', w.first)
       if w.newest == nil then
-        call('HSET', key, 'n', n, 'o', oldest)
+        call('HSET', key, 'sum', n, 'first', oldest)
       else
-        call('HSET', key, 'n', n, 'o', oldest, 'c', format('%d', w.newest))
+        call('HSET', key, 'sum', n, 'first', oldest, 'last', format('%d', w.newest))
       end
     end
   elseif w.extend then
-    call('HSET', key, 'c', format('%d', w.newest))
+    call('HSET', key, 'last', format('%d', w.newest))
   end
   if w.extend then
     call('PEXPIRE', key, format('%d', math.ceil((w.window + 2 * w.width) / 1000)))

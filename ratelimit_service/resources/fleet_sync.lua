@@ -1,20 +1,21 @@
 -- fleet_sync.lua: fold one process's probabilistic counts into the fleet totals.
 --
--- Each bucket is a hash with the fleet token bucket (same arithmetic as
--- core/drop_ratio.py refill/take; the capacity comes from drop_ratio.capacity, which
--- is less than the limit): 'tk' tokens, 'ts' when they were last updated
--- (microseconds), 'o' the monotonic count of offered hits. A sorted set of node ids
--- scored by last sync time gives the number of live nodes.
+-- Each bucket is a hash with the fleet token bucket (twin: storage/embedded.py
+-- _FleetBucket, with core/drop_ratio.py refill, take and zone_limit; the capacity
+-- comes from drop_ratio.capacity: the limit, or the rule's burst): 'tk' tokens, 'ts'
+-- when they were last updated (microseconds), 'o' the monotonic count of offered
+-- hits. A sorted set of node ids scored by last sync time gives the number of live
+-- nodes.
 --
 -- In a zone (serve --zone) this is the zone's store: the bucket then refills at the
 -- zone's part of the limit, 'Z' (thousandths of a hit per second, written by the
 -- zone's aggregator, engine/zone_aggregator.py), when it is below the limit, its
 -- capacity in proportion (core/drop_ratio.py zone_limit); until its first part comes
 -- back, at the limit over the number of zones (the aggregator keeps that count); and
--- the hash keeps for the aggregator
--- 'K' the bucket's key, 'L' the limit, 'W' the window, 'a' the monotonic count of
--- admitted hits, 'c' when the bucket was created (microseconds), with an index of
--- live buckets (a sorted set scored by last sync).
+-- the hash keeps for the aggregator 'K' the bucket's key, 'L' the limit per window,
+-- 'W' the window (microseconds), 'a' the monotonic count of admitted hits, 'c' when
+-- the bucket was created (microseconds), with an index of live buckets (a sorted set
+-- scored by last sync).
 --
 -- ARGV[1]   this node's id, or '' for no heartbeat (Redis Cluster: the registry lives
 --           in another slot and gets its own call)

@@ -1,5 +1,5 @@
 -- lease.lua: take or renew a zone's aggregator lease, and hand out fencing tokens
--- (engine/zone_aggregator.py). Twin: core/zones.py LeaseTable.ask.
+-- (engine/zone_aggregator.py). Held to its model by tests/core/test_zones.py.
 --
 -- The lease is a hash: 'h' the holder, 't' its fencing token, 'e' when it expires
 -- (microseconds, the server's clock). The fencing counter is the last token handed out
@@ -13,11 +13,13 @@
 -- ARGV[3]   a token a write of the asker was refused against, or '': a holder whose
 --           token is not above it gets a new one above it and the counter (its zone
 --           store lost the counter), anyone else's ask is unchanged
--- Returns   {state, holder, the holder's token}; state 2: taken now (it was free or
---           expired; a new token), 1: renewed (the asker held it), 0: held by another
+-- Returns   {state, holder, the holder's token}; state TAKEN: taken now (it was free
+--           or expired; a new token), RENEWED: the asker held it, HELD_BY_ANOTHER
+--           (the numbers of core/zones.py LeaseState, which decodes them)
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local call, tonumber, format = redis.call, tonumber, string.format
+local HELD_BY_ANOTHER, RENEWED, TAKEN = 0, 1, 2
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local me, ttl, floor = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -26,15 +28,15 @@ local highest = tonumber(call('GET', KEYS[2]) or '0')
 local state, token
 if lease[1] and tonumber(lease[3]) > now then
   token = tonumber(lease[2])
-  if lease[1] ~= me then return {0, lease[1], token} end
-  state = 1
+  if lease[1] ~= me then return {HELD_BY_ANOTHER, lease[1], token} end
+  state = RENEWED
   if floor and floor >= token then
     highest = math.max(highest, floor) + 1
     token = highest
     call('SET', KEYS[2], format('%d', highest))
   end
 else
-  state = 2
+  state = TAKEN
   highest = math.max(highest, floor or 0) + 1
   token = highest
   call('SET', KEYS[2], format('%d', highest))

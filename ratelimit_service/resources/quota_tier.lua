@@ -8,7 +8,7 @@
 -- aligned to the epoch); per member 'd:<name>', 'n:<name>', 'p:<name>' its last
 -- demand, instance count and part. The sorted set scores each member by when it last
 -- published (microseconds). Members silent longer than the forget time leave the sums,
--- at most 16 per call (oldest first), so the work per call does not grow with the
+-- at most ARGV[4] per call (oldest first), so the work per call does not grow with the
 -- fleet.
 --
 -- The part: the fair one (demand plus the spare by instances under the limit, the
@@ -18,9 +18,10 @@
 --
 -- In a zone (serve --zone) the replicas' store also keeps, per counter, what the
 -- zone's aggregator (engine/zone_aggregator.py) reads and writes back: 'K' the
--- counter's key, 'L' the rule's limit, 'W' its window; 'Z' the zone's part of the
--- limit (the parts here divide Z, not the limit), 'G' the hits the whole fleet allowed
--- in window 'gw' as the global store counted them, of which 'g' came from this zone.
+-- counter's key, 'R' the rule's limit (thousandths of a hit per second), 'W' its
+-- window (microseconds); 'Z' the zone's part of the limit (thousandths; the parts
+-- here divide Z, not the limit), 'G' the hits the whole fleet allowed in window 'gw'
+-- as the global store counted them, of which 'g' came from this zone.
 -- An index of live counters (a sorted set, scored by last publish) lets the aggregator
 -- find them.
 --
@@ -33,7 +34,8 @@
 -- ARGV[1]   this member's name
 -- ARGV[2]   forget time in microseconds
 -- ARGV[3]   the member's fencing token, or '' (a replica: no fencing)
--- ARGV[4 + 6*(i-1) ...] for counter i: demand, instances, allowed hits since the last
+-- ARGV[4]   the most silent members one call removes (core/tiers.py EXPIRE_PER_CALL)
+-- ARGV[5 + 6*(i-1) ...] for counter i: demand, instances, allowed hits since the last
 --           publish, window in microseconds, limit (demand and limit in thousandths
 --           of a hit per second), the counter's key (in a zone; '' otherwise)
 -- Returns   per counter: {part (thousandths), fleet demand (thousandths), fleet
@@ -73,7 +75,7 @@ end
 local out = {}
 for i = 1, counters do
   local hash, members = KEYS[2 * i - 1], KEYS[2 * i]
-  local base = 4 + 6 * (i - 1)
+  local base = 5 + 6 * (i - 1)
   local demand, instances = tonumber(ARGV[base]), tonumber(ARGV[base + 1])
   local allowed, window = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local limit = tonumber(ARGV[base + 4])
@@ -81,7 +83,7 @@ for i = 1, counters do
   local zone_part = tonumber(zone[1])
   if zone_part ~= nil and zone_part < limit then limit = zone_part end
   local stale = call('ZRANGEBYSCORE', members, '-inf', format('(%d', now - forget),
-    'LIMIT', '0', '16')
+    'LIMIT', '0', ARGV[4])
   for _, who in ipairs(stale) do
     leave(hash, who)
     call('ZREM', members, who)
@@ -123,7 +125,7 @@ for i = 1, counters do
     used = math.max(used, tonumber(zone[2]) + used - (tonumber(zone[4]) or 0))
   end
   if index_key then
-    call('HSET', hash, 'K', ARGV[base + 5], 'L', ARGV[base + 4], 'W', ARGV[base + 3])
+    call('HSET', hash, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
     call('ZADD', index_key, format('%d', now), hash)
   end
   local keep = window

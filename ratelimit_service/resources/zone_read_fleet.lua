@@ -1,6 +1,6 @@
 -- zone_read_fleet.lua: the zone aggregator's read of its zone store's probabilistic
 -- buckets (engine/zone_aggregator.py): every bucket a replica of the zone synced
--- lately.
+-- lately (held to what fleet_sync.lua kept by tests/storage/test_fleet_sync_script.py).
 --
 -- KEYS[1]   the zone's index of buckets (a sorted set of bucket hashes, scored by
 --           their last sync in microseconds; written by fleet_sync.lua)

@@ -1,7 +1,9 @@
 -- zone_write.lua: the zone aggregator writes back what the global store answered for
 -- each counter (engine/zone_aggregator.py; the fields quota_tier.lua and fleet_sync.lua
 -- read in a zone), and how many zones share the fleet; refused for a fencing token
--- lower than the zone's counter (twin: core/zones.py LeaseTable.write).
+-- lower than the zone's counter. Held to what the other scripts then read by
+-- tests/storage/test_fleet_sync_script.py and tests/core/test_tiers.py, its fence by
+-- tests/core/test_zones.py.
 --
 -- KEYS[1]   the zone's count of zones (fleet_sync.lua divides a bucket's limit by it
 --           until the bucket's own part comes back)

@@ -80,8 +80,8 @@ class RateLimitServicer:
         """Tells the latency histogram what a call waited for the loop before it."""
         self.deadline_margin = deadline_margin
         self.header_style = header_style
-        self._headers = header_style is not HeaderStyle.OFF
         self.header_names = header_names or HeaderNames()
+        self._headers = header_style is not HeaderStyle.OFF or bool(self.header_names.rule)
         self._heads = LimitHeads()
         self._bytes_for: RateLimitConfig | None = None
         self._requests = RequestCache(_parse)
@@ -123,7 +123,7 @@ class RateLimitServicer:
                 headers = rate_limit_headers(
                     response.statuses, self.header_style, self.header_names
                 )
-            return encode_response(response, headers, self._heads)
+            return encode_response(response, headers, self._heads, request.domain)
         except InvalidRequest as exc:
             if isinstance(exc, _MalformedRequest):  # the limiter counts the other kinds
                 stats.service_error += 1

@@ -71,15 +71,19 @@ from ratelimit_service.engine.state_metrics import (
     quota_metrics,
     reconciler_metrics,
     store_metrics,
+    zone_metrics,
 )
 from ratelimit_service.engine.stats import Stats, StatsCollector, histogram_family
 from ratelimit_service.engine.statsd import StatsdSink
+from ratelimit_service.engine.status import StatusBoard, StatusSources
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
+from ratelimit_service.server.explain_page import explain_page
 from ratelimit_service.server.go_http import GoEndpoints
-from ratelimit_service.server.http_server import HttpServer, pages
+from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
 from ratelimit_service.server.settings import Settings
+from ratelimit_service.server.status_page import status_routes
 from ratelimit_service.server.tls import CertificateReloader
 from ratelimit_service.storage.base import Store
 from ratelimit_service.storage.embedded import EmbeddedStore
@@ -284,15 +288,28 @@ class RateLimitService:
             sensor = LoopLoad(self.store.loop_saturated)
             self._loop_load_task = BackgroundTask("loop-load", sensor.run)
         self.health = health.aio.HealthServicer()
+        self.status = StatusBoard(
+            StatusSources(
+                self.stats,
+                lambda: self.limiter.config,
+                self.local,
+                self.store,
+                self.reconciler,
+                self.quota,
+                self.zone_aggregator,
+            )
+        )
         self.admin = HttpServer(
             pages(
                 {
                     "/healthcheck": self._healthcheck_page,
                     "/metrics": self._metrics_stream,
                     "/rlconfig": self._rlconfig_page,
+                    **status_routes(self.status),
                     "/": self._index_page,
                 }
             )
+            | {"/explain": query_page(self._explain_page)}
         )
         # envoyproxy/ratelimit's own ports and its statsd stats, when asked for.
         self.http: HttpServer | None = None
@@ -600,10 +617,6 @@ class RateLimitService:
             return 200, "text/plain", b"OK\n" + detail
         return 503, "text/plain", b"NOT SERVING\n" + detail
 
-    def _metrics_page(self) -> tuple[int, str, bytes]:
-        """The whole page at once (for tests; the listeners stream it)."""
-        return 200, METRICS_TYPE, b"".join(self.metrics.exposition())
-
     def _metrics_stream(self) -> tuple[int, str, Iterator[bytes]]:
         """The page in pieces: the HTTP server returns to the event loop between two."""
         return 200, METRICS_TYPE, self.metrics.exposition()
@@ -612,7 +625,14 @@ class RateLimitService:
         return 200, "text/plain; charset=utf-8", self.limiter.config.dump().encode()
 
     def _index_page(self) -> tuple[int, str, bytes]:
-        return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n"
+        return (
+            200,
+            "text/plain",
+            b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n/explain\n",
+        )
+
+    async def _explain_page(self, query: str) -> PageResult:
+        return await explain_page(self.limiter, query)
 
     def _debug_index_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain", b"/rlconfig\n/metrics\n"
@@ -621,6 +641,8 @@ class RateLimitService:
         yield from bucket_metrics(self.local)
         zone = self.zone_aggregator.stats() if self.zone_aggregator is not None else {}
         yield from store_metrics(self.store, zone)
+        if self.zone_aggregator is not None:
+            yield from zone_metrics(self.zone_aggregator)
         yield histogram_family(
             "ratelimit_event_loop_lag_seconds",
             "How late the event loop ran a timer that was due (busy, or not scheduled)",

@@ -69,12 +69,12 @@ class GoEndpoints:
     def routes(self) -> dict[str, Handler]:
         return {"/healthcheck": self.healthcheck, "/json": self.json}
 
-    async def healthcheck(self, method: str, body: bytes) -> PageResult:
+    async def healthcheck(self, method: str, body: bytes, query: str) -> PageResult:
         if self.healthy():
             return 200, "text/plain; charset=utf-8", b"OK"
         return 500, "text/plain; charset=utf-8", b"NOT SERVING\n"
 
-    async def json(self, method: str, body: bytes) -> PageResult:
+    async def json(self, method: str, body: bytes, query: str) -> PageResult:
         try:
             message = json_format.Parse(body.decode("utf-8"), rls_pb2.RateLimitRequest())
         except (json_format.ParseError, UnicodeDecodeError, RecursionError) as exc:

@@ -26,7 +26,8 @@ from ratelimit_service.engine.background import in_stretches
 Body = bytes | Iterator[bytes]
 """A whole body, or its pieces (an empty piece: only a point to return to the loop)."""
 PageResult = tuple[int, str, Body]
-Handler = Callable[[str, bytes], Awaitable[PageResult]]
+Handler = Callable[[str, bytes, str], Awaitable[PageResult]]
+"""Called with the method, the body and the query string (after ``?``, or empty)."""
 MAX_LINE = 8192
 MAX_HEADERS = 100
 IDLE_TIMEOUT = 60.0
@@ -46,8 +47,8 @@ class BadRequest(Exception):
 
 
 class HttpServer:
-    """Routes by exact path (the query string ignored); every method goes to the
-    route's handler, which gets the method and the body."""
+    """Routes by exact path; every method goes to the route's handler, which gets
+    the method, the body and the query string."""
 
     def __init__(self, routes: dict[str, Handler], max_body: int = 1 << 20) -> None:
         self.routes = routes
@@ -115,11 +116,12 @@ class HttpServer:
             body = f"{HTTPStatus(exc.status).phrase}: {exc}\n".encode()
             await _respond(writer, method, exc.status, "text/plain", body, False)
             return False
-        handler = self.routes.get(target.split("?", 1)[0])
+        path, _, query = target.partition("?")
+        handler = self.routes.get(path)
         payload: Body = b"Not Found\n"
         status, content_type = 404, "text/plain"
         if handler is not None:
-            status, content_type, payload = await handler(method, body)
+            status, content_type, payload = await handler(method, body, query)
         keep = keep and not self._closing
         await _respond(writer, method, status, content_type, payload, keep)
         return keep
@@ -229,12 +231,27 @@ def pages(routes: dict[str, Page]) -> dict[str, Handler]:
 
 
 def _page_handler(page: Page) -> Handler:
-    async def handle(method: str, body: bytes) -> PageResult:
+    async def handle(method: str, body: bytes, query: str) -> PageResult:
         if method not in ("GET", "HEAD"):
             return 405, "text/plain", b"method not allowed\n"
         result = page()
         if inspect.isawaitable(result):
             return await result
         return result
+
+    return handle
+
+
+QueryPage = Callable[[str], Awaitable[PageResult]]
+"""A read-only page that reads its query string."""
+
+
+def query_page(page: QueryPage) -> Handler:
+    """The handler of a read-only page given its query string: other methods get 405."""
+
+    async def handle(method: str, body: bytes, query: str) -> PageResult:
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain", b"method not allowed\n"
+        return await page(query)
 
     return handle

@@ -123,6 +123,10 @@ class Setting:
     """The default when started from the Go service's settings, if it differs."""
     hidden: bool = False
 
+    def field(self, value: Any) -> Any:
+        """The Settings field's value for a parsed ``value``."""
+        return self.to_field(value) if self.to_field is not None else value
+
     @property
     def metavar(self) -> str:
         """What ``--help`` shows for the value."""
@@ -286,6 +290,9 @@ SETTINGS: tuple[Setting, ...] = (
             "RateLimit-Remaining"),
     Setting("--header-reset", "Envoy compatibility", "name of the reset header",
             "RateLimit-Reset"),
+    Setting("--header-rule", "Envoy compatibility",
+            "name of a response header naming the rule that decided (its name, else its stats"
+            " key), with or without --response-headers (empty: not sent)", ""),
     Setting("--http-addr", "Envoy compatibility",
             "envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (off unless"
             " given)", None, host_port, fills="http_addr", to_field=_none_if_empty),
@@ -327,12 +334,6 @@ SETTINGS: tuple[Setting, ...] = (
 )  # fmt: skip
 
 BY_FLAG = {setting.flag: setting for setting in SETTINGS}
-
-
-def field_default(setting: Setting) -> Any:
-    """The Settings field's value for the setting's default."""
-    value = setting.default if not setting.switch else False
-    return setting.to_field(value) if setting.to_field is not None else value
 
 
 # -- what the service gets -------------------------------------------------------------
@@ -430,15 +431,17 @@ class Settings:
 
 def fields_from(values: dict[str, Any]) -> dict[str, Any]:
     """Settings fields from parsed values by flag ``dest``: every declared field, and
-    the header names (three flags, one field)."""
+    the header names (four flags, one field)."""
     fields = {}
     for setting in SETTINGS:
         if setting.fills is None:
             continue
-        value = values[setting.dest]
-        fields[setting.fills] = setting.to_field(value) if setting.to_field else value
+        fields[setting.fills] = setting.field(values[setting.dest])
     fields["header_names"] = HeaderNames(
-        values["header_limit"], values["header_remaining"], values["header_reset"]
+        values["header_limit"],
+        values["header_remaining"],
+        values["header_reset"],
+        values["header_rule"],
     )
     return fields
 

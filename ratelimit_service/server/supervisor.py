@@ -10,7 +10,8 @@ This parent process runs no limiter. It starts the workers (each with a private
 admin port on loopback), restarts one that dies, forwards SIGHUP and SIGTERM, and
 serves the public admin port: ``/healthcheck`` is 200 only while every worker is,
 ``/metrics`` adds the workers' counters and histograms up (gauges keep a ``worker``
-label), ``/rlconfig`` is the first worker's.
+label), ``/rlconfig`` is the first worker's, ``/status.json`` holds every worker's
+snapshot (the ``/status`` page shows one at a time).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from collections.abc import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratelimit_service.core.address import listen_host, split_host_port
-from ratelimit_service.server.http_server import HttpServer, pages
+from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
+from ratelimit_service.server.status_page import HTML, JSON, PAGE, workers_json
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +144,12 @@ class Supervisor:
                     "/healthcheck": self._health,
                     "/metrics": self._metrics,
                     "/rlconfig": self._rlconfig,
+                    "/status": lambda: (200, HTML, PAGE),
+                    "/status.json": self._status,
                     "/": self._index,
                 }
             )
+            | {"/explain": query_page(self._explain)}
         )
 
     async def _health(self) -> tuple[int, str, bytes]:
@@ -172,8 +177,26 @@ class Supervisor:
             return 503, "text/plain", b"worker 0 is not answering\n"
         return 200, "text/plain; charset=utf-8", body
 
+    async def _status(self) -> tuple[int, str, bytes]:
+        results = await asyncio.gather(*(fetch(w.admin_port, "/status.json") for w in self.workers))
+        answered = [body if status == 200 else None for status, body in results]
+        return 200, JSON, workers_json(answered)
+
+    async def _explain(self, query: str) -> PageResult:
+        """Worker 0's page: the same rules, the store's counts for exact rules, and its
+        own view of the fleet's for probabilistic ones."""
+        status, body = await fetch(self.workers[0].admin_port, f"/explain?{query}")
+        if status == 0:
+            return 503, "text/plain", b"worker 0 is not answering\n"
+        kind = "application/json" if body.startswith(b"{") else "text/plain; charset=utf-8"
+        return status, kind, body
+
     async def _index(self) -> tuple[int, str, bytes]:
-        return 200, "text/plain", b"/healthcheck\n/metrics\n/rlconfig\n"
+        return (
+            200,
+            "text/plain",
+            b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n/explain\n",
+        )
 
     def _forward(self, sig: int) -> None:
         for worker in self.workers:

@@ -8,7 +8,7 @@ records one replica's RLQS totals and returns the fleet's.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Protocol
 
 from ratelimit_service.core.drop_ratio import SyncResult
@@ -68,10 +68,11 @@ class Store(Protocol):
         answer by failure_mode) and tried again until it answers."""
         ...
 
-    def sweep(self) -> int:
+    def sweep(self) -> Iterator[int]:
         """Forget state that holds nothing any more (an in-process store's empty
-        windows); returns how many entries went. The reconciler calls it now and then;
-        a store that expires its keys itself does nothing."""
+        windows), a short piece at a time: yields how many entries each piece removed.
+        The reconciler calls it now and then and leaves the loop to calls between
+        pieces; a store that expires its keys itself yields nothing."""
         ...
 
     @property

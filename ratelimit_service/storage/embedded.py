@@ -8,37 +8,62 @@ own store, so the service must not run more than one process on it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from itertools import chain
 
-from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity, refill, take
+from ratelimit_service.core.drop_ratio import (
+    FleetView,
+    SyncResult,
+    capacity,
+    refill,
+    take,
+    zone_limit,
+)
 from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.lru import LruMap
-from ratelimit_service.core.tiers import TierReport, TierTable, TierTotals
+from ratelimit_service.core.tiers import (
+    Fenced,
+    TierReport,
+    TierTable,
+    TierTotals,
+    publish_fenced,
+)
 from ratelimit_service.core.window import DEFAULT_SLICES, SlidingWindow
 
 
 class _FleetBucket:
-    """Fleet totals of one probabilistic bucket: its token bucket and offered count."""
+    """Fleet totals of one probabilistic bucket: its token bucket and offered count (the
+    twin of fleet_sync.lua, held equal to it by tests/storage/test_fleet_sync_script.py)."""
 
-    __slots__ = ("limit", "offered_total", "tokens", "touched", "window_seconds")
+    __slots__ = ("offered_total", "tokens", "touched", "window_seconds", "zone_part")
 
-    def __init__(self, report: BucketReport, now: float) -> None:
-        self.limit = report.limit
-        self.window_seconds = report.window_seconds
-        self.tokens = capacity(report.limit, report.burst)
+    def __init__(self, window_seconds: int, now: float) -> None:
+        self.window_seconds = window_seconds
+        self.tokens: float | None = None
+        """None until the first report fills the bucket."""
         self.offered_total = 0
         self.touched = now
+        self.zone_part: int | None = None
+        """In a zone's store, the zone's part of the limit (thousandths of a hit per
+        second) written by its aggregator; never set here (no zones in process)."""
 
-    def update(self, report: BucketReport, now: float) -> None:
-        self.limit = report.limit
-        refilled = refill(
-            self.tokens, now - self.touched, report.limit, report.window_seconds, report.burst
-        )
-        self.tokens = take(refilled, report.admitted, report.limit)
+    def update(self, report: BucketReport, now: float, zones: int | None = None) -> FleetView:
+        """Refill since the last report at the limit the bucket refills at (the rule's;
+        in a zone's store, see drop_ratio.zone_limit, with ``zones`` sharing the fleet),
+        take the admitted hits, count the offered ones."""
+        window = report.window_seconds
+        full = capacity(report.limit, report.burst)
+        limit, full = zone_limit(report.limit, full, self.zone_part, window * 1_000_000, zones)
+        if self.tokens is None:
+            refilled = full
+        else:
+            refilled = refill(self.tokens, now - self.touched, limit, window, burst=full)
+        self.tokens = take(refilled, report.admitted, limit)
         self.offered_total += report.offered
         self.touched = now
+        return FleetView(self.tokens, self.offered_total, limit)
 
     def idle(self, now: float) -> bool:
         """Safe to forget: no report for a whole window, so the bucket is full again."""
@@ -69,7 +94,8 @@ class EmbeddedStore:
 
     def _fleet_bucket(self, report: BucketReport, now: float) -> _FleetBucket:
         return self._fleet.get_or_create(
-            f"{report.key}\x1f{report.window_seconds}", lambda: _FleetBucket(report, now)
+            f"{report.key}\x1f{report.window_seconds}",
+            lambda: _FleetBucket(report.window_seconds, now),
         )
 
     async def hit(
@@ -91,25 +117,27 @@ class EmbeddedStore:
         now = self._clock()
         views: list[FleetView] = []
         for report in reports:
-            bucket = self._fleet_bucket(report, now)
-            bucket.update(report, now)
-            views.append(FleetView(tokens=bucket.tokens, offered_total=bucket.offered_total))
+            views.append(self._fleet_bucket(report, now).update(report, now))
         return SyncResult(nodes=1, views=views)
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
         now_us, forget_us = round(self._clock() * 1_000_000), round(forget_after * 1_000_000)
-        return [
-            self._tiers.get_or_create(report.key, TierTable).publish(report, now_us, forget_us)
-            for report in reports
-        ]
+        tables = [self._tiers.get_or_create(report.key, TierTable) for report in reports]
+        answers = publish_fenced(tables, reports, now_us, forget_us, None)
+        assert not isinstance(answers, Fenced)  # no token, no fence
+        return answers
 
-    def sweep(self) -> int:
-        """Forget state that no longer holds anything; called by the reconciler."""
-        now = self._clock()
-        removed = self._windows.remove_if(lambda window: window.count(now) == 0)
-        removed += self._fleet.remove_if(lambda bucket: bucket.idle(now))
-        self.swept += removed
-        return removed
+    def sweep(self) -> Iterator[int]:
+        """Forget state that no longer holds anything, a piece at a time (the clock is
+        read per entry: calls run between pieces)."""
+        clock = self._clock
+        pieces = chain(
+            self._windows.remove_if(lambda window: window.count(clock()) == 0),
+            self._fleet.remove_if(lambda bucket: bucket.idle(clock())),
+        )
+        for removed in pieces:
+            self.swept += removed
+            yield removed
 
     async def start(self) -> None:
         """Nothing to connect to."""

@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -38,7 +38,7 @@ from ratelimit_service.core.drop_ratio import SyncResult, capacity
 from ratelimit_service.core.exact import ExactHit, ExactResult, request_denied
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.core.tiers import MILLI, Fenced, TierReport, TierTotals
+from ratelimit_service.core.tiers import EXPIRE_PER_CALL, MILLI, Fenced, TierReport, TierTotals
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.core.zones import ZoneKeys
 from ratelimit_service.storage.base import StoreUnavailable
@@ -46,26 +46,60 @@ from ratelimit_service.storage.breaker import CircuitBreaker
 from ratelimit_service.storage.exact_batcher import (
     MAX_PENDING,
     ExactBatcher,
-    decode,
     encode,
     hit_args,
 )
 from ratelimit_service.storage.redis_connect import connect
 from ratelimit_service.storage.redis_pipe import RedisPipe, supports
-from ratelimit_service.storage.script_replies import sync_reply, tier_reply
+from ratelimit_service.storage.script_replies import exact_reply, sync_reply, tier_reply
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-SYNC_CHUNK = 256
-"""Buckets per sync script call: keeps each Lua call short so Redis stays responsive."""
+CALL_CHUNK = 256
+"""Items per script call of a batched store call: the store itself splits every batch
+(a sync's buckets, a publish's counters, a zone's write-back) into calls of at most
+this many, so each Lua call is short and Redis stays responsive."""
 PREFIX = "rl:"
 """What every key starts with, by default (--redis-key-prefix)."""
-PUBLISH_CHUNK = 256
-"""Counters per fenced publish call (a zone's aggregator publishes every counter of its
-zone at once), for the same reason."""
+
+
+def sync_args(
+    reports: Sequence[BucketReport], node: str, node_ttl_us: int, zoned: bool
+) -> list[Any]:
+    """fleet_sync.lua's ARGV: ``node`` ('' for no heartbeat), then each bucket's report
+    (see the script's header)."""
+    args: list[Any] = [node, node_ttl_us, "1" if zoned else ""]
+    for report in reports:
+        args += (
+            report.window_seconds * 1_000_000,
+            report.limit,
+            int(capacity(report.limit, report.burst)),
+            report.admitted,
+            report.offered,
+            report.key if zoned else "",
+        )
+    return args
+
+
+def tier_args(
+    reports: Sequence[TierReport], forget_us: int, token: int | None, zoned: bool
+) -> list[Any]:
+    """quota_tier.lua's ARGV for one member's ``reports`` (see the script's header)."""
+    member = reports[0].member
+    args: list[Any] = [member, forget_us, "" if token is None else token, EXPIRE_PER_CALL]
+    for report in reports:
+        args += (
+            round(report.demand * MILLI),
+            report.instances,
+            report.allowed,
+            report.window_seconds * 1_000_000,
+            round(report.limit * MILLI),
+            report.key if zoned else "",
+        )
+    return args
 
 
 @dataclass(slots=True)
@@ -297,7 +331,7 @@ class RedisStore:
         args: list[Any] = [self.slices, 1]
         encode(group.hits, commit, args)
         raw = await self._call(self._exact, group.keys, args, timeout)
-        return decode(raw, 0, len(group.hits))
+        return exact_reply(raw, 0, len(group.hits))
 
     # The batcher's channel (see exact_batcher.Channel): callbacks, no coroutines, on
     # the pipelined connection when there is one.
@@ -367,8 +401,8 @@ class RedisStore:
             views = _reorder(groups, [r.views for r in results[1:]], len(reports))
             return SyncResult(nodes=results[0].nodes, views=views)
         # One server: each chunk carries the heartbeat; an empty sync still runs once.
-        bounds = range(0, len(reports), SYNC_CHUNK)
-        chunks = [(keys[i : i + SYNC_CHUNK], reports[i : i + SYNC_CHUNK]) for i in bounds]
+        bounds = range(0, len(reports), CALL_CHUNK)
+        chunks = [(keys[i : i + CALL_CHUNK], reports[i : i + CALL_CHUNK]) for i in bounds]
         results = await asyncio.gather(
             *(self._sync_call(k, r, heartbeat=True) for k, r in chunks or [([], [])])
         )
@@ -382,30 +416,20 @@ class RedisStore:
     ) -> SyncResult:
         zone = self.zone_keys
         zoned = zone is not None
-        args: list[Any] = [
-            self.node_id if heartbeat else "",
-            int(self.node_ttl * 1_000_000),
-            "1" if zoned else "",
-        ]
-        for report in reports:
-            args += (
-                report.window_seconds * 1_000_000,
-                report.limit,
-                int(capacity(report.limit, report.burst)),
-                report.admitted,
-                report.offered,
-                report.key if zoned else "",
-            )
+        node = self.node_id if heartbeat else ""
+        args = sync_args(reports, node, int(self.node_ttl * 1_000_000), zoned)
         call_keys = [self.prefix + "nodes", *keys] if heartbeat else list(keys)
         if zone is not None:
             call_keys += (zone.buckets, zone.zones)
         raw = await self._call(self._sync, call_keys, args, self.sync_timeout)
-        return sync_reply(raw, zoned)
+        return sync_reply(raw)
 
     # -- RLQS --------------------------------------------------------------------
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
-        answers = await self._publish(reports, forget_after, None, self.sync_timeout)
+        """Each counter's totals in, the member's part out (quota_tier.lua), in calls of
+        at most CALL_CHUNK counters, one after the other, each within ``sync_timeout``."""
+        answers = await self._publish_chunks(reports, forget_after, None, None)
         assert not isinstance(answers, Fenced)  # no token, no fence
         return answers
 
@@ -414,11 +438,20 @@ class RedisStore:
     ) -> list[TierTotals] | Fenced:
         """:meth:`publish` for a member that writes with a fencing token (a zone's
         aggregator), by ``deadline`` (the event loop's time): each call (of at most
-        PUBLISH_CHUNK counters) is refused whole when the store has seen a higher token
+        CALL_CHUNK counters) is refused whole when the store has seen a higher token
         from the member on any of its counters; the first refusal ends it."""
+        return await self._publish_chunks(reports, forget_after, token, deadline)
+
+    async def _publish_chunks(
+        self,
+        reports: Sequence[TierReport],
+        forget_after: float,
+        token: int | None,
+        deadline: float | None,
+    ) -> list[TierTotals] | Fenced:
         answers: list[TierTotals] = []
-        for start in range(0, len(reports), PUBLISH_CHUNK):
-            chunk = reports[start : start + PUBLISH_CHUNK]
+        for start in range(0, len(reports), CALL_CHUNK):
+            chunk = reports[start : start + CALL_CHUNK]
             got = await self._publish(chunk, forget_after, token, self.time_left(deadline))
             if isinstance(got, Fenced):
                 return got
@@ -457,22 +490,13 @@ class RedisStore:
         token: int | None,
         timeout: float,
     ) -> list[TierTotals] | Fenced:
-        member = reports[0].member
         index = self.zone_keys.counters if self.zone_keys is not None else None
-        args: list[Any] = [member, int(forget_after * 1_000_000), "" if token is None else token]
         call_keys: list[str] = []
-        for key, report in zip(keys, reports, strict=True):
+        for key in keys:
             call_keys += (key, key + ":m")
-            args += (
-                round(report.demand * MILLI),
-                report.instances,
-                report.allowed,
-                report.window_seconds * 1_000_000,
-                round(report.limit * MILLI),
-                report.key if index is not None else "",
-            )
         if index is not None:
             call_keys.append(index)
+        args = tier_args(reports, int(forget_after * 1_000_000), token, index is not None)
         raw = await self._call(self._tier, call_keys, args, timeout)
         return tier_reply(raw)
 
@@ -662,9 +686,9 @@ class RedisStore:
     def healthy(self) -> bool:
         return self.breaker.healthy
 
-    def sweep(self) -> int:
+    def sweep(self) -> Iterator[int]:
         """Redis expires every key itself."""
-        return 0
+        return iter(())
 
     @property
     def wants_saturation(self) -> bool:

@@ -1,4 +1,4 @@
-"""The tier scripts' replies read by name: one typed decoder per script, the only place
+"""The Lua scripts' replies read by name: one typed decoder per script, the only place
 that knows each reply's layout (the script's header says the same). Production reads
 every reply through these, and the tests that hold a script equal to its twin use them
 too.
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ratelimit_service.core.drop_ratio import FleetView, SyncResult
+from ratelimit_service.core.exact import ExactResult
 from ratelimit_service.core.tiers import MILLI, Fenced, TierTotals
 from ratelimit_service.core.zones import (
     Lease,
@@ -23,6 +24,8 @@ from ratelimit_service.core.zones import (
     ZoneTotals,
 )
 
+EXACT_STRIDE = 4
+"""Numbers per descriptor in exact_window.lua's reply."""
 REFUSED = -1
 """A fenced script's first number when it refused the write."""
 TIER_STRIDE = 5
@@ -37,6 +40,17 @@ ZONE_READ_FLEET_STRIDE = 8
 
 def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def exact_reply(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]:
+    """exact_window.lua: ``count`` descriptors' results, beginning at descriptor
+    ``start`` of the batch: admitted, hits before, remaining, the reset (microseconds)."""
+    results = []  # a loop, not a comprehension: one call fewer per reply (3.11)
+    for i in range(EXACT_STRIDE * start, EXACT_STRIDE * (start + count), EXACT_STRIDE):
+        results.append(
+            ExactResult(bool(raw[i]), int(raw[i + 1]), int(raw[i + 2]), int(raw[i + 3]) / 1e6)
+        )
+    return results
 
 
 def _fenced(raw: Any) -> Fenced | None:
@@ -62,15 +76,15 @@ def tier_reply(raw: Sequence[Any]) -> list[TierTotals] | Fenced:
     ]
 
 
-def sync_reply(raw: Sequence[Any], zoned: bool) -> SyncResult:
+def sync_reply(raw: Sequence[Any]) -> SyncResult:
     """fleet_sync.lua: the live nodes (-1 without a heartbeat), then per bucket its
-    tokens and the limit it refilled at (thousandths; the limit only in a zone) and the
-    offered total."""
+    tokens, the offered total and the limit it refilled at (tokens and limit in
+    thousandths)."""
     views = [
         FleetView(
-            tokens=int(raw[i]) / 1000,
+            tokens=int(raw[i]) / MILLI,
             offered_total=int(raw[i + 1]),
-            limit=int(raw[i + 2]) / 1000 if zoned else None,
+            limit=int(raw[i + 2]) / MILLI,
         )
         for i in range(1, len(raw), SYNC_STRIDE)
     ]

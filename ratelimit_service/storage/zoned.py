@@ -14,7 +14,7 @@ its arithmetic core/zones.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any
 
 from ratelimit_service.core.drop_ratio import SyncResult
@@ -30,7 +30,7 @@ from ratelimit_service.core.zones import (
     ZoneShare,
     ZoneTotals,
 )
-from ratelimit_service.storage.redis_store import PREFIX, RedisStore, _script
+from ratelimit_service.storage.redis_store import CALL_CHUNK, PREFIX, RedisStore, _script
 from ratelimit_service.storage.script_replies import (
     lease_reply,
     zone_read_fleet_reply,
@@ -41,8 +41,23 @@ from ratelimit_service.storage.script_replies import (
 MOST_COUNTERS = 10_000
 """Counters (and buckets) one aggregation pass reads from the zone store at most (the
 least recently published first)."""
-WRITE_CHUNK = 256
-"""Counters per write-back call: keeps each Lua call short."""
+
+
+def write_args(
+    shares: Sequence[ZoneShare], zones: int | None, keep_ms: int, token: int
+) -> list[Any]:
+    """zone_write.lua's ARGV: the count of ``zones`` (None: left as it is), how long it
+    lives, the writer's token, then each hash's share (see the script's header)."""
+    args: list[Any] = ["" if zones is None else zones, keep_ms, token]
+    for share in shares:
+        args += (share.part, share.global_used, share.window, share.forwarded)
+    return args
+
+
+def lease_args(holder: str, ttl_us: int, floor: int | None) -> list[Any]:
+    """lease.lua's ARGV: who asks, for how long, and a token a write of theirs was
+    refused against (None: none)."""
+    return [holder, ttl_us, "" if floor is None else floor]
 
 
 class ZoneRedisStore(RedisStore):
@@ -86,11 +101,10 @@ class ZoneRedisStore(RedisStore):
         counters written."""
         keep_ms = round(2 * ZONE_FORGET_AFTER * 1000)
         written = 0
-        for start in range(0, max(1, len(shares)), WRITE_CHUNK):
-            chunk = shares[start : start + WRITE_CHUNK]
-            args: list[Any] = ["" if start else zones, keep_ms, token]
-            for _, share in chunk:
-                args += (share.part, share.global_used, share.window, share.forwarded)
+        for start in range(0, max(1, len(shares)), CALL_CHUNK):
+            chunk = shares[start : start + CALL_CHUNK]
+            shares_now = [share for _, share in chunk]
+            args = write_args(shares_now, None if start else zones, keep_ms, token)
             keys = [self.keys.zones, self.keys.fence, *(key for key, _ in chunk)]
             raw = await self._call(self._write, keys, args, self.time_left(deadline))
             answer = zone_write_reply(raw)
@@ -102,8 +116,8 @@ class ZoneRedisStore(RedisStore):
     async def lease(self, holder: str, ttl: float, floor: int | None, timeout: float) -> Lease:
         """Take or renew the zone's lease for ``ttl`` seconds (lease.lua), within
         ``timeout``; ``floor``: a token a write of ``holder`` was refused against."""
-        args = [holder, max(1, round(ttl * 1_000_000)), "" if floor is None else floor]
         keys = [self.keys.lease, self.keys.fence]
+        args = lease_args(holder, max(1, round(ttl * 1_000_000)), floor)
         return lease_reply(await self._call(self._lease, keys, args, timeout))
 
 
@@ -136,8 +150,9 @@ class ZonedStore:
     async def start(self) -> None:
         await asyncio.gather(self.zone_store.start(), self.global_store.start())
 
-    def sweep(self) -> int:
-        return 0
+    def sweep(self) -> Iterator[int]:
+        """Both stores are Redis, which expires every key itself."""
+        return iter(())
 
     @property
     def wants_saturation(self) -> bool:

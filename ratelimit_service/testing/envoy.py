@@ -240,6 +240,9 @@ class Envoy:
                     "main:warning",
                     "--drain-time-s",
                     "1",
+                    # Access log files written within a tenth of a second (not 10 s).
+                    "--file-flush-interval-msec",
+                    "100",
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -39,12 +39,13 @@ COMPAT = Path(
 
 def window_slices(fields: Mapping[Any, Any]) -> dict[int, int]:
     """An exact window hash (HGETALL, bytes or str) as {slice index: hits}, after
-    checking its bookkeeping: n is the sum of the slices, o the oldest, c the newest."""
+    checking its bookkeeping (exact_window.lua): sum is the sum of the slices, first the
+    oldest, last the newest, and the hash holds nothing else."""
     text = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in fields.items()}
-    slices = {int(k): v for k, v in text.items() if k not in ("n", "o", "c")}
+    slices = {int(k): v for k, v in text.items() if k not in ("sum", "first", "last")}
     assert slices, fields
-    assert text["n"] == sum(slices.values()), fields
-    assert text["o"] == min(slices) and text["c"] == max(slices), fields
+    assert text["sum"] == sum(slices.values()), fields
+    assert text["first"] == min(slices) and text["last"] == max(slices), fields
     return slices
 
 

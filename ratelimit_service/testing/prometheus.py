@@ -1,6 +1,6 @@
 """A real Prometheus child process for tests and docs: its own storage directory, a
 free loopback port, history backfilled with ``promtool`` before it starts, and
-optionally scrape targets."""
+optionally scrape targets and rule files (evaluated as often as it scrapes)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from ratelimit_service.testing.redis import free_port
 
@@ -48,6 +49,7 @@ class Prometheus:
         *,
         scrape_targets: list[str] | None = None,
         scrape_interval: str = "1s",
+        rule_files: list[Path] | None = None,
     ) -> None:
         self.directory = directory
         self.storage = directory / "data"
@@ -55,6 +57,7 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         self._targets = scrape_targets or []
         self._interval = scrape_interval
+        self._rule_files = [str(path) for path in rule_files or []]
         self.process: subprocess.Popen[bytes] | None = None
 
     def backfill(self, openmetrics: str) -> None:
@@ -75,7 +78,9 @@ class Prometheus:
                     "global": {
                         "scrape_interval": self._interval,
                         "scrape_timeout": self._interval,
+                        "evaluation_interval": self._interval,
                     },
+                    "rule_files": self._rule_files,
                     "scrape_configs": [scrape] if self._targets else [],
                 }
             )
@@ -123,6 +128,16 @@ class Prometheus:
         except (OSError, ValueError, KeyError):
             return False
         return len(result) == len(self._targets)
+
+    def api(self, path: str, **params: str) -> Any:
+        """The ``data`` of one HTTP API call (``query``, ``rules``, ...); raises on an
+        error status."""
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            body = json.load(answer)
+        if body.get("status") != "success":
+            raise RuntimeError(f"prometheus {path} {params}: {body}")
+        return body["data"]
 
     def stop(self) -> None:
         if self.process is not None:

@@ -77,7 +77,7 @@ async def test_bad_change_keeps_the_old_config(tmp_path, start_service, caplog) 
     await wait_for(rejected)
     assert f"{path}:6: invalid rate limit unit 'fortnight'" in caplog.text
     assert [(await svc.call("d", [("a", "x")])).overall_code for _ in range(2)] == [OK, OVER]
-    text = svc.service._metrics_page()[2].decode()
+    text = b"".join(svc.service.metrics.exposition()).decode()
     assert "ratelimit_service_config_load_error_total 1.0" in text
     # Fixing the file brings the next version in.
     path.write_text(rules(a=10))

@@ -1063,7 +1063,7 @@ def test_nested_descriptors_and_stats_keys() -> None:
     assert find_limit(domain, [("key1", "other"), ("subkey1", "x")]) is None
     assert find_limit(domain, [("key2", "v"), ("more", "x")]) is None
     key1 = domain.root.exact[("key1", "value1")]
-    assert key1.limit is None
+    assert key1.limits == ()
     assert key1.config_path == "dom.key1_value1"
     assert sorted(n.config_path for n in key1.children) == [
         "dom.key1_value1.subkey1",

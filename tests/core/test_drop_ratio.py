@@ -319,7 +319,7 @@ async def test_embedded_store_sync_is_a_token_bucket() -> None:
     report = BucketReport("k", limit=100, window_seconds=1, offered=80, admitted=60)
     result = await store.sync([report], 0.25)
     assert result.nodes == 1
-    assert result.views == [FleetView(tokens=40.0, offered_total=80)]  # 100 stored
+    assert result.views == [FleetView(tokens=40.0, offered_total=80, limit=100)]  # 100 stored
     clock[0] = 100.25  # refilled by 25, then 10 taken
     report = BucketReport("k", limit=100, window_seconds=1, offered=90, admitted=10)
     (view,) = (await store.sync([report], 0.25)).views
@@ -571,7 +571,33 @@ def test_renew_gives_back_the_last_grant() -> None:
     assert grant > 0
     bucket.credit = 0.0  # spent
     local.renew()
-    assert bucket.credit == grant
+    assert local.credit(bucket) == grant
+    assert local.get("k", 100, 1, now=0.3).credit == grant  # granted when touched
+
+
+def test_renewals_are_granted_as_each_bucket_is_touched_as_if_granted_at_once() -> None:
+    """The lazy renewal gives the credit a pass over every bucket would have: renewals
+    missed add nothing beyond the grant, a give-back and a sync's answer land on a
+    renewed bucket, and a bucket born after a renewal owes nothing to it."""
+    local = LocalBuckets()
+    spent, given_back, answered = (local.get(k, 100, 1, now=0.0) for k in "abc")
+    local.take_reports(now=0.25, interval=0.25)
+    for key in "abc":
+        local.apply(key, FleetView(tokens=0.0, offered_total=50), now=0.25, interval=0.25)
+    grant = spent.grant
+    for bucket in (spent, given_back, answered):
+        bucket.credit = 0.0
+    local.renew()
+    local.renew()  # missed twice: still one grant
+    assert local.get("a", 100, 1, now=0.3).credit == grant
+    local.give_back([(given_back, 2)])
+    assert given_back.credit == grant + 2  # renewed, then given back
+    born = local.get("d", 100, 1, now=0.3)
+    assert born.renewed == local.renewals
+    local.take_reports(now=0.5, interval=0.25)
+    before = local.credit(answered)
+    local.apply("c", FleetView(tokens=0.0, offered_total=100), now=0.5, interval=0.25)
+    assert before == grant and answered.renewed == local.renewals
 
 
 def test_stale_and_fail() -> None:

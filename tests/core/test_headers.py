@@ -5,12 +5,8 @@ from __future__ import annotations
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.headers import (
-    HeaderNames,
-    HeaderStyle,
-    most_restrictive,
-    rate_limit_headers,
-)
+from ratelimit_service.core.decision import deciding_status
+from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
 from ratelimit_service.core.request import Code, DescriptorStatus
 from ratelimit_service.core.units import Unit
 
@@ -24,14 +20,14 @@ def status(code: Code, count: int, remaining: int, quota: bool = False) -> Descr
 
 def test_smallest_remaining_is_chosen() -> None:
     statuses = [status(Code.OK, 10, 7), status(Code.OK, 5, 2), DescriptorStatus(Code.OK)]
-    assert most_restrictive(statuses) is statuses[1]
+    assert deciding_status(statuses) is statuses[1]
 
 
 def test_over_limit_wins_unless_quota_and_last_wins() -> None:
     first_over, second_over = status(Code.OVER_LIMIT, 10, 0), status(Code.OVER_LIMIT, 20, 0)
     quota_over = status(Code.OVER_LIMIT, 1, 0, quota=True)
     statuses = [first_over, status(Code.OK, 5, 0), second_over, quota_over]
-    assert most_restrictive(statuses) is second_over
+    assert deciding_status(statuses) is second_over
 
 
 def test_no_limit_no_headers() -> None:

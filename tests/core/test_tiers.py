@@ -8,7 +8,7 @@ import random
 import pytest
 import redis.asyncio as aioredis
 
-from ratelimit_service.core.shares import fair_shares, water_level
+from ratelimit_service.core.shares import water_level
 from ratelimit_service.core.tiers import (
     EXPIRE_PER_CALL,
     MILLI,
@@ -20,8 +20,9 @@ from ratelimit_service.core.tiers import (
     publish_fenced,
 )
 from ratelimit_service.core.zones import ZoneShare
-from ratelimit_service.storage.redis_store import RedisStore, _script
+from ratelimit_service.storage.redis_store import RedisStore, _script, tier_args
 from ratelimit_service.storage.script_replies import tier_reply, zone_read_reply, zone_write_reply
+from ratelimit_service.storage.zoned import write_args
 from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
 FORGET_US = 15_000_000
@@ -120,15 +121,19 @@ def test_an_unmeasured_instance_counts_as_an_even_share() -> None:
     assert member_demand([], 0, 20.0) == 0.0
 
 
-def test_the_water_level_gives_the_fair_shares() -> None:
+def test_the_water_level_divides_the_whole_limit_max_min() -> None:
+    """Every share together is the limit; one gets less than it asked only when no one
+    gets more than it does."""
     rng = random.Random(3)
     for _ in range(300):
         asked = {str(n): rng.choice([0.0, rng.uniform(0, 100)]) for n in range(rng.randint(1, 9))}
         limit = rng.uniform(1, 300)
         split = water_level(limit, asked)
-        fair = fair_shares(limit, dict(asked))
-        assert {n: split.share(a) for n, a in asked.items()} == pytest.approx(fair)
-        assert sum(fair.values()) == pytest.approx(limit)
+        shares = {n: split.share(a) for n, a in asked.items()}
+        assert sum(shares.values()) == pytest.approx(limit)
+        for name, share in shares.items():
+            if share < asked[name] - 1e-9:
+                assert max(shares.values()) <= share + 1e-9, (asked, shares)
 
 
 # -- the Lua script and its twin ----------------------------------------------------------
@@ -152,6 +157,7 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: 
     write = _script("zone_write.lua")
     counters = {"q\x1ftenant\x1e{a}\x1f1": 1, "q\x1fday\x1eb\x1f60": 60}
     tables = {key: TierTable() for key in counters}
+    limits: dict[str, float] = {}
     names = [f"replica-{n}" for n in range(40)]
     tokens = {name: rng.randint(1, 5) for name in names}
     now_us = 1_700_000_000_000_000
@@ -170,7 +176,6 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: 
                     tokens[member] += rng.randint(1, 3)  # the lease changed hands
                 token = tokens[member] - (rng.random() < 0.15) * rng.randint(1, 2)
             keys: list[str] = []
-            args: list[object] = [member, FORGET_US, "" if token is None else token]
             reports = []
             for key, window in counters.items():
                 report = TierReport(
@@ -179,12 +184,11 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: 
                     rng.choice([100.0, 250.5, 1e6]),
                 )  # fmt: skip
                 reports.append(report)
+                limits[key] = report.limit
                 keys += (f"t:{key}", f"t:{key}:m")
-                args += (round(report.demand * MILLI), report.instances, report.allowed,
-                         window * 1_000_000, round(report.limit * MILLI),
-                         key if zoned else "")  # fmt: skip
             if zoned:
                 keys.append("t:i")
+            args = tier_args(reports, FORGET_US, token, zoned)
             raw = await client.eval(source, len(keys), *keys, *args)
             counted = [tables[r.key] for r in reports]
             before = [(len(t.members), t.window) for t in counted]
@@ -199,7 +203,8 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: 
                 seen["expired"] += totals.members < members
                 seen["windows"] += window is not None and table.window != window
             if zoned and rng.random() < 0.2:
-                seen["zone"] += await check_zone(client, read, write, tables, now_us, rng, step)
+                zone = await check_zone(client, read, write, tables, limits, now_us, rng, step)
+                seen["zone"] += zone
         assert seen["expired"] > 10 and seen["windows"] > 50  # both paths ran
         assert seen["zone"] > 10 or not zoned
         assert (seen["refused"] > 10 and seen["accepted"] > 100) or not fenced
@@ -207,10 +212,21 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: 
         await client.aclose()
 
 
-async def check_zone(client, read, write, tables, now_us: int, rng: random.Random,  # type: ignore[no-untyped-def]
+def read_zone(table: TierTable, now_us: int, window_seconds: int) -> tuple[int, int, int]:
+    """What zone_read.lua reads of a counter the table holds: the zone's allowed hits in
+    the current window, how many of them the aggregator already forwarded, and the
+    window's index."""
+    index = now_us // (window_seconds * 1_000_000)
+    used = table.used if table.window == index else 0
+    forwarded = table.forwarded if table.global_window == index else 0
+    return used, forwarded, index
+
+
+async def check_zone(client, read, write, tables, limits, now_us: int, rng: random.Random,  # type: ignore[no-untyped-def]
                      token: int) -> int:  # fmt: skip
-    """The aggregator's read equals the twin's; then a random write-back to both (with
-    a token that never goes back: the fence is zone_write's own test, in
+    """The aggregator's read (zone_read.lua) equals what the twin's tables hold; then a
+    random write-back (zone_write.lua) that the tables take as the script's hash does
+    (with a token that never goes back: the fence is zone_write's own test, in
     tests/core/test_zones.py)."""
     rows = {t.key: t for t in zone_read_reply(await client.eval(read, 1, "t:i", FORGET_US, 100))}
     assert sorted(rows) == sorted(tables)
@@ -218,20 +234,19 @@ async def check_zone(client, read, write, tables, now_us: int, rng: random.Rando
         row = rows[key]
         demand, instances = round(row.demand * MILLI), row.instances
         assert (demand, instances) == (max(0, table.demand), max(0, table.instances))
-        read_zone = table.read_zone(now_us, row.window_seconds)
-        assert (row.used, row.forwarded, row.window) == read_zone
-        assert row.limit > 0
+        assert (row.used, row.forwarded, row.window) == read_zone(table, now_us, row.window_seconds)
+        assert row.limit == round(limits[key] * MILLI) / MILLI  # the last publish's
         share = ZoneShare(
             part=rng.randrange(0, 300_000),
             global_used=row.used + rng.randrange(0, 500),
             window=row.window - rng.choice([0, 0, 1]),
             forwarded=rng.randint(0, row.used) if row.used else 0,
         )
-        raw = await client.eval(write, 3, "t:zones", "t:fence", f"t:{key}", "", 1000, token,
-                                share.part, share.global_used, share.window,
-                                share.forwarded)  # fmt: skip
+        args = write_args([share], None, 1000, token)
+        raw = await client.eval(write, 3, "t:zones", "t:fence", f"t:{key}", *args)
         assert zone_write_reply(raw) == 1
-        table.settle_zone(share)
+        table.zone_part, table.forwarded = share.part, share.forwarded
+        table.global_used, table.global_window = share.global_used, share.window
     return 1
 
 
@@ -243,9 +258,9 @@ async def test_silent_members_leave_the_sums_a_bounded_number_per_call(redis_ser
 
     async def publish(member: str, demand: float) -> TierTotals:
         await set_test_clock(client, now_us)
-        raw = await client.eval(source, 2, "t:x", "t:x:m", member, FORGET_US, "",
-                                round(demand * MILLI), 1, 0, 1_000_000, 100_000)  # fmt: skip
         report = TierReport("x", member, demand, 1, 0, 1, 100.0)
+        args = tier_args([report], FORGET_US, None, zoned=False)
+        raw = await client.eval(source, 2, "t:x", "t:x:m", *args)
         want = table.publish(report, now_us, FORGET_US)
         (got,) = tier_reply(raw)
         assert got == want
@@ -281,3 +296,34 @@ async def test_the_store_keeps_a_counters_two_keys_in_one_cluster_slot(redis_ser
         assert again.part == 23.75  # first heard: its fair part (2.5 and a quarter of 85)
     finally:
         await store.close()
+
+
+async def test_the_aggregators_read_leaves_out_what_is_gone(redis_server) -> None:
+    """zone_read.lua: a counter silent past the forget time leaves the index, a hash
+    that expired or has no limit (another layout's) is left out, and a counter's fields
+    of another window read as zero (its allowed and forwarded hits are the current
+    window's only)."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    read = script_on_test_clock("zone_read.lua")
+    now_us = 1_700_000_000_000_000
+    index = now_us // 1_000_000
+    await client.delete("r:i", "r:old", "r:gone", "r:past", "r:now", "r:bare")
+    try:
+        await client.zadd("r:i", {"r:old": now_us - FORGET_US - 1, "r:gone": now_us,
+                                  "r:past": now_us, "r:now": now_us, "r:bare": now_us})  # fmt: skip
+        await client.hset("r:old", mapping={"K": "old", "W": 1_000_000})
+        await client.hset("r:bare", mapping={"K": "bare", "W": 1_000_000, "L": 9000})
+        counter = {"W": 1_000_000, "R": 9000, "u": 7, "g": 3}
+        past = {"K": "past", "D": -5, "w": index - 1, "gw": index - 1}
+        await client.hset("r:past", mapping={**counter, **past})
+        current = {"K": "now", "D": 2500, "N": 4, "w": index, "gw": index}
+        await client.hset("r:now", mapping={**counter, **current})
+        await set_test_clock(client, now_us)
+        rows = zone_read_reply(await client.eval(read, 1, "r:i", FORGET_US, 100))
+        got = {row.key: (row.demand, row.instances, row.limit, row.used, row.forwarded,
+                         row.window) for row in rows}  # fmt: skip
+        assert got == {"past": (0.0, 0, 9.0, 0, 0, index), "now": (2.5, 4, 9.0, 7, 3, index)}
+        assert [row.store_key for row in rows] == ["r:now", "r:past"]
+        assert await client.zrange("r:i", 0, -1) == [b"r:bare", b"r:gone", b"r:now", b"r:past"]
+    finally:
+        await client.aclose()

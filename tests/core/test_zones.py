@@ -1,11 +1,13 @@
 """The zone aggregator's core (core/zones.py) on a set clock, without Redis: the lease's
-term on a replica's own clock, the lease table and its fence, the pass's arithmetic;
-and lease.lua and zone_write.lua's fence on a real redis-server, on a clock the test
-sets, held equal to their twin (LeaseTable)."""
+term on a replica's own clock, the pass's arithmetic; and lease.lua and zone_write.lua's
+fence on a real redis-server, on a clock the test sets, held equal to their model
+(LeaseTable, here: no process runs a lease of its own), called and read as the zone
+store calls and reads them (lease_args, write_args, lease_reply, zone_write_reply)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
@@ -19,7 +21,6 @@ from ratelimit_service.core.zones import (
     Leadership,
     Lease,
     LeaseState,
-    LeaseTable,
     ZoneBucket,
     ZoneBuckets,
     ZoneKeys,
@@ -30,9 +31,49 @@ from ratelimit_service.core.zones import (
 )
 from ratelimit_service.storage.redis_store import _script
 from ratelimit_service.storage.script_replies import lease_reply, zone_write_reply
+from ratelimit_service.storage.zoned import lease_args, write_args
 from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
 TTL, MARGIN = 1.0, 0.125
+
+
+@dataclass(slots=True)
+class LeaseTable:
+    """A zone's lease and fencing counter as lease.lua and zone_write.lua keep them in
+    the zone store: the model the scripts are held to (no process runs a lease of its
+    own: zones need Redis)."""
+
+    holder: str | None = None
+    token: int = 0
+    """The holder's fencing token."""
+    expires_us: int = 0
+    highest: int = 0
+    """The fencing counter: the last token handed out, or a higher one a write brought."""
+
+    def ask(self, who: str, ttl_us: int, now_us: int, floor: int | None = None) -> Lease:
+        """``who`` asks for the lease at ``now_us``: the holder renews it; anyone takes
+        it once it has expired, with the next token. ``floor``: a token a write of
+        ``who`` was refused against; a holder whose token is not above it gets a new one
+        above both it and the counter."""
+        if self.holder is not None and self.expires_us > now_us:
+            if self.holder != who:
+                return Lease(LeaseState.HELD_BY_ANOTHER, self.holder, self.token)
+            if floor is not None and floor >= self.token:
+                self.highest = max(self.highest, floor) + 1
+                self.token = self.highest
+            self.expires_us = now_us + ttl_us
+            return Lease(LeaseState.RENEWED, who, self.token)
+        self.highest = max(self.highest, floor if floor is not None else 0) + 1
+        self.holder, self.token, self.expires_us = who, self.highest, now_us + ttl_us
+        return Lease(LeaseState.TAKEN, who, self.token)
+
+    def write(self, token: int) -> Fenced | None:
+        """A write to the zone store with ``token`` (zone_write.lua): refused below the
+        counter; a higher token raises it."""
+        if token < self.highest:
+            return Fenced(self.highest)
+        self.highest = token
+        return None
 
 
 def taken(token: int, holder: str = "me") -> Lease:
@@ -238,7 +279,7 @@ def test_a_zones_keys() -> None:
 # -- the scripts and their twin -----------------------------------------------------------
 
 
-async def test_the_lease_script_and_the_zone_writes_fence_keep_what_their_twin_keeps(
+async def test_the_lease_script_and_the_zone_writes_fence_keep_what_their_model_keeps(
     redis_server,
 ) -> None:
     """Replicas ask for the lease at random moments (now and then naming a token they
@@ -261,15 +302,16 @@ async def test_the_lease_script_and_the_zone_writes_fence_keep_what_their_twin_k
             who = rng.choice(["r1", "r2", "r3"])
             if rng.random() < 0.6:
                 floor = rng.choice([None, None, None, table.highest + rng.randint(-2, 3)])
-                raw = await client.eval(lease, 2, "z:lease", "z:fence", who, ttl_us,
-                                        "" if floor is None else floor)  # fmt: skip
+                args = lease_args(who, ttl_us, floor)
+                raw = await client.eval(lease, 2, "z:lease", "z:fence", *args)
                 want = table.ask(who, ttl_us, now_us, floor)
                 assert lease_reply(raw) == want, step
                 tokens[who] = want.token if want.holder == who else tokens.get(who, 0)
                 kind = want.state.name + ("+floor" if floor is not None else "")
             else:
                 token = max(0, tokens.get(who, 0) - (rng.random() < 0.2))
-                raw = await client.eval(write, 2, "z:zones", "z:fence", "", 1000, token)
+                args = write_args([], None, 1000, token)
+                raw = await client.eval(write, 2, "z:zones", "z:fence", *args)
                 refused = table.write(token)
                 assert zone_write_reply(raw) == (refused if refused is not None else 0), step
                 kind = "refused" if refused is not None else "written"

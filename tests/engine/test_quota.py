@@ -7,7 +7,12 @@ import pytest
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.matching import bucket_entries
-from ratelimit_service.core.shares import TokenBucket, fair_shares, fill_seconds, token_bucket
+from ratelimit_service.core.shares import (
+    TokenBucket,
+    fill_seconds,
+    token_bucket,
+    water_level,
+)
 from ratelimit_service.engine.quota import (
     ABANDON,
     ABANDON_AFTER,
@@ -38,6 +43,15 @@ descriptors:
     value: /healthz
     rate_limit: {unlimited: true}
 """
+
+
+def fair_shares(limit: float, demands: dict[str, float | None]) -> dict[str, float]:
+    """Each instance's share of ``limit`` as engine/quota.py divides it: the water
+    level's, an instance with no demand measured yet (None) asking for an even share."""
+    even = limit / len(demands)
+    asked = {name: even if d is None else d for name, d in demands.items()}
+    split = water_level(limit, asked)
+    return {name: split.share(a) for name, a in asked.items()}
 
 
 @pytest.mark.parametrize(

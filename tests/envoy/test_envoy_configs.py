@@ -42,7 +42,7 @@ from ratelimit_service.cli import envoy_config, envoy_rlqs
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, NodeChildren
-from ratelimit_service.core.matching import find_limit
+from ratelimit_service.core.matching import find_limit, find_limits
 from ratelimit_service.server.app import HEALTH_NAMES
 from ratelimit_service.server.settings import SETTINGS
 from ratelimit_service.testing.fixtures import REPO
@@ -304,7 +304,7 @@ def why_unmatched(domain: DomainConfig, entries: tuple[tuple[str, str], ...]) ->
 
 def limit_nodes(children: NodeChildren) -> Iterator[DescriptorNode]:
     for node in children:
-        if node.limit is not None:
+        if node.limits:
             yield node
         yield from limit_nodes(node.children)
 
@@ -321,12 +321,11 @@ def coverage(domain: DomainConfig, routes: Iterable[tuple[RouteScope, Any]]) -> 
     reached: set[str] = set()
     for scope, rate_limits in routes:
         for entries in emitted_descriptors(scope, rate_limits, samples):
-            match = find_limit(domain, entries)
-            if match is None:
+            matches = find_limits(domain, entries)
+            if not matches:
                 unmatched.add(f"{scope.name}: {why_unmatched(domain, entries)}")
-            else:
-                reached.add(match.limit.stats_key)
-    every = {node.limit.stats_key for node in limit_nodes(domain.root) if node.limit}
+            reached.update(match.limit.stats_key for match in matches)
+    every = {limit.stats_key for node in limit_nodes(domain.root) for limit in node.limits}
     return Coverage(unmatched, every - reached)
 
 

@@ -97,8 +97,8 @@ async def test_two_streams_split_and_a_reload_applies_at_the_next_report(
     (Path(config) / "rules.yaml").write_text(RULES.replace("LIMIT", "40"))
 
     def reloaded() -> bool:
-        limit = service.service.limiter.config.domains["q"].root.defaults["tenant"].limit
-        return limit is not None and limit.requests_per_unit == 40
+        limits = service.service.limiter.config.domains["q"].root.defaults["tenant"].limits
+        return [limit.requests_per_unit for limit in limits] == [40]
 
     await eventually_async(reloaded, timeout=5, what="the edited limit loaded")
     assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [20]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -133,7 +134,24 @@ def test_workers_share_limits_and_metrics_add_up(workers) -> None:
         samples[("ratelimit_probabilistic_buckets", (("worker", str(i)),))] for i in range(2)
     ]
     assert per_worker == [1.0, 1.0]  # connections were spread over both workers
+    # /explain through the supervisor: worker 0's answer, the exact count from Redis.
+    url = f"http://127.0.0.1:{admin_port}/explain?domain=d&descriptor=exact=x&format=json"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.headers["content-type"] == "application/json"
+        (rule,) = json.loads(response.read())["descriptors"][0]["rules"]
+    assert (rule["stats_key"], rule["count"]) == ("d.exact", 50)
     assert len(children(process.pid)) == 2
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/status.json", timeout=5) as r:
+        snapshots = json.loads(r.read())["workers"]
+    assert len(snapshots) == 2
+    hits = [row["total_hits"] for s in snapshots for row in s["rules"]["rows"]]
+    assert sum(hits) == 300  # 240 exact and 60 probabilistic, each worker its own
+    (breaker,) = snapshots[0]["store"]["breakers"]
+    assert (snapshots[0]["store"]["name"], breaker["open"], breaker["healthy"]) == (
+        "redis", False, True,
+    )  # fmt: skip
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/status", timeout=5) as r:
+        assert b'id="worker"' in r.read()
 
 
 def test_dead_worker_is_restarted_and_health_follows(workers) -> None:

@@ -5,12 +5,15 @@ traffic (shared keys, repeated keys within a request, every role, check-only
 requests, hits of 0) goes to both. The first test sends it through the store, batched
 several requests to a call, on hour-long windows (nothing leaves them while it runs).
 The second runs the script on a clock the test sets, so slices expire between calls,
-and compares reset times too, and the bookkeeping fields after every call.
+and compares reset times too, and the bookkeeping fields after every call. The third
+holds the script's denial rule to core/exact.py's ``denies`` over every combination of
+roles and verdicts. Replies are read by the store's own decoder (exact_reply).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import time
@@ -18,12 +21,13 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, evaluate
+from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, denies, evaluate
 from ratelimit_service.core.window import SlidingWindow
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.storage.exact_batcher import encode
 from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.storage.script_replies import exact_reply
 from ratelimit_service.testing.fixtures import window_slices
 from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
@@ -136,15 +140,13 @@ async def test_script_agrees_with_core_as_slices_expire(redis_server, slices: in
             live_before = sum(m.total for m in models.values())
             raw = await client.eval(source, len(keys), *keys, *args)
             set_at.update((key.encode(), time.monotonic()) for key in keys)
-            got = iter(zip(*[iter(raw)] * 4, strict=True))
+            got = iter(exact_reply(raw, 0, len(keys)))
             for hits, commit in requests:
                 windows = [window(models, hit, slices) for hit in hits]
                 for want in evaluate(hits, windows, now_us / 1e6, commit):
-                    admitted, before, remaining, reset_us = next(got)
-                    assert (bool(admitted), before, remaining) == (
-                        want.admitted, want.before, want.remaining
-                    ), (hits, commit)  # fmt: skip
-                    assert math.isclose(reset_us / 1e6, want.reset_after, abs_tol=3e-6)
+                    result = next(got)
+                    assert counts([result]) == counts([want]), (hits, commit)
+                    assert math.isclose(result.reset_after, want.reset_after, abs_tol=3e-6)
                     seen["denied"] += not want.admitted
             seen["expired"] += live_before > sum(m.count(now_us / 1e6) for m in models.values())
             await check_bookkeeping(client, now_us, slices, set_at)
@@ -174,5 +176,59 @@ async def test_bookkeeping_survives_a_clock_that_steps_back(redis_server) -> Non
         await call(start - 3, (10, 1, 1))  # lands before o: counted in n, not in o
         await call(start + 58, (3, 0, 1), (10, 1, 1))  # a denied check reads the slices
         await check_bookkeeping(client, (start + 58) * 10**6, 60)
+    finally:
+        await client.aclose()
+
+
+async def test_the_scripts_denial_rule_is_denies(redis_server) -> None:
+    """Every request of one to three descriptors, each enforce, shadow or quota and each
+    fitting or not: the script consumes exactly when core/exact.py's ``denies`` lets
+    the request through (a fitting hit shows it by the window it consumed)."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock("exact_window.lua")
+    await set_test_clock(client, 1_700_000_000_000_000)
+    cases = [
+        case
+        for n in (1, 2, 3)
+        for case in itertools.product(itertools.product(HitRole, (True, False)), repeat=n)
+    ]
+    try:
+        for number, case in enumerate(cases):
+            # A fitting descriptor has room for its hit; one over has a limit of 0.
+            hits = [ExactHit(f"rule:{number}:{i}", int(fits), 60, 1, role)
+                    for i, (role, fits) in enumerate(case)]  # fmt: skip
+            args: list[object] = [60, 1]
+            encode(hits, True, args)
+            keys = [f"w:60:{hit.key}" for hit in hits]
+            results = exact_reply(await client.eval(source, len(keys), *keys, *args), 0, len(hits))
+            assert [r.admitted for r in results] == [fits for _, fits in case]
+            enforce_over = any(role is HitRole.ENFORCE and not fits for role, fits in case)
+            quota = [fits for role, fits in case if role is HitRole.QUOTA]
+            let_through = not denies(enforce_over, bool(quota), any(quota))
+            pairs = zip(results, case, strict=True)
+            consumed = [result.remaining == 0 for result, (_, fits) in pairs if fits]
+            assert consumed == [let_through] * len(consumed), case
+        assert len(cases) == 6 + 36 + 216
+    finally:
+        await client.aclose()
+
+
+async def test_fields_of_another_layout_are_dropped_at_the_recount(redis_server) -> None:
+    """A window written with other bookkeeping fields (n, o and c, an earlier layout)
+    has no sum: the script counts its slices, keeps the hits, and drops those fields."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock("exact_window.lua")
+    now_us = 1_700_000_000_000_000
+    slice_index = now_us // 1_000_000  # 60 s in 60 slices: one a second
+    await client.delete("w:60:old")
+    await client.hset("w:60:old", mapping={str(slice_index): 3, "n": 3, "o": slice_index,
+                                           "c": slice_index})  # fmt: skip
+    try:
+        await set_test_clock(client, now_us)
+        args: list[object] = [60, 1]
+        encode([ExactHit("old", 10, 60, 2)], True, args)
+        (result,) = exact_reply(await client.eval(source, 1, "w:60:old", *args), 0, 1)
+        assert (result.admitted, result.before, result.remaining) == (True, 3, 5)
+        assert window_slices(await client.hgetall("w:60:old")) == {slice_index: 5}
     finally:
         await client.aclose()

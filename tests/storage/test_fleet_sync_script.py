@@ -1,6 +1,9 @@
 """fleet_sync.lua on a real redis-server, on a clock the test sets, against its Python
-twin (core/drop_ratio.py refill, take and zone_limit): random syncs of a few buckets,
-with and without a zone part and a count of zones written between them."""
+twin, the embedded store's fleet bucket (storage/embedded.py _FleetBucket): random
+syncs of a few buckets, sent and read as the Redis store sends and reads them
+(sync_args, sync_reply). In a zone, the aggregator's writes between them go through
+zone_write.lua (the count of zones, a bucket's part), and its read of the buckets
+(zone_read_fleet.lua) is checked at the end."""
 
 from __future__ import annotations
 
@@ -9,37 +12,40 @@ import random
 import pytest
 import redis.asyncio as aioredis
 
-from ratelimit_service.core.drop_ratio import capacity, refill, take, zone_limit
+from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.zones import ZoneShare
+from ratelimit_service.storage.embedded import _FleetBucket
+from ratelimit_service.storage.redis_store import _script, sync_args
+from ratelimit_service.storage.script_replies import (
+    sync_reply,
+    zone_read_fleet_reply,
+    zone_write_reply,
+)
+from ratelimit_service.storage.zoned import write_args
 from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
+BUCKETS = {"a": (1, 100, None), "b": (60, 600, 150), "c": (1, 40, 10)}
+"""Per bucket: window (seconds), limit, burst."""
+KEEP_MS = 600_000
 
-class Twin:
-    """One bucket as fleet_sync.lua keeps it."""
+
+class Written:
+    """What the script keeps beside the token bucket in a zone, as the test expects it."""
 
     def __init__(self) -> None:
-        self.tokens: float | None = None
-        self.stamp_us = 0
-        self.offered = 0
         self.admitted = 0
-        self.zone_part: int | None = None
-        self.created_us = 0
+        self.created_us: int | None = None
+        self.forwarded = 0
 
-    def sync(self, now_us: int, window: int, limit: int, full: int, admitted: int,
-             offered: int, zones: int | None) -> tuple[float, int, float]:  # fmt: skip
-        rate, most = zone_limit(
-            float(limit), float(full), self.zone_part, window * 1_000_000, zones
-        )
-        if self.tokens is None:
-            tokens = most
-            self.created_us = now_us
-        else:
-            elapsed = max(0, now_us - self.stamp_us) / 1_000_000
-            tokens = refill(self.tokens, elapsed, rate, window, burst=most)
-        tokens = take(tokens, admitted, rate)
-        self.tokens, self.stamp_us = tokens, now_us
-        self.offered += offered
-        self.admitted += admitted
-        return tokens, self.offered, rate
+
+async def zone_write(client: aioredis.Redis, write: str, zones: int | None,
+                     shares: dict[str, ZoneShare], token: int) -> int:  # fmt: skip
+    """One zone_write.lua call as the zone store makes it (write_args)."""
+    keys = ["f:z", "f:fence", *(f"f:{name}" for name in shares)]
+    args = write_args(list(shares.values()), zones, KEEP_MS, token)
+    answer = zone_write_reply(await client.eval(write, len(keys), *keys, *args))
+    assert isinstance(answer, int)
+    return answer
 
 
 @pytest.mark.parametrize("zoned", [False, True])
@@ -47,64 +53,100 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
     rng = random.Random(5)
     client = aioredis.Redis.from_url(redis_server.url)
     source = script_on_test_clock("fleet_sync.lua")
-    buckets = {"a": (1, 100, None), "b": (60, 600, 150), "c": (1, 40, 10)}
-    twins = {name: Twin() for name in buckets}
-    now_us = 1_700_000_000_000_000
-    zone_writes = 0
+    write = _script("zone_write.lua")
+    twins = {name: _FleetBucket(window, 0.0) for name, (window, _, _) in BUCKETS.items()}
+    written = {name: Written() for name in BUCKETS}
+    start_us = now_us = 1_700_000_000_000_000
+    seen = {"parts": 0, "counts": 0}
     zones: int | None = None
-    await client.delete(*[f"f:{n}" for n in buckets], "f:i", "f:nodes", "f:z")
+    await client.delete(*[f"f:{n}" for n in BUCKETS], "f:i", "f:nodes", "f:z", "f:fence")
     try:
+        if zoned:  # a part for a bucket not synced yet: not written (it would not expire)
+            assert await zone_write(client, write, None, {"a": ZoneShare(5, 0, 0, 0)}, 1) == 0
         for _ in range(300):
             now_us += rng.choice([0, rng.randrange(400_000), rng.randrange(5_000_000)])
             await set_test_clock(client, now_us)
             if zoned and rng.random() < 0.1:  # the aggregator's count of zones
                 zones = rng.choice([1, 2, 3, 10])
-                await client.set("f:z", zones)
-            if zoned and rng.random() < 0.1:
-                name = rng.choice(list(buckets))
+                assert await zone_write(client, write, zones, {}, 1) == 0
+                seen["counts"] += 1
+            if zoned and rng.random() < 0.1:  # the aggregator's part of one bucket
+                name = rng.choice(list(BUCKETS))
                 part = rng.choice([rng.randrange(0, 200_000), 10**9])
-                await client.hset(f"f:{name}", "Z", part)
-                twins[name].zone_part = part
-                zone_writes += 1
-            chosen = rng.sample(list(buckets), rng.randint(1, 3))
-            keys = ["f:nodes", *[f"f:{n}" for n in chosen], *(["f:i", "f:z"] if zoned else [])]
-            args: list[object] = ["node-1", 5_000_000, "1" if zoned else ""]
-            calls = []
+                share = ZoneShare(part, 0, 0, rng.randrange(0, 50))
+                exists = twins[name].tokens is not None
+                assert await zone_write(client, write, None, {name: share}, 1) == exists
+                if exists:
+                    twins[name].zone_part, written[name].forwarded = part, share.forwarded
+                    seen["parts"] += 1
+            chosen = rng.sample(list(BUCKETS), rng.randint(1, 3))
+            reports = []
             for name in chosen:
-                window, limit, burst = buckets[name]
-                full = int(capacity(limit, burst))
+                window, limit, burst = BUCKETS[name]
                 admitted, offered = rng.randrange(0, 2 * limit), rng.randrange(0, 3 * limit)
-                args += (window * 1_000_000, limit, full, admitted, offered, name if zoned else "")
-                calls.append((name, window, limit, full, admitted, offered))
-            raw = await client.eval(source, len(keys), *keys, *args)
-            assert raw[0] == 1
-            for n, (name, window, limit, full, admitted, offered) in enumerate(calls):
-                tokens, offered_total, rate = twins[name].sync(
-                    now_us, window, limit, full, admitted, offered, zones if zoned else None
-                )
-                got_tokens, got_offered, got_rate = raw[1 + 3 * n : 4 + 3 * n]
-                # The script returns thousandths, floored; Python sums seconds where
-                # Lua sums microseconds (the last bit of a float may differ).
-                assert abs(got_tokens - tokens * 1000) <= 1 + 1e-6, (name, got_tokens, tokens)
-                assert got_offered == offered_total
-                assert abs(got_rate - rate * 1000) <= 1 + 1e-6
+                reports.append(BucketReport(name, limit, window, offered, admitted, burst=burst))
+            # Now and then no heartbeat (as a Cluster's bucket calls: the registry is
+            # in another slot): the live nodes are not counted.
+            heartbeat = rng.random() < 0.8
+            keys = [*(["f:nodes"] if heartbeat else []), *[f"f:{n}" for n in chosen],
+                    *(["f:i", "f:z"] if zoned else [])]  # fmt: skip
+            args = sync_args(reports, "node-1" if heartbeat else "", 5_000_000, zoned)
+            got = sync_reply(await client.eval(source, len(keys), *keys, *args))
+            assert got.nodes == (1 if heartbeat else -1)
+            for report, view in zip(reports, got.views, strict=True):
+                # The twin's clock starts with the test's: seconds since then are exact
+                # to the microsecond, as the script's are.
+                now = (now_us - start_us) / 1e6
+                want = twins[report.key].update(report, now, zones if zoned else None)
+                # The script returns thousandths, floored.
+                assert abs(view.tokens - want.tokens) <= 0.001 + 1e-9, (report, view, want)
+                assert view.offered_total == want.offered_total
+                assert view.limit is not None and want.limit is not None
+                assert abs(view.limit - want.limit) <= 0.001 + 1e-9
                 if zoned:
-                    stored = await client.hmget(f"f:{name}", "K", "L", "W", "a", "c")
-                    assert stored == [name.encode(), str(limit).encode(),
-                                      str(window * 1_000_000).encode(),
-                                      str(twins[name].admitted).encode(),
-                                      str(twins[name].created_us).encode()]  # fmt: skip
+                    mine = written[report.key]
+                    mine.admitted += report.admitted
+                    mine.created_us = mine.created_us or now_us
         if zoned:
-            assert zone_writes > 20
-            assert await client.zcard("f:i") == len(buckets)
+            assert seen["parts"] > 15 and seen["counts"] > 15
+            assert await client.zcard("f:i") == len(BUCKETS)
             # The aggregator's read of the same buckets (zone_read_fleet.lua).
             read = script_on_test_clock("zone_read_fleet.lua")
             raw = await client.eval(read, 2, "f:i", "f:nodes", 60_000_000, 100)
-            assert raw[:2] == [now_us, 1]  # the store's time, the live replicas
-            rows = {raw[i + 1].decode(): raw[i + 2 : i + 8] for i in range(2, len(raw), 8)}
+            fleet = zone_read_fleet_reply(raw)
+            assert (fleet.now_us, fleet.replicas) == (now_us, 1)
+            rows = {bucket.key: bucket for bucket in fleet.buckets}
             for name, twin in twins.items():
-                window, limit, _ = buckets[name]
-                assert rows[name] == [twin.offered, twin.admitted, limit, window * 1_000_000,
-                                      0, twin.created_us]  # fmt: skip
+                window, limit, _ = BUCKETS[name]
+                row, mine = rows[name], written[name]
+                assert (row.store_key, row.offered, row.admitted, row.limit) == (
+                    f"f:{name}", twin.offered_total, mine.admitted, limit)  # fmt: skip
+                assert (row.window_seconds, row.forwarded, row.created_us) == (
+                    window, mine.forwarded, mine.created_us)  # fmt: skip
+    finally:
+        await client.aclose()
+
+
+async def test_the_aggregators_read_leaves_out_what_is_gone(redis_server) -> None:
+    """zone_read_fleet.lua: a bucket silent past the forget time leaves the index, a
+    hash that expired is left out, a bucket whose fields the replicas never wrote
+    reads as zeros, and the live replicas are the registry's."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    read = script_on_test_clock("zone_read_fleet.lua")
+    now_us = 1_700_000_000_000_000
+    await client.delete("g:i", "g:nodes", "g:old", "g:gone", "g:bare")
+    try:
+        await client.zadd("g:nodes", {"r1": now_us, "r2": now_us})
+        await client.zadd("g:i", {"g:old": now_us - 20_000_000, "g:gone": now_us,
+                                  "g:bare": now_us})  # fmt: skip
+        await client.hset("g:old", mapping={"K": "old", "W": 1_000_000})
+        await client.hset("g:bare", mapping={"K": "bare", "W": 2_000_000})
+        await set_test_clock(client, now_us)
+        fleet = zone_read_fleet_reply(await client.eval(read, 2, "g:i", "g:nodes", 15_000_000, 100))
+        assert (fleet.now_us, fleet.replicas) == (now_us, 2)
+        rows = [(b.key, b.offered, b.admitted, b.limit, b.window_seconds, b.forwarded,
+                 b.created_us) for b in fleet.buckets]  # fmt: skip
+        assert rows == [("bare", 0, 0, 0, 2, 0, now_us)]
+        assert await client.zrange("g:i", 0, -1) == [b"g:bare", b"g:gone"]  # old: forgotten
     finally:
         await client.aclose()

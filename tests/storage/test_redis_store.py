@@ -234,8 +234,8 @@ async def test_recovers_after_restart(redis_server) -> None:
 
 
 async def test_memory_per_window_key(store: RedisStore, redis_server) -> None:
-    """A busy exact key holds at most 61 slices (plus its three bookkeeping fields: n,
-    o and c); its memory stays small (README figure)."""
+    """A busy exact key holds at most 61 slices (plus its three bookkeeping fields: sum,
+    first and last); its memory stays small (README figure)."""
     for _ in range(200):
         await store.hit([ExactHit("busy", 10**6, 1, 1)], True)
         await asyncio.sleep(0.005)  # pacing: the hits spread over the window's slices
@@ -244,7 +244,7 @@ async def test_memory_per_window_key(store: RedisStore, redis_server) -> None:
         key = store._exact_key("busy", 1)
         fields = await raw.hlen(key) - 3
         usage = await raw.memory_usage(key)
-        meta = await raw.hmget(key, "n", "o", "c")
+        meta = await raw.hmget(key, "sum", "first", "last")
         ttl_ms = await raw.pttl(key)
     finally:
         await raw.aclose()

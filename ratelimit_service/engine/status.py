@@ -1,0 +1,597 @@
+"""The status page's data (``/status.json``; the page itself is resources/status.html):
+one read-only snapshot of what the engine already tracks, for a person at a browser.
+
+- **Rules**: each stats key's calls per second over a recent interval, the share of
+  them denied and the hits that came near the limit: engine/stats.py's counters less
+  a copy of them taken earlier (:class:`Baselines`), so nothing new is counted on the
+  request path.
+- **Keys closest to their limit**: probabilistic buckets (the share of the fleet's
+  token bucket in use, as this process last synced it less what it admitted since) and
+  RLQS counters (the fleet's allowed hits in the window; for a rule per second, the
+  fleet's demand over the limit). Exact windows are counted in the store (Redis), not
+  here: their rules' near-limit counts show them.
+- **State**: the store's figures (its circuit breaker among them), the reconciler, the
+  zone's aggregator.
+- **RLQS**: the Envoys that report here, with their demand and the share assigned to
+  them, and the counters they report.
+
+Bounded whatever the service holds: each table is its TOP rows by rate or closeness,
+with the total and how many more there are, so the JSON stays under 64 KB at 10,000
+stats keys and 1,000 RLQS Envoys. The snapshot is made off the request path, when a
+page asks, at most once per FRESH_FOR seconds however many pages poll (readers in the
+meantime share it), and in pieces that return to the event loop between stretches of
+work (engine/background.in_stretches), as /metrics is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import json
+import math
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from ratelimit_service.core.config_model import RateLimit, RateLimitConfig, period_text
+from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.core.units import UNIT_SECONDS, Unit
+from ratelimit_service.engine.background import result_in_stretches
+from ratelimit_service.engine.quota import CounterView, QuotaCoordinator
+from ratelimit_service.engine.reconciler import Reconciler
+from ratelimit_service.engine.state_metrics import readable_bucket
+from ratelimit_service.engine.stats import SLICE, Stats
+from ratelimit_service.engine.zone_aggregator import ZoneAggregator
+from ratelimit_service.storage.base import Store
+
+TOP = 50
+"""Rows per table at most (rules, keys, RLQS Envoys, RLQS counters)."""
+RATE_WINDOW = 5.0
+"""Rates are measured over the last RATE_WINDOW to twice that many seconds while the
+page is polled (see Baselines); the first snapshot after a quiet spell has none."""
+FRESH_FOR = 1.0
+"""Seconds a snapshot is served again before a new one is made."""
+
+_T = TypeVar("_T")
+_Item = TypeVar("_Item")
+
+Work = Generator[None, None, _T]
+"""Work done in pieces: it yields None where it may return to the event loop."""
+Json = dict[str, Any]
+Counts = tuple[int, int, int, int]
+"""A stats key's total_hits, over_limit, near_limit and shadow_mode counters."""
+NONE: Counts = (0, 0, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusSources:
+    """What the snapshot reads: the engine's state, never changed by it."""
+
+    stats: Stats
+    config: Callable[[], RateLimitConfig]
+    local: LocalBuckets
+    store: Store
+    reconciler: Reconciler
+    quota: QuotaCoordinator
+    zone: ZoneAggregator | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """The counters at one time."""
+
+    at: float
+    counts: dict[str, Counts]
+    requests: int
+
+
+@dataclass(slots=True)
+class Baselines:
+    """Earlier samples of the counters to measure rates against. A sample is kept when
+    the newest is RATE_WINDOW old, two at most, and none older than twice that: polled
+    steadily, the reference is between RATE_WINDOW and twice that old; after a quiet
+    spell there is none (the next snapshot measures from this one). Memory: two copies
+    of four counters per stats key (the stats keys are capped, --max-stats-keys)."""
+
+    samples: list[Sample] = field(default_factory=list)
+
+    def reference(self, now: float) -> Sample | None:
+        self.samples = [s for s in self.samples if 0 < now - s.at <= 2 * RATE_WINDOW]
+        return self.samples[0] if self.samples else None
+
+    def keep(self, sample: Sample) -> None:
+        if not self.samples or sample.at - self.samples[-1].at >= RATE_WINDOW:
+            self.samples.append(sample)
+            del self.samples[:-2]
+
+
+class Top(Generic[_Item]):
+    """The ``size`` items of highest rank among those offered, in a heap: bounded work
+    per item, and memory for ``size`` whatever is offered."""
+
+    def __init__(self, size: int = TOP) -> None:
+        self.size = size
+        self.offered = 0
+        self._heap: list[tuple[tuple[float, ...], int, _Item]] = []
+
+    def wants(self, rank: tuple[float, ...]) -> bool:
+        """Whether an item of ``rank`` would be kept (counts it as offered): the caller
+        makes the item only then."""
+        self.offered += 1
+        heap = self._heap
+        return len(heap) < self.size or (rank, -self.offered) > heap[0][:2]
+
+    def keep(self, rank: tuple[float, ...], item: _Item) -> None:
+        """Keep an item :meth:`wants` just wanted."""
+        entry = (rank, -self.offered, item)  # the first offered wins a tie; items never compared
+        if len(self._heap) < self.size:
+            heapq.heappush(self._heap, entry)
+        else:
+            heapq.heapreplace(self._heap, entry)
+
+    def offer(self, rank: tuple[float, ...], item: _Item) -> None:
+        if self.wants(rank):
+            self.keep(rank, item)
+
+    def best(self) -> list[_Item]:
+        return [item for _, _, item in sorted(self._heap, key=lambda e: e[:2], reverse=True)]
+
+    def table(self, rows: list[Json]) -> Json:
+        """A table of ``rows`` (the best, made into rows) out of all those offered."""
+        total = self.offered
+        return {"total": total, "shown": len(rows), "more": max(0, total - len(rows)), "rows": rows}
+
+
+class StatusBoard:
+    """Makes the snapshot when asked, shares it for FRESH_FOR seconds, and keeps the
+    samples the rates are measured against."""
+
+    def __init__(
+        self,
+        sources: StatusSources,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.sources = sources
+        self._clock = clock
+        self._wall = wall
+        self._baselines = Baselines()
+        self._limits: tuple[RateLimitConfig, dict[str, RateLimit]] | None = None
+        """The rules' limits by stats key, for the config they were read from."""
+        self._last: tuple[float, bytes] | None = None
+        self._making: asyncio.Future[bytes] | None = None
+
+    async def json(self) -> bytes:
+        """The snapshot as JSON: the last one while it is fresh, else a new one (readers
+        that ask while it is being made wait for the same one)."""
+        last = self._last
+        if last is not None and self._clock() - last[0] < FRESH_FOR:
+            return last[1]
+        making = self._making
+        if making is None:
+            making = self._making = asyncio.ensure_future(self._make())
+        # Shielded: a reader that goes away does not cancel the others' snapshot.
+        return await asyncio.shield(making)
+
+    async def snapshot(self) -> Json:
+        return dict(json.loads(await self.json()))
+
+    async def _make(self) -> bytes:
+        try:
+            now, timing = self._clock(), _Timing()
+            snapshot = await result_in_stretches(timing.timed(self._compose(now)))
+            snapshot["took"] = {
+                "seconds": _num(self._clock() - now, 4),
+                "work_seconds": _num(timing.work, 4),
+                "longest_piece_seconds": _num(timing.longest, 4),
+                "pieces": timing.pieces,
+            }
+            body = json.dumps(snapshot, separators=(",", ":"), allow_nan=False).encode()
+            self._last = (now, body)
+            return body
+        finally:
+            self._making = None
+
+    def _compose(self, now: float) -> Work[Json]:
+        """The whole snapshot, in pieces."""
+        src = self.sources
+        reference = self._baselines.reference(now)
+        interval = None if reference is None else now - reference.at
+        limits = yield from self._limits_by_key(src.config())
+        sample, rules = yield from _rules(src.stats, limits, reference, now)
+        self._baselines.keep(sample)
+        views: list[CounterView] = []
+        for view in src.quota.view():
+            if view is None:
+                yield None
+            else:
+                views.append(view)
+        keys = yield from _closest_keys(src.local, views)
+        envoys = yield from _envoys(views)
+        return {
+            "generated_at": round(self._wall(), 3),
+            "rate_interval_seconds": _num(interval, 3),
+            "bounds": {"rows": TOP, "rate_window_seconds": RATE_WINDOW, "fresh_for": FRESH_FOR},
+            "service": _service(src.stats, reference, sample),
+            "rules": rules,
+            "keys": keys,
+            "store": _store(src.store),
+            "reconciler": _reconciler(src.reconciler, src.local, self._wall()),
+            "zone": _zone(src.zone),
+            "rlqs": {
+                **_rlqs_totals(src.quota),
+                "envoys": envoys,
+                "counters": _counters(views),
+            },
+        }
+
+    def _limits_by_key(self, config: RateLimitConfig) -> Work[dict[str, RateLimit]]:
+        """Every rule's limit by its stats key (read again only when the rules change)."""
+        if self._limits is not None and self._limits[0] is config:
+            return self._limits[1]
+        limits: dict[str, RateLimit] = {}
+        for count, limit in enumerate(config.limits(), 1):
+            limits.setdefault(limit.stats_key, limit)
+            if count % SLICE == 0:
+                yield None
+        self._limits = (config, limits)
+        return limits
+
+
+class _Timing:
+    """How long the pieces of some work held the loop."""
+
+    def __init__(self) -> None:
+        self.work = 0.0
+        self.longest = 0.0
+        self.pieces = 0
+
+    def timed(self, work: Work[_T]) -> Work[_T]:
+        clock = time.perf_counter
+        started = clock()
+        try:
+            while True:
+                next(work)
+                self._piece(clock() - started)
+                yield None
+                started = clock()
+        except StopIteration as done:
+            self._piece(clock() - started)
+            result: _T = done.value
+            return result
+
+    def _piece(self, seconds: float) -> None:
+        self.work += seconds
+        self.longest = max(self.longest, seconds)
+        self.pieces += 1
+
+
+def _rules(
+    stats: Stats, limits: dict[str, RateLimit], reference: Sample | None, now: float
+) -> Work[tuple[Sample, Json]]:
+    """Every stats key's counters sampled, and the busiest TOP over the interval (by
+    hits since the start while there is no interval yet)."""
+    earlier = reference.counts if reference is not None else None
+    counts: dict[str, Counts] = {}
+    top: Top[tuple[str, Counts, Counts | None]] = Top()
+    hits = over = 0
+    for count, (key, rule) in enumerate(list(stats.rules.items()), 1):
+        now_counts = counts[key] = (
+            rule.total_hits,
+            rule.over_limit,
+            rule.near_limit,
+            rule.shadow_mode,
+        )
+        if earlier is None:
+            rank: tuple[float, ...] = (now_counts[0],)
+            delta = None
+        else:
+            delta = _minus(now_counts, earlier.get(key, NONE))
+            hits, over = hits + delta[0], over + delta[1]
+            rank = (delta[0], now_counts[0])
+        if top.wants(rank):
+            top.keep(rank, (key, now_counts, delta))
+        if count % SLICE == 0:
+            yield None
+    sample = Sample(now, counts, stats.total_requests)
+    interval = None if reference is None else now - reference.at
+    rows = [_rule_row(key, c, d, limits.get(key), interval) for key, c, d in top.best()]
+    table = top.table(rows)
+    table["loaded"] = len(limits)
+    table["rate"] = None if interval is None else _num(hits / interval)
+    table["denied_share"] = None if interval is None else _share(over, hits)
+    return sample, table
+
+
+def _minus(now: Counts, before: Counts) -> Counts:
+    return (now[0] - before[0], now[1] - before[1], now[2] - before[2], now[3] - before[3])
+
+
+def _rule_row(
+    key: str, counts: Counts, delta: Counts | None, limit: RateLimit | None, interval: float | None
+) -> Json:
+    row: Json = {
+        "key": key,
+        "limit": None if limit is None else limit_text(limit),
+        "mode": None if limit is None else limit.mode.value,
+        "shadow": limit is not None and limit.shadow_mode,
+        "total_hits": counts[0],
+        "total_denied": counts[1],
+        "rate": None,
+        "hits": None,
+        "denied": None,
+        "denied_share": None,
+        "near_limit": None,
+        "shadow_denied": None,
+    }
+    if delta is not None and interval is not None:
+        row.update(
+            rate=_num(delta[0] / interval),
+            hits=delta[0],
+            denied=delta[1],
+            denied_share=_share(delta[1], delta[0]),
+            near_limit=delta[2],
+            shadow_denied=delta[3],
+        )
+    return row
+
+
+def _closest_keys(local: LocalBuckets, views: list[CounterView]) -> Work[Json]:
+    """The TOP keys with the largest share of their limit in use."""
+    top: Top[Json] = Top()
+    for count, bucket in enumerate(local.buckets(), 1):
+        if bucket.capacity > 0:
+            used = 1.0 - bucket.remaining() / bucket.capacity
+            rank = (used, bucket.fleet_rate or 0.0)
+            if top.wants(rank):
+                row = _key_row(bucket.key, bucket.rule, "probabilistic", rank)
+                row["limit"] = f"{bucket.limit}/{_period(bucket.window_seconds)}"
+                row["drop_ratio"] = _num(1.0 if bucket.credit < 1 else bucket.ratio)
+                top.keep(rank, row)
+        if count % SLICE == 0:
+            yield None
+    for view in views:
+        limit = view.limit
+        if limit.requests_per_unit <= 0:
+            continue
+        demand = _fleet_demand(view)
+        if limit.window_seconds > 1:
+            rank = (view.used / limit.requests_per_unit, demand)
+        else:
+            rank = (demand / limit.requests_per_unit, demand)
+        if top.wants(rank):
+            row = _key_row(view.key, view.stats_key, "rlqs", rank)
+            row["limit"] = limit_text(limit)
+            top.keep(rank, row)
+    return top.table(top.best())
+
+
+def _key_row(key: str, rule: str, kind: str, rank: tuple[float, float]) -> Json:
+    return {
+        "key": readable_bucket(key),
+        "rule": rule,
+        "kind": kind,
+        "used": _num(rank[0]),
+        "rate": _num(rank[1]),
+        "limit": None,
+        "drop_ratio": None,
+    }
+
+
+def _fleet_demand(view: CounterView) -> float:
+    """Hits per second the whole fleet offers the counter: the store's sum at the last
+    publish, else what this replica's instances report."""
+    if view.totals is not None:
+        return view.totals.demand
+    return sum(demand for _, demand, _, _ in view.instances if demand is not None)
+
+
+def _envoys(views: list[CounterView]) -> Work[Json]:
+    """Each RLQS Envoy reporting here: the counters it reports, its demand, its shares
+    of their limits and the token buckets it holds (per second, summed over its
+    counters); the TOP by demand."""
+    envoys: dict[str, _Envoy] = {}
+    for count, view in enumerate(views, 1):
+        for name, demand, share, bucket in view.instances:
+            envoy = envoys.get(name)
+            if envoy is None:
+                envoy = envoys[name] = _Envoy(name)
+            envoy.add(view, demand, share, bucket)
+        if count % SLICE == 0:
+            yield None
+    top: Top[_Envoy] = Top()
+    for count, envoy in enumerate(envoys.values(), 1):
+        top.offer((envoy.demand if envoy.measured else -1.0, envoy.counters), envoy)
+        if count % SLICE == 0:
+            yield None
+    return top.table([envoy.row() for envoy in top.best()])
+
+
+@dataclass(slots=True)
+class _Envoy:
+    name: str
+    counters: int = 0
+    demand: float = 0.0
+    measured: bool = False
+    share: float = 0.0
+    """Its shares of its counters' limits, per second: the division by demand."""
+    assigned: float = 0.0
+    """The token buckets it holds, per second: the shares in whole tokens and seconds,
+    as Envoy enforces them."""
+    buckets: int = 0
+    """Counters it holds a token bucket for (the others: a blanket rule)."""
+    busiest: tuple[float, CounterView, float | None] | None = None
+    """Its counter of highest demand, that demand and the share it holds of it."""
+
+    def add(
+        self, view: CounterView, demand: float | None, share: float | None, bucket: float | None
+    ) -> None:
+        self.counters += 1
+        if demand is not None:
+            self.demand += demand
+            self.measured = True
+        if share is not None:
+            self.share += share / view.limit.window_seconds
+        if bucket is not None:
+            self.assigned += bucket
+            self.buckets += 1
+        if self.busiest is None or (demand or 0.0) > self.busiest[0]:
+            self.busiest = (demand or 0.0, view, share)
+
+    def row(self) -> Json:
+        row: Json = {
+            "name": self.name,
+            "counters": self.counters,
+            "demand": _num(self.demand) if self.measured else None,
+            "share": _num(self.share),
+            "assigned": _num(self.assigned) if self.buckets else None,
+            "busiest": None,
+            "busiest_share": None,
+            "busiest_limit": None,
+        }
+        if self.busiest is not None:
+            _, view, share = self.busiest
+            row["busiest"] = readable_bucket(view.key)
+            row["busiest_share"] = _num(share)
+            row["busiest_limit"] = limit_text(view.limit)
+        return row
+
+
+def _counters(views: list[CounterView]) -> Json:
+    """The RLQS counters reported here, the TOP by the fleet's demand."""
+    top: Top[CounterView] = Top()
+    for view in views:
+        top.offer((_fleet_demand(view), len(view.instances)), view)
+    return top.table([_counter_row(view) for view in top.best()])
+
+
+def _counter_row(view: CounterView) -> Json:
+    totals = view.totals
+    return {
+        "key": readable_bucket(view.key),
+        "rule": view.stats_key,
+        "limit": limit_text(view.limit),
+        "instances": len(view.instances),
+        "fleet_instances": None if totals is None else totals.instances,
+        "replicas": None if totals is None else totals.members,
+        "part": _num(view.part),
+        "demand": _num(_fleet_demand(view)),
+        "used": view.used,
+    }
+
+
+def _rlqs_totals(quota: QuotaCoordinator) -> Json:
+    return {
+        "streams": quota.streams,
+        "reports": quota.reports,
+        "assignments": quota.assignments,
+        "pushed": quota.pushed,
+        "abandons": quota.abandons,
+        "publishes": quota.publishes,
+        "store_errors": quota.store_errors,
+    }
+
+
+def _service(stats: Stats, reference: Sample | None, sample: Sample) -> Json:
+    interval = None if reference is None else sample.at - reference.at
+    requests = sample.requests - (reference.requests if reference is not None else 0)
+    return {
+        "requests": sample.requests,
+        "rate": None if interval is None else _num(requests / interval),
+        "service_errors": stats.service_error,
+        "store_errors": stats.store_error,
+        "store_overloaded": stats.store_overloaded,
+        "global_shadow_mode": stats.global_shadow_mode,
+        "domains_not_found": sum(stats.domain_not_found.values()),
+        "config_loads": stats.config_load_success,
+        "config_errors": stats.config_load_error,
+        "stats_keys": len(stats.rules),
+        "stats_keys_cap": stats.max_keys,
+        "stats_keys_overflowed": stats.overflowed_keys,
+    }
+
+
+BREAKERS = {"": "store", "zone_store_": "zone store"}
+"""The prefixes under which a store's figures hold a circuit breaker's (Redis's, and
+with --zone the zone's own Redis beside the global one)."""
+
+
+def _store(store: Store) -> Json:
+    figures = store.stats()
+    breakers = []
+    for prefix, name in BREAKERS.items():
+        if f"{prefix}circuit_open" in figures:
+            breakers.append(
+                {
+                    "name": name,
+                    "open": bool(figures[f"{prefix}circuit_open"]),
+                    "healthy": bool(figures.get(f"{prefix}healthy", 1.0)),
+                    "errors": figures.get(f"{prefix}errors"),
+                    "outages": figures.get(f"{prefix}outages"),
+                    "recoveries": figures.get(f"{prefix}recoveries"),
+                }
+            )
+    return {
+        "name": store.name,
+        "healthy": store.healthy(),
+        "breakers": breakers,
+        "figures": {name: _num(value) for name, value in sorted(figures.items())},
+    }
+
+
+def _reconciler(reconciler: Reconciler, local: LocalBuckets, wall: float) -> Json:
+    last = local.last_sync_ok
+    return {
+        "rounds": reconciler.syncs,
+        "errors": reconciler.errors,
+        "failing": reconciler.failing,
+        "last_round_seconds": _num(reconciler.last_duration, 4),
+        "since_last_sync_seconds": None if last is None else _num(wall - last),
+        "interval_seconds": reconciler.interval,
+        "buckets": len(local),
+        "max_buckets": local.max_buckets,
+        "evicted": local.evicted_overflow + local.evicted_idle,
+        "nodes": local.nodes,
+    }
+
+
+def _zone(zone: ZoneAggregator | None) -> Json | None:
+    if zone is None:
+        return None
+    figures = zone.stats()
+    return {
+        "zone": zone.zone,
+        "aggregating": bool(figures.get("zone_aggregating")),
+        "global_away": bool(figures.get("zone_global_away")),
+        "figures": {name: _num(value) for name, value in sorted(figures.items())},
+    }
+
+
+def limit_text(limit: RateLimit) -> str:
+    """``10/minute``, ``600/10 minutes``, ``unlimited``."""
+    return "unlimited" if limit.unlimited else f"{limit.requests_per_unit}/{limit.period}"
+
+
+LONGEST_FIRST = sorted(UNIT_SECONDS.items(), key=lambda item: -item[1])
+
+
+def _period(seconds: int) -> str:
+    """A window of ``seconds`` in words, as RateLimit.period says a rule's period: in
+    the longest unit it is a whole number of (``minute``, ``10 minutes``)."""
+    for unit, length in LONGEST_FIRST:
+        if seconds % length == 0:
+            return period_text(unit, seconds // length)
+    return period_text(Unit.SECOND, seconds)
+
+
+def _share(part: int, whole: int) -> float | None:
+    return None if whole <= 0 else _num(part / whole, 4)
+
+
+def _num(value: float | None, digits: int = 3) -> float | None:
+    """A figure for JSON: rounded, None when unknown or not finite."""
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, digits)

@@ -1,0 +1,108 @@
+"""The deciding rule in the RLS answer: ``dynamic_metadata`` as rls/wire writes it is
+core.decision.decision_metadata's content (parsed back by the protobuf runtime), and
+the rule header names the same rule as the metadata."""
+
+from __future__ import annotations
+
+import random
+
+from envoy.service.ratelimit.v3 import rls_pb2
+from google.protobuf import json_format
+
+from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.decision import deciding_rule, decision_metadata
+from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
+from ratelimit_service.core.request import UINT32_MAX, Code, DescriptorStatus, Response
+from ratelimit_service.core.units import Unit
+from ratelimit_service.rls import wire as rls_wire
+
+R = rls_pb2.RateLimitResponse
+
+
+def parsed_metadata(encoded: bytes) -> dict[str, object]:
+    message = R.FromString(encoded)
+    assert message.HasField("dynamic_metadata")
+    return json_format.MessageToDict(message.dynamic_metadata)
+
+
+def random_statuses(rng: random.Random) -> list[DescriptorStatus]:
+    limits = [
+        RateLimit(
+            requests_per_unit=rng.choice([0, 1, 127, 300, 2**31, UINT32_MAX]),
+            unit=rng.choice(list(Unit)),
+            unit_multiplier=rng.choice([1, 10]),
+            name=rng.choice(["", "per-ip", "ünï-" * 40]),
+            stats_key=rng.choice(["edge.tenant", "edge.tenant_acme.path_/x*"]),
+            quota_mode=rng.random() < 0.2,
+        )
+        for _ in range(3)
+    ]
+    statuses = []
+    for _ in range(rng.randint(0, 6)):
+        limit = rng.choice([None, *limits])
+        code = rng.choice(list(Code))
+        remaining = 0 if limit is None else rng.randint(0, limit.requests_per_unit)
+        statuses.append(DescriptorStatus(code, limit, remaining, rng.random() * 60))
+    return statuses
+
+
+def test_wire_metadata_is_decision_metadata() -> None:
+    """With and without the per-config prebuilt parts, the bytes parse to the dict
+    decision_metadata gives (numbers as doubles, as google.protobuf.Value holds them)."""
+    rng = random.Random(3)
+    checked_rule = 0
+    for _ in range(1500):
+        statuses = random_statuses(rng)
+        domain = rng.choice(["edge", "d", "ü" * 300])
+        limits = [s.limit for s in statuses if s.limit is not None]
+        heads = rls_wire.LimitHeads(limits[: rng.randint(0, len(limits))])
+        response = Response(rng.choice(list(Code)), statuses)
+        encoded = rls_wire.encode_response(response, None, heads, domain)
+        assert parsed_metadata(encoded) == decision_metadata(domain, statuses)
+        checked_rule += "rule" in decision_metadata(domain, statuses)
+    assert checked_rule > 500
+
+
+def test_no_domain_no_metadata() -> None:
+    limit = RateLimit(5, Unit.SECOND, stats_key="d.k")
+    response = Response(Code.OK, [DescriptorStatus(Code.OK, limit, 4, 0.5)])
+    assert not R.FromString(rls_wire.encode_response(response, None)).HasField("dynamic_metadata")
+
+
+def test_the_denying_rule_decides_else_the_nearest() -> None:
+    per_ip = RateLimit(100, Unit.MINUTE, stats_key="edge.remote_address")
+    tenant = RateLimit(10, Unit.SECOND, name="tenant-burst", stats_key="edge.tenant")
+    ok = [DescriptorStatus(Code.OK, per_ip, 3), DescriptorStatus(Code.OK, tenant, 7)]
+    assert deciding_rule(ok) == "edge.remote_address"  # nearest its limit, by its stats key
+    over = [DescriptorStatus(Code.OK, per_ip, 3), DescriptorStatus(Code.OVER_LIMIT, tenant, 0)]
+    assert deciding_rule(over) == "tenant-burst"  # the YAML name when there is one
+    metadata = decision_metadata("edge", [*over, DescriptorStatus(Code.OK)])
+    assert metadata == {
+        "domain": "edge",
+        "rule": "tenant-burst",
+        "descriptors": [
+            {"rule": "edge.remote_address", "limit": 100, "unit": "minute", "remaining": 3},
+            {"rule": "tenant-burst", "limit": 10, "unit": "second", "remaining": 0},
+            None,
+        ],
+    }
+    assert deciding_rule([DescriptorStatus(Code.OK), DescriptorStatus(Code.OK, None, 9)]) is None
+    assert "rule" not in decision_metadata("edge", [DescriptorStatus(Code.OK)])
+
+
+def test_rule_header_with_or_without_the_count_headers() -> None:
+    tenant = RateLimit(10, Unit.SECOND, name="tenant-burst", stats_key="edge.tenant")
+    over = [DescriptorStatus(Code.OVER_LIMIT, tenant, 0, 0.4)]
+    named = HeaderNames(rule="X-RateLimit-Rule")
+    assert rate_limit_headers(over, HeaderStyle.OFF, named) == [
+        ("X-RateLimit-Rule", "tenant-burst")
+    ]
+    both = rate_limit_headers(over, HeaderStyle.RATELIMIT, named)
+    assert both == [
+        ("RateLimit-Limit", "10"),
+        ("RateLimit-Remaining", "0"),
+        ("RateLimit-Reset", "1"),
+        ("X-RateLimit-Rule", "tenant-burst"),
+    ]
+    assert rate_limit_headers(over, HeaderStyle.OFF, HeaderNames()) == []
+    assert rate_limit_headers([DescriptorStatus(Code.OK)], HeaderStyle.OFF, named) == []

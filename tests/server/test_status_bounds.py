@@ -1,0 +1,153 @@
+"""The status page at scale, in a service process: 10,000 rules with traffic and 1,000
+RLQS Envoys on open streams. /status.json stays under 64 KB with every table at its
+bound (and the totals and "more" counts right), the page is the same few KB, and calls
+arriving while the snapshot is made are answered without waiting (a canary every 5 ms,
+as tests/faults/test_stalls.py watches /metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
+
+from ratelimit_service.cli.client import build_request
+from ratelimit_service.engine.status import TOP
+from ratelimit_service.testing.fleet import SHOULD_RATE_LIMIT, service_fleet
+from ratelimit_service.testing.rlqs_sim import usage_report
+from ratelimit_service.testing.waiting import eventually_async
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
+RULES = 10_000
+ENVOYS = 1_000
+COUNTERS = 100
+PER_CALL = 64
+"""Descriptors per call (--max-descriptors' default): 10,000 rules in 157 calls."""
+
+
+def _rules(tmp_path: Path) -> Path:
+    many = "".join(
+        f"  - key: r\n    value: v{n}\n    rate_limit: {{unit: minute, requests_per_unit: 1000}}\n"
+        for n in range(RULES)
+    )
+    (tmp_path / "many.yaml").write_text("domain: many\ndescriptors:\n" + many)
+    (tmp_path / "quota.yaml").write_text(
+        "domain: q\ndescriptors:\n"
+        "  - key: tenant\n    rate_limit: {unit: minute, requests_per_unit: 600}\n"
+    )
+    return tmp_path
+
+
+async def _every_rule_called(port: int) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(SHOULD_RATE_LIMIT)
+        for start in range(0, RULES, PER_CALL):
+            values = [f"r=v{n}" for n in range(start, min(RULES, start + PER_CALL))]
+            await call(build_request("many", values, 0).SerializeToString())
+
+
+@contextlib.asynccontextmanager
+async def _envoys(port: int) -> AsyncIterator[None]:
+    """ENVOYS streams over COUNTERS buckets, each with one report answered, held open."""
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(10)]
+    calls: list[Any] = []
+
+    async def envoy(n: int) -> None:
+        stub = rlqs_pb2_grpc.RateLimitQuotaServiceStub(channels[n % len(channels)])
+        call = stub.StreamRateLimitQuotas(metadata=(("x-envoy-node-id", f"envoy-{n}"),))
+        calls.append(call)
+        await call.write(usage_report("q", {"tenant": f"t{n % COUNTERS}"}, 1, 0, 0))
+        await asyncio.wait_for(call.read(), 30)
+
+    try:
+        await asyncio.gather(*(envoy(n) for n in range(ENVOYS)))
+        yield
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            await channel.close()
+
+
+async def _canary(port: int, waits: list[float], stop: asyncio.Event) -> None:
+    """A call every 5 ms until ``stop``; each call's wait kept."""
+    loop = asyncio.get_running_loop()
+    request = build_request("many", ["r=v0"], 0).SerializeToString()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(SHOULD_RATE_LIMIT)
+
+        async def one() -> None:
+            sent = loop.time()
+            await call(request)
+            waits.append(loop.time() - sent)
+
+        pending: set[asyncio.Task[None]] = set()
+        while not stop.is_set():
+            task = asyncio.ensure_future(one())
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            await asyncio.sleep(0.005)
+        await asyncio.gather(*pending)
+
+
+async def _get(port: int, path: str) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return body
+
+
+async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: Path) -> None:
+    with service_fleet(1, _rules(tmp_path), None) as (node,):
+        await _every_rule_called(node.grpc_port)
+        async with _envoys(node.grpc_port):
+            waits: list[float] = []
+            stop = asyncio.Event()
+            canary = asyncio.ensure_future(_canary(node.grpc_port, waits, stop))
+            await eventually_async(lambda: len(waits) >= 20, what="the canary answered")
+            first = json.loads(await _get(node.admin_port, "/status.json"))
+
+            async def next_snapshot() -> tuple[bytes, Any] | None:
+                body = await _get(node.admin_port, "/status.json")
+                status = json.loads(body)
+                return (body, status) if status["generated_at"] > first["generated_at"] else None
+
+            body, status = await eventually_async(next_snapshot, what="a second snapshot")
+            page = await _get(node.admin_port, "/status")
+            before = len(waits)
+            await eventually_async(lambda: len(waits) >= before + 5, what="the canary after")
+            stop.set()
+            await canary
+    took = [snapshot["took"] for snapshot in (first, status)]
+    print(  # the figures in docs/benchmarks.md (pytest -s shows them)
+        f"\nstatus page: JSON {len(body)} bytes, page {len(page)} bytes; snapshots"
+        f" {[(t['work_seconds'], t['pieces'], t['longest_piece_seconds']) for t in took]}"
+        f" (work s, pieces, longest s); canary: {len(waits)} calls, slowest"
+        f" {max(waits) * 1e3:.1f} ms"
+    )
+    assert len(body) < 64_000, len(body)
+    assert len(page) < 16_000, len(page)
+    rules = status["rules"]
+    assert rules["loaded"] == RULES + 1
+    assert rules["total"] == RULES + 1  # and q.tenant, counted from the RLQS reports
+    assert (rules["shown"], rules["more"]) == (TOP, RULES + 1 - TOP)
+    assert rules["rows"][0]["key"] == "many.r_v0"  # the canary's: the busiest
+    keys = status["keys"]
+    assert (keys["total"], keys["shown"]) == (RULES + COUNTERS, TOP)
+    envoys, counters = status["rlqs"]["envoys"], status["rlqs"]["counters"]
+    assert (envoys["total"], envoys["shown"], envoys["more"]) == (ENVOYS, TOP, ENVOYS - TOP)
+    assert (counters["total"], counters["shown"]) == (COUNTERS, TOP)
+    assert status["rlqs"]["streams"] == ENVOYS
+    assert all(t["longest_piece_seconds"] < 0.020 for t in took), took
+    assert max(waits) < 0.050, f"slowest canary waits (s): {sorted(waits)[-5:]}"
