@@ -668,6 +668,7 @@ async def test_e2e_shadow_mode(start_service: Start) -> None:
     assert [s.code for s in both.statuses] == [OK, OVER]
 
 
+@pytest.mark.slow  # starts a process
 def test_check_config_cli_on_reference_directory() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATELIMIT_")}
     result = subprocess.run(

@@ -218,7 +218,7 @@ async def test_without_force_start_the_service_listens_once_xds_sent_rules(
         with ratelimit_command(env, log):
             first = await ads.request()  # the service asked for rules...
             assert first.node.id == "default"
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # an absence (not healthy without rules): nothing to await
             assert await asyncio.to_thread(_healthcheck, http_port) == 0  # ...and waits
             ads.push("v1", [domain("gateway", limit("user", 2))])
             await _until(lambda: _healthcheck(http_port) == 200, 10, "/healthcheck 200", log)

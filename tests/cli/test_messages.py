@@ -75,6 +75,7 @@ def test_every_serve_flag_shows_its_default_and_environment_name() -> None:
             assert f"(default: {action.default}; env: {env})" in action.help, flag
 
 
+@pytest.mark.slow  # starts a process
 def test_serve_help_text(tmp_path: Path) -> None:
     env = {**BASE_ENV, "RATELIMIT_STALE_AFTER": "7.5", "COLUMNS": "200"}
     result = subprocess.run(
@@ -144,6 +145,7 @@ def wait_for(log: Path, text: str, timeout: float = 10) -> None:
     )
 
 
+@pytest.mark.slow  # starts a process
 def test_start_reload_and_shutdown_at_info_and_nothing_per_request(tmp_path: Path) -> None:
     with serving(tmp_path) as (process, grpc_addr, log):
         wait_for(log, "serving RLS")
@@ -245,6 +247,7 @@ def test_check_config_output_is_what_the_docs_show(
 # -- the compat suite's skip -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts a process
 def test_compat_suite_says_where_it_looked(tmp_path: Path) -> None:
     absent = tmp_path / "no-compat-here"
     result = subprocess.run(
@@ -275,6 +278,7 @@ def run_with_closed_stdout(*args: str) -> subprocess.CompletedProcess[str]:
         os.close(write)
 
 
+@pytest.mark.slow  # starts a process
 def test_client_output_closed_early_is_no_traceback(tmp_path: Path) -> None:
     with serving(tmp_path) as (_, grpc_addr, _log):
         result = run_with_closed_stdout(
@@ -284,6 +288,7 @@ def test_client_output_closed_early_is_no_traceback(tmp_path: Path) -> None:
     assert result.returncode == 0
 
 
+@pytest.mark.slow  # starts a process
 def test_check_config_output_closed_early_is_no_traceback() -> None:
     result = run_with_closed_stdout("check-config", "config/")
     assert result.stderr == ""
@@ -326,6 +331,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
+@pytest.mark.slow  # starts a process
 def test_no_rule_file_is_an_error_for_check_config_and_a_warning_for_serve(
     tmp_path: Path,
 ) -> None:
@@ -351,6 +357,7 @@ def test_no_rule_file_is_an_error_for_check_config_and_a_warning_for_serve(
     assert f"no rule file (*.yaml, *.yml) in {empty}" in text
 
 
+@pytest.mark.slow  # starts a process
 def test_a_busy_port_is_one_line_of_ours(tmp_path: Path) -> None:
     import socket
 

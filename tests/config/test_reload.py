@@ -106,9 +106,13 @@ async def test_mode_flip_applies_live_without_failing_calls(tmp_path, start_serv
                 return
 
     workers = [asyncio.create_task(hammer()) for _ in range(8)]
+    stats = svc.service.stats
     for mode in ("probabilistic", "exact", "probabilistic"):
+        loaded = stats.config_load_success + 1
         path.write_text(rules(b=10**6, b_mode=mode))
-        await asyncio.sleep(0.2)
+        await eventually_async(
+            lambda n=loaded: stats.config_load_success >= n, timeout=5, what=f"{mode} loaded"
+        )
     stop.set()
     await asyncio.gather(*workers)
     assert errors == []
@@ -160,8 +164,8 @@ def test_sighup_reloads_a_running_process(tmp_path: Path) -> None:
     try:
         wait_healthy(admin_port)
         path.write_text(rules(a=4))
-        time.sleep(0.3)
-        assert _limit_of(grpc_port, "a") == 1  # no watching: nothing changed yet
+        time.sleep(0.3)  # an absence (no watching, no reload): nothing to await
+        assert _limit_of(grpc_port, "a") == 1
         process.send_signal(signal.SIGHUP)
         eventually(lambda: _limit_of(grpc_port, "a") == 4, timeout=5, what="SIGHUP reloading")
     finally:

@@ -7,7 +7,6 @@ end in a real RateLimiter on the embedded store, and the tests ask it for decisi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -211,7 +210,11 @@ async def test_a_server_restarted_on_the_same_port_is_reconnected_to(
 
     with caplog.at_level(logging.DEBUG, logger="ratelimit_service.config.xds"):
         await server.stop()
-        await asyncio.sleep(0.5)  # several retries at 0.05-0.1 s fail meanwhile
+        await eventually_async(  # several retries at 0.05-0.1 s fail meanwhile
+            lambda: sum(r.levelno == logging.DEBUG and "retry" in r.getMessage()
+                        for r in caplog.records) >= 2,
+            timeout=5, what="two failed retries",
+        )  # fmt: skip
         assert service.limiter.config.domains.keys() == {"edge"}  # kept through the outage
         restarted = AdsServer()  # a new server knows nothing of v1
         await restarted.start(port)

@@ -1509,6 +1509,7 @@ def test_cli_check_config_needs_a_path(capsys: pytest.CaptureFixture[str]) -> No
     assert "PATH" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts a process
 def test_cli_check_config_subprocess(tmp_path: Path) -> None:
     root = tmp_path / "cfg"
     _write(root / "ok.yaml", y(VALID))

@@ -1,11 +1,6 @@
-"""Response headers (opt-in) and JSON logs."""
+"""Response headers (opt-in): the pure choice and format (core/headers.py), then over gRPC."""
 
 from __future__ import annotations
-
-import json
-import logging
-import subprocess
-import sys
 
 from envoy.service.ratelimit.v3 import rls_pb2
 
@@ -14,9 +9,6 @@ from ratelimit_service.core.decision import deciding_status
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
 from ratelimit_service.core.request import Code, DescriptorStatus
 from ratelimit_service.core.units import Unit
-from ratelimit_service.server.logs import LATE_ANSWERS, configure_logging
-from ratelimit_service.testing.fleet import wait_healthy
-from ratelimit_service.testing.redis import free_port
 
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
 
@@ -101,51 +93,3 @@ async def test_no_headers_by_default(write_config, start_service) -> None:
     svc = await start_service(config)
     response = await svc.call("d", [("a", "1")])
     assert list(response.response_headers_to_add) == []
-
-
-def test_json_logs(tmp_path) -> None:
-    config = tmp_path / "rules.yaml"
-    config.write_text("domain: d\ndescriptors:\n  - key: a\n")
-    grpc_port, admin_port = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ratelimit_service", "serve", "--config", str(config),
-         "--grpc-addr", f"127.0.0.1:{grpc_port}", "--admin-addr", f"127.0.0.1:{admin_port}",
-         "--log-format", "json"],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        wait_healthy(admin_port)
-    finally:
-        process.terminate()
-        _, stderr = process.communicate(timeout=10)
-    entries = [json.loads(line) for line in stderr.splitlines() if line.strip()]
-    start = next(e for e in entries if e["@message"].startswith("serving RLS"))
-    assert start["level"] == "info"
-    assert "store=embedded" in start["@message"] and "domains=d" in start["@message"]
-    assert start["@timestamp"].endswith("Z")
-
-
-def test_grpc_error_for_an_answer_after_its_call_ended_is_dropped(capsys) -> None:
-    """grpc logs ExecuteBatchError with a traceback when an answer comes after its call
-    ended (the caller's deadline passed): dropped and counted, while grpc's other
-    errors still reach the log."""
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    configure_logging()
-    grpc_log = logging.getLogger("grpc._cython.cygrpc")
-
-    class ExecuteBatchError(Exception):  # grpc's class of that name, as grpc raises it
-        pass
-
-    before = LATE_ANSWERS.dropped
-    try:
-        raise ExecuteBatchError('Failed "execute_batch"')
-    except ExecuteBatchError:
-        grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]", "/m")
-    grpc_log.error("something else")
-    root.handlers[:], level = saved
-    root.setLevel(level)
-    err = capsys.readouterr().err
-    assert "ExecuteBatchError" not in err and "Traceback" not in err
-    assert "something else" in err
-    assert LATE_ANSWERS.dropped == before + 1

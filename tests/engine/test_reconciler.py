@@ -10,21 +10,25 @@ from collections.abc import Sequence
 
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
-from ratelimit_service.engine.reconciler import LATE_AFTER, Reconciler
+from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.embedded import EmbeddedStore
+from ratelimit_service.testing.waiting import eventually_async
 
 
 class GatedStore(EmbeddedStore):
-    """The embedded store, whose syncs wait for ``gate`` or fail while ``down``."""
+    """The embedded store, whose syncs wait for ``gate`` or fail while ``down``;
+    ``asked`` is set once a sync has reached it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = asyncio.Event()
         self.gate.set()
         self.down = False
+        self.asked = asyncio.Event()
 
     async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+        self.asked.set()
         await self.gate.wait()
         if self.down:
             raise StoreUnavailable("down")
@@ -47,9 +51,13 @@ async def test_credit_is_renewed_soon_after_a_sync_runs_late() -> None:
     assert grant > 0
     bucket.credit = 0.0  # spent
     store.gate.clear()  # the next sync hangs
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     pending = asyncio.ensure_future(reconciler.sync_once())
-    await asyncio.sleep(0.2 * LATE_AFTER + 0.03)  # well before a whole interval
-    assert local.credit(bucket) == grant  # granted when the bucket is next touched
+    await eventually_async(  # granted when the bucket is next touched
+        lambda: local.credit(bucket) == grant, timeout=5, what="credit renewed"
+    )
+    assert loop.time() - started < 0.2  # after 0.2 * LATE_AFTER: well before a whole interval
     store.gate.set()
     await pending
 
@@ -65,8 +73,9 @@ async def test_a_late_answer_to_a_failing_sync_does_not_charge_renewed_admission
     assert await reconciler.sync_once() == 0
     assert reconciler.failing
     store.down, store.gate = False, asyncio.Event()  # back, but answering late
+    store.asked.clear()
     pending = asyncio.ensure_future(reconciler.sync_once())
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(store.asked.wait(), 5)  # the sync is out, its answer held back
     for _ in range(30):  # admitted on renewed credit while the answer is outstanding
         local.decide(bucket, 1, 0.99)
     assert bucket.admitted > 0

@@ -339,6 +339,7 @@ def test_response_time_samples_fall_in_their_buckets() -> None:
 # -- the command line -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts a process
 def test_serve_with_the_statsd_address_from_the_environment(
     write_config: Callable[..., Path], agent: Agent
 ) -> None:

@@ -29,6 +29,8 @@ from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
 from ratelimit_service.testing.redis import RedisServer
 from ratelimit_service.testing.waiting import eventually_async
 
+pytestmark = pytest.mark.slow  # starts three redis-servers per test
+
 RULES = """\
 domain: q
 descriptors:
@@ -250,7 +252,7 @@ async def test_probabilistic_buckets_refill_at_the_zones_part(servers) -> None:
                 views[name] = result.views[0]
             for name in ("a1", "b1"):
                 await aggregate(stores[name].aggregator)
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # the subject: refills over time on Redis's clock
         for name in DEMAND:
             result = await stores[name].sync([report[name]])
             views[name] = result.views[0]

@@ -963,6 +963,7 @@ def test_services_select_the_pods_and_name_their_ports() -> None:
     )
 
 
+@pytest.mark.slow  # starts a process
 def test_envoy_config_command(tmp_path: Path) -> None:
     """The CLI prints the generator's output for the repo's rules; bad rules exit 1."""
     import subprocess

@@ -114,6 +114,7 @@ def walkthrough(envoy: Envoy) -> None:
 # ------------------------------------------------------------------ without Envoy
 
 
+@pytest.mark.slow  # starts a process
 def test_generated_routes_send_what_the_shipped_bootstrap_sends() -> None:
     generated = routes_of(yaml.safe_load(generate("--bootstrap")))
     shipped = routes_of(load_yaml(SHIPPED_BOOTSTRAP))
@@ -128,6 +129,7 @@ def test_generated_routes_send_what_the_shipped_bootstrap_sends() -> None:
     assert descriptor_sets(generated["healthz"]["route"]["rate_limits"]) == [["path=/healthz"]]
 
 
+@pytest.mark.slow  # starts a process
 def test_pieces_without_bootstrap_keep_their_shape() -> None:
     pieces = yaml.safe_load(generate())
     assert list(pieces) == ["http_filters", "clusters", "rate_limits"]

@@ -85,7 +85,7 @@ class Traffic:
             except Exception as exc:
                 self.statuses["error: " + type(exc).__name__] += 1
             sent += 1
-            time.sleep(0.01)
+            time.sleep(0.01)  # pacing: steady traffic at about 100 a second
 
     def __enter__(self) -> Traffic:
         self._thread.start()

@@ -83,7 +83,7 @@ def test_envoy_enforces_the_assigned_token_bucket_and_it_refills(
     tmp_path: Path,
 ) -> None:
     service, envoy = assigned(start_envoy, spawn_service, upstream, tmp_path)
-    time.sleep(1.1)  # 4 tokens per second, up to 4 stored
+    time.sleep(1.1)  # the subject: Envoy's bucket refills on its clock (4 a second, 4 stored)
     assert codes(envoy, "acme", 6) == [200] * 4 + [429] * 2
     denied = envoy.request("/api/x", {"x-tenant": "acme"})
     assert denied.status == 429 and denied.headers.get("x-ratelimit-by") == "rlqs"
@@ -118,12 +118,12 @@ def test_a_burst_below_the_rate_holds_few_tokens_and_refills_at_the_rate(
     envoy = start_envoy(bootstrap(config, service, upstream, "envoy-b"))
     assert codes(envoy, "bursty", 1) == [200]  # no assignment yet
     envoy.wait_for("the assignment", lambda: 429 in codes(envoy, "bursty", 6), timeout=10)
-    time.sleep(1.1)
+    time.sleep(1.1)  # the subject: Envoy's bucket refills on its clock (a pause, then a burst)
     assert codes(envoy, "bursty", 5) == [200] * 2 + [429] * 3
-    time.sleep(0.5)
+    time.sleep(0.5)  # refilling again before the steady part
     steady = []
     for _ in range(12):  # 6 a second for 2 s
-        time.sleep(1 / 6)
+        time.sleep(1 / 6)  # pacing: the steady rate is the subject
         steady.append(envoy.request("/api/x", {"x-tenant": "bursty"}).status)
     assert steady.count(200) >= 11, steady
 
@@ -142,7 +142,7 @@ def offer(envoy: Envoy, rate: float, seconds: float, results: list[int]) -> None
     for n in range(int(rate * seconds)):
         delay = start + n / rate - time.monotonic()
         if delay > 0:
-            time.sleep(delay)
+            time.sleep(delay)  # pacing: the offered rate is the subject
         results.append(envoy.request("/api/x", {"x-tenant": "shared"}).status)
 
 
@@ -185,7 +185,7 @@ def test_assignments_outlive_a_service_restart_and_envoy_reconnects(
     service, envoy = assigned(start_envoy, spawn_service, upstream, tmp_path)
     service.kill()
     # The token bucket Envoy holds still limits while the service is gone (TTL 15 s).
-    time.sleep(1.1)
+    time.sleep(1.1)  # the subject: Envoy's bucket refills on its own while the service is gone
     assert codes(envoy, "acme", 6) == [200] * 4 + [429] * 2
     service.start()
     # Envoy opens a new stream at its next report (every 5 s) and is answered again.
@@ -194,7 +194,7 @@ def test_assignments_outlive_a_service_restart_and_envoy_reconnects(
         lambda: scrape(service).get("ratelimit_rlqs_streams") == 1.0,
         timeout=12,
     )
-    time.sleep(1.1)
+    time.sleep(1.1)  # the subject: Envoy's bucket refills on its clock
     assert codes(envoy, "acme", 6) == [200] * 4 + [429] * 2
 
 
@@ -225,5 +225,5 @@ def test_a_period_of_several_units_through_a_real_envoy(
     passed = 0
     for _ in range(10):  # two seconds, a request every 0.2 s
         passed += codes(envoy, "acme", 1) == [200]
-        time.sleep(0.2)
+        time.sleep(0.2)  # pacing: the rate over the period is the subject
     assert passed <= 2  # 4 a second would have passed about 8

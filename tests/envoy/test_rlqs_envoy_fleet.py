@@ -138,7 +138,7 @@ def settled_pair(
 
 def sleep_until(start_s: float, offset: float) -> float:
     """Sleep until ``offset`` seconds after ``start_s`` (time.time()); returns now."""
-    time.sleep(max(0.0, start_s + offset - time.time()))
+    time.sleep(max(0.0, start_s + offset - time.time()))  # the scenario: steps at set offsets
     return time.time()
 
 

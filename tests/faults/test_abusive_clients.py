@@ -58,7 +58,7 @@ async def _slowloris(port: int, connections: int, seconds: float) -> None:
             if not writer.is_closing():
                 writer.write(request[index : index + 1])
         index += 1
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # pacing: a byte every 50 ms is the abuse
     for writer in writers:
         writer.close()
 
@@ -96,7 +96,7 @@ async def test_abusive_clients_beside_a_canary(tmp_path: Path) -> None:
     ).start()
     try:
         async with Probe(service.grpc_port, rate=100) as canary:
-            await asyncio.sleep(2.0)  # the control
+            await asyncio.sleep(2.0)  # the scenario: two seconds of control first
             abuse_at = canary.now()
             malformed, oversized = await _bad_requests(service.grpc_port)
             # The abusers run in a process of their own: the canary's client must not
@@ -107,7 +107,7 @@ async def test_abusive_clients_beside_a_canary(tmp_path: Path) -> None:
             abusers.start()
             await asyncio.to_thread(abusers.join, 60)
             assert abusers.exitcode == 0
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # the scenario: the canary goes on a second after it
         assert malformed is grpc.StatusCode.INVALID_ARGUMENT
         assert oversized is grpc.StatusCode.RESOURCE_EXHAUSTED
         outcomes = canary.outcomes(canary.calls)

@@ -56,7 +56,7 @@ async def _watch_rss(pid: int, samples: list[tuple[float, int]], every: float) -
     start = time.monotonic()
     while True:
         samples.append((time.monotonic() - start, rss_bytes(pid)))
-        await asyncio.sleep(every)
+        await asyncio.sleep(every)  # sampling period
 
 
 async def test_soak_over_many_keys_keeps_deadlines_and_memory(tmp_path: Path) -> None:
@@ -163,7 +163,7 @@ async def _canary(port: int, waits: list[float], stop: asyncio.Event) -> None:
             task = asyncio.ensure_future(one())
             pending.add(task)
             task.add_done_callback(pending.discard)
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # pacing: the load's rate
         await asyncio.gather(*pending)
 
 

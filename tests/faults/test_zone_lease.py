@@ -169,7 +169,7 @@ async def sample_for(zones: Zones, seconds: float, samples: Samples) -> None:
     while time.monotonic() < until:
         samples.aggregators.append(zones.aggregators())
         samples.ratios.append(zones.ratio())
-        await asyncio.sleep(SAMPLE_EVERY)
+        await asyncio.sleep(SAMPLE_EVERY)  # sampling period
 
 
 @pytest.mark.parametrize("fault", ["hung", "slow", "partitioned"])

@@ -184,7 +184,7 @@ def test_redis_restart_under_load(redis_server, fleet_dir: Path) -> None:
             task = asyncio.create_task(
                 drive(ports, [0.5, 0.3, 0.2], lambda t: 200, 11, "fleet", "k=v")
             )
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(2.5)  # the scenario: faults at set times of the load's timeline
             redis_server.stop()
             await asyncio.sleep(2.5)
             redis_server.start()
@@ -209,7 +209,7 @@ def test_frozen_redis_keeps_the_last_rate(redis_server, fleet_dir: Path) -> None
 
         async def scenario() -> Timeline:
             task = asyncio.create_task(drive(ports, [0.6, 0.4], lambda t: 200, 6, "fleet", "k=v"))
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(3.0)  # the scenario: faults at set times of the load's timeline
             redis_server.pause()
             await asyncio.sleep(2.0)
             redis_server.resume()

@@ -26,7 +26,7 @@ from ratelimit_service.testing.redis import RedisServer
 from ratelimit_service.testing.rlqs_sim import SimEnvoy, StreamingEnvoy
 from ratelimit_service.testing.waiting import eventually_async
 
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # starts processes; timing: run alone
 
 ZONE_INTERVAL = 0.5
 LIMIT = 1000
@@ -114,7 +114,7 @@ async def test_rlqs_zones_hold_one_limit_through_failures(zones) -> None:
             lambda: any(store_stat(r, "zone_global_away") for r in replicas.values()),
             timeout=10, what="an aggregator to see the global store away",
         )  # fmt: skip
-        for _ in range(3):
+        for _ in range(3):  # the subject: the limit holds, looked at over three seconds
             await asyncio.sleep(1.0)
             assert within(envoys, 0.85, 1.05)
         assert (zone_part(servers["a"], "a"), zone_part(servers["b"], "b")) == parts
@@ -139,7 +139,7 @@ async def test_rlqs_zones_hold_one_limit_through_failures(zones) -> None:
 
         # The replica comes back (its Envoys stay where they moved): nothing changes.
         replicas[leader].start()
-        await asyncio.sleep(2 * ZONE_INTERVAL)
+        await asyncio.sleep(2 * ZONE_INTERVAL)  # an absence (no lease taken back): nothing to await
         assert store_stat(replicas[leader], "zone_aggregating") == 0
         await eventually_async(lambda: within(envoys), timeout=30, what="the limit, still")
     finally:
@@ -164,7 +164,7 @@ async def offer(stubs: dict[str, rls_pb2_grpc.RateLimitServiceStub], rates: dict
     for step in range(round(seconds / tick)):
         for name, rate in rates.items():
             calls += [asyncio.ensure_future(one(stubs[name])) for _ in range(round(rate * tick))]
-        await asyncio.sleep(max(0.0, start + (step + 1) * tick - time.monotonic()))
+        await asyncio.sleep(max(0.0, start + (step + 1) * tick - time.monotonic()))  # pacing
     await asyncio.gather(*calls)
     return admitted
 

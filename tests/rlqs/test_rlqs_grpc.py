@@ -11,11 +11,14 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from google.protobuf import duration_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
 from ratelimit_service.testing.envoy import ServiceProcess
+from ratelimit_service.testing.waiting import eventually_async
 
 Usage = rlqs_pb2.RateLimitQuotaUsageReports.BucketQuotaUsage
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -92,11 +95,12 @@ async def test_two_streams_split_and_a_reload_applies_at_the_next_report(
     assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [10]  # alone
     assert tokens(await b.ask(report("q", {"tenant": "t"}))) == [5]  # two, just seen
     (Path(config) / "rules.yaml").write_text(RULES.replace("LIMIT", "40"))
-    for _ in range(50):
-        await asyncio.sleep(0.1)
+
+    def reloaded() -> bool:
         limits = service.service.limiter.config.domains["q"].root.defaults["tenant"].limits
-        if [limit.requests_per_unit for limit in limits] == [40]:
-            break
+        return [limit.requests_per_unit for limit in limits] == [40]
+
+    await eventually_async(reloaded, timeout=5, what="the edited limit loaded")
     assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [20]
     a.call.cancel()
     b.call.cancel()
@@ -118,6 +122,7 @@ async def test_close_streams_ends_every_stream_with_unavailable(
     assert service.service.quota.streams == 0
 
 
+@pytest.mark.slow  # starts a process
 async def test_sigterm_ends_rlqs_streams_with_a_status_and_at_once(
     write_config, tmp_path: Path
 ) -> None:
@@ -133,7 +138,10 @@ async def test_sigterm_ends_rlqs_streams_with_a_status_and_at_once(
             assert tokens(await stream.ask(report("q", {"tenant": "t"}))) == [10]
             started = time.monotonic()
             service.terminate()
-            await asyncio.sleep(0.3)  # draining: reports are still answered
+            await eventually_async(  # draining: reports are still answered
+                lambda: not_serving(channel), timeout=5, what="health NOT_SERVING",
+                ignore=(grpc.aio.AioRpcError,),
+            )  # fmt: skip
             assert tokens(await stream.ask(report("q", {"tenant": "t"}))) == [10]
             status = await asyncio.wait_for(stream.end(), 10)
             ended = time.monotonic() - started
@@ -147,6 +155,12 @@ async def test_sigterm_ends_rlqs_streams_with_a_status_and_at_once(
         print(service.log())
 
 
+async def not_serving(channel: grpc.aio.Channel) -> bool:
+    health = health_pb2_grpc.HealthStub(channel)
+    answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+    return bool(answer.status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 async def test_a_fleet_starting_together_is_not_held_to_one_token(
     start_service, write_config
 ) -> None:
@@ -158,7 +172,7 @@ async def test_a_fleet_starting_together_is_not_held_to_one_token(
     a, b = Stream(service.channel, "envoy-a"), Stream(service.channel, "envoy-b")
     assert tokens(await a.ask(report("q", {"tenant": "t"}))) == [10]  # alone
     assert tokens(await b.ask(report("q", {"tenant": "t"}))) == [5]  # just seen
-    await asyncio.sleep(0.6)  # a demand is measured over at least 0.5 s
+    await asyncio.sleep(0.6)  # the subject: a demand is measured over 0.5 s of real time
     assert tokens(await b.ask(report("q", {"tenant": "t"}, allowed=30))) == [5]
     a.call.cancel()
     b.call.cancel()

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.testing.fixtures import RunningService, make_request
+from ratelimit_service.testing.waiting import eventually_async
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -169,6 +170,13 @@ async def test_exactly_the_limit_is_admitted_serially(start: Starter, mode: Mode
     assert await codes(svc, 4, "d", [("k", "b")]) == [OK] * 3 + [OVER]
 
 
+async def after_syncs(svc: RunningService, count: int) -> None:
+    """Return once the service's reconciler has run ``count`` more syncs."""
+    reconciler = svc.service.reconciler
+    done = reconciler.syncs + count
+    await eventually_async(lambda: reconciler.syncs >= done, timeout=5, what=f"{count} syncs")
+
+
 async def test_probabilistic_first_burst_and_after_syncs_stay_within_limit(
     start: Starter,
 ) -> None:
@@ -177,7 +185,7 @@ async def test_probabilistic_first_burst_and_after_syncs_stay_within_limit(
     for _ in range(3):
         burst = await codes(svc, 15, "d", [("k", "burst")])
         admitted += burst.count(OK)
-        await asyncio.sleep(0.15)  # several syncs between bursts
+        await after_syncs(svc, 2)  # between bursts
     assert 1 <= admitted <= 3
     # A fresh bucket's first burst, before its first sync, gets at most its whole limit.
     first = await asyncio.gather(*(svc.call("d", [("fifty", "x")]) for _ in range(80)))
@@ -637,14 +645,17 @@ async def test_sync_interval_longer_than_stale_after_does_not_fail_open(
     start_service: Starter, write_config: Callable[..., Path]
 ) -> None:
     """A sync interval of 5 s is legal; the rules must keep limiting between syncs rather
-    than fall back to failure_mode (open: admit all) after stale_after's default 3 s."""
+    than fall back to failure_mode (open: admit all) once stale_after (here 0.2 s) has
+    passed."""
     config = write_config(RULES)
     try:
-        svc = await start_service(config, mode=Mode.PROBABILISTIC, sync_interval=5.0)
+        svc = await start_service(
+            config, mode=Mode.PROBABILISTIC, sync_interval=5.0, stale_after=0.2
+        )
     except ValueError:
         return  # refusing the combination is a fine answer too
     assert await codes(svc, 3, "d", [("two", "s")]) == [OK, OK, OVER]
-    await asyncio.sleep(3.3)
+    await asyncio.sleep(0.3)  # the subject: stale_after passes on the service's real clock
     assert await codes(svc, 3, "d", [("two", "s")]) == [OVER] * 3
 
 

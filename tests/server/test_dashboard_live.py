@@ -71,7 +71,7 @@ async def rls_load(port: int) -> None:
         request = make_request("dash", [("exact", "x")], [("prob", "y")])
         while True:
             await asyncio.gather(*(call(request, timeout=1) for _ in range(4)))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # pacing: the load's rate
 
 
 async def rlqs_load(port: int) -> None:
@@ -88,7 +88,7 @@ async def rlqs_load(port: int) -> None:
         while True:
             await stream.write(report)
             await stream.read()
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # pacing: Envoy's report period
 
 
 def rule_selectors() -> list[tuple[str, str]]:

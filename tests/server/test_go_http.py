@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -26,7 +25,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from ratelimit_service.server.app import RateLimitService, Settings
 from ratelimit_service.testing.fixtures import REPO, RunningService
 from ratelimit_service.testing.redis import free_port
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_service.testing.waiting import eventually, eventually_async
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -134,7 +133,7 @@ async def test_healthcheck_ok_then_500_while_stopping(start: Starter) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     svc.service.settings = replace(svc.service.settings, drain_timeout=0.5)
     stopping = asyncio.create_task(svc.service.stop(drain=True))
-    await asyncio.sleep(0.1)
+    await eventually_async(lambda: not svc.service.healthy(), timeout=5, what="stop begun")
     writer.write(request_bytes("GET", "/healthcheck"))
     await writer.drain()
     status, _, body = await read_reply(reader)
@@ -392,8 +391,10 @@ def test_serve_flags_and_environment(write_config: Callable[..., Path]) -> None:
         status, raw = _get(f"http://127.0.0.1:{debug_at}/rlconfig")
         assert status == 200 and b"d.k: unit=MINUTE" in raw
         process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        assert _get(f"http://127.0.0.1:{http_at}/healthcheck")[0] == 500
+        eventually(  # draining: the port still answers, with 500
+            lambda: _get(f"http://127.0.0.1:{http_at}/healthcheck")[0] == 500,
+            timeout=10, what="/healthcheck 500 while draining",
+        )  # fmt: skip
         assert process.wait(20) == 0
     finally:
         if process.poll() is None:
@@ -444,9 +445,11 @@ def test_http_port_shared_by_workers(write_config: Callable[..., Path], redis_se
     )  # fmt: skip
     try:
         wait_healthy(admin_at)
-        time.sleep(1.0)  # a worker that could not bind would have died by now
-        status, body = _get(f"http://127.0.0.1:{admin_at}/healthcheck")
-        assert (status, body) == (200, b"OK\nworkers: 2/2 serving\n")
+        eventually(  # a worker that could not bind would not be serving
+            lambda: _get(f"http://127.0.0.1:{admin_at}/healthcheck")
+            == (200, b"OK\nworkers: 2/2 serving\n"),
+            timeout=10, what="both workers serving",
+        )  # fmt: skip
         payload = json.dumps({"domain": "d", "descriptors": [one("big", "w")]}).encode()
         codes = [_get(f"http://127.0.0.1:{http_at}/json", payload)[0] for _ in range(12)]
         assert codes == [200] * 10 + [429] * 2

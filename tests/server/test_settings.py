@@ -46,6 +46,7 @@ def test_serve_with_no_flag_gives_the_declared_defaults(monkeypatch) -> None:
     assert settings == dataclasses.replace(Settings(), config_path="config/")
 
 
+@pytest.mark.slow  # starts a process
 def test_every_declared_setting_is_a_flag_of_serve_in_its_group() -> None:
     text = subprocess.run(
         [sys.executable, "-m", "ratelimit_service", "serve", "--config", "x", "--help"],
@@ -103,6 +104,7 @@ def _help(*command: str) -> str:
     ).stdout
 
 
+@pytest.mark.slow  # starts a process
 def test_version_and_plain_help_with_defaults_for_every_command() -> None:
     version = subprocess.run(
         [sys.executable, "-m", "ratelimit_service", "--version"],

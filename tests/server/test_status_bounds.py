@@ -93,7 +93,7 @@ async def _canary(port: int, waits: list[float], stop: asyncio.Event) -> None:
             task = asyncio.ensure_future(one())
             pending.add(task)
             task.add_done_callback(pending.discard)
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # pacing: the load's rate
         await asyncio.gather(*pending)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -19,6 +19,7 @@ from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
 from ratelimit_service.testing.redis import free_port
+from ratelimit_service.testing.waiting import eventually
 
 pytestmark = [
     pytest.mark.slow,  # starts processes
@@ -99,9 +100,11 @@ async def test_rotated_certificate_applies_to_new_connections(
     )
     port = svc.service.grpc_port
     assert await call(port, pki["ca"].cert) == 1
-    time.sleep(0.01)  # a distinct mtime
     shutil.copy(pki["server2"].cert, live / "tls.crt.new")
     shutil.copy(pki["server2"].key, live / "tls.key.new")
+    for name in ("tls.crt", "tls.key"):  # a distinct mtime, set rather than waited for
+        was = (live / name).stat().st_mtime_ns
+        os.utime(live / f"{name}.new", ns=(was, was + 1_000_000_000))
     os.replace(live / "tls.key.new", live / "tls.key")
     os.replace(live / "tls.crt.new", live / "tls.crt")
     assert await call(port, pki["other"].cert) == 1  # the new chain is served
@@ -142,7 +145,8 @@ def _redis(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
          *[a.replace("{port}", str(port)) for a in args]],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    time.sleep(0.3)
+    eventually(lambda: socket.create_connection(("127.0.0.1", port), 1).close() is None,
+               timeout=10, what="redis-server listening")  # fmt: skip
     return process, port
 
 

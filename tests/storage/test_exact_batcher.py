@@ -15,6 +15,7 @@ from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.testing.fixtures import window_slices
+from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
@@ -137,7 +138,7 @@ async def test_hits_held_back_in_a_call_count_when_slices_are_read(
 
     try:
         await store.hit([ExactHit("w", 5, 1, 3)], True)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the subject: slices leaving a window on Redis's clock
         calls = store.stats()["exact_batches"]
         results = await burst(6)  # two fit; the four denied read the slices
         assert store.stats()["exact_batches"] == calls + 2
@@ -299,7 +300,7 @@ async def test_closing_the_store_fails_a_held_batch_instead_of_sending_it(
     await store.close()
     with pytest.raises(StoreUnavailable, match="closed"):
         await held
-    await asyncio.sleep(0.2)  # past the hold: nothing was sent after all
+    await asyncio.sleep(0.2)  # past the hold (an absence: no condition to await)
     raw = aioredis.Redis.from_url(redis_server.url)
     try:
         assert await raw.exists(store._exact_key("gone", 60)) == 0
@@ -328,7 +329,7 @@ def test_a_deadline_already_past_arms_the_timer_under_uvloop() -> None:
         batcher._arm(loop, loop.time() - 1.0)  # past: a plain Handle
         batcher._arm(loop, loop.time() - 2.0)  # earlier still: replaces it
         batcher._arm(loop, loop.time() + 5.0)  # later: kept as it is
-        await asyncio.sleep(0.01)
+        await eventually_async(lambda: fired, timeout=5, what="the timer fired")
         return len(fired)
 
     assert uvloop.run(arm_twice()) == 1

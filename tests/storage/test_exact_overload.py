@@ -14,6 +14,7 @@ import pytest
 
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.testing.fixtures import make_request
+from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
@@ -57,7 +58,10 @@ async def test_requests_past_the_bound_are_refused_or_denied_never_admitted(
             asyncio.ensure_future(stub.ShouldRateLimit(make_request("over", [("open", "a")])))
             for _ in range(2)
         ]
-        await asyncio.sleep(0.3)  # both wait for the frozen Redis: the bound is reached
+        store = service.service.store
+        await eventually_async(  # both wait for the frozen Redis: the bound is reached
+            lambda: store.stats()["exact_pending"] >= 2, timeout=5, what="two pending"
+        )
         assert not any(call.done() for call in stuck)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.ShouldRateLimit(make_request("over", [("open", "b")]), timeout=1)

@@ -139,7 +139,7 @@ async def test_owed_hits_sent_again_keep_their_first_time(redis_server) -> None:
         with pytest.raises(StoreUnavailable):
             await store.hit(short, True, owe=True)
         for _ in range(12):  # 1.2 s of failing calls, each carrying the owed hit again
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the subject: the hit's 1 s window passes meanwhile
             with pytest.raises(StoreUnavailable):
                 await store.hit(short, False)
         redis_server.start()

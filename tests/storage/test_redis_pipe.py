@@ -50,15 +50,13 @@ async def test_selects_the_database_in_the_url(redis_server) -> None:
         await store.close()
 
 
+@pytest.mark.slow  # starts a process
 async def test_unix_socket(tmp_path: Path) -> None:
     sock = tmp_path / "redis.sock"
     port = 0  # no TCP listener at all
     process = spawn_redis(port, tmp_path / "unix", "--unixsocket", str(sock))
     try:
-        for _ in range(100):
-            if sock.exists():
-                break
-            await asyncio.sleep(0.05)
+        await eventually_async(sock.exists, timeout=5, what="redis-server's socket")
         store = RedisStore(f"unix://{sock}?db=0", request_timeout=1)
         results = [(await store.hit(HIT, True))[0].remaining for _ in range(3)]
         assert results == [4, 3, 2]
@@ -76,7 +74,7 @@ async def test_waiters_hear_a_lost_connection_and_the_next_call_reconnects(
         await store.hit(HIT, True)
         redis_server.pause()
         pending = [asyncio.ensure_future(store.hit(HIT, True)) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        await eventually_async(lambda: store.calls >= 2, timeout=5, what="the hits sent")
         started = time.monotonic()
         redis_server.stop()  # killed while paused: the connection is reset
         outcomes = await asyncio.gather(*pending, return_exceptions=True)
@@ -104,7 +102,7 @@ async def test_a_silent_connection_is_dropped_and_opens_the_breaker(redis_server
         with pytest.raises(StoreUnavailable, match="silent for longer"):
             await store.hit(HIT, True)  # 0.1 s of silence: it would wait in vain
         assert store.stats()["exact_hopeless"] == 1
-        await asyncio.sleep(0.2)  # 0.3 s of silence in all
+        await asyncio.sleep(0.2)  # the subject: 0.3 s of silence in all
         with pytest.raises(StoreUnavailable, match="circuit open"):
             await store.hit(HIT, True)  # its look finds 0.3 s: dropped, the breaker open
         assert store.stats()["silences"] == 1
@@ -130,7 +128,7 @@ async def test_a_queued_request_waits_until_its_own_deadline_not_longer(
         await store.hit(HIT, True)
         redis_server.pause()
         first = asyncio.ensure_future(store.hit(HIT, True))  # in flight, never answered
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the subject: 0.1 s queued counts against its deadline
         started = time.monotonic()
         with pytest.raises(StoreUnavailable):
             await store.hit(HIT, True)  # queued behind it for 0.1 s, then sent
@@ -160,7 +158,7 @@ async def test_calls_in_flight_each_fail_at_their_own_deadline(redis_server) -> 
         redis_server.pause()
         started = loop.time()
         older = asyncio.ensure_future(timed("older"))
-        await asyncio.sleep(0.15)
+        await asyncio.sleep(0.15)  # the subject: two deadlines 0.15 s apart
         newer = asyncio.ensure_future(timed("newer"))
         await asyncio.gather(older, newer)
         assert 0.25 < failed_at["older"] - started < 0.4
@@ -179,7 +177,7 @@ async def test_an_answered_call_s_deadline_does_not_let_a_queued_call_past_the_c
     store = RedisStore(redis_server.url, request_timeout=0.3)
     try:
         await store.hit(HIT, True)  # answered at once; its timer fires 0.3 s from now
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the subject: the timer's due time, 0.2 s ahead now
         redis_server.pause()
         in_flight = asyncio.ensure_future(store.hit(HIT, True))  # stuck until 0.4 s
         queued = asyncio.ensure_future(store.hit(HIT, True))  # waits for the slot
@@ -221,7 +219,7 @@ async def test_a_reply_that_came_while_the_loop_was_blocked_is_used(redis_server
         for _ in range(5):
             call = asyncio.ensure_future(store.hit(HIT, True))
             await asyncio.sleep(0)  # the call is written
-            time.sleep(0.2)  # blocked: four times the deadline
+            time.sleep(0.2)  # the subject: the loop blocked for four times the deadline
             results = await call
             assert results[0].admitted is not None
         stats = store.stats()

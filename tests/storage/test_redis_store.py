@@ -101,7 +101,9 @@ async def test_sliding_window_has_no_edge_burst(store: RedisStore) -> None:
     """A 1 s window: hits admitted late in one second block the start of the next."""
     admitted = [(await store.hit([ExactHit("edge", 5, 1, 1)], True))[0].admitted for _ in range(5)]
     assert admitted == [True] * 5
-    await asyncio.sleep(0.5)  # a fixed window aligned to seconds may have rolled over here
+    # The subject is the window on Redis's clock (TIME), so real time passes: here a
+    # fixed window aligned to seconds may have rolled over.
+    await asyncio.sleep(0.5)
     later = [(await store.hit([ExactHit("edge", 5, 1, 1)], True))[0].admitted for _ in range(3)]
     assert later == [False, False, False]
     await asyncio.sleep(0.6)  # now more than a window (plus one slice) after the first hits
@@ -123,10 +125,10 @@ async def test_fleet_sync_token_bucket(store: RedisStore) -> None:
     # a new bucket holds its capacity: the whole limit
     assert 9.0 <= first.views[0].tokens <= 11.5  # 100 - 90, plus a few ms of refill
     assert first.views[0].offered_total == 150
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # the subject: a refill on Redis's clock (TIME)
     second = await store.sync([BucketReport("b", 100, 1, offered=10, admitted=0)], 0.25)
     assert 25.0 <= second.views[0].tokens <= 45.0  # refilled at 100/s for ~0.2 s
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(1.0)  # a whole window on Redis's clock: refilled to the brim
     full = await store.sync([BucketReport("b", 100, 1, offered=0, admitted=0)], 0.25)
     assert full.views[0].tokens == 100.0  # never above the capacity
     assert second.views[0].offered_total == 160
@@ -184,19 +186,20 @@ async def test_paused_redis_times_out_within_bound(redis_server) -> None:
         assert not store.breaker.open  # late replies are not evidence: still closed
         # Calls go on failing until nothing has come back for 0.2 s: then the
         # connection counts as dead, and the circuit opens.
-        deadline = time.monotonic() + 2.0
-        while not store.breaker.open and time.monotonic() < deadline:
+
+        async def failed_until_open() -> bool:
             with pytest.raises(StoreUnavailable):
                 await store.hit([ExactHit("k", 5, 60, 1)], True)
-            await asyncio.sleep(0.01)
-        assert store.breaker.open and store.stats()["silences"] == 1
+            return store.breaker.open
+
+        await eventually_async(failed_until_open, timeout=2, what="the circuit open")
+        assert store.stats()["silences"] == 1
         # The circuit is open now: the next call fails at once, without waiting.
         started = time.monotonic()
         with pytest.raises(StoreUnavailable, match="circuit open"):
             await store.hit([ExactHit("k", 5, 60, 1)], True)
         assert time.monotonic() - started < 0.01
         with pytest.raises(StoreUnavailable):
-            await asyncio.sleep(0.1)
             await store.sync([], 0.25)
     finally:
         redis_server.resume()
@@ -235,7 +238,7 @@ async def test_memory_per_window_key(store: RedisStore, redis_server) -> None:
     first and last); its memory stays small (README figure)."""
     for _ in range(200):
         await store.hit([ExactHit("busy", 10**6, 1, 1)], True)
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0.005)  # pacing: the hits spread over the window's slices
     raw = aioredis.Redis.from_url(redis_server.url)
     try:
         key = store._exact_key("busy", 1)
@@ -263,11 +266,13 @@ async def test_a_timeout_keeps_the_connection(redis_server) -> None:
         redis_server.pause()
         with pytest.raises(StoreUnavailable):
             await store.hit([ExactHit("k", 5, 60, 1)], True)
-        await asyncio.sleep(0.1)
         redis_server.resume()
-        await asyncio.sleep(0.2)  # the shielded command completes now
-        result = await store.hit([ExactHit("k", 5, 60, 0)], True)
-        assert result[0].before == 2  # the late command did run, once
+
+        async def counted() -> int:
+            return (await store.hit([ExactHit("k", 5, 60, 0)], True))[0].before
+
+        # the shielded command completes now: the late command did run, once
+        assert await eventually_async(counted, timeout=5, what="the late command") == 2
         after = int((await raw.info("stats"))["total_connections_received"])
         assert after - before <= 1  # at most our own INFO connection was added
     finally:
@@ -295,7 +300,7 @@ async def test_bookkeeping_follows_expiry(store: RedisStore, redis_server) -> No
         for _ in range(5):
             await store.hit([ExactHit("exp", 100, 1, 1)], True)
         assert await check() == 5
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.4)  # the subject: slices expiring on Redis's clock (TIME)
         for _ in range(3):
             await store.hit([ExactHit("exp", 100, 1, 2)], True)
         assert await check() == 11

@@ -8,6 +8,7 @@ import asyncio
 import math
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ import pytest
 
 from ratelimit_service.cli.main import main
 from ratelimit_service.testing.prometheus import Prometheus, prometheus_missing
+from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_service.tune.prometheus import PrometheusClient, PrometheusError
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -30,6 +33,19 @@ descriptors:
       unit: second
       requests_per_unit: 10
 """
+
+
+async def scraped(prometheus: Prometheus, hits: int) -> None:
+    """Return once Prometheus holds a scrape of at least ``hits`` hits (queried off the
+    loop: the service on this loop answers the scrapes)."""
+    client = PrometheusClient(prometheus.url, timeout=5)
+    query = "sum(ratelimit_service_rate_limit_total_hits_total)"
+
+    async def seen() -> bool:
+        series = await asyncio.to_thread(client.query, query, time.time())
+        return bool(series) and series[0].points[-1][1] >= hits
+
+    await eventually_async(seen, timeout=30, what=f"{hits} hits scraped", ignore=(PrometheusError,))
 
 
 @pytest.mark.slow
@@ -51,11 +67,11 @@ async def test_tune_reads_what_prometheus_scraped_from_a_service_under_load(
     try:
         probe = [("api", "probe")]
         await service.call("live", probe)  # the series exist before the load
-        await asyncio.sleep(1.5)
+        await scraped(prometheus, 1)
         for _ in range(6):  # bursts of 25, 1.2 s apart: 10 within the limit, 15 over
             await asyncio.gather(*(service.call("live", probe) for _ in range(25)))
-            await asyncio.sleep(1.2)
-        await asyncio.sleep(2.2)  # the last burst scraped
+            await asyncio.sleep(1.2)  # pacing: one burst a scrape or so is the subject
+        await scraped(prometheus, 1 + 6 * 25)  # the last burst scraped
         flags = ["--window", "1m", "--min-samples", "3"]
         code = await asyncio.to_thread(
             main, ["tune", "--prometheus", prometheus.url, "--config", str(config), *flags]
