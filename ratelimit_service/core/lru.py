@@ -56,6 +56,11 @@ class LruMap(Generic[V]):
                     removed += 1
             yield removed
 
+    def items(self) -> list[tuple[str, V]]:
+        """Every entry, least recently used first: a copy, which stays valid while the
+        map changes."""
+        return list(self._data.items())
+
     def __len__(self) -> int:
         return len(self._data)
 

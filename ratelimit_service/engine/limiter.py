@@ -457,13 +457,24 @@ class RateLimiter:
             rule.within_limit += hits
             if before + hits > step.near:
                 rule.near_limit += near_hits(step.near, before, hits)
+                if step.exact:
+                    self._near_key(step, before + hits)
             return
         rule.over_limit += hits
+        if step.exact and not step.zero and before + hits > step.requests_per_unit:
+            self._near_key(step, before + hits)  # over by the store's count, not by failure_mode
         if not step.quota and not step.enforce:  # shadow
             rule.shadow_mode += hits  # would have been denied; reported OK
         else:
             status.code = _OVER
             status.remaining = 0
+
+    def _near_key(self, step: _Step, used: int) -> None:
+        """An exact key near or over its limit, for the status page (probabilistic
+        buckets are in the process already)."""
+        self.stats.near_key(
+            step.bucket_key, step.stats_key, used, step.requests_per_unit, step.window_seconds
+        )
 
     def _finish(
         self, statuses: list[DescriptorStatus], taken: list[tuple[ProbabilisticBucket, int]]

@@ -19,6 +19,7 @@ the loop 1.2 s, and every call arriving meanwhile waited as long.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
 from typing import cast
@@ -33,6 +34,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString as _untyped_go_float
 
 from ratelimit_service.core.histogram import Histogram
+from ratelimit_service.core.lru import LruMap
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,26 @@ class RuleStats:
         (refused with RESOURCE_EXHAUSTED, or denied by failure_mode: closed)."""
 
 
+NEAR_KEYS = 1_000
+"""Exact-mode keys remembered as near or over their limit, the least recently seen
+forgotten first (the status page's closest keys: their counts live in the store)."""
+
+
+class NearKey:
+    """An exact-mode key as last seen near or over its limit."""
+
+    __slots__ = ("limit", "rule", "seen", "used", "window_seconds")
+
+    def __init__(self) -> None:
+        self.rule = ""
+        self.used = 0
+        """Hits in the window after the call, at most the limit."""
+        self.limit = 0
+        self.window_seconds = 0
+        self.seen = 0.0
+        """time.monotonic() of the call."""
+
+
 class Stats:
     """All service counters. The number of distinct stats keys is bounded: keys past
     ``max_keys`` (per-request overrides or detailed_metric on high-cardinality values)
@@ -94,6 +116,17 @@ class Stats:
         self.config_load_success = 0
         self.config_load_error = 0
         self.latency = Histogram()
+        self.near_keys: LruMap[NearKey] = LruMap(NEAR_KEYS)
+
+    def near_key(self, key: str, rule: str, used: int, limit: int, window_seconds: int) -> None:
+        """Remember an exact-mode key seen near or over its limit (only such calls pay
+        for it: a map update, no allocation once the key is known)."""
+        entry = self.near_keys.get_or_create(key, NearKey)
+        entry.rule = rule
+        entry.used = used if used < limit else limit
+        entry.limit = limit
+        entry.window_seconds = window_seconds
+        entry.seen = time.monotonic()
 
     def rule(self, key: str) -> RuleStats:
         stats = self.rules.get(key)

@@ -8,8 +8,9 @@ one read-only snapshot of what the engine already tracks, for a person at a brow
 - **Keys closest to their limit**: probabilistic buckets (the share of the fleet's
   token bucket in use, as this process last synced it less what it admitted since) and
   RLQS counters (the fleet's allowed hits in the window; for a rule per second, the
-  fleet's demand over the limit). Exact windows are counted in the store (Redis), not
-  here: their rules' near-limit counts show them.
+  fleet's demand over the limit), and exact keys as last seen near or over their limit
+  within their window (their windows are counted in the store: the engine remembers the
+  last 1,000 such keys, Stats.near_keys, and only calls near the limit pay for it).
 - **State**: the store's figures (its circuit breaker among them), the reconciler, the
   zone's aggregator.
 - **RLQS**: the Envoys that report here, with their demand and the share assigned to
@@ -41,7 +42,7 @@ from ratelimit_service.engine.background import result_in_stretches
 from ratelimit_service.engine.quota import CounterView, QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.state_metrics import readable_bucket
-from ratelimit_service.engine.stats import SLICE, Stats
+from ratelimit_service.engine.stats import SLICE, NearKey, Stats
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.storage.base import Store
 
@@ -208,7 +209,7 @@ class StatusBoard:
                 yield None
             else:
                 views.append(view)
-        keys = yield from _closest_keys(src.local, views)
+        keys = yield from _closest_keys(src.local, src.stats.near_keys.items(), views, now)
         envoys = yield from _envoys(views)
         return {
             "generated_at": round(self._wall(), 3),
@@ -338,8 +339,12 @@ def _rule_row(
     return row
 
 
-def _closest_keys(local: LocalBuckets, views: list[CounterView]) -> Work[Json]:
-    """The TOP keys with the largest share of their limit in use."""
+def _closest_keys(
+    local: LocalBuckets, near_keys: list[tuple[str, NearKey]], views: list[CounterView], now: float
+) -> Work[Json]:
+    """The TOP keys with the largest share of their limit in use: probabilistic buckets,
+    exact keys last seen near or over their limit (Stats.near_keys: ``used`` as of that
+    call), RLQS counters."""
     top: Top[Json] = Top()
     for count, bucket in enumerate(local.buckets(), 1):
         if bucket.capacity > 0:
@@ -348,10 +353,19 @@ def _closest_keys(local: LocalBuckets, views: list[CounterView]) -> Work[Json]:
             if top.wants(rank):
                 row = _key_row(bucket.key, bucket.rule, "probabilistic", rank)
                 row["limit"] = f"{bucket.limit}/{_period(bucket.window_seconds)}"
-                row["drop_ratio"] = _num(1.0 if bucket.credit < 1 else bucket.ratio)
+                row["drop_ratio"] = _num(1.0 if local.credit(bucket) < 1 else bucket.ratio)
                 top.keep(rank, row)
         if count % SLICE == 0:
             yield None
+    for key, near in near_keys:
+        # Seen within its window: its count has not yet drained away.
+        if now - near.seen < near.window_seconds:
+            rank = (near.used / near.limit, 0.0)
+            if top.wants(rank):
+                row = _key_row(key, near.rule, "exact", rank)
+                row["limit"] = f"{near.limit}/{_period(near.window_seconds)}"
+                row["rate"] = None  # counted in the store: no rate in the process
+                top.keep(rank, row)
     for view in views:
         limit = view.limit
         if limit.requests_per_unit <= 0:

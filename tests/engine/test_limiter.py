@@ -470,6 +470,21 @@ async def test_store_unavailable_applies_failure_mode() -> None:
     rules = limiter.stats.rules
     assert (rules["d.open"].failure_mode_allowed, rules["d.open"].failure_mode_denied) == (1, 0)
     assert (rules["d.closed"].failure_mode_allowed, rules["d.closed"].failure_mode_denied) == (0, 1)
+    assert len(limiter.stats.near_keys) == 0  # denied by failure_mode, not by a count
+
+
+async def test_exact_keys_near_or_over_their_limit_are_remembered_with_their_count() -> None:
+    clock = Clock()
+    limiter = RateLimiter(config(), EmbeddedStore(clock=clock), clock=clock, draw=Draw())
+    for _ in range(4):  # 4 of 5: up to the near-limit mark (80 %), not past it
+        await limiter.should_rate_limit(Request("d", [_parse("open=1")]))
+    assert len(limiter.stats.near_keys) == 0
+    await limiter.should_rate_limit(Request("d", [_parse("open=1")]))
+    ((key, near),) = limiter.stats.near_keys.items()
+    assert (near.rule, near.used, near.limit, near.window_seconds) == ("d.open", 5, 5, 60)
+    for _ in range(2):  # denied: over the limit, shown at the limit
+        await limiter.should_rate_limit(Request("d", [_parse("open=1")]))
+    assert [(k, n.used) for k, n in limiter.stats.near_keys.items()] == [(key, 5)]
 
 
 def _bucket(h: Harness, key: str) -> ProbabilisticBucket:

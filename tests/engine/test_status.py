@@ -186,6 +186,19 @@ async def test_rlqs_envoys_show_the_demand_and_share_the_coordinator_holds() -> 
     assert snapshot["rlqs"]["streams"] == 0 and snapshot["rlqs"]["reports"] == 4
 
 
+async def test_exact_keys_show_while_their_window_may_still_hold_their_count() -> None:
+    status, clock = board()
+    near = status.sources.stats.near_keys
+    status.sources.stats.near_key("d\x1fk\x1e1\x1f60", "d.k", 7, 5, 60)
+    near.items()[0][1].seen = clock.now - 30  # seen half a window ago
+    (row,) = [row for row in (await status.snapshot())["keys"]["rows"] if row["kind"] == "exact"]
+    assert (row["rule"], row["used"], row["limit"]) == ("d.k", 1.0, "5/minute")  # capped
+    near.items()[0][1].seen = clock.now - 60  # a whole window ago: drained
+    clock.now += FRESH_FOR
+    rows_now = (await status.snapshot())["keys"]["rows"]
+    assert [row for row in rows_now if row["kind"] == "exact"] == []
+
+
 async def test_store_and_reconciler_state() -> None:
     status, _ = board()
     snapshot = await status.snapshot()

@@ -181,6 +181,11 @@ async def test_status_json_after_real_traffic(write_config: Any, start_service: 
         "100/minute",
     )
     assert bucket["used"] == 0.04  # 4 of the 100 the bucket holds
+    exact = keys["d.k=1/60s"]  # seen over its limit: its count as the store answered
+    assert (exact["kind"], exact["rule"], exact["limit"], exact["used"]) == (
+        "exact", "d.k", "5/minute", 1.0,
+    )  # fmt: skip
+    assert [row["kind"] for row in status["keys"]["rows"][:1]] == ["exact"]  # the closest
     counter = keys["d.tenant=t/86400s"]
     assert (counter["kind"], counter["limit"]) == ("rlqs", "86400/day")
 
