@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.exact import denies
+from ratelimit_service.core.exact import HitRole, denies
 from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus
 
 NEAR_LIMIT_RATIO = 0.8
@@ -54,36 +54,56 @@ def near_hits(threshold: int, before: int, hits: int) -> int:
     return hits if before >= threshold else after - threshold
 
 
-def overall_code(statuses: Sequence[DescriptorStatus]) -> Code:
-    """OVER_LIMIT when the statuses deny the request (core/exact.py :func:`denies`): a
-    shadow descriptor's status is OK, so an over status that is not quota enforces."""
-    enforce_over = quota_seen = quota_admitted = False
+def role_of(limit: RateLimit) -> HitRole:
+    """What a rule's verdict does to the request: a shadow rule never denies (a rule
+    both shadow and quota is shadow), a quota rule denies only with every other quota
+    rule of the request, any other rule denies alone."""
+    if limit.shadow_mode:
+        return HitRole.SHADOW
+    if limit.quota_mode:
+        return HitRole.QUOTA
+    return HitRole.ENFORCE
+
+
+def verdict(statuses: Sequence[DescriptorStatus]) -> tuple[Code, DescriptorStatus | None]:
+    """The answer's overall code and the status of the rule that decided it, in one
+    pass. OVER_LIMIT when the statuses deny the request (core/exact.py :func:`denies`:
+    an enforcing descriptor over, or every quota descriptor over; a shadow descriptor's
+    status is always OK). The deciding rule: on a denial, the last enforcing descriptor
+    over, else the last quota descriptor over; otherwise the limited descriptor with the
+    least remaining, the first of equals (the rule nearest to denying, as
+    envoyproxy/ratelimit picks the descriptor its rate-limit headers report). None when
+    no descriptor has a limit."""
+    nearest = enforce_over = quota_over = None
+    quota_admitted = False
     for status in statuses:
         limit = status.limit
-        if limit is not None and limit.quota_mode:
-            quota_seen = True
-            quota_admitted = quota_admitted or status.code is not _OVER
+        if limit is None:
+            continue
+        if nearest is None or status.remaining < nearest.remaining:
+            nearest = status
+        if role_of(limit) is HitRole.QUOTA:
+            if status.code is _OVER:
+                quota_over = status
+            else:
+                quota_admitted = True
         elif status.code is _OVER:
-            enforce_over = True
-            break
-    return _OVER if denies(enforce_over, quota_seen, quota_admitted) else _OK
+            enforce_over = status
+    quota_seen = quota_admitted or quota_over is not None
+    if denies(enforce_over is not None, quota_seen, quota_admitted):
+        return _OVER, enforce_over or quota_over
+    return _OK, nearest
+
+
+def overall_code(statuses: Sequence[DescriptorStatus]) -> Code:
+    """The answer's overall code (:func:`verdict`)."""
+    return verdict(statuses)[0]
 
 
 def deciding_status(statuses: Sequence[DescriptorStatus]) -> DescriptorStatus | None:
-    """The status of the rule that decided the answer: the last over-limit descriptor
-    not in quota mode; else the limited descriptor with the least remaining (on an OK,
-    the rule nearest to denying; when every quota descriptor is over, one of them).
-    None when no descriptor has a finite limit. The rate-limit headers report it too,
-    as envoyproxy/ratelimit chooses the descriptor they report."""
-    chosen: DescriptorStatus | None = None
-    for status in statuses:
-        if status.limit is not None and (chosen is None or status.remaining < chosen.remaining):
-            chosen = status
-    for status in statuses:
-        limit = status.limit
-        if status.code is _OVER and limit is not None and not limit.quota_mode:
-            chosen = status
-    return chosen
+    """The status of the rule that decided the answer (:func:`verdict`); the
+    rate-limit headers report it too."""
+    return verdict(statuses)[1]
 
 
 def rule_name(limit: RateLimit) -> str:

@@ -175,6 +175,11 @@ class ProbabilisticBucket:
         last sync, less what this process admitted since."""
         return max(0, int(self.tokens) - self.admitted)
 
+    def used(self) -> int:
+        """Hits the fleet has taken from the bucket as this process sees it: its capacity
+        (the limit, or the burst) less :meth:`remaining`."""
+        return max(0, int(self.capacity) - self.remaining())
+
     def reset_estimate(self, now: float) -> float:
         """Seconds until the bucket would be full again with no more traffic."""
         missing = self.capacity - self.tokens + self.admitted
@@ -374,9 +379,14 @@ class LocalBuckets:
             return max(bucket.credit, bucket.grant)
         return bucket.credit
 
+    def drop_ratio(self, bucket: ProbabilisticBucket) -> float:
+        """The share of calls ``bucket`` drops now: every call while it has no credit
+        left, else its ratio (what metrics and the status page report)."""
+        return 1.0 if self.credit(bucket) < 1 else bucket.ratio
+
     def _catch_up(self, bucket: ProbabilisticBucket) -> None:
         """Grant ``bucket`` the renewal(s) it missed since it was last touched."""
-        bucket.credit = max(bucket.credit, bucket.grant)
+        bucket.credit = self.credit(bucket)
         bucket.renewed = self.renewals
 
     def forgive(self, reports: list[BucketReport]) -> None:

@@ -9,6 +9,9 @@ this process's bucket, if it has one, without creating or touching it.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 from ratelimit_service.core.config_model import Mode, RateLimit
 from ratelimit_service.core.exact import ExactHit, HitRole
 from ratelimit_service.core.explain import DescriptorReport, Explanation, RuleState
@@ -16,6 +19,10 @@ from ratelimit_service.core.matching import Match
 from ratelimit_service.core.request import Request, validate
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.storage.base import StoreOverloaded, StoreUnavailable
+
+EXPLAIN_BUDGET = 1.0
+"""Seconds the store may take to answer an explanation's checks (a store that hangs
+costs the page that long, not a store timeout per rule)."""
 
 
 async def explain(limiter: RateLimiter, request: Request, counts: bool = True) -> Explanation:
@@ -27,34 +34,51 @@ async def explain(limiter: RateLimiter, request: Request, counts: bool = True) -
     if domain is None:
         empty = tuple(DescriptorReport(d.entries, ()) for d in request.descriptors)
         return Explanation(request.domain, False, empty)
+    matched = limiter.matches(domain, request.descriptors)
+    exact = await _exact_counts(limiter, matched) if counts else {}
     reports = []
-    for descriptor, kept in zip(
-        request.descriptors, limiter.matches(domain, request.descriptors), strict=True
-    ):
+    for descriptor, kept in zip(request.descriptors, matched, strict=True):
         rules = []
         for limit, match in kept:
-            count = await _count(limiter, limit, match) if counts else None
+            count = _count(limiter, limit, match, exact) if counts else None
             rules.append(RuleState.of(limit, count))
         reports.append(DescriptorReport(descriptor.entries, tuple(rules)))
     return Explanation(request.domain, True, tuple(reports))
 
 
-async def _count(limiter: RateLimiter, limit: RateLimit, match: Match) -> int | None:
+async def _exact_counts(
+    limiter: RateLimiter, matched: Sequence[Sequence[tuple[RateLimit, Match]]]
+) -> dict[str, int]:
+    """Hits in the window of every exact rule matched, by bucket key: one check-only
+    call to the store (nothing committed), within EXPLAIN_BUDGET; empty when the store
+    does not answer."""
+    checks = {
+        match.bucket_key: ExactHit(
+            match.bucket_key, limit.requests_per_unit, limit.window_seconds, 0, HitRole.SHADOW
+        )
+        for kept in matched
+        for limit, match in kept
+        if limit.mode is Mode.EXACT and not limit.unlimited and limit.requests_per_unit > 0
+    }
+    if not checks:
+        return {}
+    deadline = asyncio.get_running_loop().time() + EXPLAIN_BUDGET
+    try:
+        results = await limiter.store.hit(list(checks.values()), commit=False, deadline=deadline)
+    except (StoreUnavailable, StoreOverloaded):
+        return {}
+    return {key: result.before for key, result in zip(checks, results, strict=True)}
+
+
+def _count(
+    limiter: RateLimiter, limit: RateLimit, match: Match, exact: dict[str, int]
+) -> int | None:
     """Hits in the rule's current window, or None when not known."""
     if limit.unlimited:
         return None
     if limit.requests_per_unit == 0:
         return 0  # decided in the process, never counted
     if limit.mode is Mode.EXACT:
-        check = ExactHit(
-            match.bucket_key, limit.requests_per_unit, limit.window_seconds, 0, HitRole.SHADOW
-        )
-        try:
-            results = await limiter.store.hit([check], commit=False)
-        except (StoreUnavailable, StoreOverloaded):
-            return None
-        return results[0].before
+        return exact.get(match.bucket_key)
     bucket = limiter.local.peek(match.bucket_key)
-    if bucket is None:
-        return 0
-    return max(0, limit.requests_per_unit - bucket.remaining())
+    return 0 if bucket is None else bucket.used()

@@ -26,6 +26,7 @@ from ratelimit_service.core.decision import (
     near_hits,
     near_threshold,
     overall_code,
+    role_of,
 )
 from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, denies, request_denied
 from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
@@ -101,7 +102,7 @@ class _Step:
         self.zero = limit.requests_per_unit == 0
         """A limit of 0 denies every hit: decided in the process in every mode, with
         no bucket and no store (so a store that is away cannot turn it into an OK)."""
-        self.role = _role(limit)
+        self.role = role_of(limit)
         self.enforce = self.role is HitRole.ENFORCE
         self.quota = self.role is HitRole.QUOTA
         self.fail_open = limit.failure_mode is FailureMode.OPEN
@@ -284,13 +285,18 @@ class RateLimiter:
             return Response(_OK, statuses)
         return self._finish(statuses, taken)
 
-    @staticmethod
-    def rules_of(request: Request) -> list[tuple[int, str]]:
-        """(descriptor index, stats key) of every rule the request matched when it was
-        last decided, in descriptor order (tracing names them)."""
+    def rules_of(self, request: Request) -> list[tuple[int, str]]:
+        """(descriptor index, stats key) of every rule the request matches, in
+        descriptor order (tracing names them): from its plan when it was decided with
+        one, else matched now (a request parsed again: too large to be kept, or the
+        config reloaded)."""
         plan = request.plan
-        if not isinstance(plan, _Plan):
-            return []
+        if not isinstance(plan, _Plan) or plan.config is not self.config:
+            try:
+                validate(request, self.bounds)
+            except ValueError:
+                return []  # answered INVALID_ARGUMENT: no rule
+            plan = self._plan(request)
         return sorted((step.index, step.stats_key) for step in plan.local + plan.exact)
 
     def _plan(self, request: Request) -> _Plan:
@@ -415,7 +421,7 @@ class RateLimiter:
                     step.bucket_key, limit, step.window_seconds, now, step.stats_key, step.burst
                 )
                 hits = step.hits
-                before = max(0, limit - bucket.remaining())
+                before = bucket.used()
                 if stale:
                     admitted = local.fail(bucket, hits, step.fail_open)
                     self._count_failure_mode(step, admitted)
@@ -504,14 +510,6 @@ def _tighter(a: DescriptorStatus, b: DescriptorStatus) -> bool:
 
 def _left(status: DescriptorStatus) -> int:
     return UINT32_MAX if status.remaining is None else status.remaining
-
-
-def _role(limit: RateLimit) -> HitRole:
-    if limit.shadow_mode:
-        return HitRole.SHADOW
-    if limit.quota_mode:
-        return HitRole.QUOTA
-    return HitRole.ENFORCE
 
 
 def _exact_hits(exact: tuple[_Step, ...], quota_met: bool) -> list[ExactHit]:

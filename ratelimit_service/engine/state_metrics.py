@@ -52,7 +52,7 @@ def bucket_metrics(local: LocalBuckets) -> Iterator[Metric | None]:
     for count, bucket in enumerate(buckets, 1):
         if count % SLICE == 0:
             yield None
-        ratio = 1.0 if local.credit(bucket) < 1 else bucket.ratio
+        ratio = local.drop_ratio(bucket)
         rule = bucket.rule
         ratio_by_rule[rule] = max(ratio_by_rule.get(rule, 0.0), ratio)
         offered_by_rule[rule] = offered_by_rule.get(rule, 0.0) + (bucket.fleet_rate or 0.0)

@@ -211,6 +211,7 @@ class StatusBoard:
                 views.append(view)
         keys = yield from _closest_keys(src.local, src.stats.near_keys.items(), views, now)
         envoys = yield from _envoys(views)
+        counters = yield from _counters(views)
         return {
             "generated_at": round(self._wall(), 3),
             "rate_interval_seconds": _num(interval, 3),
@@ -224,7 +225,7 @@ class StatusBoard:
             "rlqs": {
                 **_rlqs_totals(src.quota),
                 "envoys": envoys,
-                "counters": _counters(views),
+                "counters": counters,
             },
         }
 
@@ -353,7 +354,7 @@ def _closest_keys(
             if top.wants(rank):
                 row = _key_row(bucket.key, bucket.rule, "probabilistic", rank)
                 row["limit"] = f"{bucket.limit}/{_period(bucket.window_seconds)}"
-                row["drop_ratio"] = _num(1.0 if local.credit(bucket) < 1 else bucket.ratio)
+                row["drop_ratio"] = _num(local.drop_ratio(bucket))
                 top.keep(rank, row)
         if count % SLICE == 0:
             yield None
@@ -366,7 +367,9 @@ def _closest_keys(
                 row["limit"] = f"{near.limit}/{_period(near.window_seconds)}"
                 row["rate"] = None  # counted in the store: no rate in the process
                 top.keep(rank, row)
-    for view in views:
+    for count, view in enumerate(views, 1):
+        if count % SLICE == 0:
+            yield None
         limit = view.limit
         if limit.requests_per_unit <= 0:
             continue
@@ -473,10 +476,12 @@ class _Envoy:
         return row
 
 
-def _counters(views: list[CounterView]) -> Json:
+def _counters(views: list[CounterView]) -> Work[Json]:
     """The RLQS counters reported here, the TOP by the fleet's demand."""
     top: Top[CounterView] = Top()
-    for view in views:
+    for count, view in enumerate(views, 1):
+        if count % SLICE == 0:
+            yield None
         top.offer((_fleet_demand(view), len(view.instances)), view)
     return top.table([_counter_row(view) for view in top.best()])
 

@@ -137,14 +137,16 @@ class Tracing:
         apart here before the SDK is called, for a microsecond where the SDK's
         unsampled span costs several."""
         carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
-        if not _PROPAGATED.intersection(carrier):
-            if self._rate < 1.0 and self._draw() >= self._rate:
-                return None
-            parent = None  # a root span, sampled here (the SDK's root sampler: always on)
-        else:
+        parent = None
+        if _PROPAGATED.intersection(carrier):
             if carrier.get("traceparent", "").endswith("-00"):
                 return None  # W3C: the caller did not sample it (B3: the SDK tells)
             parent = self._propagator.extract(carrier)
+            if not self._current(parent).get_span_context().is_valid:
+                parent = None  # a context that does not parse: a root span, drawn for
+        if parent is None and self._rate < 1.0 and self._draw() >= self._rate:
+            return None
+        # A root span is sampled here (the SDK's root sampler: always on).
         return self.tracer.start_as_current_span(
             name, context=parent, kind=self._server, attributes=attributes
         )

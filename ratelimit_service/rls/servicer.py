@@ -161,7 +161,10 @@ class RateLimitServicer:
         with traced as span:
             answer = await self.should_rate_limit(raw, context)
             if span.is_recording():
-                span.set_attributes(self._outcome(raw, answer))
+                try:
+                    span.set_attributes(self._outcome(raw, answer))
+                except Exception:  # the answer stands; only its span lacks the outcome
+                    log.debug("a decision's span attributes failed", exc_info=True)
             return answer
 
     def _outcome(self, raw: bytes, answer: bytes) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from ratelimit_service.core.decision import (
     near_hits,
     near_threshold,
     overall_code,
+    role_of,
+    verdict,
 )
 from ratelimit_service.core.exact import ExactHit, HitRole, evaluate, fits, request_denied
 from ratelimit_service.core.request import (
@@ -232,13 +234,16 @@ def test_hits_for(descriptor_hits: int | None, request_hits: int, expected: int)
 # --------------------------------------------------------------------------- drop_replaced
 
 
-def rl(name: str = "", replaces: tuple[str, ...] = (), quota: bool = False) -> RateLimit:
+def rl(
+    name: str = "", replaces: tuple[str, ...] = (), quota: bool = False, shadow: bool = False
+) -> RateLimit:
     return RateLimit(
         requests_per_unit=10,
         unit=Unit.SECOND,
         name=name,
         replaces=frozenset(replaces),
         quota_mode=quota,
+        shadow_mode=shadow,
     )
 
 
@@ -301,8 +306,8 @@ OK = Code.OK
 OVER = Code.OVER_LIMIT
 
 
-def status(code: Code, quota: bool | None) -> DescriptorStatus:
-    limit = None if quota is None else rl(quota=quota)
+def status(code: Code, quota: bool | None, shadow: bool = False) -> DescriptorStatus:
+    limit = None if quota is None else rl(quota=quota, shadow=shadow)
     return DescriptorStatus(code, limit)
 
 
@@ -324,6 +329,27 @@ def status(code: Code, quota: bool | None) -> DescriptorStatus:
 )
 def test_overall_code(statuses: list[tuple[Code, bool | None]], expected: Code) -> None:
     assert overall_code([status(code, quota) for code, quota in statuses]) is expected
+
+
+def test_a_rule_both_shadow_and_quota_is_shadow_it_admits_nothing() -> None:
+    """Its status is always OK (shadow): counted as a quota descriptor that admits, it
+    would switch the other quota rules off."""
+    statuses = [status(OK, True, shadow=True), status(OVER, True)]
+    assert role_of(statuses[0].limit) is HitRole.SHADOW  # type: ignore[arg-type]
+    assert overall_code(statuses) is OVER
+
+
+def test_the_deciding_rule_of_a_denial_is_over_its_limit() -> None:
+    """On a denial by quota rules (none enforcing over), the deciding rule is a quota
+    rule over its limit, not an OK rule that happens to have less remaining."""
+    enforce_ok = DescriptorStatus(OK, rl(), 0)
+    quota_over = DescriptorStatus(OVER, rl(quota=True), 0)
+    assert verdict([enforce_ok, quota_over]) == (OVER, quota_over)
+    enforce_over = DescriptorStatus(OVER, rl(), 0)
+    assert verdict([enforce_ok, enforce_over, quota_over]) == (OVER, enforce_over)
+    quota_ok = DescriptorStatus(OK, rl(quota=True), 3)
+    # Admitted: the nearest to its limit, the first of equals (as the headers report it).
+    assert verdict([quota_ok, quota_over, enforce_ok]) == (OK, quota_over)
 
 
 # --------------------------------------------------------------------------- validate

@@ -33,6 +33,8 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 0}
   - key: new
     rate_limit: {unit: second, requests_per_unit: 9, name: new, replaces: [{name: burst}]}
+  - key: bursty
+    rate_limit: {unit: minute, requests_per_unit: 10, burst: 4}
 """
 
 
@@ -127,3 +129,25 @@ async def test_without_counts_and_with_the_store_away(monkeypatch: pytest.Monkey
     monkeypatch.setattr(rl.store, "hit", away)  # the store fails: the count is unknown
     assert await counts(rl, EX) == [None]
     assert "count unknown" in (await explain(rl, request(EX))).text()
+
+
+async def test_a_probabilistic_count_is_of_its_bucket_burst_included() -> None:
+    """A rule of 10/minute with a burst of 4 holds 4 when full: one hit is 1, not 7."""
+    rl = limiter()
+    bursty = (("bursty", "a"),)
+    assert (await rl.should_rate_limit(request(bursty))).overall is Code.OK
+    assert await counts(rl, bursty) == [1]
+
+
+async def test_exact_counts_come_in_one_call_to_the_store() -> None:
+    rl = limiter()
+    calls = []
+    hit = rl.store.hit
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        calls.append(args)
+        return await hit(*args, **kwargs)  # type: ignore[arg-type]
+
+    rl.store.hit = counted  # type: ignore[method-assign]
+    await explain(rl, request(EX, (("ex", "b"),), PROB))
+    assert len(calls) == 1 and len(calls[0][0]) == 2  # type: ignore[arg-type]

@@ -99,6 +99,21 @@ async def test_each_decision_is_a_span_under_the_callers_with_the_store_call_und
     assert len(spans) == 6
 
 
+async def test_a_request_too_large_to_keep_still_names_its_rules(
+    traced: Any, http_receiver: Any
+) -> None:
+    """A large request is parsed again for its span (it is not kept by its bytes):
+    its rules are matched again, not lost."""
+    service = await traced()
+    _, parent, header = traceparent()
+    assert await call(service, ("user", "u" * 600), (("traceparent", header),)) == OK
+    spans = await http_receiver.wait_for_async(
+        "the decision", lambda spans: bool(by_parent(spans, parent))
+    )
+    (decision,) = by_parent(spans, parent)
+    assert decision.attributes["ratelimit.rules"] == ["edge.user"]
+
+
 async def test_b3_headers_are_a_parent_too(traced: Any, http_receiver: Any) -> None:
     service = await traced()
     trace, parent = secrets.token_hex(16), secrets.token_hex(8)
@@ -143,6 +158,9 @@ async def test_at_a_sampling_rate_of_0_nothing_is_traced(traced: Any, http_recei
     for _ in range(5):
         _, _, header = traceparent()
         assert await call(service, ("user", "u1"), (("traceparent", header),)) == OK
+    # A context that does not parse is no parent: the call is a root, drawn for too.
+    for carrier in (("traceparent", "00-not-a-trace-01"), ("x-b3-traceid", "a" * 32)):
+        assert await call(service, ("user", "u1"), (carrier,)) == OK
     await service.service.stop()  # flushes what the processor holds
     assert http_receiver.spans() == []
 
