@@ -239,7 +239,8 @@ async def test_a_deposed_aggregators_late_publish_is_refused(zones: Zones) -> No
     (its proxy), and the process is paused (SIGSTOP) past its lease. The other replica
     takes the lease and publishes with the next token. Then the held publish reaches
     the global store, and the paused aggregator runs again (SIGCONT): the global store
-    refuses its publish, it stops aggregating (counted and logged once), and the
+    refuses its publish, it stops aggregating (the refusal counted and logged once
+    when it reads it before its call's deadline), and the
     successor's entries stand: the global store's fence for zone a stays at the
     successor's token, and the zone keeps one aggregator."""
     leader = zones.leader("a")
@@ -264,10 +265,16 @@ async def test_a_deposed_aggregators_late_publish_is_refused(zones: Zones) -> No
         await eventually_async(lambda: proxy.held() == 0, timeout=5, what="the held bytes sent")
     finally:
         process.send_signal(signal.SIGCONT)
+    # Woken, the deposed aggregator hears its publish refused, or (its deadline having
+    # passed while it was stopped, on a busy machine) gives the call up and hears from
+    # the zone's lease that it lost it. Either way it stops; the global store refused
+    # the publish in both (its fence stays at the successor's token, below).
     await eventually_async(
-        lambda: zones.stat(leader, "zone_fenced") == 1, timeout=10,
-        what="the deposed aggregator to hear its publish refused", context=zones.describe,
+        lambda: zones.stat(leader, "zone_aggregating") == 0
+        and zones.stat(leader, "zone_fenced") + zones.stat(leader, "zone_lease_lost") >= 1,
+        timeout=10, what="the deposed aggregator to step down", context=zones.describe,
     )  # fmt: skip
+    heard_refusal = zones.stat(leader, "zone_fenced") == 1
     assert global_fences(zones, "a") == {zones.stat(follower, "zone_token")}
     assert zones.stat(leader, "zone_aggregating") == 0
     assert zones.stat(leader, "zone_passes_abandoned") == 0  # it did send it
@@ -277,4 +284,4 @@ async def test_a_deposed_aggregators_late_publish_is_refused(zones: Zones) -> No
     log = zones.log(leader)
     assert "Traceback" not in log, log[-3000:]
     refusals = re.findall(r"the global store refused its write with token (\d+)", log)
-    assert refusals == [str(int(token))], log[-3000:]
+    assert refusals == ([str(int(token))] if heard_refusal else []), log[-3000:]
