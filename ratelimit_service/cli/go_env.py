@@ -220,6 +220,20 @@ def _address(host: str, port: int) -> str:
 # -- the rules, one per group of Go settings ------------------------------------------
 
 
+def _share(r: _Reader, name: str, flag: str) -> None:
+    """A setting that is a share, from 0 to 1, onto ``flag`` (when set)."""
+    text = r.text(name)
+    if not text:
+        return
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise GoSettingError(name, text, "expected a number from 0 to 1")
+    r.set(flag, value, name)
+
+
 def _runtime(r: _Reader) -> None:
     names = ("RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY", "RUNTIME_APPDIRECTORY")
     if not r.go_mode and not any(r.has(name) for name in names):
@@ -411,15 +425,7 @@ def _limiter(r: _Reader) -> None:
     ):
         if r.has(name):
             r.set(flag, "1" if r.boolean(name) else "", name)
-    ratio = r.text("NEAR_LIMIT_RATIO")
-    if ratio:
-        try:
-            value = float(ratio)
-        except ValueError:
-            value = math.nan
-        if not 0 <= value <= 1:
-            raise GoSettingError("NEAR_LIMIT_RATIO", ratio, "expected a number from 0 to 1")
-        r.set("--near-limit-ratio", value, "NEAR_LIMIT_RATIO")
+    _share(r, "NEAR_LIMIT_RATIO", "--near-limit-ratio")
     if r.has("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT") and not r.boolean(
         "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT"
     ):
@@ -522,15 +528,7 @@ def _tracing(r: _Reader) -> None:
         if protocol.lower() not in ("grpc", "http"):
             raise GoSettingError("TRACING_EXPORTER_PROTOCOL", protocol, "choose grpc or http")
         r.set("--tracing-protocol", protocol.lower(), "TRACING_EXPORTER_PROTOCOL")
-    rate = r.text("TRACING_SAMPLING_RATE")
-    if rate:
-        try:
-            value = float(rate)
-        except ValueError:
-            value = math.nan
-        if not 0 <= value <= 1:
-            raise GoSettingError("TRACING_SAMPLING_RATE", rate, "expected a number from 0 to 1")
-        r.set("--tracing-sampling-rate", value, "TRACING_SAMPLING_RATE")
+    _share(r, "TRACING_SAMPLING_RATE", "--tracing-sampling-rate")
 
 
 def _accepted(r: _Reader) -> None:
