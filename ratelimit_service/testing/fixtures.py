@@ -8,6 +8,7 @@ here."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -35,6 +36,19 @@ COMPAT_ENV = "ENVOY_RATELIMIT_COMPAT_DIR"
 COMPAT = Path(
     os.environ.get(COMPAT_ENV) or REPO.parent / "shared" / "compat" / "envoy-ratelimit"
 ).resolve()
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """Every test leaves the root logger as it found it: a test that configures
+    logging (configure_logging, ``serve`` in-process) hands its handler the stream
+    pytest captures for that test, closed once the test ends; a service started by a
+    later test would log into it ("I/O operation on closed file")."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def window_slices(fields: Mapping[Any, Any]) -> dict[int, int]:
