@@ -108,10 +108,26 @@ async def _get(port: int, path: str) -> bytes:
     return body
 
 
+async def _tenures(port: int) -> float:
+    """The service's tenure rounds so far (server/app.py Tenuring)."""
+    metrics = (await _get(port, "/metrics")).decode()
+    (line,) = [x for x in metrics.splitlines() if x.startswith("ratelimit_gc_tenures_total ")]
+    return float(line.split()[1])
+
+
 async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: Path) -> None:
     with service_fleet(1, _rules(tmp_path), None) as (node,):
         await _every_rule_called(node.grpc_port)
         async with _envoys(node.grpc_port):
+            # The state just made (10,000 rules' stats, 1,000 streams) tenured first, as
+            # a serving process's is within seconds: a full collection over it before
+            # then can land in any piece of work (the stalls tests watch those).
+            tenured = await _tenures(node.admin_port)
+
+            async def tenured_since() -> bool:
+                return await _tenures(node.admin_port) > tenured
+
+            await eventually_async(tenured_since, what="the new state tenured")
             waits: list[float] = []
             stop = asyncio.Event()
             canary = asyncio.ensure_future(_canary(node.grpc_port, waits, stop))
