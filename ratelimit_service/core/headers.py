@@ -1,8 +1,8 @@
 """Rate-limit response headers, chosen the way envoyproxy/ratelimit chooses them.
 
 The descriptor reported is the one that decided the answer (core.decision's
-deciding_status): the one with the smallest remaining count, except that an
-over-limit descriptor that is not in quota mode wins (the last one, if several).
+verdict): on a denial the last enforcing descriptor over its limit, else (every quota
+descriptor over) the last quota one; otherwise the one with the smallest remaining count.
 """
 
 from __future__ import annotations
