@@ -135,9 +135,7 @@ def connect(
         sentinel_kwargs = dict(common)
         if target.sentinel_password:
             sentinel_kwargs["password"] = target.sentinel_password
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            list(target.hosts), sentinel_kwargs=sentinel_kwargs, **common
-        )
+        sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs, **common)
         client = sentinel.master_for(
             target.master,
             db=target.db,
