@@ -97,12 +97,27 @@ def spawn_service(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
         print(f"\n===== service log ({service.log_path}) =====\n{service.log()}")
 
 
+PATIENT_RLS_TIMEOUT = "1s"
+"""The ratelimit filter's timeout in test bootstraps that count admissions. The shipped
+20 ms is Envoy's default and the production budget; on a busy 2-core machine a call
+descheduled for 20 ms ends in Envoy's failure mode (a 200 through ``failure_mode_deny:
+false``), which a test counting statuses would take for the service's answer. 1 s also
+matches the shipped retry policy's ``max_interval``, which Envoy takes as each try's
+timeout."""
+
+
 def shipped_bootstrap(
-    upstream: Upstream, services: list[ServiceProcess], bootstrap: Path = SHIPPED_BOOTSTRAP
+    upstream: Upstream,
+    services: list[ServiceProcess],
+    bootstrap: Path = SHIPPED_BOOTSTRAP,
+    *,
+    rls_timeout: str | None = PATIENT_RLS_TIMEOUT,
 ) -> dict[str, Any]:
-    """envoy/envoy.yaml with its addresses, and nothing else, made loopback: admin and
-    listener on free ports, the ``ratelimit`` endpoint → every service, ``upstream`` → the
-    upstream. ``substitute_addresses`` raises if the file has any other address."""
+    """envoy/envoy.yaml with its addresses made loopback: admin and listener on free
+    ports, the ``ratelimit`` endpoint → every service, ``upstream`` → the upstream
+    (``substitute_addresses`` raises if the file has any other address). ``rls_timeout``
+    replaces every ratelimit filter's timeout (see PATIENT_RLS_TIMEOUT); None keeps the
+    file's, for the tests of the file itself and of the 20 ms budget."""
     result: dict[str, Any] = substitute_addresses(
         load_yaml(bootstrap),
         {
@@ -112,7 +127,38 @@ def shipped_bootstrap(
             ("upstream", 8080): ("127.0.0.1", upstream.port),
         },
     )
-    return result
+    return patient(result, rls_timeout)
+
+
+def patient(bootstrap: dict[str, Any], timeout: str | None = PATIENT_RLS_TIMEOUT) -> dict[str, Any]:
+    """``bootstrap`` with every ratelimit filter's timeout set to ``timeout`` (see
+    PATIENT_RLS_TIMEOUT), for a test that counts admissions; None changes nothing."""
+    if timeout is not None:
+        for http_filter in ratelimit_filters(bootstrap):
+            http_filter["typed_config"]["timeout"] = timeout
+    return bootstrap
+
+
+def ratelimit_filters(bootstrap: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every ``envoy.filters.http.ratelimit`` filter of the bootstrap's listeners."""
+    found: list[dict[str, Any]] = []
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                for http_filter in network_filter["typed_config"].get("http_filters", []):
+                    if http_filter["name"] == "envoy.filters.http.ratelimit":
+                        found.append(http_filter)
+    return found
+
+
+def undecided_calls(envoy: Envoy) -> int:
+    """Calls Envoy's ratelimit filter answered itself (an error, or its failure mode)
+    rather than by the service's answer, summed over every stat prefix."""
+    return sum(
+        value
+        for name, value in envoy.stats().items()
+        if name.endswith((".ratelimit.error", ".ratelimit.failure_mode_allowed"))
+    )
 
 
 # ------------------------------------------------------------------ RLQS

@@ -30,7 +30,13 @@ from ratelimit_service.testing.envoy import (
     substitute_addresses,
     validate,
 )
-from ratelimit_service.testing.envoy_fixtures import CONFIG_DIR, REPO, SHIPPED_BOOTSTRAP
+from ratelimit_service.testing.envoy_fixtures import (
+    CONFIG_DIR,
+    REPO,
+    SHIPPED_BOOTSTRAP,
+    patient,
+    undecided_calls,
+)
 
 StartEnvoy = Callable[..., Envoy]
 SpawnService = Callable[..., ServiceProcess]
@@ -353,7 +359,7 @@ def test_generated_bootstrap_runs_the_walkthrough(
     start_envoy: StartEnvoy, spawn_service: SpawnService, upstream: Upstream
 ) -> None:
     service = spawn_service(CONFIG_DIR)
-    envoy = start_envoy(generated_bootstrap(service, upstream))
+    envoy = start_envoy(patient(generated_bootstrap(service, upstream)))
     # Its gRPC health check reaches the service and passes.
     assert envoy.healthy_hosts("ratelimit") == {f"127.0.0.1:{service.grpc_port}"}
     assert envoy.stat("cluster.ratelimit.health_check.success") >= 1
@@ -364,7 +370,7 @@ def test_istio_envoy_filter_applied_to_a_gateway_listener_limits(
     start_envoy: StartEnvoy, spawn_service: SpawnService, upstream: Upstream
 ) -> None:
     service = spawn_service(CONFIG_DIR)
-    envoy = start_envoy(istio_bootstrap(service.address, ("127.0.0.1", upstream.port)))
+    envoy = start_envoy(patient(istio_bootstrap(service.address, ("127.0.0.1", upstream.port))))
     assert envoy.healthy_hosts("ratelimit") == {f"127.0.0.1:{service.grpc_port}"}
     assert envoy.stat("cluster.ratelimit.health_check.success") >= 1
     statuses = [envoy.request("/api/write/1", {"x-tenant": "acme"}).status for _ in range(8)]
@@ -378,6 +384,7 @@ def test_istio_envoy_filter_applied_to_a_gateway_listener_limits(
     cluster_stats = f"cluster.{WEB_CLUSTER}.ratelimit"
     assert stats[f"{cluster_stats}.ok"] == 5 + 60 + 1
     assert stats[f"{cluster_stats}.over_limit"] == 3 + 1
+    assert undecided_calls(envoy) == 0
 
 
 def configs_to_validate(tmp_path: Path) -> dict[str, Path]:

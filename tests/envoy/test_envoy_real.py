@@ -32,6 +32,7 @@ from ratelimit_service.testing.envoy_fixtures import (
     CONFIG_DIR,
     SHIPPED_BOOTSTRAP,
     shipped_bootstrap,
+    undecided_calls,
 )
 
 pytestmark = pytest.mark.slow
@@ -157,7 +158,7 @@ def test_shipped_bootstrap_needs_only_its_addresses_changed(upstream: Upstream) 
     fake = [ServiceProcess.__new__(ServiceProcess) for _ in range(2)]
     for number, service in enumerate(fake):
         service.grpc_port = 7000 + number
-    loaded = shipped_bootstrap(upstream, fake)
+    loaded = shipped_bootstrap(upstream, fake, rls_timeout=None)
     assert loaded != original
     assert without_addresses(loaded) == without_addresses(original)
     endpoints = cluster(loaded, "ratelimit")["load_assignment"]["endpoints"][0]["lb_endpoints"]
@@ -349,6 +350,7 @@ def test_hits_addend_and_limit_override_sent_by_envoy(addend_envoy: Envoy) -> No
     assert custom[0].headers["x-ratelimit-limit"].split(",")[0] == "2"
     assert "2;w=60" in custom[0].headers["x-ratelimit-limit"]
     assert custom[0].headers["x-ratelimit-remaining"] == "1"
+    assert undecided_calls(envoy) == 0
 
 
 def test_limit_override_admits_exactly_its_count_every_time(addend_envoy: Envoy) -> None:
@@ -358,6 +360,8 @@ def test_limit_override_admits_exactly_its_count_every_time(addend_envoy: Envoy)
         for n in range(30)
     ]
     assert cycles == [[200, 200, 429]] * 30
+    # Every status above is the service's answer, not Envoy's failure mode.
+    assert undecided_calls(addend_envoy) == 0
 
 
 def test_two_replicas_on_one_redis_hold_an_exact_limit_fleet_wide(
@@ -388,6 +392,7 @@ descriptors:
 
     assert writes(envoy, "acme", 24) == [200] * 7 + [429] * 17
     assert writes(envoy, "globex", 10) == [200] * 7 + [429] * 3
+    assert undecided_calls(envoy) == 0
     # Both replicas answered (round robin): one alone holding 7 each would admit 14.
     calls = {host: int(fields["rq_success"]) for host, fields in envoy.hosts("ratelimit").items()}
     assert len(calls) == 2 and all(count >= 10 for count in calls.values()), calls

@@ -61,9 +61,13 @@ async def _watch_rss(pid: int, samples: list[tuple[float, int]], every: float) -
 
 async def test_soak_over_many_keys_keeps_deadlines_and_memory(tmp_path: Path) -> None:
     """500 calls a second over 50,000 keys for 5 minutes, each with a 20 ms deadline:
-    p99 within 10 ms, almost no call past 20 ms (a busy machine may deschedule the
-    process now and then; a pause of the service's own fails every call in flight),
-    and memory flat once every key has been seen (50,000 keys take 100 s to go round)."""
+    p99 within 10 ms, at most 0.1 % of calls past 20 ms, and memory flat once every key
+    has been seen (50,000 keys take 100 s to go round). The tail bound is what a correct
+    service meets on any 2-core machine with the client beside it, busy or not (the
+    machine deschedules client and service now and then); a pause of the service's own
+    over its state (a full collection) fails every call in flight and shows as
+    hundreds. docs/benchmarks.md ("Over many keys") gives the measured tail, 10-20x
+    below this bound."""
     rate, keys, seconds = 500.0, 50_000, 300.0
     with service_fleet(1, _rules(tmp_path), None) as (node,):
         rss: list[tuple[float, int]] = []
@@ -82,7 +86,7 @@ async def test_soak_over_many_keys_keeps_deadlines_and_memory(tmp_path: Path) ->
     )
     assert calls == int(rate * seconds), summary
     assert p99 <= 0.010, summary
-    assert over <= calls * 0.0002, summary  # 30 of 150,000
+    assert over <= calls * 0.001, summary  # 150 of 150,000
     assert max(settled) - min(settled) <= 0.05 * min(settled), summary
 
 
