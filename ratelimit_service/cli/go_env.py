@@ -86,7 +86,6 @@ ACCEPTED = {
     " until it answers",
     "REDIS_STARTUP_MAX_ELAPSED_TIME": "the service starts without Redis and uses failure_mode"
     " until it answers",
-    "RESPONSE_DYNAMIC_METADATA": "no dynamic metadata is returned",
     "MEMCACHE_HOST_PORT": "there is no memcache backend",
     "MEMCACHE_SRV": "there is no memcache backend",
     "MEMCACHE_SRV_REFRESH": "there is no memcache backend",
@@ -105,7 +104,6 @@ _QUIET_WHEN = {
     "USE_DOG_STATSD": _FALSE,
     "USE_DOG_STATSD_MOGRIFIERS": ("",),
     "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS": _FALSE,
-    "RESPONSE_DYNAMIC_METADATA": _FALSE,
     "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION": _FALSE,
     "REDIS_PIPELINE_WINDOW": ("0", "0s"),
     "REDIS_PIPELINE_LIMIT": ("0",),
@@ -438,6 +436,9 @@ def _limiter(r: _Reader) -> None:
 def _headers(r: _Reader) -> None:
     if r.boolean("LIMIT_RESPONSE_HEADERS_ENABLED"):
         r.set("--response-headers", "ratelimit", "LIMIT_RESPONSE_HEADERS_ENABLED")
+    if r.has("RESPONSE_DYNAMIC_METADATA"):
+        metadata = r.boolean("RESPONSE_DYNAMIC_METADATA")
+        r.set("--go-dynamic-metadata", "1" if metadata else "", "RESPONSE_DYNAMIC_METADATA")
     for name, flag in (
         ("LIMIT_LIMIT_HEADER", "--header-limit"),
         ("LIMIT_REMAINING_HEADER", "--header-remaining"),

@@ -4,12 +4,13 @@ metadata, its headers, explain and traces)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ratelimit_service.core.config_model import RateLimit
 from ratelimit_service.core.exact import HitRole, denies
-from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus
+from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus, Request
 
 NEAR_LIMIT_RATIO = 0.8
 
@@ -123,20 +124,77 @@ def limit_facts(limit: RateLimit) -> dict[str, Any]:
     return {"rule": rule_name(limit), "limit": limit.requests_per_unit, "unit": limit.period}
 
 
-def decision_metadata(domain: str, statuses: Sequence[DescriptorStatus]) -> dict[str, Any]:
+def decision_metadata(
+    domain: str, statuses: Sequence[DescriptorStatus], go_request: Request | None = None
+) -> dict[str, Any]:
     """The response's ``dynamic_metadata``, which Envoy's ratelimit filter puts under
     its namespace for access logs: the domain, the deciding rule (:func:`deciding_rule`;
     absent when no descriptor has a finite limit) and, per descriptor in request order,
     its rule's :func:`limit_facts` and ``remaining``, or None when it has no finite
-    limit. rls/wire.py writes the same content straight to bytes."""
+    limit, under ``descriptors``. With ``go_request`` (``--go-dynamic-metadata``),
+    envoyproxy/ratelimit's keys too (:func:`go_metadata`): its ``descriptors`` take that
+    name, and the per-descriptor list above is under ``limits``. rls/wire.py writes the
+    same content straight to bytes."""
     metadata: dict[str, Any] = {"domain": domain}
     rule = deciding_rule(statuses)
     if rule is not None:
         metadata["rule"] = rule
-    metadata["descriptors"] = [
+    ours = [
         None
         if status.limit is None
         else {**limit_facts(status.limit), "remaining": status.remaining}
         for status in statuses
     ]
+    if go_request is None:
+        metadata["descriptors"] = ours
+        return metadata
+    metadata.update(go_metadata(go_request, statuses))
+    metadata["limits"] = ours
     return metadata
+
+
+def go_metadata(request: Request, statuses: Sequence[DescriptorStatus]) -> dict[str, Any]:
+    """What envoyproxy/ratelimit puts in an answer's dynamic metadata with
+    RESPONSE_DYNAMIC_METADATA=true (its src/service/ratelimit.go, ratelimitToMetadata),
+    but ``domain``, which :func:`decision_metadata` writes: ``descriptors``, each
+    request descriptor's entries as ``key=value`` strings with its ``limit`` override
+    and its own ``hitsAddend`` when it has them; the request's ``hitsAddend`` when not
+    0; and ``metadata``, the ``metadata`` maps of the rules whose descriptors passed
+    (a finite limit answered OK, shadow rules included), merged (:func:`merge_metadata`),
+    when there is any. Envoy routes a request to the backend whose quota passed by it."""
+    result: dict[str, Any] = {"descriptors": [go_descriptor(d) for d in request.descriptors]}
+    if request.hits_addend:
+        result["hitsAddend"] = request.hits_addend
+    passed: dict[str, Any] = {}
+    for status in statuses:
+        limit = status.limit
+        if limit is not None and limit.metadata and status.code is _OK:
+            merge_metadata(passed, limit.metadata)
+    if passed:
+        result["metadata"] = passed
+    return result
+
+
+def go_descriptor(descriptor: Descriptor) -> dict[str, Any]:
+    """One request descriptor as envoyproxy/ratelimit's metadata lists it; its
+    ``limit`` is the override's protobuf text (``requests_per_unit:N unit:NAME``)."""
+    item: dict[str, Any] = {"entries": [f"{key}={value}" for key, value in descriptor.entries]}
+    if descriptor.override is not None:
+        per_unit, unit = descriptor.override
+        name = "UNKNOWN" if unit is None else unit.name
+        item["limit"] = f"requests_per_unit:{per_unit} unit:{name}"
+    if descriptor.hits_addend is not None:
+        item["hitsAddend"] = descriptor.hits_addend
+    return item
+
+
+def merge_metadata(into: dict[str, Any], source: Mapping[str, Any]) -> None:
+    """envoyproxy/ratelimit's merge: a key already there keeps its value (the first
+    passed rule wins), unless both values are mappings, which merge the same way.
+    Copies what it takes, so a rule's own metadata is never changed."""
+    for key, value in source.items():
+        present = into.get(key)
+        if present is None and key not in into:
+            into[key] = copy.deepcopy(value)
+        elif isinstance(present, dict) and isinstance(value, Mapping):
+            merge_metadata(present, value)

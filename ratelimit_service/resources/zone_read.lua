@@ -10,7 +10,7 @@
 --           second), instances, limit (thousandths), window (microseconds), the
 --           zone's allowed hits in the current window, of those what was already
 --           forwarded to the global store, the current window's index}, flattened;
---           a hash that has expired, or has no limit (written by an older layout),
+--           a hash that has expired, or has no limit field,
 --           is left out: the zone keeps its last part of it
 -- Time comes from the Redis server (TIME), as in quota_tier.lua.
 

@@ -9,7 +9,7 @@ report is answered at once with an action for each of its buckets: the token buc
 is re-sent each time, which renews its TTL (an identical bucket keeps its tokens in
 Envoy). Never ``requests_per_time_unit``: Envoy 1.40 ignores it. Between reports a
 stream also carries the larger buckets another Envoy's report made room for
-(QuotaCoordinator._grow_others): the protocol lets the server push at any time.
+(QuotaCoordinator._grow): the protocol lets the server push at any time.
 
 When the service stops (QuotaCoordinator.close_streams), every stream ends at once with
 UNAVAILABLE ("shutting down"): an orderly end with a status, not the cancellation gRPC

@@ -1,8 +1,9 @@
 """envoy.service.ratelimit.v3.RateLimitService over grpc.aio: bytes in, core types,
 bytes out.
 
-This module and rls_wire are the only ones that touch the Envoy wire types
-(upb-backed classes from xds-protos); everything they do is translation.
+On the service's own gRPC path, this module and rls/wire.py are the only ones that
+touch Envoy's RLS wire types (upb-backed classes from xds-protos; server/go_http.py
+translates the Go HTTP port's JSON with them too); everything they do is translation.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _parse(raw: bytes) -> Request:
 
 
 class RateLimitServicer:
-    """ShouldRateLimit on raw bytes (see rls_wire): install with :meth:`handler`."""
+    """ShouldRateLimit on raw bytes (see rls/wire.py): install with :meth:`handler`."""
 
     def __init__(
         self,
@@ -76,8 +77,11 @@ class RateLimitServicer:
         deadline_margin: float = DEADLINE_MARGIN,
         lag: LoopLag | None = None,
         tracing: Tracing | None = None,
+        go_metadata: bool = False,
     ) -> None:
         self.limiter = limiter
+        self.go_metadata = go_metadata
+        """Answers carry envoyproxy/ratelimit's dynamic metadata keys beside ours."""
         self.tracing = tracing
         """When set, :meth:`handler` serves :meth:`traced_should_rate_limit`."""
         self.lag = lag if lag is not None else LoopLag()
@@ -130,7 +134,8 @@ class RateLimitServicer:
                 headers = rate_limit_headers(
                     response.statuses, self.header_style, self.header_names
                 )
-            return encode_response(response, headers, self._heads, request.domain)
+            go_request = request if self.go_metadata else None
+            return encode_response(response, headers, self._heads, request.domain, go_request)
         except InvalidRequest as exc:
             if isinstance(exc, _MalformedRequest):  # the limiter counts the other kinds
                 stats.service_error += 1

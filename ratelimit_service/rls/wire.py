@@ -31,7 +31,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import struct_pb2
 
 from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.decision import deciding_status, limit_facts, rule_name
+from ratelimit_service.core.decision import deciding_status, go_metadata, limit_facts, rule_name
 from ratelimit_service.core.request import (
     UINT32_MAX,
     Code,
@@ -176,11 +176,13 @@ def encode_response(
     headers: Sequence[tuple[str, str]] | None,
     heads: LimitHeads = _NO_HEADS,
     domain: str | None = None,
+    go_request: Request | None = None,
 ) -> bytes:
     """The response's wire bytes, built as a list of parts joined once (bytes
     concatenation of a few parts is cheaper than growing a bytearray field by field).
     One loop without calls where it can: this runs per descriptor of every answer.
-    ``domain``: the request's, to write the decision metadata (None: none written)."""
+    ``domain``: the request's, to write the decision metadata (None: none written);
+    ``go_request``: the request, to write envoyproxy/ratelimit's keys in it too."""
     parts = [_OVERALL, _OVERALL_CODES[response.overall]]
     small, codes, durations, highs = _SMALL, _CODES, _DURATIONS, _HIGHS
     by_code = heads.by_code
@@ -220,7 +222,7 @@ def encode_response(
         header = _field(_HEADER_KEY, key.encode()) + _field(_HEADER_VALUE, value.encode())
         parts.append(_field(_HEADERS, header))
     if domain is not None:
-        parts.append(metadata_field(domain, response.statuses, heads))
+        parts.append(metadata_field(domain, response.statuses, heads, go_request))
     return b"".join(parts)
 
 
@@ -265,12 +267,20 @@ def rule_entry(limit: RateLimit) -> bytes:
 
 _NO_LIMIT_ITEM = _field(_LIST_ITEM, _value(None))
 _DESCRIPTORS_KEY = _field(_ENTRY_KEY, b"descriptors") + _ENTRY_VALUE
+_LIMITS_KEY = _field(_ENTRY_KEY, b"limits") + _ENTRY_VALUE
 _DOMAINS: dict[str, bytes] = {}
 MAX_CACHED_DOMAINS = 1024
 
 
-def metadata_field(domain: str, statuses: Sequence[DescriptorStatus], heads: LimitHeads) -> bytes:
-    """The whole ``dynamic_metadata`` field: core.decision.decision_metadata's content."""
+def metadata_field(
+    domain: str,
+    statuses: Sequence[DescriptorStatus],
+    heads: LimitHeads,
+    go_request: Request | None = None,
+) -> bytes:
+    """The whole ``dynamic_metadata`` field: core.decision.decision_metadata's content
+    (with envoyproxy/ratelimit's keys when ``go_request`` is given: an opt-in, so they
+    are encoded per answer, not kept)."""
     domain_entry = _DOMAINS.get(domain)
     if domain_entry is None:
         if len(_DOMAINS) >= MAX_CACHED_DOMAINS:
@@ -293,7 +303,11 @@ def metadata_field(domain: str, statuses: Sequence[DescriptorStatus], heads: Lim
             head = item_head(limit)
         items.append(head + _DOUBLE(status.remaining))
     listed = _field(_LIST, b"".join(items))
-    entry = _DESCRIPTORS_KEY + _varint(len(listed)) + listed
+    key = _DESCRIPTORS_KEY
+    if go_request is not None:
+        parts.append(struct_entries(go_metadata(go_request, statuses)))
+        key = _LIMITS_KEY
+    entry = key + _varint(len(listed)) + listed
     parts.append(_STRUCT_ENTRY + _varint(len(entry)) + entry)
     return _field(_METADATA, b"".join(parts))
 

@@ -378,6 +378,7 @@ class RateLimitService:
             self.settings.deadline_margin,
             self.loop_lag,
             self.tracing,
+            self.settings.go_dynamic_metadata,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
         quota = QuotaServicer(self.quota, self.tracing)

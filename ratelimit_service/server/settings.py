@@ -294,6 +294,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--header-rule", "Envoy compatibility",
             "name of a response header naming the rule that decided (its name, else its stats"
             " key), with or without --response-headers (empty: not sent)", ""),
+    Setting("--go-dynamic-metadata", "Envoy compatibility",
+            "answers' dynamic metadata carries envoyproxy/ratelimit's keys too (domain,"
+            " descriptors, hitsAddend, the passed rules' metadata); ours per descriptor move"
+            " to limits", switch=True, fills="go_dynamic_metadata"),
     Setting("--http-addr", "Envoy compatibility",
             "envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (off unless"
             " given)", None, host_port, fills="http_addr", to_field=_none_if_empty),
@@ -419,6 +423,8 @@ class Settings:
     max_request_bytes: int = 1 << 20
     """Larger requests are refused by gRPC itself (RESOURCE_EXHAUSTED)."""
     response_headers: HeaderStyle = HeaderStyle.OFF
+    go_dynamic_metadata: bool = False
+    """Answers carry envoyproxy/ratelimit's dynamic metadata keys (RESPONSE_DYNAMIC_METADATA)."""
     header_names: HeaderNames = field(default_factory=HeaderNames)
     log_format: str = "text"
     watch_interval: float = 1.0

@@ -124,6 +124,8 @@ def values(env: dict[str, str], go_mode: bool = False) -> dict[str, str]:
             {"LIMIT_RESPONSE_HEADERS_ENABLED": "true", "LIMIT_RESET_HEADER": "X-Reset"},
             {"--response-headers": "ratelimit", "--header-reset": "X-Reset"},
         ),
+        ({"RESPONSE_DYNAMIC_METADATA": "true"}, {"--go-dynamic-metadata": "1"}),
+        ({"RESPONSE_DYNAMIC_METADATA": "false"}, {"--go-dynamic-metadata": ""}),
         (
             {"SHADOW_MODE": "true", "MERGE_DOMAIN_CONFIG": "false", "NEAR_LIMIT_RATIO": "0.5"},
             {"--shadow-mode": "1", "--merge-domain-config": "", "--near-limit-ratio": "0.5"},

@@ -76,3 +76,60 @@ def test_the_access_log_shows_the_deciding_rule(
     assert json.loads(descriptors)[1] == {
         "rule": "edge.tenant_blocked", "limit": 0, "unit": "second", "remaining": 0
     }  # fmt: skip
+
+
+GO_RULES = """
+domain: edge
+descriptors:
+  - key: remote_address
+    metadata: {backend: green, zone: a}
+    rate_limit: {unit: second, requests_per_unit: 50}
+  - key: tenant
+    value: acme
+    metadata: {backend: blue, tier: {name: gold}}
+    rate_limit: {unit: minute, requests_per_unit: 2}
+"""
+GO_LOG_FORMAT = (
+    f"%RESPONSE_CODE% %DYNAMIC_METADATA({NAMESPACE}:metadata)%"
+    f" %DYNAMIC_METADATA({NAMESPACE}:metadata:backend)%"
+    f" %DYNAMIC_METADATA({NAMESPACE}:descriptors)%\n"
+)
+
+
+def test_go_dynamic_metadata_reaches_envoy_with_the_passed_rules_metadata(
+    start_envoy: Callable[..., Envoy],
+    spawn_service: Callable[..., ServiceProcess],
+    upstream: Upstream,
+    tmp_path: Path,
+) -> None:
+    """--go-dynamic-metadata (RESPONSE_DYNAMIC_METADATA=true): Envoy's access log reads
+    envoyproxy/ratelimit's keys, the merged metadata of the rules that passed among
+    them (the first rule's value wins on a key both have): both rules pass on the first
+    two requests, only the address rule once the tenant's 2 a minute are spent."""
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "edge.yaml").write_text(GO_RULES)
+    service = spawn_service(rules, "--go-dynamic-metadata", "--mode", "exact")
+    log = tmp_path / "access.log"
+    bootstrap = with_access_log(shipped_bootstrap(upstream, [service]), log)
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["access_log"][0]["typed_config"]["log_format"]["text_format_source"] = {
+        "inline_string": GO_LOG_FORMAT
+    }
+    envoy = start_envoy(bootstrap)
+    statuses = [envoy.request("/", {"x-tenant": "acme"}).status for _ in range(3)]
+    assert statuses == [200, 200, 429]
+    lines = eventually(
+        lambda: (text := log.read_text()).count("\n") >= 3 and text.splitlines(),
+        what="three access log lines",
+    )
+    both = {"backend": "green", "zone": "a", "tier": {"name": "gold"}}
+    expected = [("200", both), ("200", both), ("429", {"backend": "green", "zone": "a"})]
+    for line, (code, metadata) in zip(lines, expected, strict=True):
+        status, passed, backend, descriptors = line.split(" ", 3)
+        assert (status, json.loads(passed)) == (code, metadata), line
+        assert backend == "green", line
+        sent = json.loads(descriptors)
+        assert sent[0]["entries"][0].startswith("remote_address="), line
+        assert sent[1] == {"entries": ["tenant=acme"]}, line

@@ -10,9 +10,16 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import json_format
 
 from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.decision import deciding_rule, decision_metadata
+from ratelimit_service.core.decision import deciding_rule, decision_metadata, go_metadata
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
-from ratelimit_service.core.request import UINT32_MAX, Code, DescriptorStatus, Response
+from ratelimit_service.core.request import (
+    UINT32_MAX,
+    Code,
+    Descriptor,
+    DescriptorStatus,
+    Request,
+    Response,
+)
 from ratelimit_service.core.units import Unit
 from ratelimit_service.rls import wire as rls_wire
 
@@ -34,6 +41,7 @@ def random_statuses(rng: random.Random) -> list[DescriptorStatus]:
             name=rng.choice(["", "per-ip", "ünï-" * 40]),
             stats_key=rng.choice(["edge.tenant", "edge.tenant_acme.path_/x*"]),
             quota_mode=rng.random() < 0.2,
+            metadata=rng.choice([None, {"backend": "a", "tier": {"x": 1}}, {"tier": {"y": True}}]),
         )
         for _ in range(3)
     ]
@@ -61,6 +69,80 @@ def test_wire_metadata_is_decision_metadata() -> None:
         assert parsed_metadata(encoded) == decision_metadata(domain, statuses)
         checked_rule += "rule" in decision_metadata(domain, statuses)
     assert checked_rule > 500
+
+
+def random_request(rng: random.Random, size: int) -> Request:
+    descriptors = [
+        Descriptor(
+            tuple((f"k{n}", rng.choice(["v", "ü", ""])) for n in range(rng.randint(1, 3))),
+            rng.choice([None, (7, Unit.MINUTE), (3, None)]),
+            rng.choice([None, 0, 700]),
+        )
+        for _ in range(size)
+    ]
+    return Request("edge", descriptors, rng.choice([0, 0, 5]))
+
+
+def test_wire_metadata_with_go_keys_is_decision_metadata() -> None:
+    """--go-dynamic-metadata: the bytes parse to decision_metadata with the request."""
+    rng = random.Random(5)
+    merged = 0
+    for _ in range(1000):
+        statuses = random_statuses(rng)
+        request = random_request(rng, len(statuses))
+        limits = [s.limit for s in statuses if s.limit is not None]
+        heads = rls_wire.LimitHeads(limits[: rng.randint(0, len(limits))])
+        response = Response(rng.choice(list(Code)), statuses)
+        encoded = rls_wire.encode_response(response, None, heads, "edge", request)
+        expected = decision_metadata("edge", statuses, request)
+        assert parsed_metadata(encoded) == expected
+        assert "descriptors" in expected and "limits" in expected
+        merged += "metadata" in expected
+    assert merged > 200
+
+
+def test_go_keys_hold_go_values() -> None:
+    """What envoyproxy/ratelimit's ratelimitToMetadata writes for the same request:
+    entries as key=value, the override and a descriptor's own hitsAddend when set,
+    the request's hitsAddend when not 0, and the passed rules' metadata merged with the
+    first rule winning (nested maps merged); an over-limit rule's metadata is left out."""
+    first = RateLimit(5, Unit.MINUTE, stats_key="e.a", metadata={"backend": "a", "t": {"x": 1}})
+    second = RateLimit(9, Unit.MINUTE, stats_key="e.b", metadata={"backend": "b", "t": {"y": 2}})
+    denied = RateLimit(1, Unit.MINUTE, stats_key="e.c", metadata={"denied": True})
+    request = Request(
+        "edge",
+        [
+            Descriptor((("tenant", "acme"),)),
+            Descriptor((("model", "gpt"), ("tier", "1")), (7, Unit.MINUTE), 0),
+            Descriptor((("user", "u"),), None, 700),
+            Descriptor((("plain", "x"),)),
+        ],
+        3,
+    )
+    statuses = [
+        DescriptorStatus(Code.OK, first, 4),
+        DescriptorStatus(Code.OK, second, 8),
+        DescriptorStatus(Code.OVER_LIMIT, denied, 0),
+        DescriptorStatus(Code.OK, None, UINT32_MAX),  # unlimited: not a passed rule
+    ]
+    assert go_metadata(request, statuses) == {
+        "descriptors": [
+            {"entries": ["tenant=acme"]},
+            {
+                "entries": ["model=gpt", "tier=1"],
+                "limit": "requests_per_unit:7 unit:MINUTE",
+                "hitsAddend": 0,
+            },
+            {"entries": ["user=u"], "hitsAddend": 700},
+            {"entries": ["plain=x"]},
+        ],
+        "hitsAddend": 3,
+        "metadata": {"backend": "a", "t": {"x": 1, "y": 2}},
+    }
+    # The rules' own metadata is unchanged by the merge.
+    assert first.metadata == {"backend": "a", "t": {"x": 1}}
+    no_pass = go_metadata(Request("edge", request.descriptors[2:3]), statuses[2:3])
+    assert no_pass == {"descriptors": [{"entries": ["user=u"], "hitsAddend": 700}]}
 
 
 def test_no_domain_no_metadata() -> None:
