@@ -18,11 +18,13 @@ import yaml
 
 from ratelimit_service.core.config_errors import ConfigError, ConfigLoadError
 from ratelimit_service.core.config_model import (
+    MAX_OVER_LIMIT_BODY,
     DescriptorNode,
     DomainConfig,
     FailureMode,
     Mode,
     NodeChildren,
+    OverLimitAnswer,
     RateLimit,
     RateLimitConfig,
     WildcardPattern,
@@ -46,6 +48,7 @@ DESCRIPTOR_KEYS = frozenset(
         "value_to_metric",
         "share_threshold",
         "metadata",
+        "over_limit",
         "mode",
         "failure_mode",
     }
@@ -54,6 +57,9 @@ RATE_LIMIT_KEYS = frozenset(
     {"unit", "unit_multiplier", "requests_per_unit", "unlimited", "name", "replaces", "burst"}
 )
 REPLACES_KEYS = frozenset({"name"})
+OVER_LIMIT_KEYS = frozenset({"body", "content_type"})
+_CONTENT_TYPE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+/[!#$%&'*+.^_`|~0-9A-Za-z-]+(\s*;[ -~]*)?")
+"""type/subtype, optionally followed by parameters: printable ASCII, no line breaks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,7 @@ class _RuleFlags:
     quota_mode: bool
     detailed_metric: bool
     metadata: dict[str, Any] | None
+    over_limit: OverLimitAnswer | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +316,36 @@ class _FileLoader:
             quota_mode=self.flag(fields.get("quota_mode"), "quota_mode"),
             detailed_metric=self.flag(fields.get("detailed_metric"), "detailed_metric"),
             metadata=metadata,
+            over_limit=self.over_limit(fields.get("over_limit")),
         )
+
+    def over_limit(self, node: yaml.Node | None) -> OverLimitAnswer | None:
+        """Ours: ``over_limit: {body, content_type}``, what the rule's 429 says."""
+        if node is None:
+            return None
+        fields = self.mapping(node, OVER_LIMIT_KEYS)
+        if fields is None:
+            return None
+        body = self.text(fields.get("body"), "body")
+        if not body:
+            self.error(fields.get("body", node), "over_limit needs a non-empty 'body'")
+            return None
+        encoded = body.encode()
+        if len(encoded) > MAX_OVER_LIMIT_BODY:
+            self.error(
+                fields["body"],
+                f"over_limit body is {len(encoded)} bytes; at most {MAX_OVER_LIMIT_BODY}",
+            )
+            return None
+        content_type = self.text(fields.get("content_type"), "content_type")
+        if content_type is not None and not _CONTENT_TYPE.fullmatch(content_type):
+            self.error(
+                fields["content_type"],
+                f"over_limit content_type '{content_type}' is not a media type"
+                " (e.g. application/json)",
+            )
+            return None
+        return OverLimitAnswer(encoded, content_type)
 
     def rate_limits(
         self, node: yaml.Node, config_path: str, inherited: _Inherited, flags: _RuleFlags
@@ -394,6 +430,7 @@ class _FileLoader:
             burst=self.burst(limit_fields.get("burst"), requests_per_unit),
             stats_key=config_path,
             metadata=flags.metadata,
+            over_limit=flags.over_limit,
             source=f"{self.file.name}:{node.start_mark.line + 1}",
         )
 

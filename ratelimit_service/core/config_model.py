@@ -29,6 +29,20 @@ class FailureMode(enum.Enum):
     CLOSED = "closed"
 
 
+MAX_OVER_LIMIT_BODY = 16 * 1024
+"""The largest ``over_limit.body`` a rule may give (bytes, UTF-8): every denial by the
+rule carries it, and Envoy holds it in memory per 429."""
+
+
+@dataclass(frozen=True, slots=True)
+class OverLimitAnswer:
+    """What a rule's 429 says (YAML ``over_limit``): the body Envoy sends instead of its
+    own (the RLS answer's ``raw_body``) and, when given, its content type."""
+
+    body: bytes
+    content_type: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class RateLimit:
     """One limit: a count per window, with everything that decides how it is enforced."""
@@ -50,6 +64,8 @@ class RateLimit:
     limit). Exact windows always admit the limit."""
     stats_key: str = ""
     metadata: Mapping[str, Any] | None = None
+    over_limit: OverLimitAnswer | None = None
+    """The body (and content type) of a 429 that this rule decided."""
     source: str = ""
     label: str = ""
     """Within a ``rate_limits`` list, what tells this limit from the others (its name,

@@ -30,7 +30,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import struct_pb2
 
-from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.config_model import OverLimitAnswer, RateLimit
 from ratelimit_service.core.decision import deciding_status, go_metadata, limit_facts, rule_name
 from ratelimit_service.core.request import (
     UINT32_MAX,
@@ -63,6 +63,7 @@ _NANOS = b"\x10"  # google.protobuf.Duration.nanos = 2, varint
 _HEADER_KEY = _tag(base_pb2.HeaderValue, "key", _LENGTH_DELIMITED)
 _HEADER_VALUE = _tag(base_pb2.HeaderValue, "value", _LENGTH_DELIMITED)
 _METADATA = _tag(_RESPONSE, "dynamic_metadata", _LENGTH_DELIMITED)
+_RAW_BODY = _tag(_RESPONSE, "raw_body", _LENGTH_DELIMITED)
 _STRUCT_ENTRY = _tag(struct_pb2.Struct, "fields", _LENGTH_DELIMITED)
 _ENTRY_KEY = _tag(struct_pb2.Struct.FieldsEntry, "key", _LENGTH_DELIMITED)
 _ENTRY_VALUE = _tag(struct_pb2.Struct.FieldsEntry, "value", _LENGTH_DELIMITED)
@@ -160,6 +161,13 @@ class LimitHeads:
         """Each limit's descriptor item of the decision metadata, up to its remaining."""
         self.rule: dict[int, bytes] = {id(limit): rule_entry(limit) for limit in self._limits}
         """Each limit's ``rule`` entry of the decision metadata."""
+        self.over_limit: dict[int, bytes] = {
+            id(limit): over_limit_fields(limit.over_limit)
+            for limit in self._limits
+            if limit.over_limit is not None
+        }
+        """The ``raw_body`` and content-type fields of each limit that has an over_limit
+        answer; empty when none has, and then a denial looks for none."""
 
 
 _NO_HEADS = LimitHeads()
@@ -221,9 +229,37 @@ def encode_response(
     for key, value in headers or ():
         header = _field(_HEADER_KEY, key.encode()) + _field(_HEADER_VALUE, value.encode())
         parts.append(_field(_HEADERS, header))
+    if heads.over_limit and response.overall is _OVER_LIMIT:
+        parts.append(over_limit_field(response.statuses, heads))
     if domain is not None:
         parts.append(metadata_field(domain, response.statuses, heads, go_request))
     return b"".join(parts)
+
+
+_OVER_LIMIT = Code.OVER_LIMIT
+
+
+def over_limit_fields(answer: OverLimitAnswer) -> bytes:
+    """A rule's 429 as RLS answer fields: ``raw_body`` and, with a content type, a
+    ``content-type`` in ``response_headers_to_add`` (Envoy puts it in place of its
+    local reply's own)."""
+    fields = _field(_RAW_BODY, answer.body)
+    if answer.content_type is not None:
+        header = _field(_HEADER_KEY, b"content-type") + _field(
+            _HEADER_VALUE, answer.content_type.encode()
+        )
+        fields += _field(_HEADERS, header)
+    return fields
+
+
+def over_limit_field(statuses: Sequence[DescriptorStatus], heads: LimitHeads) -> bytes:
+    """The over_limit answer of the rule that decided a denial (core.decision's
+    verdict), or nothing when that rule has none."""
+    decided = deciding_status(statuses)
+    if decided is None or decided.limit is None or decided.limit.over_limit is None:
+        return b""
+    fields = heads.over_limit.get(id(decided.limit))
+    return fields if fields is not None else over_limit_fields(decided.limit.over_limit)
 
 
 def _value(value: Any) -> bytes:

@@ -22,6 +22,7 @@ from ratelimit_service.core.config_model import (
     DomainConfig,
     FailureMode,
     Mode,
+    OverLimitAnswer,
     RateLimit,
     RateLimitConfig,
 )
@@ -1526,3 +1527,70 @@ def test_cli_check_config_subprocess(tmp_path: Path) -> None:
     )
     assert passed.returncode == 0, passed.stderr
     assert passed.stdout == f"{root / 'ok.yaml'}: OK (1 file)\n"
+
+
+# --------------------------------------------------------------------------- over_limit
+
+
+def test_over_limit_body_and_content_type_reach_every_limit_of_the_descriptor() -> None:
+    domain = load_one(
+        """
+        domain: ai
+        descriptors:
+          - key: tenant
+            over_limit:
+              content_type: application/json; charset=utf-8
+              body: '{"error": {"type": "tokens", "message": "budget spent"}}'
+            rate_limits:
+              - {unit: minute, requests_per_unit: 6000}
+              - {unit: month, requests_per_unit: 1000000}
+          - key: user
+            rate_limit: {unit: minute, requests_per_unit: 5}
+        """
+    )
+    answer = OverLimitAnswer(
+        b'{"error": {"type": "tokens", "message": "budget spent"}}',
+        "application/json; charset=utf-8",
+    )
+    tenant = domain.root.defaults["tenant"]
+    assert [limit.over_limit for limit in tenant.limits] == [answer, answer]
+    assert limit_at(domain, ("user", "u")).over_limit is None
+
+
+@pytest.mark.parametrize(
+    ("over_limit", "line", "message"),
+    [
+        ("{content_type: text/plain}", 4, "over_limit needs a non-empty 'body'"),
+        ("{body: ''}", 4, "over_limit needs a non-empty 'body'"),
+        ("{body: x, content_type: json}", 4,
+         "over_limit content_type 'json' is not a media type (e.g. application/json)"),
+        ("{body: x, content_type: \"text/plain\\r\\nx-a: b\"}", 4,
+         "over_limit content_type 'text/plain\r\nx-a: b' is not a media type"
+         " (e.g. application/json)"),
+        (f"{{body: {'x' * 16385}}}", 4, "over_limit body is 16385 bytes; at most 16384"),
+        ("[x]", 4, "expected a mapping, found a list"),
+    ],
+)  # fmt: skip
+def test_over_limit_errors_name_the_line(over_limit: str, line: int, message: str) -> None:
+    text = f"""
+        domain: d
+        descriptors:
+          - key: k
+            over_limit: {over_limit}
+            rate_limit: {{unit: second, requests_per_unit: 1}}
+        """
+    assert errors_of(text) == [(NAME, line, message)]
+
+
+def test_a_misspelt_over_limit_key_is_named_with_a_suggestion() -> None:
+    text = """
+        domain: d
+        descriptors:
+          - key: k
+            over_limit: {bodyy: x}
+            rate_limit: {unit: second, requests_per_unit: 1}
+        """
+    assert errors_of(text) == [
+        (NAME, 4, "config error, unknown key 'bodyy'; did you mean 'body'?"),
+        (NAME, 4, "over_limit needs a non-empty 'body'"),
+    ]

@@ -364,6 +364,40 @@ def test_limit_override_admits_exactly_its_count_every_time(addend_envoy: Envoy)
     assert undecided_calls(addend_envoy) == 0
 
 
+def test_a_rules_over_limit_body_and_content_type_reach_the_client(
+    start_envoy: StartEnvoy, spawn_service: SpawnService, upstream: Upstream, tmp_path: Path
+) -> None:
+    """A rule's ``over_limit`` answer is the body and content type of Envoy's 429 for the
+    requests that rule denies; a 200 and another rule's 429 keep Envoy's own."""
+    body = '{"error": {"type": "rate_limit_exceeded", "message": "token budget spent"}}'
+    config = rules(
+        tmp_path,
+        f"""
+domain: edge
+descriptors:
+  - key: tenant
+    value: acme
+    mode: exact
+    over_limit: {{content_type: application/json, body: '{body}'}}
+    rate_limit: {{unit: minute, requests_per_unit: 1}}
+  - key: tenant
+    value: blocked
+    rate_limit: {{unit: minute, requests_per_unit: 0}}
+""",
+    )
+    service = spawn_service(config)
+    envoy = start_envoy(shipped_bootstrap(upstream, [service]))
+    allowed, denied = (envoy.request("/", {"x-tenant": "acme"}) for _ in range(2))
+    assert (allowed.status, allowed.body) == (200, b"ok")
+    assert denied.status == 429
+    assert denied.body.decode() == body
+    assert denied.headers["content-type"] == "application/json"
+    other = envoy.request("/", {"x-tenant": "blocked"})
+    assert other.status == 429 and other.body != body.encode()
+    assert other.headers.get("content-type") != "application/json"
+    assert undecided_calls(envoy) == 0
+
+
 def test_two_replicas_on_one_redis_hold_an_exact_limit_fleet_wide(
     start_envoy: StartEnvoy,
     spawn_service: SpawnService,

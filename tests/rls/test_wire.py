@@ -11,7 +11,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.config_model import OverLimitAnswer, RateLimit
 from ratelimit_service.core.request import (
     UINT32_MAX,
     Code,
@@ -174,3 +174,39 @@ async def test_malformed_bytes_get_invalid_argument(start_service, write_config)
     good.descriptors.add().entries.add(key="k", value="v")
     answer = R.FromString(await call(good.SerializeToString()))
     assert answer.overall_code == R.OK  # and the service goes on serving
+
+
+def test_a_denial_carries_the_deciding_rules_over_limit_answer() -> None:
+    """The rule that decided a denial gives the 429 its body (raw_body) and content type
+    (a response header); an OK answer, or a denial by a rule without one, carries none."""
+    answer = OverLimitAnswer(b'{"error": "tokens"}', "application/json")
+    budget = RateLimit(6000, Unit.MINUTE, stats_key="ai.tenant", over_limit=answer)
+    plain = RateLimit(5, Unit.SECOND, stats_key="ai.user")
+    bare = RateLimit(7, Unit.SECOND, stats_key="ai.k", over_limit=OverLimitAnswer(b"slow down"))
+    for heads in (rls_wire.LimitHeads([budget, plain, bare]), rls_wire.LimitHeads([budget])):
+
+        def encoded(*statuses: DescriptorStatus) -> rls_pb2.RateLimitResponse:
+            overall = (
+                Code.OVER_LIMIT if any(s.code is Code.OVER_LIMIT for s in statuses) else Code.OK
+            )
+            response = Response(overall, list(statuses))
+            return rls_pb2.RateLimitResponse.FromString(
+                rls_wire.encode_response(response, [("x-a", "1")], heads)  # noqa: B023
+            )
+
+        denied = encoded(
+            DescriptorStatus(Code.OK, plain, 3), DescriptorStatus(Code.OVER_LIMIT, budget, 0)
+        )
+        assert denied.raw_body == b'{"error": "tokens"}'
+        headers = [(h.key, h.value) for h in denied.response_headers_to_add]
+        assert headers == [("x-a", "1"), ("content-type", "application/json")]
+        by_plain = encoded(
+            DescriptorStatus(Code.OVER_LIMIT, plain, 0), DescriptorStatus(Code.OK, budget, 9)
+        )
+        assert by_plain.raw_body == b""
+        assert [h.key for h in by_plain.response_headers_to_add] == ["x-a"]
+        allowed = encoded(DescriptorStatus(Code.OK, budget, 9))
+        assert allowed.raw_body == b"" and len(allowed.response_headers_to_add) == 1
+        untyped = encoded(DescriptorStatus(Code.OVER_LIMIT, bare, 0))
+        assert untyped.raw_body == b"slow down"
+        assert [h.key for h in untyped.response_headers_to_add] == ["x-a"]
