@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ratelimit_service.core.config_model import RateLimitConfig
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.engine.quota import QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
@@ -81,6 +82,24 @@ def _by_rule(name: str, help_text: str, values: dict[str, float]) -> Iterator[Me
     family = GaugeMetricFamily(name, help_text, labels=["key"])
     for count, (rule, value) in enumerate(values.items(), 1):
         family.add_metric([rule], value)
+        if count % SLICE == 0:
+            yield None
+    yield family
+
+
+def rule_limit_metrics(config: RateLimitConfig) -> Iterator[Metric | None]:
+    """Every finite rule's configured limit, by the ``key`` its hit counters carry, with
+    its period (``unit``: ``minute``, ``10 minutes``) and its length in seconds: a
+    utilisation alert divides the hits of a window by it without a copy of the rules."""
+    family = GaugeMetricFamily(
+        "ratelimit_rule_limit",
+        "A rule's configured limit: hits allowed per period",
+        labels=["key", "unit", "window_seconds"],
+    )
+    for count, limit in enumerate(config.limits(), 1):
+        if not limit.unlimited:
+            period = [limit.stats_key, limit.period, str(limit.window_seconds)]
+            family.add_metric(period, limit.requests_per_unit)
         if count % SLICE == 0:
             yield None
     yield family

@@ -70,6 +70,7 @@ from ratelimit_service.engine.state_metrics import (
     bucket_metrics,
     quota_metrics,
     reconciler_metrics,
+    rule_limit_metrics,
     store_metrics,
     zone_metrics,
 )
@@ -661,6 +662,7 @@ class RateLimitService:
         return 200, "text/plain", b"/rlconfig\n/metrics\n"
 
     def _gauges(self) -> Iterator[Metric | None]:
+        yield from rule_limit_metrics(self.limiter.config)
         yield from bucket_metrics(self.local)
         zone = self.zone_aggregator.stats() if self.zone_aggregator is not None else {}
         yield from store_metrics(self.store, zone)

@@ -269,6 +269,24 @@ async def test_drop_ratio_gauge_for_a_dropping_bucket(start: Starter) -> None:
     assert ("ratelimit_sync_duration_seconds_count", frozenset()) in samples
 
 
+async def test_rule_limit_gauge_carries_every_finite_rule(start: Starter) -> None:
+    """ratelimit_rule_limit: each rule's configured limit by the key its hit counters
+    carry, with its period, so that hits over limit is one query."""
+    svc = await start()
+    samples = await scrape(svc)
+    limits = {
+        dict(labels)["key"]: (dict(labels)["unit"], dict(labels)["window_seconds"], value)
+        for (name, labels), value in samples.items()
+        if name == "ratelimit_rule_limit"
+    }
+    assert limits["d.k"] == ("minute", "60", 10.0)
+    assert limits["d.e"] == ("hour", "3600", 7.0)
+    assert limits["d.s"] == ("second", "1", 3.0)
+    assert "d.free" not in limits  # unlimited: no limit to show
+    finite = [limit for limit in svc.service.limiter.config.limits() if not limit.unlimited]
+    assert len(limits) == len(finite)
+
+
 @BOTH_MODES
 async def test_state_is_bounded_under_a_flood_of_distinct_values(
     start: Starter, mode: Mode
