@@ -4,7 +4,7 @@
 
 Starts a throw-away redis-server, fills an exact-mode window key (1 and 61 slices), a
 probabilistic fleet key, and sorted sets of 100 / 1,000 / 10,000 unique members (the
-seed design's ZADD log), and prints MEMORY USAGE and the encoding of each.
+ZADD log of Uber's design), and prints MEMORY USAGE and the encoding of each.
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def main() -> None:
         choices=["sequence", "random"],
         default="sequence",
         help="numbers compared with the drop ratio: each bucket's golden-ratio sequence "
-        "(what the service does) or independent random numbers (the seed design)",
+        "(what the service does) or independent random numbers (Uber's design)",
     )
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--seeds", type=int, default=0, help="sweep seeds 1..N (summary only)")

@@ -1,9 +1,12 @@
 """Every relative link in the repository's Markdown resolves: the file (or folder) it
 names exists inside the repository and, for ``#anchor``, the Markdown file it names has
-a heading with that anchor (GitHub's rule for heading anchors)."""
+a heading with that anchor (GitHub's rule for heading anchors). The README's
+command-line synopsis is the parser's: every command and flag, no other."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 import subprocess
 import unicodedata
@@ -12,6 +15,7 @@ from urllib.parse import unquote
 
 import pytest
 
+from ratelimit_service.cli.main import build_parser
 from ratelimit_service.testing.fixtures import REPO
 
 SKIPPED_DIRS = {".git", ".venv", "node_modules", "bench/out"}
@@ -164,3 +168,139 @@ def test_checker_accepts_good_links(tmp_path: Path) -> None:
         "```\n[h](nowhere.md)\n```\n"
     )
     assert broken_links(repo, [page]) == []
+
+
+# -- the README's command-line synopsis -----------------------------------------------------
+
+SYNOPSIS_FLAG = re.compile(r"(--[a-z0-9][a-z0-9-]*)(?: ([^\s\[\]]+))?")
+
+
+def readme_synopsis(text: str) -> dict[str, str]:
+    """The code block under ``## Command line``, per command: ``ratelimit-service CMD``
+    and its indented continuation lines ('' for the line of the program's own flags; the
+    ``ratelimit`` line, serve under the Go service's name, is left out)."""
+    section = text[text.index("\n## Command line\n") :]
+    start = section.index("```\n") + 4
+    blocks: dict[str, str] = {}
+    command: str | None = None
+    for line in section[start : section.index("```", start)].splitlines():
+        if line.startswith("ratelimit-service "):
+            word = line.split()[1]
+            command = "" if word.startswith(("-", "[")) else word
+            assert command not in blocks, f"the synopsis has two lines for {command!r}"
+            blocks[command] = line
+        elif line.startswith(" ") and command is not None:
+            blocks[command] += "\n" + line
+        else:
+            command = None  # `ratelimit`
+    return blocks
+
+
+def synopsis_flags(block: str) -> dict[str, tuple[int, str | None]]:
+    """Each flag of a block at its first mention: its bracket depth (0: required) and
+    the word written after it, if any."""
+    flags: dict[str, tuple[int, str | None]] = {}
+    for match in SYNOPSIS_FLAG.finditer(block):
+        before = block[: match.start()]
+        depth = before.count("[") - before.count("]")
+        value = match.group(2)
+        flags.setdefault(match.group(1), (depth, None if value in (None, "|") else value))
+    return flags
+
+
+def parser_commands() -> dict[str, argparse.ArgumentParser]:
+    """The parser's commands, '' for the program itself."""
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {"": parser, **commands.choices}
+
+
+def shown(action: argparse.Action) -> bool:
+    return action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)
+
+
+def written_default_problem(action: argparse.Action, value: str | None) -> str | None:
+    """A value written after a flag is a placeholder (upper case, the metavar, ``...``),
+    or the flag's choices (``a|b``), or its default, which must then be the parser's."""
+    if value is None or action.default in (None, False) or value == action.metavar:
+        return None
+    if value.isupper() or "..." in value:
+        return None
+    if action.choices is not None and "|" in value:
+        if set(value.split("|")) != {str(choice) for choice in action.choices}:
+            return f"choices {value}, the parser's {sorted(action.choices)}"
+        return None
+    try:
+        same = str(action.default) == value or float(value) == float(action.default)
+    except (TypeError, ValueError):
+        same = False
+    return None if same else f"default {value}, the parser's {action.default!r}"
+
+
+def synopsis_problems(text: str) -> list[str]:
+    blocks = readme_synopsis(text)
+    commands = parser_commands()
+    problems = [f"README synopsis: no command {name!r}" for name in blocks if name not in commands]
+    for name, command in commands.items():
+        where = f"README synopsis of {name or 'ratelimit-service'}"
+        if name not in blocks:
+            problems.append(f"{where}: missing")
+            continue
+        written = synopsis_flags(blocks[name])
+        actions = [a for a in command._actions if shown(a)]
+        options = {flag: a for a in actions for flag in a.option_strings}
+        problems += [f"{where}: no flag {flag}" for flag in sorted(set(written) - set(options))]
+        problems += [f"{where}: {flag} missing" for flag in sorted(set(options) - set(written))]
+        for flag, (depth, value) in written.items():
+            action = options.get(flag)
+            if action is None:
+                continue
+            if (depth == 0) != bool(action.required):
+                kind = "required" if action.required else "optional"
+                problems.append(f"{where}: {flag} is {kind} in the parser")
+            problem = written_default_problem(action, value)
+            if problem is not None:
+                problems.append(f"{where}: {flag} {problem}")
+        for action in actions:
+            if not action.option_strings and action.dest.upper() not in blocks[name]:
+                problems.append(f"{where}: the argument {action.dest.upper()} missing")
+    return problems
+
+
+@pytest.fixture
+def no_ratelimit_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parser's own defaults: a RATELIMIT_* variable sets a default, or makes a
+    required flag optional."""
+    for name in [n for n in os.environ if n.startswith("RATELIMIT_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.usefixtures("no_ratelimit_variables")
+def test_the_readme_synopsis_is_the_parsers() -> None:
+    """Every command, every flag its parser shows and nothing else, required flags bare
+    and optional ones in brackets, defaults and choices as the parser has them."""
+    assert synopsis_problems((REPO / "README.md").read_text(encoding="utf-8")) == []
+
+
+@pytest.mark.usefixtures("no_ratelimit_variables")
+def test_the_synopsis_check_finds_drift() -> None:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    edits = [
+        (" [--hits-addend N]", ""),
+        ("[--timeout 5.0]", "[--timeout 7.0] [--retries N]"),
+        ("[--config PATH | --xds-server HOST:PORT]", "(--config PATH | --xds-server HOST:PORT)"),
+        ("[--log-format text|json]", "[--log-format text|yaml]"),
+        ("tune --prometheus URL", "tune [--prometheus URL]"),
+    ]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    assert synopsis_problems(text) == [
+        "README synopsis of serve: --config is optional in the parser",
+        "README synopsis of serve: --xds-server is optional in the parser",
+        "README synopsis of serve: --log-format choices text|yaml, the parser's ['json', 'text']",
+        "README synopsis of client: no flag --retries",
+        "README synopsis of client: --hits-addend missing",
+        "README synopsis of client: --timeout default 7.0, the parser's 5.0",
+        "README synopsis of tune: --prometheus is required in the parser",
+    ]

@@ -11,6 +11,7 @@ import grpc
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from ratelimit_service.core.decision import SHADOW
 from ratelimit_service.core.request import parse_descriptor
 
 _CODES = {0: "UNKNOWN", 1: "OK", 2: "OVER_LIMIT"}
@@ -32,10 +33,26 @@ def build_request(domain: str, descriptors: Sequence[str], hits_addend: int) -> 
     )
 
 
+def _shadow(struct: Any) -> str:
+    """`` (shadow: OVER_LIMIT)`` when a decision metadata Struct marks a verdict that
+    shadow mode turned into OK, else nothing."""
+    value = struct.fields.get(SHADOW)
+    return f" (shadow: {value.string_value})" if value is not None else ""
+
+
 def format_response(descriptors: Sequence[str], response: Any) -> str:
-    lines = [f"overall: {_CODES.get(response.overall_code, response.overall_code)}"]
-    for text, status in zip(descriptors, response.statuses, strict=False):
-        line = f"  [{text}] {_CODES.get(status.code, status.code)}"
+    """The overall code and, per descriptor, its code, limit, remaining and reset. A
+    code shadow mode made OK is marked from the decision metadata: ``OK (shadow:
+    OVER_LIMIT)``, per descriptor (a shadow rule) or overall (global shadow mode)."""
+    metadata = response.dynamic_metadata
+    overall = _CODES.get(response.overall_code, response.overall_code)
+    lines = [f"overall: {overall}{_shadow(metadata)}"]
+    listed = metadata.fields.get("descriptors")
+    items = list(listed.list_value.values) if listed is not None else []
+    for index, (text, status) in enumerate(zip(descriptors, response.statuses, strict=False)):
+        item = items[index] if index < len(items) else None
+        shadow = _shadow(item.struct_value) if item is not None else ""
+        line = f"  [{text}] {_CODES.get(status.code, status.code)}{shadow}"
         if status.HasField("current_limit"):
             limit = status.current_limit
             unit = _UNIT_NAMES.get(limit.unit, str(limit.unit))

@@ -212,7 +212,7 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the service",
-        usage="%(prog)s (--config PATH | --xds-server HOST:PORT) [flags]",
+        usage="%(prog)s [--config PATH | --xds-server HOST:PORT] [flags]",
         description="Run the service. Every flag can also be set by its environment"
         " variable (RATELIMIT_<FLAG>), or by envoyproxy/ratelimit's name for it.",
     )

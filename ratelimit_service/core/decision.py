@@ -124,32 +124,49 @@ def limit_facts(limit: RateLimit) -> dict[str, Any]:
     return {"rule": rule_name(limit), "limit": limit.requests_per_unit, "unit": limit.period}
 
 
+SHADOW = "shadow"
+SHADOW_OVER = "OVER_LIMIT"
+"""The decision metadata's mark of a verdict shadow mode turned into OK:
+``"shadow": "OVER_LIMIT"``."""
+
+
 def decision_metadata(
-    domain: str, statuses: Sequence[DescriptorStatus], go_request: Request | None = None
+    domain: str,
+    statuses: Sequence[DescriptorStatus],
+    overall: Code | None = None,
+    go_request: Request | None = None,
 ) -> dict[str, Any]:
     """The response's ``dynamic_metadata``, which Envoy's ratelimit filter puts under
     its namespace for access logs: the domain, the deciding rule (:func:`deciding_rule`;
-    absent when no descriptor has a finite limit) and, per descriptor in request order,
-    its rule's :func:`limit_facts` and ``remaining``, or None when it has no finite
-    limit, under ``descriptors``. With ``go_request`` (``--go-dynamic-metadata``),
-    envoyproxy/ratelimit's keys too (:func:`go_metadata`): its ``descriptors`` take that
-    name, and the per-descriptor list above is under ``limits``. rls/wire.py writes the
-    same content straight to bytes."""
+    absent when no descriptor has a finite limit), ``shadow: OVER_LIMIT`` when the
+    answer's code (``overall``; None: the statuses' own) is OK where the statuses deny
+    (global shadow mode), and, per descriptor in request order, its rule's
+    :func:`limit_facts` and ``remaining``, with ``shadow: OVER_LIMIT`` for a shadow
+    rule over its limit, or None when it has no finite limit, under ``descriptors``.
+    With ``go_request`` (``--go-dynamic-metadata``), envoyproxy/ratelimit's keys too
+    (:func:`go_metadata`): its ``descriptors`` take that name, and the per-descriptor
+    list above is under ``limits``. rls/wire.py writes the same content straight to
+    bytes."""
     metadata: dict[str, Any] = {"domain": domain}
-    rule = deciding_rule(statuses)
-    if rule is not None:
-        metadata["rule"] = rule
-    ours = [
-        None
-        if status.limit is None
-        else {**limit_facts(status.limit), "remaining": status.remaining}
-        for status in statuses
-    ]
+    code, decided = verdict(statuses)
+    if decided is not None and decided.limit is not None:
+        metadata["rule"] = rule_name(decided.limit)
+    if code is _OVER and overall is _OK:
+        metadata[SHADOW] = SHADOW_OVER
+    items: list[dict[str, Any] | None] = []
+    for status in statuses:
+        if status.limit is None:
+            items.append(None)
+            continue
+        item = {**limit_facts(status.limit), "remaining": status.remaining}
+        if status.shadow_over:
+            item[SHADOW] = SHADOW_OVER
+        items.append(item)
     if go_request is None:
-        metadata["descriptors"] = ours
+        metadata["descriptors"] = items
         return metadata
     metadata.update(go_metadata(go_request, statuses))
-    metadata["limits"] = ours
+    metadata["limits"] = items
     return metadata
 
 

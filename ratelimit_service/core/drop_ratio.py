@@ -1,6 +1,6 @@
 """The controller behind probabilistic mode: from fleet totals to a drop ratio and a credit.
 
-The seed design (Uber's Global Rate Limiter) sets ``ratio = max(0, (offered - limit) /
+The design we follow (Uber's Global Rate Limiter) sets ``ratio = max(0, (offered - limit) /
 offered)`` from rates. We keep that as the steady state, but steer by the *budget* the
 fleet may admit before the next sync, taken from a fleet-wide token bucket (refilled at
 ``limit / T``, holding up to :func:`capacity`: the limit, or the rule's ``burst``). That
@@ -9,7 +9,7 @@ gives:
 * **The limit at once, then the limit rate.** An idle client may send up to the
   capacity at once (a fresh key of 10 per second admits 10 of 12 sent together, as
   the Go service and exact mode do); under sustained overload the bucket is empty,
-  the budget is ``limit * interval / T`` and the ratio is the seed's formula.
+  the budget is ``limit * interval / T`` and the ratio is Uber's formula.
   After a step from 0.5x to 3x the stored burst is spent and the fleet is back at
   the limit one second later, as an ideal token bucket of the same capacity is
   (docs/benchmarks.md, "Step reaction").

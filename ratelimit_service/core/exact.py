@@ -44,7 +44,11 @@ class ExactResult:
     """Hits in the window before this request."""
     remaining: int
     reset_after: float
-    """Seconds until the window next frees room (over: until this request would fit)."""
+    """Seconds until the window next frees room (over: until this request would fit), at
+    most the window: a rule's reset is never longer than its unit. (A slice leaves the
+    window up to one slice width after the window has passed since its hits, see
+    core/window.py, so a client back after a reset of the whole window may still find
+    it counted, for less than a slice.)"""
 
 
 def fits(window_count: int, hits: int, limit: int) -> bool:
@@ -87,6 +91,8 @@ def evaluate(
             reset = window.next_drop(now)
         else:
             reset = window.wait_for_room(now, max(hit.hits, 1), hit.limit)
+        if reset > hit.window_seconds:
+            reset = hit.window_seconds
         results.append(
             ExactResult(
                 admitted=ok,

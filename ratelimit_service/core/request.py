@@ -47,6 +47,9 @@ class DescriptorStatus:
     limit: RateLimit | None = None
     remaining: int = 0
     reset_after: float | None = None
+    shadow_over: bool = False
+    """A shadow rule over its limit: its code stays OK (it never denies), and the
+    decision metadata says it would have denied (core.decision.decision_metadata)."""
 
 
 @dataclass(slots=True)

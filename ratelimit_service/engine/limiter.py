@@ -471,6 +471,7 @@ class RateLimiter:
             self._near_key(step, before + hits)  # over by the store's count, not by failure_mode
         if not step.quota and not step.enforce:  # shadow
             rule.shadow_mode += hits  # would have been denied; reported OK
+            status.shadow_over = True
         else:
             status.code = _OVER
             status.remaining = 0

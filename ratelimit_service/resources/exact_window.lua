@@ -22,7 +22,9 @@
 --          (role 0 = enforce, 1 = shadow: never denies, 2 = quota)
 -- Returns  a flat array, 4 integers per descriptor, in KEYS order:
 --          admitted (1/0), hits in the window before, remaining after, reset_after_us
---          (admitted: until the oldest slice leaves; denied: until the hits would fit)
+--          (admitted: until the oldest slice leaves; denied: until the hits would fit;
+--          at most window_us: a slice leaves up to a slice width after that, but a
+--          reset is never reported longer than the window, as core/exact.py evaluate)
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local call, tonumber, floor, format = redis.call, tonumber, math.floor, string.format
@@ -177,6 +179,7 @@ for _ = 1, requests do
     else
       reset = wait_for_room(w, hits, limit)
     end
+    if reset > w.window then reset = w.window end  -- core/exact.py evaluate
     local remaining = limit - w.total
     if remaining < 0 then remaining = 0 end
     local before = hbefore[i]

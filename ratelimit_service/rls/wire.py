@@ -17,7 +17,8 @@ objects themselves are a visible share of the CPU:
 - **Decision metadata** (``dynamic_metadata``, a google.protobuf.Struct): the content
   core.decision.decision_metadata defines, written from parts kept per limit (its
   limit_facts and the deciding-rule entry) and per domain; only ``remaining`` is
-  written per descriptor. The tests parse it and compare it with that function's.
+  written per descriptor (and the whole item of a shadow rule over its limit, rare).
+  The tests parse it and compare it with that function's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import struct_pb2
 
 from ratelimit_service.core.config_model import OverLimitAnswer, RateLimit
-from ratelimit_service.core.decision import deciding_status, go_metadata, limit_facts, rule_name
+from ratelimit_service.core.decision import (
+    SHADOW,
+    SHADOW_OVER,
+    go_metadata,
+    limit_facts,
+    rule_name,
+    verdict,
+)
 from ratelimit_service.core.request import (
     UINT32_MAX,
     Code,
@@ -232,7 +240,7 @@ def encode_response(
     if heads.over_limit and response.overall is _OVER_LIMIT:
         parts.append(over_limit_field(response.statuses, heads))
     if domain is not None:
-        parts.append(metadata_field(domain, response.statuses, heads, go_request))
+        parts.append(metadata_field(domain, response.statuses, heads, response.overall, go_request))
     return b"".join(parts)
 
 
@@ -255,7 +263,7 @@ def over_limit_fields(answer: OverLimitAnswer) -> bytes:
 def over_limit_field(statuses: Sequence[DescriptorStatus], heads: LimitHeads) -> bytes:
     """The over_limit answer of the rule that decided a denial (core.decision's
     verdict), or nothing when that rule has none."""
-    decided = deciding_status(statuses)
+    decided = verdict(statuses)[1]
     if decided is None or decided.limit is None or decided.limit.over_limit is None:
         return b""
     fields = heads.over_limit.get(id(decided.limit))
@@ -302,6 +310,7 @@ def rule_entry(limit: RateLimit) -> bytes:
 
 
 _NO_LIMIT_ITEM = _field(_LIST_ITEM, _value(None))
+_SHADOW_ENTRY = _entry(SHADOW, _value(SHADOW_OVER))
 _DESCRIPTORS_KEY = _field(_ENTRY_KEY, b"descriptors") + _ENTRY_VALUE
 _LIMITS_KEY = _field(_ENTRY_KEY, b"limits") + _ENTRY_VALUE
 _DOMAINS: dict[str, bytes] = {}
@@ -312,27 +321,35 @@ def metadata_field(
     domain: str,
     statuses: Sequence[DescriptorStatus],
     heads: LimitHeads,
+    overall: Code | None = None,
     go_request: Request | None = None,
 ) -> bytes:
     """The whole ``dynamic_metadata`` field: core.decision.decision_metadata's content
-    (with envoyproxy/ratelimit's keys when ``go_request`` is given: an opt-in, so they
-    are encoded per answer, not kept)."""
+    (``overall``: the answer's code; with envoyproxy/ratelimit's keys when ``go_request``
+    is given: an opt-in, so they are encoded per answer, not kept). A shadow rule over
+    its limit is rare: its item is written whole, not from the kept parts."""
     domain_entry = _DOMAINS.get(domain)
     if domain_entry is None:
         if len(_DOMAINS) >= MAX_CACHED_DOMAINS:
             _DOMAINS.clear()
         domain_entry = _DOMAINS[domain] = _entry("domain", _value(domain))
     parts = [domain_entry]
-    decided = deciding_status(statuses)
+    code, decided = verdict(statuses)
     if decided is not None and decided.limit is not None:
         rule = heads.rule.get(id(decided.limit))
         parts.append(rule if rule is not None else rule_entry(decided.limit))
+    if code is Code.OVER_LIMIT and overall is Code.OK:  # global shadow mode
+        parts.append(_SHADOW_ENTRY)
     heads_of = heads.items
     items = []
     for status in statuses:
         limit = status.limit
         if limit is None:
             items.append(_NO_LIMIT_ITEM)
+            continue
+        if status.shadow_over:
+            item = {**limit_facts(limit), "remaining": status.remaining, SHADOW: SHADOW_OVER}
+            items.append(_field(_LIST_ITEM, _value(item)))
             continue
         head = heads_of.get(id(limit))
         if head is None:

@@ -182,7 +182,9 @@ SETTINGS: tuple[Setting, ...] = (
             None, not_negative, fills="grpc_max_connection_age_grace"),
     # rules
     Setting("--config", "rules",
-            "rule file, or directory of *.yaml/*.yml (required unless --xds-server is given)",
+            "rule file, or directory of *.yaml/*.yml (unset: envoyproxy/ratelimit's"
+            " RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY; with --xds-server, rules"
+            " come from xDS instead)",
             None, fills="config_path", to_field=lambda v: v or ""),
     Setting("--watch-interval", "rules",
             "seconds between checks of the config files for changes (0: never; SIGHUP always"

@@ -42,6 +42,10 @@ descriptors:
   - key: user
     mode: exact
     rate_limit: {unit: hour, requests_per_unit: 2}
+  - key: trial
+    mode: exact
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
 """
 
 # No mode anywhere: the service default (--mode / RATELIMIT_MODE) decides.
@@ -203,6 +207,15 @@ def test_client_shows_over_limit(server: Served) -> None:
         "client", "--addr", server.grpc_addr, "--domain", "edge", "--descriptor", "tenant=blocked"
     )  # fmt: skip
     assert blocked.stdout.splitlines()[0] == "overall: OVER_LIMIT"
+
+
+def test_client_marks_a_shadow_rule_over_its_limit(server: Served) -> None:
+    args = ["client", "--addr", server.grpc_addr, "--domain", "cli", "--descriptor", "trial=t1"]
+    first, second = cli(*args), cli(*args)
+    assert first.returncode == second.returncode == 0, (first.stderr, second.stderr)
+    assert first.stdout.splitlines()[0] == second.stdout.splitlines()[0] == "overall: OK"
+    assert "] OK limit=1/HOUR remaining=0" in first.stdout  # admitted: the last hit
+    assert "] OK (shadow: OVER_LIMIT) limit=1/HOUR remaining=0" in second.stdout
 
 
 def test_client_hits_addend(server: Served) -> None:

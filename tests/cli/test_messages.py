@@ -92,7 +92,8 @@ def test_serve_help_text(tmp_path: Path) -> None:
     assert "(default: INFO; env: RATELIMIT_LOG_LEVEL)" in text
     assert "(default: 100000; env: RATELIMIT_MAX_BUCKETS)" in text
     assert "(env: RATELIMIT_SHADOW_MODE=1)" in text
-    assert "(required unless --xds-server is given) (env: RATELIMIT_CONFIG)" in text
+    assert "with --xds-server, rules come from xDS instead) (env: RATELIMIT_CONFIG)" in text
+    assert "usage: ratelimit-service serve [--config PATH | --xds-server HOST:PORT]" in text
     # A value taken from the environment is named, beside the built-in default.
     assert "(default: 3.0; env: RATELIMIT_STALE_AFTER; now '7.5' from the environment)" in text
 

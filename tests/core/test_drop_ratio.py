@@ -52,7 +52,7 @@ def test_steady_state_ratio_is_seed_formula(
     limit: int, window: int, interval: float, offered_rate: float
 ) -> None:
     """Sustained overload empties the bucket: the budget is one interval's refill, which
-    the credit enforces; the ratio is the seed's formula for a limit RATIO_SLACK higher
+    the credit enforces; the ratio is Uber's formula for a limit RATIO_SLACK higher
     (it only spreads the admissions over the interval)."""
     result = control(
         limit=limit,
@@ -772,7 +772,7 @@ async def test_overload_steady_state_never_far_above_the_limit(pattern: str, see
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("pattern", PATTERNS)
 async def test_overload_long_run_rate_is_the_limit(pattern: str, seed: int) -> None:
-    """Steady state reduces to the seed formula: admitted rate = limit / T (+-5 %)."""
+    """Steady state reduces to Uber's formula: admitted rate = limit / T (+-5 %)."""
     sim = await simulate(lambda _: 2.0 * LIMIT, end=20.0, seed=seed, pattern=pattern)
     rate = count_between(sim.admitted, 2.0, 20.0) / 18.0
     assert LIMIT * 0.95 <= rate <= LIMIT * 1.05

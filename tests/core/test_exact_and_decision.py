@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from ratelimit_service.core.config_model import RateLimit
@@ -199,8 +201,46 @@ def test_reset_after_values() -> None:
     assert results[0].reset_after == pytest.approx(50.0)
     results = evaluate([hit(5, 5)], [window], NOW, commit=True)
     assert not results[0].admitted
-    # all 4 counted hits must go; the newest slice (NOW) leaves at NOW + 61
-    assert results[0].reset_after == pytest.approx(61.0)
+    # all 4 counted hits must go; the newest slice (NOW) leaves at NOW + 61, reported as
+    # the window
+    assert results[0].reset_after == 60.0
+
+
+@pytest.mark.parametrize("into_slice", [0.0, 0.08, 0.5, 0.92, 0.999])
+def test_reset_is_never_longer_than_the_window(into_slice: float) -> None:
+    """A one-minute rule (60 slices of 1 s): a hit's slice leaves the window 60 to 61 s
+    after the hit; admitted or denied, the reset said is at most the minute, and is the
+    minute when the slice of a lone hit has more than a minute to go."""
+    now = NOW + into_slice
+    window = window_with(0)
+    (admitted,) = evaluate([hit(2)], [window], now, commit=True)
+    assert admitted.admitted and admitted.reset_after == 60.0  # leaves at NOW + 61
+    (filled,) = evaluate([hit(2)], [window], now, commit=True)
+    assert filled.admitted and filled.remaining == 0 and filled.reset_after == 60.0
+    (denied,) = evaluate([hit(2)], [window], now, commit=True)
+    assert not denied.admitted and denied.reset_after == 60.0
+    # Later, the wait shrinks with the clock: the slice leaves at NOW + 61.
+    later = NOW + 30.25
+    (denied,) = evaluate([hit(2)], [window], later, commit=False)
+    assert not denied.admitted and denied.reset_after == pytest.approx(61.0 - 30.25)
+    (check,) = evaluate([hit(2, 0)], [window_with(1, at=now)], later, commit=False)
+    assert check.admitted and check.reset_after == pytest.approx(61.0 - 30.25)
+
+
+def test_reset_is_at_most_the_window_for_every_window_and_clock() -> None:
+    """Random hits on windows of 1 s to an hour, on an injected clock: every reset is
+    within [0, window], admitted or not."""
+    rng = random.Random(5)
+    for seconds in (1, 7, 60, 3600):
+        window = SlidingWindow(seconds, 60)
+        now = rng.uniform(0, 10 * seconds)
+        for _ in range(400):
+            now += rng.choice([0.0, rng.uniform(0, seconds / 30), rng.uniform(0, seconds)])
+            hits = rng.choice([0, 1, 1, 2, 5])
+            limit = rng.randint(0, 12)
+            request = ExactHit("k", limit, seconds, hits)
+            (result,) = evaluate([request], [window], now, commit=True)
+            assert 0.0 <= result.reset_after <= seconds, (seconds, now, result)
 
 
 def test_hits_larger_than_limit_never_fit() -> None:

@@ -370,7 +370,7 @@ async def test_exact_reset_after_and_remaining() -> None:
     response = await h.call("ex=1")
     status = response.statuses[0]
     assert status.remaining == 2
-    assert status.reset_after == pytest.approx(60.5)
+    assert status.reset_after == 60.0  # 60.5 s to go; a reset is at most the window
     await h.call("ex=1")
     await h.call("ex=1")
     h.clock.now = 1_000_010.0
@@ -618,6 +618,33 @@ async def test_reload_keeps_probabilistic_counts() -> None:
     assert limit is not None and limit.requests_per_unit == 4
     (bucket,) = h.limiter.local.buckets()
     assert (bucket.limit, bucket.admitted) == (4, 3)
+
+
+FLIP = """
+domain: d
+mode: {mode}
+descriptors:
+  - key: k
+    rate_limit: {{unit: minute, requests_per_unit: 3}}
+"""
+
+
+async def test_a_change_of_mode_carries_no_count_over() -> None:
+    """docs/operations.md, "Changing a rule's mode": each mode keeps its own counts, so a
+    change meets the key's counts of the other mode as that mode left them, without
+    what this one admitted."""
+    h = Harness(text=FLIP.format(mode="probabilistic"))
+    assert await overall(h, "k=1", times=4) == [OK, OK, OK, OVER]
+    h.limiter.swap_config(config(FLIP.format(mode="exact")))
+    assert await overall(h, "k=1", times=4) == [OK, OK, OK, OVER]  # a fresh window
+    h.limiter.swap_config(config(FLIP.format(mode="probabilistic")))
+    (bucket,) = h.limiter.local.buckets()
+    assert bucket.admitted == 3  # probabilistic's own three; exact's are not in it
+    assert await overall(h, "k=1", times=1) == [OVER]
+    h.limiter.swap_config(config(FLIP.format(mode="exact")))
+    assert await overall(h, "k=1", times=1) == [OVER]  # the window holds exact's three
+    h.clock.now += 62  # they have left the window
+    assert await overall(h, "k=1", times=4) == [OK, OK, OK, OVER]
 
 
 async def test_a_reused_request_follows_a_reload() -> None:

@@ -50,7 +50,8 @@ def random_statuses(rng: random.Random) -> list[DescriptorStatus]:
         limit = rng.choice([None, *limits])
         code = rng.choice(list(Code))
         remaining = 0 if limit is None else rng.randint(0, limit.requests_per_unit)
-        statuses.append(DescriptorStatus(code, limit, remaining, rng.random() * 60))
+        shadow_over = limit is not None and code is Code.OK and rng.random() < 0.2
+        statuses.append(DescriptorStatus(code, limit, remaining, rng.random() * 60, shadow_over))
     return statuses
 
 
@@ -58,7 +59,7 @@ def test_wire_metadata_is_decision_metadata() -> None:
     """With and without the per-config prebuilt parts, the bytes parse to the dict
     decision_metadata gives (numbers as doubles, as google.protobuf.Value holds them)."""
     rng = random.Random(3)
-    checked_rule = 0
+    checked = {"rule": 0, "shadow": 0, "shadow item": 0}
     for _ in range(1500):
         statuses = random_statuses(rng)
         domain = rng.choice(["edge", "d", "ü" * 300])
@@ -66,9 +67,35 @@ def test_wire_metadata_is_decision_metadata() -> None:
         heads = rls_wire.LimitHeads(limits[: rng.randint(0, len(limits))])
         response = Response(rng.choice(list(Code)), statuses)
         encoded = rls_wire.encode_response(response, None, heads, domain)
-        assert parsed_metadata(encoded) == decision_metadata(domain, statuses)
-        checked_rule += "rule" in decision_metadata(domain, statuses)
-    assert checked_rule > 500
+        metadata = decision_metadata(domain, statuses, response.overall)
+        assert parsed_metadata(encoded) == metadata
+        checked["rule"] += "rule" in metadata
+        checked["shadow"] += "shadow" in metadata
+        checked["shadow item"] += any(item and "shadow" in item for item in metadata["descriptors"])
+    assert min(checked.values()) > 200, checked
+
+
+def test_shadow_marks_what_shadow_mode_made_ok() -> None:
+    """A shadow rule over its limit is marked in its item; an answer OK where its
+    statuses deny (global shadow mode) is marked at the top; nothing else is."""
+    tenant = RateLimit(10, Unit.SECOND, name="tenant", stats_key="edge.tenant")
+    trial = RateLimit(5, Unit.MINUTE, name="trial", stats_key="edge.trial", shadow_mode=True)
+    shadowed = [
+        DescriptorStatus(Code.OK, tenant, 3),
+        DescriptorStatus(Code.OK, trial, 0, 1.0, True),
+    ]
+    assert decision_metadata("edge", shadowed, Code.OK) == {
+        "domain": "edge",
+        "rule": "trial",
+        "descriptors": [
+            {"rule": "tenant", "limit": 10, "unit": "second", "remaining": 3},
+            {"rule": "trial", "limit": 5, "unit": "minute", "remaining": 0, "shadow": "OVER_LIMIT"},
+        ],
+    }
+    over = [DescriptorStatus(Code.OVER_LIMIT, tenant, 0)]
+    assert decision_metadata("edge", over, Code.OK)["shadow"] == "OVER_LIMIT"
+    assert "shadow" not in decision_metadata("edge", over, Code.OVER_LIMIT)
+    assert "shadow" not in decision_metadata("edge", over)
 
 
 def random_request(rng: random.Random, size: int) -> Request:
@@ -94,7 +121,7 @@ def test_wire_metadata_with_go_keys_is_decision_metadata() -> None:
         heads = rls_wire.LimitHeads(limits[: rng.randint(0, len(limits))])
         response = Response(rng.choice(list(Code)), statuses)
         encoded = rls_wire.encode_response(response, None, heads, "edge", request)
-        expected = decision_metadata("edge", statuses, request)
+        expected = decision_metadata("edge", statuses, response.overall, go_request=request)
         assert parsed_metadata(encoded) == expected
         assert "descriptors" in expected and "limits" in expected
         merged += "metadata" in expected

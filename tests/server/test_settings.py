@@ -1,5 +1,6 @@
 """One declaration per setting (server/settings.py): serve's parser, its --help, the
-Settings defaults, docs/settings.md's table and the README's usage all follow it."""
+Settings defaults and docs/settings.md's table all follow it (tests/test_docs.py holds
+the README's synopsis to the parser)."""
 
 from __future__ import annotations
 
@@ -69,22 +70,6 @@ def test_docs_settings_table_is_the_declared_one() -> None:
     assert text[start:end] == markdown_table(), (
         "docs/settings.md is out of date: paste server.settings.markdown_table()"
     )
-
-
-def _readme_usage() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("ratelimit-service serve (")
-    return text[start : text.index("```", start)]
-
-
-def test_the_readme_usage_names_real_flags_with_their_defaults() -> None:
-    usage = _readme_usage()
-    serve = usage.split("\nratelimit ", 1)[0]
-    for flag, value in re.findall(r"\[(--[a-z0-9-]+)(?: ([^\]\s|]+))?", serve):
-        assert flag in BY_FLAG, f"README usage names {flag}, which serve does not have"
-        setting = BY_FLAG[flag]
-        if value and not value.isupper() and not setting.choices:
-            assert str(setting.default) == value or float(value) == setting.default, flag
 
 
 @pytest.mark.parametrize("flag", ["--redis-timeout", "--drain-timeout", "--mode"])

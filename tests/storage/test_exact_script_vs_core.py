@@ -75,7 +75,7 @@ async def test_script_agrees_with_core(redis_server, monkeypatch, seed: int) -> 
                 want = await model.hit(hits, commit)
                 assert counts(results) == counts(want), (hits, commit)
                 for result in results:
-                    assert 0 <= result.reset_after <= WINDOW + WINDOW / 60
+                    assert 0 <= result.reset_after <= WINDOW
                 compared += len(results)
                 denied += sum(not r.admitted for r in results)
         assert redis.stats()["exact_batches"] < redis.stats()["exact_batched_requests"]
@@ -143,14 +143,44 @@ async def test_script_agrees_with_core_as_slices_expire(redis_server, slices: in
             got = iter(exact_reply(raw, 0, len(keys)))
             for hits, commit in requests:
                 windows = [window(models, hit, slices) for hit in hits]
-                for want in evaluate(hits, windows, now_us / 1e6, commit):
+                wants = evaluate(hits, windows, now_us / 1e6, commit)
+                for hit, want in zip(hits, wants, strict=True):
                     result = next(got)
                     assert counts([result]) == counts([want]), (hits, commit)
                     assert math.isclose(result.reset_after, want.reset_after, abs_tol=3e-6)
+                    assert 0 <= result.reset_after <= hit.window_seconds
                     seen["denied"] += not want.admitted
             seen["expired"] += live_before > sum(m.count(now_us / 1e6) for m in models.values())
             await check_bookkeeping(client, now_us, slices, set_at)
         assert seen["denied"] > 50 and seen["expired"] > 10  # both paths were exercised
+    finally:
+        await client.aclose()
+
+
+async def test_a_reset_is_never_longer_than_the_window(redis_server) -> None:
+    """A one-minute rule hit 0.08 s into a slice: its slice leaves the window 60.92 s
+    later; the script says 60 s, admitted or denied, as core/exact.py does, and the
+    wait shrinks with the clock from there."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock("exact_window.lua")
+    start_us = 1_700_000_000_080_000  # 0.08 s into a one-second slice
+    key = "w:60:reset"
+
+    async def call(at_us: int, hits: int) -> ExactResult:
+        await set_test_clock(client, at_us)
+        args: list[object] = [60, 1]
+        encode([ExactHit("reset", 2, 60, hits)], True, args)
+        (result,) = exact_reply(await client.eval(source, 1, key, *args), 0, 1)
+        return result
+
+    try:
+        await client.delete(key)
+        first, second, denied = [await call(start_us, 1) for _ in range(3)]
+        assert [r.admitted for r in (first, second, denied)] == [True, True, False]
+        assert (first.reset_after, second.reset_after, denied.reset_after) == (60.0, 60.0, 60.0)
+        later = await call(start_us + 30_250_000, 0)  # a check 30.25 s later
+        assert not later.admitted
+        assert math.isclose(later.reset_after, 60.92 - 30.25, abs_tol=1e-6)
     finally:
         await client.aclose()
 

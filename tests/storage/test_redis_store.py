@@ -31,8 +31,10 @@ async def test_exact_admits_exactly_the_limit(store: RedisStore) -> None:
     assert [r[0].admitted for r in results] == [True, True, True, False, False]
     assert [r[0].remaining for r in results] == [2, 1, 0, 0, 0]
     assert [r[0].before for r in results] == [0, 1, 2, 3, 3]
-    # Denied: the wait is until the first hit leaves a 60 s window (plus at most a slice).
-    assert 59.0 < results[-1][0].reset_after <= 61.1
+    # The first hit's slice leaves the 60 s window 60 to 61 s after it: a reset is at
+    # most the window. Denied: the wait is until that first hit leaves.
+    assert results[0][0].reset_after == 60.0
+    assert 59.0 < results[-1][0].reset_after <= 60.0
 
 
 async def test_prepared_hits_are_kept_per_tuple_and_bounded(store: RedisStore, monkeypatch) -> None:
