@@ -157,7 +157,10 @@ def test_probabilistic_step_change(redis_server, fleet_dir: Path) -> None:
 def test_probabilistic_makes_no_redis_call_on_the_request_path(
     redis_server, fleet_dir: Path
 ) -> None:
-    """Redis frozen with SIGSTOP: probabilistic answers keep coming at normal latency."""
+    """Redis frozen with SIGSTOP: probabilistic answers keep coming, none waiting for
+    Redis. A call that asked the frozen Redis would wait for its --redis-timeout (1 s);
+    the bound on the tail is well under that and over what a busy 2-core machine adds
+    to a call by descheduling the client or the service (tens of milliseconds)."""
     config = write_config(fleet_dir, 1000, "second", "probabilistic")
     with service_fleet(2, config, redis_server.url) as nodes:
         ports = [n.grpc_port for n in nodes]
@@ -170,7 +173,7 @@ def test_probabilistic_makes_no_redis_call_on_the_request_path(
     assert frozen.errors == 0
     assert sum(frozen.admitted.values()) == sum(frozen.offered.values())
     latencies = sorted(frozen.latencies)
-    assert latencies[int(len(latencies) * 0.99)] < 0.05
+    assert latencies[int(len(latencies) * 0.99)] < 0.25
 
 
 def test_redis_restart_under_load(redis_server, fleet_dir: Path) -> None:
