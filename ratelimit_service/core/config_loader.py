@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from ratelimit_service.core.calendar import CALENDAR_UNITS, UnknownTimeZone, time_zone
 from ratelimit_service.core.config_errors import ConfigError, ConfigLoadError
 from ratelimit_service.core.config_model import (
     MAX_OVER_LIMIT_BODY,
@@ -54,7 +55,16 @@ DESCRIPTOR_KEYS = frozenset(
     }
 )
 RATE_LIMIT_KEYS = frozenset(
-    {"unit", "unit_multiplier", "requests_per_unit", "unlimited", "name", "replaces", "burst"}
+    {
+        "unit",
+        "unit_multiplier",
+        "requests_per_unit",
+        "unlimited",
+        "name",
+        "replaces",
+        "burst",
+        "calendar",
+    }
 )
 REPLACES_KEYS = frozenset({"name"})
 OVER_LIMIT_KEYS = frozenset({"body", "content_type"})
@@ -412,6 +422,9 @@ class _FileLoader:
                 f"invalid rate limit unit '{unit_text or ''}'; valid units: {UNIT_NAMES}",
             )
             return None
+        calendar = self.calendar(limit_fields.get("calendar"), unit, multiplier, unlimited)
+        if "calendar" in limit_fields and calendar is None:
+            return None
         name = self.text(limit_fields.get("name"), "name") or ""
         replaces = self.replaces(limit_fields.get("replaces"), name)
         requests_per_unit = self.requests_per_unit(limit_fields.get("requests_per_unit"))
@@ -428,6 +441,7 @@ class _FileLoader:
             mode=inherited.mode,
             failure_mode=inherited.failure_mode,
             burst=self.burst(limit_fields.get("burst"), requests_per_unit),
+            calendar=calendar,
             stats_key=config_path,
             metadata=flags.metadata,
             over_limit=flags.over_limit,
@@ -461,6 +475,35 @@ class _FileLoader:
             )
             return None
         return value
+
+    def calendar(
+        self, node: yaml.Node | None, unit: Unit | None, multiplier: int, unlimited: bool
+    ) -> str | None:
+        """Ours: count by the calendar in a time zone (core/calendar.py); None when
+        absent or after an error."""
+        if node is None:
+            return None
+        name = self.text(node, "calendar")
+        if name is None:
+            if isinstance(node, yaml.ScalarNode):  # empty; text() names any other kind
+                self.error(node, "calendar needs a time zone (e.g. UTC or Europe/Paris)")
+            return None
+        if unlimited:
+            self.error(node, "calendar has no place beside unlimited")
+            return None
+        if unit not in CALENDAR_UNITS:
+            found = unit.name.lower() if unit is not None else "none"
+            self.error(node, f"calendar needs unit day, week, month or year, found {found}")
+            return None
+        if multiplier != 1:
+            self.error(node, "a calendar period is one unit long: drop unit_multiplier")
+            return None
+        try:
+            time_zone(name)
+        except UnknownTimeZone as exc:
+            self.error(node, str(exc))
+            return None
+        return name
 
     def burst(self, node: yaml.Node | None, requests_per_unit: int) -> int | None:
         """Our extension: the most a fresh key admits at once in probabilistic mode."""

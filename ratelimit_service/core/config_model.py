@@ -62,6 +62,10 @@ class RateLimit:
     burst: int | None = None
     """Probabilistic mode: the most a fresh or idle key admits at once (None: the
     limit). Exact windows always admit the limit."""
+    calendar: str | None = None
+    """A time zone: the rule counts over calendar periods of its unit there (a month
+    from local midnight on the 1st; core/calendar.py), each starting from nothing;
+    None: a rolling window of ``window_seconds``."""
     stats_key: str = ""
     metadata: Mapping[str, Any] | None = None
     over_limit: OverLimitAnswer | None = None

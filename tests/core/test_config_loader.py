@@ -1594,3 +1594,50 @@ def test_a_misspelt_over_limit_key_is_named_with_a_suggestion() -> None:
         (NAME, 4, "config error, unknown key 'bodyy'; did you mean 'body'?"),
         (NAME, 4, "over_limit needs a non-empty 'body'"),
     ]
+
+
+# --------------------------------------------------------------------------- calendar
+
+
+def test_calendar_rules_carry_their_time_zone() -> None:
+    domain = load_one(
+        """
+        domain: ai
+        descriptors:
+          - key: tenant
+            rate_limits:
+              - {unit: minute, requests_per_unit: 6000}
+              - {unit: month, requests_per_unit: 1000000, calendar: Europe/Paris}
+          - key: team
+            rate_limit: {unit: day, requests_per_unit: 50000, calendar: UTC}
+        """
+    )
+    per_minute, per_month = domain.root.defaults["tenant"].limits
+    assert (per_minute.calendar, per_month.calendar) == (None, "Europe/Paris")
+    assert limit_at(domain, ("team", "t")).calendar == "UTC"
+
+
+@pytest.mark.parametrize(
+    ("rate_limit", "message"),
+    [
+        ("{unit: month, requests_per_unit: 5, calendar: Europe/Pari}",
+         "unknown time zone 'Europe/Pari'; did you mean 'Europe/Paris'?"),
+        ("{unit: minute, requests_per_unit: 5, calendar: UTC}",
+         "calendar needs unit day, week, month or year, found minute"),
+        ("{unit: day, unit_multiplier: 2, requests_per_unit: 5, calendar: UTC}",
+         "a calendar period is one unit long: drop unit_multiplier"),
+        ("{unlimited: true, calendar: UTC}", "calendar has no place beside unlimited"),
+        ("{unit: day, requests_per_unit: 5, calendar: }",
+         "calendar needs a time zone (e.g. UTC or Europe/Paris)"),
+        ("{unit: day, requests_per_unit: 5, calendar: [UTC]}",
+         "'calendar' must be a string, found a list"),
+    ],
+)  # fmt: skip
+def test_calendar_errors_name_the_line(rate_limit: str, message: str) -> None:
+    text = f"""
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit: {rate_limit}
+        """
+    assert errors_of(text) == [(NAME, 4, message)]

@@ -1,0 +1,103 @@
+"""Calendar periods: a day, a week (Monday first), a month or a year in a time zone.
+
+A rule with ``calendar: <time zone>`` counts over the calendar period its unit names,
+as budgets are billed: a month budget holds from local midnight on the 1st to local
+midnight on the next 1st, and then starts again from nothing. Its periods are fixed
+windows, not sliding ones, and not of one length (months of 28 to 31 days, days of 23
+or 25 hours across a daylight-saving change). The time until the period ends is what
+an answer's ``duration_until_reset`` says.
+
+Time zones are the IANA database's (``zoneinfo``; the ``tzdata`` package carries it
+where the system has none). A period is worked out once and kept until it ends, so a
+request reads two floats.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import zoneinfo
+from datetime import datetime, timedelta
+
+from ratelimit_service.core.units import Unit
+
+CALENDAR_UNITS = (Unit.DAY, Unit.WEEK, Unit.MONTH, Unit.YEAR)
+"""The units a rule may count by the calendar."""
+
+
+class UnknownTimeZone(ValueError):
+    """A time zone the IANA database does not have; the message suggests a close one."""
+
+
+@functools.cache
+def _zone_names() -> tuple[str, ...]:
+    return tuple(sorted(zoneinfo.available_timezones()))
+
+
+def time_zone(name: str) -> zoneinfo.ZoneInfo:
+    """The time zone ``name`` (``UTC``, ``Europe/Paris``), or UnknownTimeZone."""
+    try:
+        if name and "\x00" not in name:
+            return zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        pass
+    close = difflib.get_close_matches(name, _zone_names(), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else " (an IANA name, e.g. Europe/Paris)"
+    raise UnknownTimeZone(f"unknown time zone '{name}'{hint}")
+
+
+def period_start(unit: Unit, local: datetime) -> datetime:
+    """Local midnight that starts the calendar ``unit`` holding ``local``."""
+    day = local.replace(hour=0, minute=0, second=0, microsecond=0, fold=0)
+    if unit is Unit.DAY:
+        return day
+    if unit is Unit.WEEK:
+        return day - timedelta(days=day.weekday())
+    if unit is Unit.MONTH:
+        return day.replace(day=1)
+    if unit is Unit.YEAR:
+        return day.replace(month=1, day=1)
+    raise ValueError(f"{unit.name.lower()} is not a calendar unit")
+
+
+def next_start(unit: Unit, start: datetime) -> datetime:
+    """Local midnight that starts the period after the one starting at ``start``."""
+    if unit is Unit.DAY:
+        return start + timedelta(days=1)
+    if unit is Unit.WEEK:
+        return start + timedelta(days=7)
+    if unit is Unit.MONTH:
+        if start.month == 12:
+            return start.replace(year=start.year + 1, month=1)
+        return start.replace(month=start.month + 1)
+    if unit is Unit.YEAR:
+        return start.replace(year=start.year + 1)
+    raise ValueError(f"{unit.name.lower()} is not a calendar unit")
+
+
+class CalendarPeriod:
+    """The current period of one calendar unit in one time zone, as epoch seconds
+    [start, end), worked out again only once ``now`` leaves it."""
+
+    __slots__ = ("end", "start", "unit", "zone")
+
+    def __init__(self, unit: Unit, zone: str) -> None:
+        if unit not in CALENDAR_UNITS:
+            raise ValueError(f"{unit.name.lower()} is not a calendar unit")
+        self.unit = unit
+        self.zone = time_zone(zone)
+        self.start = 0.0
+        self.end = 0.0
+
+    def at(self, now: float) -> tuple[float, float]:
+        """The period holding ``now``: its start and end in epoch seconds."""
+        if not self.start <= now < self.end:
+            local = datetime.fromtimestamp(now, self.zone)
+            start = period_start(self.unit, local)
+            self.start = start.timestamp()
+            self.end = next_start(self.unit, start).timestamp()
+        return self.start, self.end
+
+    def until_end(self, now: float) -> float:
+        """Seconds from ``now`` to the period's end: when its count starts again."""
+        return self.at(now)[1] - now
