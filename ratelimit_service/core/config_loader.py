@@ -438,7 +438,8 @@ class _FileLoader:
             shadow_mode=flags.shadow_mode,
             quota_mode=flags.quota_mode,
             detailed_metric=flags.detailed_metric,
-            mode=inherited.mode,
+            # A calendar budget is decided exactly, whatever the mode it inherits.
+            mode=Mode.EXACT if calendar is not None else inherited.mode,
             failure_mode=inherited.failure_mode,
             burst=self.burst(limit_fields.get("burst"), requests_per_unit),
             calendar=calendar,

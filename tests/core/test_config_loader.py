@@ -1614,6 +1614,8 @@ def test_calendar_rules_carry_their_time_zone() -> None:
     )
     per_minute, per_month = domain.root.defaults["tenant"].limits
     assert (per_minute.calendar, per_month.calendar) == (None, "Europe/Paris")
+    # Decided exactly whatever the mode it inherits (probabilistic by default).
+    assert (per_minute.mode, per_month.mode) == (Mode.PROBABILISTIC, Mode.EXACT)
     assert limit_at(domain, ("team", "t")).calendar == "UTC"
 
 
