@@ -53,6 +53,7 @@ from ratelimit_service.core.config_model import (
     DescriptorNode,
     DomainConfig,
     NodeChildren,
+    UsageSource,
     WildcardPattern,
 )
 
@@ -115,25 +116,53 @@ def _limited_paths(
         yield from _limited_paths(node.children, chain)
 
 
+def usage_of(chain: tuple[DescriptorNode, ...]) -> UsageSource | None:
+    """Where Envoy reads a response's cost, when the chain ends on a usage budget."""
+    return next((limit.usage for limit in chain[-1].limits if limit.usage is not None), None)
+
+
+def phased(
+    entry: route_components_pb2.RateLimit, usage: UsageSource | None
+) -> list[route_components_pb2.RateLimit]:
+    """``entry`` as Envoy sends it: once, or, for a usage budget, twice (Envoy's
+    two-phase form): a check at cost 0 before the request, and a report of the
+    response's cost once the stream is done (Envoy ignores its answer)."""
+    if usage is None:
+        return [entry]
+    hits = route_components_pb2.RateLimit.HitsAddend
+    check = route_components_pb2.RateLimit(
+        actions=entry.actions, hits_addend=hits(number=wrappers_pb2.UInt64Value(value=0))
+    )
+    report = route_components_pb2.RateLimit(
+        actions=entry.actions,
+        apply_on_stream_done=True,
+        hits_addend=hits(format=usage.hits_format),
+    )
+    return [check, report]
+
+
+def is_phased(entries: Iterable[route_components_pb2.RateLimit]) -> bool:
+    """Whether some entry carries a cost: Envoy 1.40 sends ``hits_addend`` and
+    ``apply_on_stream_done`` only from the ratelimit filter's own ``rate_limits`` (or a
+    route's ``RateLimitPerRoute.rate_limits``), not from a route action's."""
+    return any(entry.HasField("hits_addend") for entry in entries)
+
+
 def route_rate_limits(
     domain: DomainConfig,
 ) -> tuple[list[route_components_pb2.RateLimit], list[str]]:
-    """One ``rate_limits`` entry per distinct action chain that reaches a limit, in config
-    order, and the config paths no action chain can produce (reported, not emitted)."""
+    """One ``rate_limits`` entry per distinct action chain that reaches a limit (two
+    for a usage budget: :func:`phased`), in config order, and the config paths no
+    action chain can produce (reported, not emitted)."""
     entries: list[route_components_pb2.RateLimit] = []
-    seen: set[bytes] = set()
     skipped: list[str] = []
     for chain in _limited_paths(domain.root):
         actions = [action_for(node) for node in chain]
         if any(action is None for action in actions):
             skipped.append(chain[-1].config_path)
             continue
-        entry = route_components_pb2.RateLimit(actions=actions)
-        wire = entry.SerializeToString(deterministic=True)
-        if wire not in seen:
-            seen.add(wire)
-            entries.append(entry)
-    return entries, skipped
+        entries += phased(route_components_pb2.RateLimit(actions=actions), usage_of(chain))
+    return _dedup(entries), skipped
 
 
 def _duration(text: str) -> duration_pb2.Duration:
@@ -167,11 +196,19 @@ def ratelimit_retry_policy() -> base_pb2.RetryPolicy:
     )
 
 
-def ratelimit_filter(domain: str, cluster: str, timeout: str) -> Message:
+def ratelimit_filter(
+    domain: str,
+    cluster: str,
+    timeout: str,
+    rate_limits: Sequence[route_components_pb2.RateLimit] = (),
+) -> Message:
     """The HTTP filter. ``failure_mode_deny: false``: when the service cannot answer in
     time, traffic flows (the service's own rules already choose open/closed per rule).
-    A call to a dead replica is retried on another (``ratelimit_retry_policy``)."""
+    A call to a dead replica is retried on another (``ratelimit_retry_policy``).
+    ``rate_limits``: the filter's own, which Envoy then sends for every route instead
+    of the routes' (the only place, with RateLimitPerRoute, for a cost)."""
     config = rate_limit_pb2.RateLimit(
+        rate_limits=rate_limits,
         domain=domain,
         timeout=_duration(timeout),
         failure_mode_deny=False,
@@ -314,14 +351,17 @@ def render(
     config = load_config(read_config_files(config_path), merge_domains=merge_domains)
     name = pick_domain(sorted(config.domains), domain)
     rate_limits, skipped = route_rate_limits(config.domains[name])
-    filter_dict = _to_dict(ratelimit_filter(name, cluster, timeout))
+    # Costs go on the filter itself (is_phased); plain entries under a route or host.
+    on_filter = rate_limits if is_phased(rate_limits) else []
+    filter_dict = _to_dict(ratelimit_filter(name, cluster, timeout, on_filter))
     # Spelled out although it is the default, so the reader sees the fail-open choice.
     _spell_out_fail_open(filter_dict)
-    snippet = {
+    snippet: dict[str, Any] = {
         "http_filters": [filter_dict],
         "clusters": [_to_dict(ratelimit_cluster(cluster, service_address))],
-        "rate_limits": [_to_dict(entry) for entry in rate_limits],
     }
+    if not on_filter:
+        snippet["rate_limits"] = [_to_dict(entry) for entry in rate_limits]
     header = [
         f"# Envoy configuration for rate-limit domain '{name}', generated from {config_path}.",
         "# http_filters: add to the HttpConnectionManager's http_filters, before the router.",
@@ -332,6 +372,13 @@ def render(
         "# whole routes, each with what its rules need.",
         "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
+    if on_filter:
+        header[3:7] = [
+            "# rate_limits are the filter's own (a usage budget's cost is sent only from",
+            "# there): a check at cost 0 before the request, the response's cost once the",
+            "# stream is done. Envoy then ignores the routes' and virtual hosts' rate_limits;",
+            "# --bootstrap prints whole routes, each with what its rules need.",
+        ]
     header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
     return "\n".join(header) + "\n" + yaml.safe_dump(snippet, sort_keys=False)
 
@@ -378,6 +425,15 @@ def _route_name(value: str, taken: set[str]) -> str:
     return name
 
 
+def _chain_entries(
+    chain: tuple[DescriptorNode, ...], exact_path: str | None
+) -> list[route_components_pb2.RateLimit]:
+    """The rate_limits entries for a chain on a route (:func:`phased`); none when no
+    action yields one of its keys."""
+    entry = _chain_entry(chain, exact_path)
+    return [] if entry is None else phased(entry, usage_of(chain))
+
+
 def _chain_entry(
     chain: tuple[DescriptorNode, ...], exact_path: str | None
 ) -> route_components_pb2.RateLimit | None:
@@ -399,13 +455,11 @@ def _chain_entry(
 
 
 def _dedup(
-    entries: Iterable[route_components_pb2.RateLimit | None],
+    entries: Iterable[route_components_pb2.RateLimit],
 ) -> list[route_components_pb2.RateLimit]:
     seen: set[bytes] = set()
     out = []
     for entry in entries:
-        if entry is None:
-            continue
         wire = entry.SerializeToString(deterministic=True)
         if wire not in seen:
             seen.add(wire)
@@ -443,7 +497,7 @@ def plan_routes(domain: DomainConfig) -> list[RoutePlan]:
                 name=_route_name(value, taken),
                 path=exact,
                 prefix=value[:-1] if exact is None else None,
-                rate_limits=_dedup(_chain_entry(chain, exact) for chain in sent),
+                rate_limits=_dedup(e for chain in sent for e in _chain_entries(chain, exact)),
             )
         )
     leftover = [
@@ -456,7 +510,9 @@ def plan_routes(domain: DomainConfig) -> list[RoutePlan]:
             name="other",
             path=None,
             prefix="/",
-            rate_limits=_dedup(_chain_entry(chain, None) for chain in general + leftover),
+            rate_limits=_dedup(
+                e for chain in general + leftover for e in _chain_entries(chain, None)
+            ),
         )
     )
     return plans
@@ -466,6 +522,27 @@ def _pack(message: Message) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
     return packed
+
+
+def _route(plan: RoutePlan, upstream_cluster: str) -> route_components_pb2.Route:
+    """A planned route. Its rate_limits go on the route action, or, when some carry a
+    cost (:func:`is_phased`), all of them in the route's ``RateLimitPerRoute`` (which
+    Envoy then reads instead of the action's)."""
+    route = route_components_pb2.Route(
+        name=plan.name,
+        match=(
+            route_components_pb2.RouteMatch(path=plan.path)
+            if plan.path is not None
+            else route_components_pb2.RouteMatch(prefix=plan.prefix)
+        ),
+        route=route_components_pb2.RouteAction(cluster=upstream_cluster),
+    )
+    if is_phased(plan.rate_limits):
+        per_route = rate_limit_pb2.RateLimitPerRoute(rate_limits=plan.rate_limits)
+        route.typed_per_filter_config[RATELIMIT_FILTER].CopyFrom(_pack(per_route))
+    else:
+        route.route.rate_limits.extend(plan.rate_limits)
+    return route
 
 
 def build_bootstrap(
@@ -485,20 +562,7 @@ def build_bootstrap(
     outlier detection."""
     if cluster == upstream_cluster:
         raise ValueError(f"--cluster {cluster!r} is the name of the upstream cluster")
-    routes = [
-        route_components_pb2.Route(
-            name=plan.name,
-            match=(
-                route_components_pb2.RouteMatch(path=plan.path)
-                if plan.path is not None
-                else route_components_pb2.RouteMatch(prefix=plan.prefix)
-            ),
-            route=route_components_pb2.RouteAction(
-                cluster=upstream_cluster, rate_limits=plan.rate_limits
-            ),
-        )
-        for plan in plan_routes(domain)
-    ]
+    routes = [_route(plan, upstream_cluster) for plan in plan_routes(domain)]
     manager = http_connection_manager_pb2.HttpConnectionManager(
         stat_prefix=domain.name,
         # Envoy at the edge: remote_address is the peer, not a forgeable X-Forwarded-For.

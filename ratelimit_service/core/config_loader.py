@@ -28,6 +28,7 @@ from ratelimit_service.core.config_model import (
     OverLimitAnswer,
     RateLimit,
     RateLimitConfig,
+    UsageSource,
     WildcardPattern,
     list_label,
 )
@@ -50,6 +51,7 @@ DESCRIPTOR_KEYS = frozenset(
         "share_threshold",
         "metadata",
         "over_limit",
+        "usage",
         "mode",
         "failure_mode",
     }
@@ -68,6 +70,10 @@ RATE_LIMIT_KEYS = frozenset(
 )
 REPLACES_KEYS = frozenset({"name"})
 OVER_LIMIT_KEYS = frozenset({"body", "content_type"})
+USAGE_KEYS = frozenset({"from_header", "from_metadata"})
+METADATA_KEYS = frozenset({"namespace", "key"})
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
+"""An HTTP header name as Envoy's formatter reads it: lower case token characters."""
 _CONTENT_TYPE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+/[!#$%&'*+.^_`|~0-9A-Za-z-]+(\s*;[ -~]*)?")
 """type/subtype, optionally followed by parameters: printable ASCII, no line breaks."""
 
@@ -89,6 +95,7 @@ class _RuleFlags:
     detailed_metric: bool
     metadata: dict[str, Any] | None
     over_limit: OverLimitAnswer | None
+    usage: UsageSource | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +334,43 @@ class _FileLoader:
             detailed_metric=self.flag(fields.get("detailed_metric"), "detailed_metric"),
             metadata=metadata,
             over_limit=self.over_limit(fields.get("over_limit")),
+            usage=self.usage(fields.get("usage")),
         )
+
+    def usage(self, node: yaml.Node | None) -> UsageSource | None:
+        """Ours: ``usage: {from_header: NAME}`` or ``usage: {from_metadata: {namespace,
+        key}}``, where Envoy reads what a response cost."""
+        if node is None:
+            return None
+        fields = self.mapping(node, USAGE_KEYS)
+        if fields is None:
+            return None
+        if len(fields) != 1:
+            self.error(node, "usage takes one of from_header or from_metadata")
+            return None
+        if "from_header" in fields:
+            header = self.text(fields["from_header"], "from_header")
+            if not header or not _HEADER_NAME.fullmatch(header):
+                self.error(
+                    fields["from_header"],
+                    f"usage from_header '{header or ''}' is not a header name in lower case"
+                    " (e.g. x-tokens)",
+                )
+                return None
+            return UsageSource(header=header)
+        source = self.mapping(fields["from_metadata"], METADATA_KEYS)
+        if source is None:
+            return None
+        namespace = self.text(source.get("namespace"), "namespace")
+        key = self.text(source.get("key"), "key")
+        if not namespace or not key or ":" in namespace:
+            self.error(
+                fields["from_metadata"],
+                "usage from_metadata needs a namespace (no ':') and a key"
+                " (e.g. {namespace: io.envoy.ai_gateway, key: llm_total_token})",
+            )
+            return None
+        return UsageSource(metadata=(namespace, key))
 
     def over_limit(self, node: yaml.Node | None) -> OverLimitAnswer | None:
         """Ours: ``over_limit: {body, content_type}``, what the rule's 429 says."""
@@ -446,6 +489,7 @@ class _FileLoader:
             stats_key=config_path,
             metadata=flags.metadata,
             over_limit=flags.over_limit,
+            usage=flags.usage,
             source=f"{self.file.name}:{node.start_mark.line + 1}",
         )
 

@@ -44,6 +44,26 @@ class OverLimitAnswer:
 
 
 @dataclass(frozen=True, slots=True)
+class UsageSource:
+    """Where Envoy finds what a response cost (YAML ``usage``): a response header, or a
+    dynamic metadata key (namespace, key). ``envoy-config`` sends such a rule's
+    descriptors twice: a check at cost 0 before the request, and the cost once the
+    stream is done."""
+
+    header: str | None = None
+    metadata: tuple[str, str] | None = None
+
+    @property
+    def hits_format(self) -> str:
+        """Envoy's substitution format for the report's ``hits_addend``."""
+        if self.header is not None:
+            return f"%RESP({self.header})%"
+        assert self.metadata is not None
+        namespace, key = self.metadata
+        return f"%DYNAMIC_METADATA({namespace}:{key})%"
+
+
+@dataclass(frozen=True, slots=True)
 class RateLimit:
     """One limit: a count per window, with everything that decides how it is enforced."""
 
@@ -70,6 +90,9 @@ class RateLimit:
     metadata: Mapping[str, Any] | None = None
     over_limit: OverLimitAnswer | None = None
     """The body (and content type) of a 429 that this rule decided."""
+    usage: UsageSource | None = None
+    """A usage budget: where Envoy reads a response's cost (envoy-config's two-phase
+    form). The service counts costs by the descriptor's own ``hits_addend`` either way."""
     source: str = ""
     label: str = ""
     """Within a ``rate_limits`` list, what tells this limit from the others (its name,
