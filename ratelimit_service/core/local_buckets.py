@@ -170,6 +170,14 @@ class ProbabilisticBucket:
         self.admitted += hits
         return True
 
+    def charge(self, hits: int) -> None:
+        """Count ``hits`` that :meth:`take` did not admit: a cost, already spent, is
+        counted whatever the answer (core/exact.py counts). They reach the fleet with
+        the admitted hits at the next sync; the credit may go below 0, and calls are
+        denied until a sync grants more."""
+        self.credit -= hits
+        self.admitted += hits
+
     def remaining(self) -> int:
         """Best estimate of what the fleet may still admit now: the token bucket at the
         last sync, less what this process admitted since."""
