@@ -7,9 +7,10 @@
 -- descriptor does not fit, or if every quota descriptor does not fit (core/exact.py
 -- denies); a hit is counted if it fits and its request is admitted, and a cost hit
 -- whatever the answer (core/exact.py counts; both held equal by
--- tests/storage/test_exact_script_vs_core.py). Requests are decided one after the other, so a later
--- request in the batch sees what an earlier one consumed: the batch is exactly the
--- same as R separate calls, with one round trip and one script call instead of R.
+-- tests/storage/test_exact_script_vs_core.py). Requests are decided one after the
+-- other, so a later request in the batch sees what an earlier one consumed: the batch
+-- is exactly the same as R separate calls, with one round trip and one script call
+-- instead of R.
 --
 -- KEYS     the window hashes of every descriptor of every request, in request order
 --          (fields: slice index -> hits, plus the bookkeeping fields sum, first and
