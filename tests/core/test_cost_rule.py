@@ -18,7 +18,7 @@ from ratelimit_service.core.exact import (
     evaluate,
     is_cost,
 )
-from ratelimit_service.core.local_buckets import ProbabilisticBucket
+from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
 from ratelimit_service.core.window import SlidingWindow
 
 NOW = 1000.0
@@ -138,3 +138,16 @@ def test_a_probabilistic_bucket_charges_a_denied_cost() -> None:
     bucket.charge(700)
     assert bucket.admitted == 700 and bucket.credit == -300.0 and bucket.offered == 700
     assert not bucket.take(0, draw=0.5)  # the next check is denied
+
+
+def test_a_charged_cost_is_reported_at_the_next_sync() -> None:
+    """The fleet's total (and with --zone the zone's, which the same sync feeds) gets a
+    denied cost with the admitted hits."""
+    buckets = LocalBuckets()
+    bucket = buckets.get("k", 6000, 60, NOW)
+    bucket.credit = 400.0
+    assert bucket.take(300, draw=0.5)
+    assert not bucket.take(700, draw=0.5)
+    bucket.charge(700)
+    (report,) = buckets.take_reports(NOW + 0.25, 0.25)
+    assert (report.offered, report.admitted) == (1000, 1000)
