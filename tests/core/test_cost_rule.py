@@ -133,11 +133,30 @@ def test_a_probabilistic_bucket_charges_a_denied_cost() -> None:
     """What take() did not admit, charge() counts: it reaches the fleet with the
     admitted hits at the next sync, and the credit goes below 0."""
     bucket = ProbabilisticBucket("k", 6000, 60, NOW, nodes=1)
-    bucket.credit = 400.0
+    bucket.tokens = bucket.credit = 400.0  # the fleet's bucket holds 400, all granted here
+    assert bucket.take(0, draw=0.5)  # a check: one more fits
     assert not bucket.take(700, draw=0.5)
     bucket.charge(700)
     assert bucket.admitted == 700 and bucket.credit == -300.0 and bucket.offered == 700
     assert not bucket.take(0, draw=0.5)  # the next check is denied
+
+
+def test_a_probabilistic_check_reads_the_fleets_bucket_not_the_credit() -> None:
+    """A process granted no share of a budget (it only checks it) admits checks while
+    the fleet's bucket has room, and denies them once the fleet is in debt."""
+    bucket = ProbabilisticBucket("k", 6000, 60, NOW, nodes=2)
+    bucket.credit, bucket.tokens = 0.0, 2500.0
+    assert bucket.take(0, draw=0.5)
+    bucket.tokens = -300.0
+    assert not bucket.take(0, draw=0.5)
+
+
+def test_a_bucket_only_checked_is_reported_at_the_next_sync() -> None:
+    """So that its view of the fleet's bucket stays fresh."""
+    buckets = LocalBuckets()
+    buckets.get("k", 6000, 60, NOW).take(0, draw=0.5)
+    (report,) = buckets.take_reports(NOW + 0.25, 0.25)
+    assert (report.key, report.offered, report.admitted) == ("k", 0, 0)
 
 
 def test_a_charged_cost_is_reported_at_the_next_sync() -> None:
