@@ -87,9 +87,9 @@ class _Step:
     the same request comes back, read off once instead of per request."""
 
     __slots__ = (
+        "always_counted",
         "bucket_key",
         "burst",
-        "cost",
         "enforce",
         "exact",
         "fail_open",
@@ -118,8 +118,9 @@ class _Step:
         self.index = index
         self.limit = limit
         self.hits = hits
-        self.cost = counts(False, cost)
-        """Counted even when denied (core/exact.py counts): a cost."""
+        self.always_counted = counts(False, cost)
+        """Its hits count even when the request is denied (core/exact.py counts): a
+        cost. Worked out once here, so a plain admission pays nothing for it."""
         self.exact = limit.mode is Mode.EXACT
         self.zero = limit.requests_per_unit == 0
         """A limit of 0 denies every hit: decided in the process in every mode, with
@@ -364,7 +365,7 @@ class RateLimiter:
             local,
             exact,
             any(step.role is HitRole.QUOTA for step in exact),
-            any(step.cost for step in exact),
+            any(step.always_counted for step in exact),
             tuple(unlimited),
             tuple(unmatched),
             exact_hits,
@@ -434,8 +435,8 @@ class RateLimiter:
     ) -> tuple[bool, bool]:
         """Decide and account the probabilistic descriptors; note in ``taken`` the
         hits they admitted (given back if the request is denied), costs excepted: a
-        cost is counted whatever the answer (charged to its bucket when denied). Returns whether
-        exact descriptors may consume (nothing denied so far) and whether a
+        cost counts whatever the answer (charged to its bucket when denied). Returns
+        whether exact descriptors may consume (nothing denied so far) and whether a
         probabilistic quota descriptor already lets the request through. ``steps`` is
         never empty (both callers check)."""
         now = self._clock()
@@ -461,11 +462,11 @@ class RateLimiter:
                     self._count_failure_mode(step, admitted)
                 else:
                     admitted = bucket.take(hits, None if draw is None else draw())
-                    if step.cost:
+                    if step.always_counted:
                         if not admitted:
                             bucket.charge(hits)
                     elif admitted and hits:
-                        taken.append((bucket, hits))
+                        taken.append((bucket, hits))  # given back if the request is denied
                 status = DescriptorStatus(
                     _OK, step.limit, bucket.remaining(), bucket.reset_estimate(now)
                 )
@@ -559,7 +560,7 @@ def _exact_hits(exact: tuple[_Step, ...], quota_met: bool) -> list[ExactHit]:
             window_seconds=step.window_seconds,
             hits=step.hits,
             role=HitRole.SHADOW if quota_met and step.role is HitRole.QUOTA else step.role,
-            cost=step.cost,
+            cost=step.always_counted,
         )
         for step in exact
     ]
