@@ -6,7 +6,10 @@ before the request, and a report (``hits_addend {format: "%RESP(x-tokens)%"}``,
 
 Budget 6,000 tokens a minute, responses of 700: 20 sequential requests admit exactly 9
 (⌈6000/700⌉), as envoyproxy/ratelimit does; the 9th report (700 with 400 left) is
-counted though it does not fit, so the 10th check is denied. A report lands after its
+counted though it does not fit, so the 10th check is denied. In exact mode on Redis
+(one replica and two), on the embedded store, in probabilistic mode (one replica and
+two), and started the Go way (``ratelimit`` with a Go deployment's environment, with and
+without STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT). A report lands after its
 response: before the next request the test waits until the service has counted it (its
 rule's total_hits), so no request races its predecessor's report.
 """
@@ -230,9 +233,21 @@ SpawnService = Callable[..., ServiceProcess]
 
 
 @pytest.mark.parametrize(
-    ("mode", "replicas"),
-    [("exact", 1), ("exact", 2), ("probabilistic", 1), ("probabilistic", 2)],
-    ids=["exact", "exact-2-replicas", "probabilistic", "probabilistic-2-replicas"],
+    ("mode", "store", "replicas"),
+    [
+        ("exact", "redis", 1),
+        ("exact", "redis", 2),
+        ("exact", "embedded", 1),
+        ("probabilistic", "redis", 1),
+        ("probabilistic", "redis", 2),
+    ],
+    ids=[
+        "exact",
+        "exact-2-replicas",
+        "exact-embedded",
+        "probabilistic",
+        "probabilistic-2-replicas",
+    ],
 )
 def test_a_token_budget_admits_until_it_is_spent(
     start_envoy: StartEnvoy,
@@ -241,6 +256,7 @@ def test_a_token_budget_admits_until_it_is_spent(
     redis_server: RedisServer,
     tmp_path: Path,
     mode: str,
+    store: str,
     replicas: int,
 ) -> None:
     # Probabilistic buckets refill continuously (limit/T): a budget per hour keeps the
@@ -249,10 +265,8 @@ def test_a_token_budget_admits_until_it_is_spent(
     rules = tmp_path / "rules"
     rules.mkdir()
     (rules / "ai.yaml").write_text(RULES.format(mode=mode, unit=unit, budget=BUDGET))
-    services = [
-        spawn_service(rules, "--redis-url", redis_server.url, "--sync-interval", "0.1")
-        for _ in range(replicas)
-    ]
+    flags = ["--redis-url", redis_server.url] if store == "redis" else []
+    services = [spawn_service(rules, *flags, "--sync-interval", "0.1") for _ in range(replicas)]
     envoy = start_envoy(two_phase_bootstrap([s.address for s in services], costly_upstream))
     urls = [metrics_url(service) for service in services]
     statuses = spend(envoy, *urls, synced=mode == "probabilistic")
