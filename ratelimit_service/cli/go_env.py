@@ -424,12 +424,22 @@ def _limiter(r: _Reader) -> None:
         if r.has(name):
             r.set(flag, "1" if r.boolean(name) else "", name)
     _share(r, "NEAR_LIMIT_RATIO", "--near-limit-ratio")
-    if r.has("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT") and not r.boolean(
-        "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT"
-    ):
+    _stop_increment(r)
+
+
+def _stop_increment(r: _Reader) -> None:
+    """STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT: true, a denied call counts nothing
+    (--count-denied-costs false); false (Go counts every hit), costs count when denied
+    (the default) and a denied request's other hits do not."""
+    name = "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT"
+    if not r.has(name):
+        return
+    if r.boolean(name):
+        r.set("--count-denied-costs", "false", name)
+    else:
         r.warn(
-            "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=false: denied hits are never counted"
-            " against the window here (as =true does)"
+            f"{name}=false: a denied request's costs (hits_addend) are counted, its other"
+            " hits are not (as =true does for them)"
         )
 
 

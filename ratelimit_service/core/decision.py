@@ -43,7 +43,7 @@ def drop_replaced(limits: list[RateLimit | None]) -> None:
 def near_threshold(limit: int, ratio: float = NEAR_LIMIT_RATIO) -> int:
     """Hits in the window past which admitted hits count as near the limit (80 % by
     default, as envoyproxy/ratelimit counts them, and its NEAR_LIMIT_RATIO otherwise;
-    denied hits are all over the limit, since they do not consume the window)."""
+    denied hits are all over the limit)."""
     return int(limit * ratio)
 
 

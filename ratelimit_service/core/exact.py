@@ -1,11 +1,13 @@
 """Exact-mode decision for all of one request's exact descriptors, taken together.
 
 Every hit is checked against its sliding window first; the request is denied by
-:func:`denies` (the one statement of the rule, which every path calls). Only when the
-request goes through do the admitted hits consume their windows, so a denied
-request never eats quota of its other descriptors (envoyproxy/ratelimit increments
-every counter, denied or not; see its issues #185 and #440). resources/exact_window.lua
-states the same rule for Redis, held to :func:`denies` by
+:func:`denies` (the one statement of the rule, which every path calls). Which hits
+are then counted in their windows is :func:`counts`, stated once too: the admitted
+hits of a request that goes through, so a denied request never eats quota of its
+other descriptors (envoyproxy/ratelimit increments every counter, denied or not; see
+its issues #185 and #440); and a cost (:func:`is_cost`: a usage already spent, which
+Envoy reports once the response is done) always, admitted or not.
+resources/exact_window.lua states the same rules for Redis, held to these functions by
 tests/storage/test_exact_script_vs_core.py.
 """
 
@@ -26,6 +28,34 @@ class HitRole(enum.IntEnum):
     """Denies the request only when every quota descriptor is over."""
 
 
+CHECK = 0
+"""``commit`` of a call that only looks: nothing is counted (explain, a Cluster's
+first pass)."""
+DECIDE = 1
+"""``commit`` of a request decided here: counted as :func:`counts` says."""
+DENIED = 3
+"""``commit`` of a request already denied by descriptors decided elsewhere (a
+probabilistic one): only its costs are counted. (2 is the Redis script's forced
+commit of owed hits, storage/exact_batcher.py FORCE.)"""
+
+
+def is_cost(hits_addend: int | None, count_denied_costs: bool) -> bool:
+    """Whether a descriptor's hits are a cost: an explicit per-descriptor
+    ``hits_addend`` of 1 or more (a usage Envoy reports once spent, such as the tokens
+    of a response), counted whatever the answer unless ``count_denied_costs`` is off
+    (the Go service's STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=true). An explicit 0 is a
+    check; no per-descriptor value (the request's hits_addend, or 1) is an admission."""
+    return count_denied_costs and hits_addend is not None and hits_addend >= 1
+
+
+def counts(admitted: bool, cost: bool) -> bool:
+    """Whether a decided hit is counted in its window: when ``admitted`` (it fits and
+    its request goes through), or when it is a ``cost`` (:func:`is_cost`), admitted or
+    not, whatever the request's other descriptors decided. A cost may so take its
+    window past the limit; checks of that budget are denied until it has room again."""
+    return admitted or cost
+
+
 # Not frozen: a frozen dataclass's __init__ costs four times as much, and these are
 # made per request. Treat them as immutable all the same.
 @dataclass(slots=True)
@@ -35,6 +65,8 @@ class ExactHit:
     window_seconds: int
     hits: int
     role: HitRole = HitRole.ENFORCE
+    cost: bool = False
+    """Counted whatever the answer (:func:`is_cost`)."""
 
 
 @dataclass(slots=True)
@@ -76,15 +108,17 @@ def request_denied(roles: Sequence[HitRole], admitted: Sequence[bool]) -> bool:
 
 
 def evaluate(
-    hits: Sequence[ExactHit], windows: Sequence[SlidingWindow], now: float, commit: bool
+    hits: Sequence[ExactHit], windows: Sequence[SlidingWindow], now: float, commit: int
 ) -> list[ExactResult]:
-    """Decide ``hits`` against ``windows`` (index-aligned) and consume if allowed."""
-    counts = [window.count(now) for window in windows]
-    admitted = [fits(count, hit.hits, hit.limit) for count, hit in zip(counts, hits, strict=True)]
-    consume = commit and not request_denied([hit.role for hit in hits], admitted)
+    """Decide ``hits`` against ``windows`` (index-aligned) and count what :func:`counts`
+    says, unless ``commit`` is CHECK (DECIDE, or True: decided here; DENIED: denied
+    already, only costs count)."""
+    before = [window.count(now) for window in windows]
+    admitted = [fits(count, hit.hits, hit.limit) for count, hit in zip(before, hits, strict=True)]
+    consume = commit == DECIDE and not request_denied([hit.role for hit in hits], admitted)
     results: list[ExactResult] = []
-    for hit, window, count, ok in zip(hits, windows, counts, admitted, strict=True):
-        if ok and consume:
+    for hit, window, count, ok in zip(hits, windows, before, admitted, strict=True):
+        if commit and counts(ok and consume, hit.cost):
             window.add(now, hit.hits)
         after = window.total
         if ok:

@@ -155,8 +155,12 @@ class ProbabilisticBucket:
 
     def take(self, hits: int, draw: float | None) -> bool:
         """Offer ``hits``; admit them or not. ``draw`` is uniform in [0, 1); None: the
-        bucket's own sequence (:meth:`next_draw`). Hits of 0 only ask whether one more
-        hit would be admitted."""
+        bucket's own sequence (:meth:`next_draw`). Hits of 0 are a check (a usage
+        budget's, before its cost is reported): admitted while the fleet's bucket, as
+        this process last saw it, holds one more hit (:meth:`remaining`), as exact mode
+        checks the window. Not this process's credit: a check takes nothing, and a
+        process that only checks a budget is granted no share of it. The bucket is
+        reported at the next sync all the same, so that its view stays fresh."""
         if draw is None:
             draw = self.next_draw()
         self.offered += hits
@@ -164,11 +168,21 @@ class ProbabilisticBucket:
         if self.epoch != period.number:  # first count this period: to be reported
             self.epoch = period.number
             period.used.append(self)
-        if self.credit < (hits if hits > 1 else 1) or draw < self.ratio:
+        if not hits:
+            return self.remaining() >= 1
+        if self.credit < hits or draw < self.ratio:
             return False
         self.credit -= hits
         self.admitted += hits
         return True
+
+    def charge(self, hits: int) -> None:
+        """Count ``hits`` that :meth:`take` did not admit: a cost, already spent, is
+        counted whatever the answer (core/exact.py counts). They reach the fleet with
+        the admitted hits at the next sync; the credit may go below 0, and calls are
+        denied until a sync grants more."""
+        self.credit -= hits
+        self.admitted += hits
 
     def remaining(self) -> int:
         """Best estimate of what the fleet may still admit now: the token bucket at the
@@ -306,8 +320,6 @@ class LocalBuckets:
         reports: list[BucketReport] = []
         buckets = self._buckets
         for bucket in used:
-            if bucket.offered == 0 and bucket.admitted == 0:
-                continue
             if buckets.get(bucket.key) is not bucket:
                 continue  # evicted since (its key may have a new bucket)
             # At least one interval: a bucket born just before a sync would otherwise

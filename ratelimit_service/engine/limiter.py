@@ -2,7 +2,9 @@
 
 Probabilistic rules are decided locally first (no await); exact rules go to the
 store in one batched call. If the request ends up denied, probabilistic hits are
-given back, so a denied request consumes no quota anywhere.
+given back, so a denied request consumes no quota anywhere, except its costs: a
+descriptor's explicit hits_addend of 1 or more is usage already spent, counted
+whatever the answer (core/exact.py is_cost and counts).
 """
 
 from __future__ import annotations
@@ -28,7 +30,18 @@ from ratelimit_service.core.decision import (
     overall_code,
     role_of,
 )
-from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, denies, request_denied
+from ratelimit_service.core.exact import (
+    CHECK,
+    DECIDE,
+    DENIED,
+    ExactHit,
+    ExactResult,
+    HitRole,
+    counts,
+    denies,
+    is_cost,
+    request_denied,
+)
 from ratelimit_service.core.local_buckets import LocalBuckets, ProbabilisticBucket
 from ratelimit_service.core.matching import (
     Match,
@@ -74,6 +87,7 @@ class _Step:
     the same request comes back, read off once instead of per request."""
 
     __slots__ = (
+        "always_counted",
         "bucket_key",
         "burst",
         "enforce",
@@ -93,11 +107,20 @@ class _Step:
     )
 
     def __init__(
-        self, index: int, limit: RateLimit, match: Match, hits: int, near_ratio: float
+        self,
+        index: int,
+        limit: RateLimit,
+        match: Match,
+        hits: int,
+        near_ratio: float,
+        cost: bool = False,
     ) -> None:
         self.index = index
         self.limit = limit
         self.hits = hits
+        self.always_counted = counts(False, cost)
+        """Its hits count even when the request is denied (core/exact.py counts): a
+        cost. Worked out once here, so a plain admission pays nothing for it."""
         self.exact = limit.mode is Mode.EXACT
         self.zero = limit.requests_per_unit == 0
         """A limit of 0 denies every hit: decided in the process in every mode, with
@@ -130,6 +153,8 @@ class _Plan:
     """The exact steps, decided by the store in one call."""
     exact_quota: bool
     """Whether some exact step is in quota mode."""
+    exact_costs: bool
+    """Whether some exact step is a cost (counted even when the request is denied)."""
     unlimited: tuple[int, ...]
     unmatched: tuple[int, ...]
     """Descriptors no rule matches (or replaced by another's)."""
@@ -157,11 +182,16 @@ class RateLimiter:
         near_ratio: float = NEAR_LIMIT_RATIO,
         clock: Callable[[], float] = time.time,
         draw: Callable[[], float] | None = None,
+        count_denied_costs: bool = True,
     ) -> None:
         """``draw``: numbers in [0, 1) to compare with drop ratios. None (the default):
         each bucket's own evenly spread sequence (ProbabilisticBucket.next_draw), which
-        scatters far less than random numbers; tests inject fixed values."""
+        scatters far less than random numbers; tests inject fixed values.
+        ``count_denied_costs``: whether a cost is counted when denied too (see
+        core/exact.py is_cost; off: the Go service's
+        STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=true)."""
         self.config = config
+        self.count_denied_costs = count_denied_costs
         self.store = store
         self.hit_store = store.hit
         """The exact decisions' call to the store: ``store.hit``, or tracing's wrapper
@@ -209,13 +239,15 @@ class RateLimiter:
             commit, quota_met = self._decide_local(plan.local, plan.exact_quota, statuses, taken)
         exact = plan.exact
         if exact:
+            # Denied already (a probabilistic descriptor): the store only counts costs.
+            counting = DECIDE if commit else DENIED if plan.exact_costs else CHECK
             if quota_met:
                 hits: tuple[ExactHit, ...] | list[ExactHit] = _exact_hits(exact, quota_met)
                 owe = commit and _admitted_on_failure(exact, hits)
             else:
                 hits, owe = plan.exact_hits, commit and plan.exact_owe
             try:
-                results = await self.hit_store(hits, commit, owe, deadline)
+                results = await self.hit_store(hits, counting, owe, deadline)
             except StoreUnavailable as exc:
                 self.stats.store_error += 1
                 log.debug("exact store unavailable: %s", exc)
@@ -320,8 +352,9 @@ class RateLimiter:
                     unlimited.append(index)
                 else:
                     hits = hits_for(descriptor, request.hits_addend)
+                    cost = is_cost(descriptor.hits_addend, self.count_denied_costs)
                     for limit, match in kept:
-                        steps.append(_Step(index, limit, match, hits, self.near_ratio))
+                        steps.append(_Step(index, limit, match, hits, self.near_ratio, cost))
         exact = tuple(step for step in steps if step.exact and not step.zero)
         local = tuple(step for step in steps if not step.exact or step.zero)
         exact_hits = tuple(_exact_hits(exact, quota_met=False))
@@ -332,6 +365,7 @@ class RateLimiter:
             local,
             exact,
             any(step.role is HitRole.QUOTA for step in exact),
+            any(step.always_counted for step in exact),
             tuple(unlimited),
             tuple(unmatched),
             exact_hits,
@@ -400,8 +434,9 @@ class RateLimiter:
         taken: list[tuple[ProbabilisticBucket, int]],
     ) -> tuple[bool, bool]:
         """Decide and account the probabilistic descriptors; note in ``taken`` the
-        hits they admitted (given back if the request is denied). Returns whether
-        exact descriptors may consume (nothing denied so far) and whether a
+        hits they admitted (given back if the request is denied), costs excepted: a
+        cost counts whatever the answer (charged to its bucket when denied). Returns
+        whether exact descriptors may consume (nothing denied so far) and whether a
         probabilistic quota descriptor already lets the request through. ``steps`` is
         never empty (both callers check)."""
         now = self._clock()
@@ -427,8 +462,11 @@ class RateLimiter:
                     self._count_failure_mode(step, admitted)
                 else:
                     admitted = bucket.take(hits, None if draw is None else draw())
-                    if admitted and hits:
-                        taken.append((bucket, hits))
+                    if step.always_counted:
+                        if not admitted:
+                            bucket.charge(hits)
+                    elif admitted and hits:
+                        taken.append((bucket, hits))  # given back if the request is denied
                 status = DescriptorStatus(
                     _OK, step.limit, bucket.remaining(), bucket.reset_estimate(now)
                 )
@@ -523,6 +561,7 @@ def _exact_hits(exact: tuple[_Step, ...], quota_met: bool) -> list[ExactHit]:
             window_seconds=step.window_seconds,
             hits=step.hits,
             role=HitRole.SHADOW if quota_met and step.role is HitRole.QUOTA else step.role,
+            cost=step.always_counted,
         )
         for step in exact
     ]

@@ -160,7 +160,7 @@ class Tracing:
         tracer, kind, current = self.tracer, self._client, self._current
 
         async def traced(
-            hits: Sequence[Any], commit: bool, owe: bool = False, deadline: float | None = None
+            hits: Sequence[Any], commit: int, owe: bool = False, deadline: float | None = None
         ) -> Any:
             if not current().is_recording():
                 return await hit(hits, commit, owe, deadline)

@@ -5,21 +5,24 @@
 -- window at `now` holds slices cur-S .. cur (cur = floor(now / (T/S))). Within one
 -- request every hit is checked first; the request is denied if an enforcing
 -- descriptor does not fit, or if every quota descriptor does not fit (core/exact.py
--- denies, held equal by tests/storage/test_exact_script_vs_core.py); only an admitted
--- request consumes. Requests are decided one after the other, so a later
--- request in the batch sees what an earlier one consumed: the batch is exactly the
--- same as R separate calls, with one round trip and one script call instead of R.
+-- denies); a hit is counted if it fits and its request is admitted, and a cost hit
+-- whatever the answer (core/exact.py counts; both held equal by
+-- tests/storage/test_exact_script_vs_core.py). Requests are decided one after the
+-- other, so a later request in the batch sees what an earlier one consumed: the batch
+-- is exactly the same as R separate calls, with one round trip and one script call
+-- instead of R.
 --
 -- KEYS     the window hashes of every descriptor of every request, in request order
 --          (fields: slice index -> hits, plus the bookkeeping fields sum, first and
 --          last below)
 -- ARGV[1]  S, slices per window
 -- ARGV[2]  R, requests in the batch
--- then, per request: commit (1 = consume if admitted, 0 = check only, 2 = consume
+-- then, per request: commit (1 = decide and count, 0 = check only, 2 = count
 --          whatever the window holds: hits admitted while Redis was unavailable, see
---          storage/owed_hits.py), n (its descriptors), then per descriptor: limit,
---          window_us, hits, role
---          (role 0 = enforce, 1 = shadow: never denies, 2 = quota)
+--          storage/owed_hits.py, 3 = the request is denied already: count its costs
+--          only), n (its descriptors), then per descriptor: limit, window_us, hits,
+--          role (0 = enforce, 1 = shadow: never denies, 2 = quota; plus 4 when the hit
+--          is a cost, counted whatever the answer: core/exact.py is_cost)
 -- Returns  a flat array, 4 integers per descriptor, in KEYS order:
 --          admitted (1/0), hits in the window before, remaining after, reset_after_us
 --          (admitted: until the oldest slice leaves; denied: until the hits would fit;
@@ -28,8 +31,8 @@
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local call, tonumber, floor, format = redis.call, tonumber, math.floor, string.format
-local ENFORCE, QUOTA = 0, 2  -- roles: core/exact.py HitRole
-local COMMIT, FORCE = 1, 2  -- commit: storage/exact_batcher.py encode, FORCE
+local ENFORCE, QUOTA, COST = 0, 2, 4  -- roles: core/exact.py HitRole; COST: a cost's flag
+local CHECK, COMMIT, FORCE = 0, 1, 2  -- commit: core/exact.py, storage/exact_batcher.py FORCE
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local slices = tonumber(ARGV[1])
@@ -127,7 +130,7 @@ end
 
 -- One request's descriptors, in parallel arrays reused from request to request (a
 -- table per descriptor costs more than the arithmetic).
-local hw, hlimit, hhits, hok, hbefore = {}, {}, {}, {}, {}
+local hw, hlimit, hhits, hok, hbefore, hcost = {}, {}, {}, {}, {}, {}
 local out, o = {}, 0
 local arg, key_index = 3, 1
 for _ = 1, requests do
@@ -139,7 +142,8 @@ for _ = 1, requests do
   for i = 1, n do
     local w = load(KEYS[key_index], tonumber(ARGV[arg + 1]))
     local limit, hits = tonumber(ARGV[arg]), tonumber(ARGV[arg + 2])
-    local role = tonumber(ARGV[arg + 3])
+    local role, cost = tonumber(ARGV[arg + 3]), false
+    if role >= COST then role, cost = role - COST, true end
     local need = hits
     if need < 1 then need = 1 end
     local ok = w.total + need <= limit
@@ -150,31 +154,34 @@ for _ = 1, requests do
       if ok then quota_admitted = true end
     end
     -- "before" is read before any of this request's hits land.
-    hw[i], hlimit[i], hhits[i], hok[i], hbefore[i] = w, limit, hits, ok, w.total
+    hw[i], hlimit[i], hhits[i], hok[i], hbefore[i], hcost[i] = w, limit, hits, ok, w.total, cost
     arg = arg + 4
     key_index = key_index + 1
   end
   -- The denial rule: core/exact.py denies.
   local denied = enforce_over or (quota_seen and not quota_admitted)
-  local consume = force or (commit and not denied)
+  local consume = commit and not denied
+  local counting = commit_arg ~= CHECK
 
   -- Hits land descriptor by descriptor, each reported with the window as it then
   -- stands (as core/exact.py does): a key repeated in a request sees the hits of its
   -- earlier descriptors.
   for i = 1, n do
     local w, hits, limit = hw[i], hhits[i], hlimit[i]
-    local reset, admitted = 0, 0
-    if hok[i] or force then
-      admitted = 1
-      if consume and hits > 0 then
-        w.added = w.added + hits
-        if w.live then w.live[w.cur] = (w.live[w.cur] or 0) + hits end
-        w.total = w.total + hits
-        if w.first == nil then w.first, w.recount = w.cur, true end
-        if w.newest == nil or w.newest < w.cur then
-          w.newest, w.extend = w.cur, true  -- a new slice: the key must outlive it
-        end
+    local ok = hok[i] or force
+    -- Counted: core/exact.py counts (a forced hit always).
+    if counting and hits > 0 and (force or (ok and consume) or hcost[i]) then
+      w.added = w.added + hits
+      if w.live then w.live[w.cur] = (w.live[w.cur] or 0) + hits end
+      w.total = w.total + hits
+      if w.first == nil then w.first, w.recount = w.cur, true end
+      if w.newest == nil or w.newest < w.cur then
+        w.newest, w.extend = w.cur, true  -- a new slice: the key must outlive it
       end
+    end
+    local reset, admitted = 0, 0
+    if ok then
+      admitted = 1
       if w.first ~= nil then reset = leave_after(w, w.first) end
     else
       reset = wait_for_room(w, hits, limit)

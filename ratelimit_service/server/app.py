@@ -273,6 +273,7 @@ class RateLimitService:
             default_mode=settings.mode,
             global_shadow=settings.shadow_mode,
             near_ratio=settings.near_limit_ratio,
+            count_denied_costs=settings.count_denied_costs,
         )
         if self.tracing is not None:
             self.limiter.hit_store = self.tracing.traced_hit(self.store.hit, self.store.name)

@@ -54,6 +54,16 @@ def ratio(text: str) -> float:
     return value
 
 
+def true_or_false(text: str) -> bool:
+    """``true`` or ``false`` (also 1/0, yes/no, on/off), for a setting on by default."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {text!r}")
+
+
 def listen_addr(text: str) -> str:
     """``HOST:PORT``, or a ``unix:`` path (gRPC's form)."""
     return text if text.startswith("unix:") else host_port(text)
@@ -131,7 +141,12 @@ class Setting:
     @property
     def metavar(self) -> str:
         """What ``--help`` shows for the value."""
-        names = {host_port: "HOST:PORT", listen_addr: "ADDR", redis_url: "URL"}
+        names = {
+            host_port: "HOST:PORT",
+            listen_addr: "ADDR",
+            redis_url: "URL",
+            true_or_false: "true|false",
+        }
         if self.parse in names:
             return names[self.parse]
         kind = getattr(self.parse, "__name__", "")
@@ -271,6 +286,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--near-limit-ratio", "modes and limits",
             "share of a limit past which admitted hits count as near_limit",
             0.8, ratio, fills="near_limit_ratio"),
+    Setting("--count-denied-costs", "modes and limits",
+            "count a cost (a descriptor's explicit hits_addend of 1 or more: usage already"
+            " spent) when denied too; false: a denied call counts nothing",
+            True, true_or_false, fills="count_denied_costs"),
     Setting("--max-buckets", "modes and limits",
             "bound on per-descriptor-value state (LRU beyond it)",
             100_000, positive(int), fills="max_buckets"),
@@ -406,6 +425,10 @@ class Settings:
     merge_domain_config: bool = False
     shadow_mode: bool = False
     near_limit_ratio: float = 0.8
+    count_denied_costs: bool = True
+    """A cost (core/exact.py is_cost) is counted when denied too (off: nothing a
+    denied call carries is counted, the Go service's
+    STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=true)."""
     force_start_without_initial_config: bool = False
     """Rules that do not load at start: serve with no domain and keep watching, instead
     of refusing to start."""
@@ -496,4 +519,6 @@ def markdown_table() -> str:
 
 
 def _shown(default: Any) -> str:
+    if isinstance(default, bool):
+        return f"`{str(default).lower()}`"
     return "(none)" if default in (None, "") else f"`{default}`"

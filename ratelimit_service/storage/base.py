@@ -34,12 +34,15 @@ class Store(Protocol):
     def hit(
         self,
         hits: Sequence[ExactHit],
-        commit: bool,
+        commit: int,
         owe: bool = False,
         deadline: float | None = None,
     ) -> Awaitable[list[ExactResult]]:
-        """Decide ``hits`` (index-aligned results); consume only if ``commit`` and the
-        request is not denied. ``owe``: the caller admits the request if the store
+        """Decide ``hits`` (index-aligned results) and count them as core/exact.py
+        ``counts`` says, unless ``commit`` is CHECK (False): DECIDE (True) counts the
+        admitted hits of a request that goes through, and its costs whatever the
+        answer; DENIED (the request is denied by descriptors decided elsewhere) counts
+        its costs only. ``owe``: the caller admits the request if the store
         fails, so a store that can should count its hits later (see owed_hits).
         ``deadline``: the event loop's time after which the caller cannot use the
         answer (None: the store's own bound); a store that must wait raises

@@ -101,7 +101,7 @@ class EmbeddedStore:
     async def hit(
         self,
         hits: Sequence[ExactHit],
-        commit: bool,
+        commit: int,
         owe: bool = False,
         deadline: float | None = None,
     ) -> list[ExactResult]:

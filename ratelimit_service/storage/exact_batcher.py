@@ -106,10 +106,14 @@ class Channel(Protocol):
         ...
 
 
-def encode(hits: Sequence[ExactHit], commit: bool, into: list[Any]) -> None:
+def encode(hits: Sequence[ExactHit], commit: int, into: list[Any]) -> None:
     """One request's part of the script's ARGV (see the header of exact_window.lua)."""
-    into += (1 if commit else 0, len(hits))
+    into += (int(commit), len(hits))
     into += hit_args(hits)
+
+
+COST_FLAG = 4
+"""Added to a hit's role in ARGV when the hit is a cost (exact_window.lua COST)."""
 
 
 def hit_args(hits: Sequence[ExactHit]) -> tuple[Any, ...]:
@@ -117,7 +121,8 @@ def hit_args(hits: Sequence[ExactHit]) -> tuple[Any, ...]:
     callers may keep it (RedisStore does, per request plan)."""
     args: list[Any] = []
     for hit in hits:
-        args += (hit.limit, hit.window_seconds * 1_000_000, hit.hits, int(hit.role))
+        role = int(hit.role) + COST_FLAG if hit.cost else int(hit.role)
+        args += (hit.limit, hit.window_seconds * 1_000_000, hit.hits, role)
     return tuple(args)
 
 
@@ -236,7 +241,7 @@ class ExactBatcher:
         self,
         keys: Sequence[str],
         args: tuple[Any, ...],
-        commit: bool,
+        commit: int,
         owe: bool = False,
         deadline: float | None = None,
     ) -> asyncio.Future[list[ExactResult]]:
@@ -388,12 +393,16 @@ class ExactBatcher:
         self, waiter: _Waiter, keys: list[str], args: list[Any], raw: Any, start: int
     ) -> None:
         """A request given up and admitted by failure_mode: owe its hits if Redis,
-        deciding it late, did not count them."""
+        deciding it late, did not count them (its costs it counted: not owed)."""
         assert waiter.since is not None
         admitted = [r.admitted for r in exact_reply(raw, start, waiter.count)]
-        roles = [HitRole(role) for role in args[3::4]]
+        roles = [HitRole(role % COST_FLAG) for role in args[3::4]]
         if request_denied(roles, admitted):
-            self.owed.add(keys, args, waiter.since)
+            owed = list(args)
+            for role_at in range(3, len(owed), 4):
+                if owed[role_at] >= COST_FLAG:
+                    owed[role_at - 1] = 0
+            self.owed.add(keys, owed, waiter.since)
 
     def _finish(self, waiter: _Waiter) -> None:
         if waiter.open:

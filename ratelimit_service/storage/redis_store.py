@@ -35,7 +35,14 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ratelimit_service.core.drop_ratio import SyncResult, capacity
-from ratelimit_service.core.exact import ExactHit, ExactResult, request_denied
+from ratelimit_service.core.exact import (
+    CHECK,
+    DECIDE,
+    DENIED,
+    ExactHit,
+    ExactResult,
+    request_denied,
+)
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.tiers import EXPIRE_PER_CALL, MILLI, Fenced, TierReport, TierTotals
@@ -281,7 +288,7 @@ class RedisStore:
     def hit(
         self,
         hits: Sequence[ExactHit],
-        commit: bool,
+        commit: int,
         owe: bool = False,
         deadline: float | None = None,
     ) -> Awaitable[list[ExactResult]]:
@@ -308,7 +315,7 @@ class RedisStore:
         return prepared
 
     async def _hit_cluster(
-        self, hits: Sequence[ExactHit], commit: bool, deadline: float | None
+        self, hits: Sequence[ExactHit], commit: int, deadline: float | None
     ) -> list[ExactResult]:
         timeout = self.request_timeout
         if deadline is not None:
@@ -319,15 +326,22 @@ class RedisStore:
         # Redis Cluster, descriptors in several slots: one script cannot see them all.
         # Check everywhere first, then consume only if the whole request goes through;
         # the second pass re-checks each key, so a race can deny a hit, never overshoot.
-        checks = await asyncio.gather(*(self._hit_group(g, False, timeout) for g in groups))
+        # A denied request's costs are still counted (core/exact.py counts): the groups
+        # holding one are sent again, counting their costs only.
+        checks = await asyncio.gather(*(self._hit_group(g, CHECK, timeout) for g in groups))
         results = _reorder(groups, checks, len(hits))
-        roles = [hit.role for hit in hits]
-        if not commit or request_denied(roles, [r.admitted for r in results]):
+        if not commit:
             return results
-        committed = await asyncio.gather(*(self._hit_group(g, True, timeout) for g in groups))
-        return _reorder(groups, committed, len(hits))
+        roles = [hit.role for hit in hits]
+        if commit == DECIDE and not request_denied(roles, [r.admitted for r in results]):
+            committed = await asyncio.gather(*(self._hit_group(g, DECIDE, timeout) for g in groups))
+            return _reorder(groups, committed, len(hits))
+        costly = [g for g in groups if any(hit.cost for hit in g.hits)]
+        if costly:
+            await asyncio.gather(*(self._hit_group(g, DENIED, timeout) for g in costly))
+        return results
 
-    async def _hit_group(self, group: _Group, commit: bool, timeout: float) -> list[ExactResult]:
+    async def _hit_group(self, group: _Group, commit: int, timeout: float) -> list[ExactResult]:
         args: list[Any] = [self.slices, 1]
         encode(group.hits, commit, args)
         raw = await self._call(self._exact, group.keys, args, timeout)

@@ -135,7 +135,7 @@ class ZonedStore:
     def hit(
         self,
         hits: Sequence[ExactHit],
-        commit: bool,
+        commit: int,
         owe: bool = False,
         deadline: float | None = None,
     ) -> Awaitable[list[ExactResult]]:

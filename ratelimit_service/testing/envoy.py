@@ -373,10 +373,11 @@ class Envoy:
 
 class Upstream:
     """A threaded HTTP/1.1 server on loopback answering 200 ``ok`` on every path and method,
-    counting what it served."""
+    with ``headers`` (a response's cost, say, as ``x-tokens``), counting what it served."""
 
-    def __init__(self) -> None:
+    def __init__(self, headers: Mapping[str, str] | None = None) -> None:
         served: list[str] = []
+        extra = dict(headers or {})
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -389,6 +390,8 @@ class Upstream:
                 self.send_response(200)
                 self.send_header("content-type", "text/plain")
                 self.send_header("content-length", "2")
+                for name, value in extra.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(b"ok")
 

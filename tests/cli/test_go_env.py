@@ -130,6 +130,8 @@ def values(env: dict[str, str], go_mode: bool = False) -> dict[str, str]:
             {"SHADOW_MODE": "true", "MERGE_DOMAIN_CONFIG": "false", "NEAR_LIMIT_RATIO": "0.5"},
             {"--shadow-mode": "1", "--merge-domain-config": "", "--near-limit-ratio": "0.5"},
         ),
+        ({"STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT": "true"}, {"--count-denied-costs": "false"}),
+        ({"STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT": "false"}, {}),
         (
             {"USE_STATSD": "true", "STATSD_HOST": "agent", "STATS_FLUSH_INTERVAL": "2s"},
             {"--statsd-addr": "agent:8125", "--statsd-flush-interval": "2.0"},

@@ -403,16 +403,19 @@ def test_credit_caps_admissions() -> None:
 
 
 def test_check_only_hits() -> None:
+    """A check (hits 0) takes nothing and reads the fleet's bucket as last synced, less
+    what this process admitted since: neither the credit nor the drop ratio."""
     local = LocalBuckets()
     bucket = local.get("k", 100, 60, now=0.0)
-    bucket.credit = 1.0
+    bucket.credit, bucket.tokens = 0.0, 1.0
     assert LocalBuckets.decide(bucket, 0, 0.99) is True
-    assert (bucket.credit, bucket.admitted, bucket.offered) == (1.0, 0, 0)
-    bucket.credit = 0.5
+    assert (bucket.credit, bucket.admitted, bucket.offered) == (0.0, 0, 0)
+    bucket.tokens = 0.5
     assert LocalBuckets.decide(bucket, 0, 0.99) is False
-    bucket.credit = 10.0
-    bucket.ratio = 0.5
-    assert LocalBuckets.decide(bucket, 0, 0.1) is False
+    bucket.credit, bucket.tokens, bucket.admitted = 10.0, 10.0, 10
+    assert LocalBuckets.decide(bucket, 0, 0.99) is False  # admitted here since the sync
+    bucket.admitted, bucket.ratio = 0, 0.5
+    assert LocalBuckets.decide(bucket, 0, 0.1) is True
     assert (bucket.credit, bucket.admitted, bucket.offered) == (10.0, 0, 0)
 
 

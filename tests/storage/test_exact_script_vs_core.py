@@ -1,13 +1,15 @@
 """The Lua script (real redis-server) decides exactly as the Python core does.
 
 exact_window.lua re-implements core/exact.py and core/window.py for Redis. Random
-traffic (shared keys, repeated keys within a request, every role, check-only
-requests, hits of 0) goes to both. The first test sends it through the store, batched
-several requests to a call, on hour-long windows (nothing leaves them while it runs).
+traffic (shared keys, repeated keys within a request, every role, costs, check-only
+requests, requests denied already, hits of 0) goes to both. The first test sends it
+through the store, batched several requests to a call, on hour-long windows (nothing
+leaves them while it runs).
 The second runs the script on a clock the test sets, so slices expire between calls,
 and compares reset times too, and the bookkeeping fields after every call. The third
 holds the script's denial rule to core/exact.py's ``denies`` over every combination of
-roles and verdicts. Replies are read by the store's own decoder (exact_reply).
+roles and verdicts, and the fourth its counting rule to ``counts`` over every role,
+verdict, cost or not, and commit. Replies are read by the store's own decoder (exact_reply).
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, denies, evaluate
+from ratelimit_service.core.exact import (
+    CHECK,
+    DECIDE,
+    DENIED,
+    ExactHit,
+    ExactResult,
+    HitRole,
+    counts,
+    denies,
+    evaluate,
+)
 from ratelimit_service.core.window import SlidingWindow
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.embedded import EmbeddedStore
@@ -35,21 +47,29 @@ WINDOW = 3600
 ROLES = [HitRole.ENFORCE, HitRole.ENFORCE, HitRole.SHADOW, HitRole.QUOTA]
 
 
-def random_request(rng: random.Random) -> tuple[list[ExactHit], bool]:
-    hits = [
-        ExactHit(
-            key=rng.choice("abcd"),
-            limit=rng.randint(3, 15),
-            window_seconds=WINDOW,
-            hits=rng.choice([0, 1, 1, 1, 2, 3]),
-            role=rng.choice(ROLES),
+def random_commit(rng: random.Random) -> int:
+    """Mostly decided here; some check-only calls and some requests denied already."""
+    return rng.choices([DECIDE, CHECK, DENIED], [8, 1, 1])[0]
+
+
+def random_request(rng: random.Random) -> tuple[list[ExactHit], int]:
+    hits = []
+    for _ in range(rng.randint(1, 4)):
+        amount = rng.choice([0, 1, 1, 1, 2, 3, 7])
+        hits.append(
+            ExactHit(
+                key=rng.choice("abcd"),
+                limit=rng.randint(3, 15),
+                window_seconds=WINDOW,
+                hits=amount,
+                role=rng.choice(ROLES),
+                cost=amount >= 1 and rng.random() < 0.3,
+            )
         )
-        for _ in range(rng.randint(1, 4))
-    ]
-    return hits, rng.random() < 0.85
+    return hits, random_commit(rng)
 
 
-def counts(results: list[ExactResult]) -> list[tuple[bool, int, int]]:
+def outcomes(results: list[ExactResult]) -> list[tuple[bool, int, int]]:
     return [(r.admitted, r.before, r.remaining) for r in results]
 
 
@@ -61,25 +81,28 @@ async def test_script_agrees_with_core(redis_server, monkeypatch, seed: int) -> 
     redis = RedisStore(redis_server.url, request_timeout=2)
     model = EmbeddedStore()
     try:
-        compared = denied = 0
+        compared = denied = costs_over = 0
         for _ in range(40):
             group = [random_request(rng) for _ in range(rng.randint(1, 8))]
             # Keys of one seed only: a rerun of the module on the same server starts afresh.
             group = [
-                ([ExactHit(f"{seed}:{h.key}", h.limit, h.window_seconds, h.hits, h.role)
+                ([ExactHit(f"{seed}:{h.key}", h.limit, h.window_seconds, h.hits, h.role, h.cost)
                   for h in hits], commit)
                 for hits, commit in group
             ]  # fmt: skip
             got = await asyncio.gather(*(redis.hit(hits, commit) for hits, commit in group))
             for (hits, commit), results in zip(group, got, strict=True):
                 want = await model.hit(hits, commit)
-                assert counts(results) == counts(want), (hits, commit)
+                assert outcomes(results) == outcomes(want), (hits, commit)
                 for result in results:
                     assert 0 <= result.reset_after <= WINDOW
                 compared += len(results)
                 denied += sum(not r.admitted for r in results)
+                pairs = zip(hits, results, strict=True)
+                costs_over += sum(h.cost and not r.admitted for h, r in pairs)
         assert redis.stats()["exact_batches"] < redis.stats()["exact_batched_requests"]
         assert compared > 300 and denied > 50  # the traffic did reach the limits
+        assert costs_over > 10  # denied costs were counted (or the counts would differ)
     finally:
         await redis.close()
 
@@ -128,8 +151,9 @@ async def test_script_agrees_with_core_as_slices_expire(redis_server, slices: in
             await set_test_clock(client, now_us)
             requests = [
                 ([ExactHit(rng.choice("ab"), rng.randint(0, 8), rng.choice([1, 2, 3]),
-                           rng.choice([0, 1, 1, 2, 3, 5]), rng.choice(ROLES))
-                  for _ in range(rng.randint(1, 4))], rng.random() < 0.8)
+                           amount := rng.choice([0, 1, 1, 2, 3, 5, 9]), rng.choice(ROLES),
+                           amount >= 1 and rng.random() < 0.3)
+                  for _ in range(rng.randint(1, 4))], random_commit(rng))
                 for _ in range(rng.randint(1, 5))
             ]  # fmt: skip
             keys: list[str] = []
@@ -146,7 +170,7 @@ async def test_script_agrees_with_core_as_slices_expire(redis_server, slices: in
                 wants = evaluate(hits, windows, now_us / 1e6, commit)
                 for hit, want in zip(hits, wants, strict=True):
                     result = next(got)
-                    assert counts([result]) == counts([want]), (hits, commit)
+                    assert outcomes([result]) == outcomes([want]), (hits, commit)
                     assert math.isclose(result.reset_after, want.reset_after, abs_tol=3e-6)
                     assert 0 <= result.reset_after <= hit.window_seconds
                     seen["denied"] += not want.admitted
@@ -260,5 +284,46 @@ async def test_fields_of_another_layout_are_dropped_at_the_recount(redis_server)
         (result,) = exact_reply(await client.eval(source, 1, "w:60:old", *args), 0, 1)
         assert (result.admitted, result.before, result.remaining) == (True, 3, 5)
         assert window_slices(await client.hgetall("w:60:old")) == {slice_index: 5}
+    finally:
+        await client.aclose()
+
+
+async def test_the_scripts_counting_rule_is_counts(redis_server) -> None:
+    """Two descriptors, each of every role, fitting or not, a cost or not, under every
+    commit: the script counts a hit exactly when core/exact.py's ``counts`` says (the
+    hit fits and its request goes through, or it is a cost), never on a check-only
+    call, and only costs on a request denied already."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock("exact_window.lua")
+    await set_test_clock(client, 1_700_000_000_000_000)
+    shapes = list(itertools.product(HitRole, (True, False), (True, False)))
+    cases = [
+        (commit, case)
+        for commit in (CHECK, DECIDE, DENIED)
+        for case in itertools.product(shapes, repeat=2)
+    ]
+    try:
+        for number, (commit, case) in enumerate(cases):
+            # A fitting descriptor has room for its 2 hits (limit 5); one over has 4
+            # already (each key starts with 4 hits, counted by a forced call).
+            keys = [f"w:60:count:{number}:{i}" for i in range(len(case))]
+            for key, (_, fits, _) in zip(keys, case, strict=True):
+                if not fits:
+                    await client.eval(source, 1, key, 60, 1, 2, 1, 5, 60_000_000, 4, 0)
+            hits = [ExactHit(key[5:], 5, 60, 2, role, cost)
+                    for key, (role, _, cost) in zip(keys, case, strict=True)]  # fmt: skip
+            args: list[object] = [60, 1]
+            encode(hits, commit, args)
+            results = exact_reply(await client.eval(source, len(keys), *keys, *args), 0, len(hits))
+            assert [r.admitted for r in results] == [fits for _, fits, _ in case]
+            enforce_over = any(role is HitRole.ENFORCE and not fits for role, fits, _ in case)
+            quota = [fits for role, fits, _ in case if role is HitRole.QUOTA]
+            admitted = commit == DECIDE and not denies(enforce_over, bool(quota), any(quota))
+            for key, (_, fits, cost) in zip(keys, case, strict=True):
+                held = 0 if fits else 4
+                counted = commit != CHECK and counts(fits and admitted, cost)
+                in_window = int(await client.hget(key, "sum") or 0)
+                assert in_window == held + (2 if counted else 0), (commit, case)
+        assert len(cases) == 3 * 12 * 12
     finally:
         await client.aclose()

@@ -97,6 +97,33 @@ async def test_a_late_reply_that_denied_the_hit_owes_it(redis_server) -> None:
         await store.close()
 
 
+async def test_a_late_reply_that_denied_a_request_with_a_cost_owes_the_cost_no_more(
+    redis_server,
+) -> None:
+    """Redis, deciding late, denied the request (its full key) and counted its cost, as
+    a cost always counts: the plain hit admitted by failure_mode is owed, the cost not
+    again."""
+    full, budget = ExactHit("f2", 2, 60, 1), ExactHit("c2", 10, 60, 3, cost=True)
+    store = RedisStore(redis_server.url, request_timeout=0.1)
+    try:
+        await store.hit([full], True)
+        await store.hit([full], True)  # the window is full
+        redis_server.pause()
+        with pytest.raises(StoreUnavailable, match="no answer"):
+            await store.hit([full, budget], True, owe=True)  # admitted by failure_mode
+        redis_server.resume()
+
+        async def repaid() -> bool:
+            stats = store.stats()
+            return stats["exact_owed_sent"] == 1 and stats["exact_owed_entries"] == 0
+
+        await eventually_async(repaid, timeout=5, what="the owed hit repaid")
+        look = [ExactHit("f2", 2, 60, 0), ExactHit("c2", 10, 60, 0)]
+        assert [r.before for r in await store.hit(look, False)] == [3, 3]
+    finally:
+        await store.close()
+
+
 def test_owed_hits_are_bounded_and_expire_with_their_window() -> None:
     owed = OwedHits(max_entries=2)
     args = (10, 60_000_000, 1, 0)  # limit, window_us, hits, role

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from ratelimit_service.core.exact import ExactHit
+from ratelimit_service.core.exact import CHECK, DECIDE, DENIED, ExactHit
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.storage.redis_connect import (
     Target,
@@ -80,6 +80,27 @@ async def test_cluster_exact_across_slots(cluster: RedisCluster) -> None:
         # the denied request consumed nothing in any slot
         after = await store.hit([ExactHit(key, 2, 60, 0) for key in keys[1:]], True)
         assert [r.before for r in after] == [1] * 5
+    finally:
+        await store.close()
+
+
+@needs_redis
+async def test_cluster_counts_a_denied_requests_costs_across_slots(cluster: RedisCluster) -> None:
+    """A request over several slots denied by one of them: its plain admissions consume
+    nothing, its costs count in their slots (core/exact.py counts); denied already by a
+    descriptor decided elsewhere (DENIED), only its costs count."""
+    store = RedisStore(cluster.url, request_timeout=1)
+    try:
+        keys = [f"budget\x1e{i}" for i in range(6)]  # spread over several slots
+        await store.hit([ExactHit(keys[0], 1, 60, 1)], True)  # keys[0] is now full
+        hits = [ExactHit(keys[0], 1, 60, 1)]
+        hits += [ExactHit(key, 100, 60, 7, cost=i % 2 == 0) for i, key in enumerate(keys[1:])]
+        denied = await store.hit(hits, DECIDE)
+        assert [r.admitted for r in denied] == [False] + [True] * 5
+        look = [ExactHit(key, 100, 60, 0) for key in keys[1:]]
+        assert [r.before for r in await store.hit(look, CHECK)] == [7, 0, 7, 0, 7]
+        await store.hit(hits[1:], DENIED)
+        assert [r.before for r in await store.hit(look, CHECK)] == [14, 0, 14, 0, 14]
     finally:
         await store.close()
 
