@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import zoneinfo
 from datetime import datetime, timedelta
 
@@ -101,3 +102,18 @@ class CalendarPeriod:
     def until_end(self, now: float) -> float:
         """Seconds from ``now`` to the period's end: when its count starts again."""
         return self.at(now)[1] - now
+
+
+def counted_under(
+    key: str, window_seconds: int, period: CalendarPeriod | None, now: float
+) -> tuple[str, int]:
+    """The store key and window length an exact hit is counted under: the rule's own
+    key and rolling window, or, for a calendar rule, a key of the current period's
+    (``key@start``) with a window as long as the period. A sliding window that long
+    over a key that only holds this period's hits counts every one of them: a fixed
+    window, with no change to the stores or their script; the period before expires
+    with its key."""
+    if period is None:
+        return key, window_seconds
+    start, end = period.at(now)
+    return f"{key}@{int(start)}", math.ceil(end - start)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from ratelimit_service.core.calendar import CalendarPeriod, counted_under
 from ratelimit_service.core.config_model import Mode, RateLimit
 from ratelimit_service.core.exact import ExactHit, HitRole
 from ratelimit_service.core.explain import DescriptorReport, Explanation, RuleState
@@ -52,14 +53,16 @@ async def _exact_counts(
     """Hits in the window of every exact rule matched, by bucket key: one check-only
     call to the store (nothing committed), within EXPLAIN_BUDGET; empty when the store
     does not answer."""
-    checks = {
-        match.bucket_key: ExactHit(
-            match.bucket_key, limit.requests_per_unit, limit.window_seconds, 0, HitRole.SHADOW
-        )
-        for kept in matched
-        for limit, match in kept
-        if limit.mode is Mode.EXACT and not limit.unlimited and limit.requests_per_unit > 0
-    }
+    now = limiter.now()
+    checks: dict[str, ExactHit] = {}
+    for kept in matched:
+        for limit, match in kept:
+            if limit.mode is Mode.EXACT and not limit.unlimited and limit.requests_per_unit > 0:
+                period = CalendarPeriod(limit.unit, limit.calendar) if limit.calendar else None
+                key, window = counted_under(match.bucket_key, limit.window_seconds, period, now)
+                checks[match.bucket_key] = ExactHit(
+                    key, limit.requests_per_unit, window, 0, HitRole.SHADOW
+                )
     if not checks:
         return {}
     deadline = asyncio.get_running_loop().time() + EXPLAIN_BUDGET

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ratelimit_service.core.calendar import CalendarPeriod, counted_under
 from ratelimit_service.core.config_model import (
     DomainConfig,
     FailureMode,
@@ -90,6 +91,7 @@ class _Step:
         "always_counted",
         "bucket_key",
         "burst",
+        "calendar",
         "enforce",
         "exact",
         "fail_open",
@@ -122,6 +124,10 @@ class _Step:
         """Its hits count even when the request is denied (core/exact.py counts): a
         cost. Worked out once here, so a plain admission pays nothing for it."""
         self.exact = limit.mode is Mode.EXACT
+        self.calendar = (
+            CalendarPeriod(limit.unit, limit.calendar) if limit.calendar is not None else None
+        )
+        """A calendar rule's current period (core/calendar.py; its rules are exact)."""
         self.zero = limit.requests_per_unit == 0
         """A limit of 0 denies every hit: decided in the process in every mode, with
         no bucket and no store (so a store that is away cannot turn it into an OK)."""
@@ -155,6 +161,9 @@ class _Plan:
     """Whether some exact step is in quota mode."""
     exact_costs: bool
     """Whether some exact step is a cost (counted even when the request is denied)."""
+    exact_calendar: bool
+    """Whether some exact step counts by the calendar: its store key changes with the
+    period, so the request's exact hits are made per request, not kept here."""
     unlimited: tuple[int, ...]
     unmatched: tuple[int, ...]
     """Descriptors no rule matches (or replaced by another's)."""
@@ -241,8 +250,9 @@ class RateLimiter:
         if exact:
             # Denied already (a probabilistic descriptor): the store only counts costs.
             counting = DECIDE if commit else DENIED if plan.exact_costs else CHECK
-            if quota_met:
-                hits: tuple[ExactHit, ...] | list[ExactHit] = _exact_hits(exact, quota_met)
+            now = self._clock() if plan.exact_calendar else 0.0
+            if quota_met or plan.exact_calendar:
+                hits: tuple[ExactHit, ...] | list[ExactHit] = _exact_hits(exact, quota_met, now)
                 owe = commit and _admitted_on_failure(exact, hits)
             else:
                 hits, owe = plan.exact_hits, commit and plan.exact_owe
@@ -254,8 +264,13 @@ class RateLimiter:
                 results = self._by_failure_mode(exact)
             except StoreOverloaded as exc:
                 results = self._overloaded(exact, hits, taken, exc)
-            self._record_exact(exact, results, statuses)
+            self._record_exact(exact, results, statuses, now)
         return self._finish(statuses, taken)
+
+    def now(self) -> float:
+        """The limiter's clock: what calendar periods and probabilistic buckets are
+        read at."""
+        return self._clock()
 
     def _by_failure_mode(self, exact: tuple[_Step, ...]) -> list[ExactResult]:
         """Each exact step decided by its rule's failure_mode (the store failed)."""
@@ -366,6 +381,7 @@ class RateLimiter:
             exact,
             any(step.role is HitRole.QUOTA for step in exact),
             any(step.always_counted for step in exact),
+            any(step.calendar is not None for step in exact),
             tuple(unlimited),
             tuple(unmatched),
             exact_hits,
@@ -481,10 +497,19 @@ class RateLimiter:
         return not denies(enforce_over, quota_seen, quota_ok or exact_quota), quota_ok
 
     def _record_exact(
-        self, steps: tuple[_Step, ...], results: list[ExactResult], statuses: list[DescriptorStatus]
+        self,
+        steps: tuple[_Step, ...],
+        results: list[ExactResult],
+        statuses: list[DescriptorStatus],
+        now: float,
     ) -> None:
+        """Each exact step's status from its result; a calendar rule's reset is its
+        period's end, when its count starts again (``now``: the clock read for it)."""
         for step, result in zip(steps, results, strict=True):
-            status = DescriptorStatus(_OK, step.limit, result.remaining, result.reset_after)
+            reset = result.reset_after
+            if step.calendar is not None:
+                reset = step.calendar.until_end(now)
+            status = DescriptorStatus(_OK, step.limit, result.remaining, reset)
             self._account(step, result.before, result.admitted, status)
             _put(statuses, step.index, status)
 
@@ -551,20 +576,25 @@ def _left(status: DescriptorStatus) -> int:
     return UINT32_MAX if status.remaining is None else status.remaining
 
 
-def _exact_hits(exact: tuple[_Step, ...], quota_met: bool) -> list[ExactHit]:
+def _exact_hits(exact: tuple[_Step, ...], quota_met: bool, now: float = 0.0) -> list[ExactHit]:
     """``quota_met``: a probabilistic quota descriptor already lets the request
-    through, so exact quota hits can no longer deny it (they still consume)."""
-    return [
-        ExactHit(
-            key=step.bucket_key,
-            limit=step.requests_per_unit,
-            window_seconds=step.window_seconds,
-            hits=step.hits,
-            role=HitRole.SHADOW if quota_met and step.role is HitRole.QUOTA else step.role,
-            cost=step.always_counted,
+    through, so exact quota hits can no longer deny it (they still consume). A
+    calendar step is counted under its period at ``now`` (core/calendar.py
+    counted_under)."""
+    hits = []
+    for step in exact:
+        key, window = counted_under(step.bucket_key, step.window_seconds, step.calendar, now)
+        hits.append(
+            ExactHit(
+                key=key,
+                limit=step.requests_per_unit,
+                window_seconds=window,
+                hits=step.hits,
+                role=HitRole.SHADOW if quota_met and step.role is HitRole.QUOTA else step.role,
+                cost=step.always_counted,
+            )
         )
-        for step in exact
-    ]
+    return hits
 
 
 def _admitted_on_failure(
