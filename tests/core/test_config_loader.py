@@ -1643,3 +1643,53 @@ def test_calendar_errors_name_the_line(rate_limit: str, message: str) -> None:
             rate_limit: {rate_limit}
         """
     assert errors_of(text) == [(NAME, 4, message)]
+
+
+# --------------------------------------------------------------------------- usage
+
+
+def test_usage_names_where_envoy_reads_a_cost() -> None:
+    domain = load_one(
+        """
+        domain: ai
+        descriptors:
+          - key: tenant
+            usage: {from_header: x-tokens}
+            rate_limit: {unit: minute, requests_per_unit: 6000}
+          - key: model
+            usage: {from_metadata: {namespace: io.envoy.ai_gateway, key: llm_total_token}}
+            rate_limit: {unit: minute, requests_per_unit: 6000}
+        """
+    )
+    header = limit_at(domain, ("tenant", "t")).usage
+    metadata = limit_at(domain, ("model", "m")).usage
+    assert header is not None and header.hits_format == "%RESP(x-tokens)%"
+    assert metadata is not None
+    assert metadata.hits_format == "%DYNAMIC_METADATA(io.envoy.ai_gateway:llm_total_token)%"
+
+
+@pytest.mark.parametrize(
+    ("usage", "message"),
+    [
+        ("{from_header: X-Tokens}",
+         "usage from_header 'X-Tokens' is not a header name in lower case (e.g. x-tokens)"),
+        ("{from_header: x-tokens, from_metadata: {namespace: a, key: b}}",
+         "usage takes one of from_header or from_metadata"),
+        ("{from_metadata: {namespace: 'a:b', key: c}}",
+         "usage from_metadata needs a namespace (no ':') and a key"
+         " (e.g. {namespace: io.envoy.ai_gateway, key: llm_total_token})"),
+        ("{from_metadata: {namespace: a}}",
+         "usage from_metadata needs a namespace (no ':') and a key"
+         " (e.g. {namespace: io.envoy.ai_gateway, key: llm_total_token})"),
+        ("{}", "usage takes one of from_header or from_metadata"),
+    ],
+)  # fmt: skip
+def test_usage_errors_name_the_line(usage: str, message: str) -> None:
+    text = f"""
+        domain: d
+        descriptors:
+          - key: k
+            usage: {usage}
+            rate_limit: {{unit: second, requests_per_unit: 1}}
+        """
+    assert errors_of(text) == [(NAME, 4, message)]

@@ -21,7 +21,7 @@ import yaml
 
 from ratelimit_service.cli import envoy_config
 from ratelimit_service.config.files import read_config_files
-from ratelimit_service.core.config_loader import load_config
+from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.testing.envoy import (
     Envoy,
     ServiceProcess,
@@ -424,3 +424,30 @@ def test_envoy_validate_rejects_a_broken_config(envoy_binary: str, tmp_path: Pat
     result = validate(envoy_binary, path)
     assert result.returncode != 0
     assert "unknown cluster 'upstream'" in result.stdout + result.stderr
+
+
+def test_a_usage_rule_is_sent_in_the_two_phase_form_from_the_filter_itself() -> None:
+    """A rule with ``usage``: its descriptors go twice, a check at cost 0 and a report
+    of the response's cost on stream done, on the filter's own rate_limits (Envoy 1.40
+    sends neither field from a route action's); no route-level list is printed."""
+    example = REPO / "config" / "token-budget.yaml.example"
+    snippet = yaml.safe_load(envoy_config.render(str(example)))
+    assert "rate_limits" not in snippet
+    (ratelimit,) = snippet["http_filters"]
+    tenant = [{"request_headers": {"header_name": "x-tenant", "descriptor_key": "tenant"}}]
+    assert ratelimit["typed_config"]["rate_limits"] == [
+        {"actions": tenant, "hits_addend": {"number": "0"}},
+        {"actions": tenant, "hits_addend": {"format": "%RESP(x-tokens)%"},
+         "apply_on_stream_done": True},
+    ]  # fmt: skip
+    metadata = example.read_text().replace(
+        "usage: {from_header: x-tokens}",
+        "usage: {from_metadata: {namespace: io.envoy.ai_gateway, key: llm_total_token}}",
+    )
+    domain = next(iter(load_config([ConfigFile("ai.yaml", metadata)]).domains.values()))
+    entries, _ = envoy_config.route_rate_limits(domain)
+    assert (
+        entries[1].hits_addend.format == "%DYNAMIC_METADATA(io.envoy.ai_gateway:llm_total_token)%"
+    )
+    # A rule without usage keeps the route-level list (config/edge.yaml has none).
+    assert "rate_limits" in yaml.safe_load(envoy_config.render(str(CONFIG_DIR)))

@@ -16,14 +16,19 @@ rule's total_hits), so no request races its predecessor's report.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from ratelimit_service.testing.envoy import Address, Envoy, ServiceProcess, Upstream
+from ratelimit_service.testing.envoy_fixtures import REPO, patient, undecided_calls
 from ratelimit_service.testing.fixtures import ratelimit_command
 from ratelimit_service.testing.redis import RedisServer, free_port
 from ratelimit_service.testing.waiting import eventually
@@ -172,10 +177,10 @@ def sample(url: str, wanted: str) -> float:
     return 0.0
 
 
-def reported(*metrics_urls: str) -> float:
-    """The hits the service replicas were told of for the budget's rule (total_hits:
-    checks add 0, each report its cost, counted or not)."""
-    return sum(sample(url, TOTAL_HITS) for url in metrics_urls)
+def reported(*metrics_urls: str, total: str = TOTAL_HITS) -> float:
+    """The hits the service replicas were told of for the budget's rule (``total``, its
+    total_hits: checks add 0, each report its cost, counted or not)."""
+    return sum(sample(url, total) for url in metrics_urls)
 
 
 def synced_twice(*metrics_urls: str) -> None:
@@ -196,7 +201,9 @@ def metrics_url(service: ServiceProcess) -> str:
     return f"http://127.0.0.1:{service.admin_port}/metrics"
 
 
-def spend(envoy: Envoy, *metrics_urls: str, synced: bool = False) -> list[int]:
+def spend(
+    envoy: Envoy, *metrics_urls: str, synced: bool = False, total: str = TOTAL_HITS
+) -> list[int]:
     """REQUESTS sequential requests of one tenant; after each one admitted, wait until
     the service has its report (a condition, not a sleep), and with ``synced``
     (probabilistic mode) until the fleet has it: the replica that counted it has synced
@@ -209,7 +216,7 @@ def spend(envoy: Envoy, *metrics_urls: str, synced: bool = False) -> list[int]:
         if status == 200:
             spent = COST * statuses.count(200)
             eventually(
-                lambda spent=spent: reported(*metrics_urls) >= spent,  # type: ignore[misc]
+                lambda spent=spent: reported(*metrics_urls, total=total) >= spent,  # type: ignore[misc]
                 timeout=20,
                 what=f"the report of request {len(statuses)} received",
                 context=lambda: envoy.log(40),
@@ -330,3 +337,35 @@ def test_a_token_budget_started_the_go_way(
         statuses = spend(envoy, metrics)
     assert statuses == [200] * admitted + [429] * (REQUESTS - admitted)
     assert_the_service_answered(envoy, denied=REQUESTS - admitted)
+
+
+EXAMPLE = REPO / "config" / "token-budget.yaml.example"
+
+
+def test_the_token_budget_example_through_the_bootstrap_envoy_config_writes(
+    start_envoy: StartEnvoy,
+    spawn_service: SpawnService,
+    costly_upstream: Upstream,
+    redis_server: RedisServer,
+) -> None:
+    """config/token-budget.yaml.example served as it is, and the Envoy bootstrap
+    ``envoy-config --bootstrap`` writes for it (its usage rule sent in the two-phase
+    form, from the route's RateLimitPerRoute): 9 of 20 requests of 700 tokens on 6,000 a
+    minute, and the denials carry the rule's JSON body."""
+    service = spawn_service(EXAMPLE, "--redis-url", redis_server.url)
+    generated = subprocess.run(
+        [sys.executable, "-m", "ratelimit_service", "envoy-config", "--config", str(EXAMPLE),
+         "--bootstrap", "--listen", "127.0.0.1:0", "--admin-address", "127.0.0.1:0",
+         "--service-address", f"127.0.0.1:{service.grpc_port}",
+         "--upstream-address", f"127.0.0.1:{costly_upstream.port}"],
+        capture_output=True, text=True, timeout=60, check=True, cwd=REPO,
+    ).stdout  # fmt: skip
+    envoy = start_envoy(patient(yaml.safe_load(generated)))
+    per_minute = 'ratelimit_service_rate_limit_total_hits_total{key="ai.tenant.tokens_per_minute"}'
+    statuses = spend(envoy, metrics_url(service), total=per_minute)
+    assert statuses == [200] * 9 + [429] * 11, statuses
+    denied = envoy.request("/v1/chat", {"x-tenant": "acme"})
+    assert denied.status == 429
+    assert denied.headers["content-type"] == "application/json"
+    assert json.loads(denied.body)["error"]["code"] == "token_budget"
+    assert undecided_calls(envoy) == 0
