@@ -21,6 +21,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -369,3 +370,42 @@ def test_the_token_budget_example_through_the_bootstrap_envoy_config_writes(
     assert denied.headers["content-type"] == "application/json"
     assert json.loads(denied.body)["error"]["code"] == "token_budget"
     assert undecided_calls(envoy) == 0
+
+
+def test_concurrent_streams_overshoot_by_at_most_one_response_each(
+    start_envoy: StartEnvoy,
+    spawn_service: SpawnService,
+    costly_upstream: Upstream,
+    redis_server: RedisServer,
+    tmp_path: Path,
+) -> None:
+    """Four streams of one tenant at once, each sending until denied, none waiting for
+    its reports: a check passes while the window has room, so each stream can have one
+    response in flight when the budget runs out. Admitted: at least ⌈B/c⌉ and at most
+    one response more per stream (⌈B/c⌉ + 3 measured, docs/configuration.md; + 4 allows
+    for a stream's own report settling after its next check); afterwards the window
+    holds every report."""
+    streams = 4
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "ai.yaml").write_text(RULES.format(mode="exact", unit="minute", budget=BUDGET))
+    service = spawn_service(rules, "--redis-url", redis_server.url)
+    envoy = start_envoy(two_phase_bootstrap([service.address], costly_upstream))
+
+    def stream() -> int:
+        admitted = 0
+        while envoy.request("/v1/chat", {"x-tenant": "acme"}).status == 200:
+            admitted += 1
+        return admitted
+
+    with ThreadPoolExecutor(streams) as pool:
+        admitted = sum(pool.map(lambda _: stream(), range(streams)))
+    assert 9 <= admitted <= 9 + streams, admitted
+    # Every admitted response was charged: the reports reach the service in full.
+    eventually(
+        lambda: reported(metrics_url(service)) >= COST * admitted,
+        timeout=20,
+        what="every report received",
+    )
+    assert reported(metrics_url(service)) == COST * admitted
+    assert_the_service_answered(envoy, denied=streams)
