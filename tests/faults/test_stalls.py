@@ -112,8 +112,9 @@ async def test_scrape_of_a_full_stats_table_does_not_hold_calls(tmp_path: Path) 
 async def test_the_latency_histogram_sees_a_pause_as_the_callers_do(tmp_path: Path) -> None:
     """The service process stopped for 300 ms under 500 calls a second: calls that
     arrived meanwhile waited up to 300 ms for their answer, and the service's latency
-    histogram counts about as many calls past 100 ms as the client saw (their handlers
-    ran quickly once the process was back: timed from there, they would not show)."""
+    histogram counts about as many calls past 100 ms as the client saw, 0.6x to 2x
+    (their handlers ran quickly once the process was back: timed from there, they would
+    not show)."""
     histogram = "ratelimit_server_should_rate_limit_response_time_seconds"
     with service_fleet(1, _rules(tmp_path), None) as (node,):
         before = scrape(node.admin_port)
@@ -131,7 +132,10 @@ async def test_the_latency_histogram_sees_a_pause_as_the_callers_do(tmp_path: Pa
     count = f"{histogram}_count"
     slow_counted = (after[count] - before[count]) - (after[bucket] - before[bucket])
     assert slow_seen >= 50, seen.failures
-    assert 0.6 * slow_seen <= slow_counted <= 1.5 * slow_seen, (slow_seen, slow_counted)
+    # The histogram estimates each call's wait from the rate before the pause
+    # (engine/loop_load.py LoopLag): on a machine busy beside the service the catch-up
+    # after the pause is slower, and calls that came during it count as held too.
+    assert 0.6 * slow_seen <= slow_counted <= 2.0 * slow_seen, (slow_seen, slow_counted)
 
 
 async def _scrape_beside_canary(grpc_port: int, admin_port: int) -> tuple[str, list[float]]:
