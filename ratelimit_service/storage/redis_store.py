@@ -565,6 +565,8 @@ class RedisStore:
                     raw = await asyncio.shield(command)
             except TimeoutError:
                 if not await _answered_late(command):
+                    if gate is not None:
+                        self._watch_silence(command, gate)
                     raise self._timed_out(timeout) from None
                 raw = command.result()
         except StoreUnavailable:  # no answer in time: no verdict on Redis (see _timed_out)
@@ -612,6 +614,20 @@ class RedisStore:
         self.reply_time.observe(loop.time() - started)
         return reply
 
+    def _watch_silence(self, command: asyncio.Future[Any], gate: CircuitBreaker) -> None:
+        """A Cluster call given up at its deadline: if it still has no reply ``silence``
+        seconds on, its node counts as down (a hung or cut-off node; SILENCE), so the
+        calls to its slots fail fast on its breaker instead of each waiting for its
+        deadline. One timer per call given up, only then."""
+
+        def check() -> None:
+            if not command.done():
+                self.silences += 1
+                gate.down(f"no reply for {self.silence:.1f} s")
+                self._follow_topology_soon()
+
+        asyncio.get_running_loop().call_later(self.silence, check)
+
     def _node_gate(self, name: str) -> CircuitBreaker:
         """A Cluster node's own breaker: calls to a node that just failed fail at once
         for a backoff, then one goes through, while the other nodes are called as
@@ -641,7 +657,9 @@ class RedisStore:
             return StoreUnavailable(f"redis: {reason}")
         if not isinstance(exc, ResponseError):
             gate.failure(reason, evidence=True)
-            node._mark_free_connections_for_reconnect_on_error(exc)
+            redial = getattr(node, "_mark_free_connections_for_reconnect_on_error", None)
+            if redial is not None:  # redis-py 8: idle connections dialled on next use
+                redial(exc)
         if isinstance(exc, ResponseError) or all(
             not each.healthy for each in self._node_gates.values()
         ):
