@@ -189,6 +189,8 @@ FOLLOW_EVERY = 0.1
 """Seconds between two looks at a Cluster's slot ranges while a node fails (see
 RedisStore._follow_topology): a promotion is seen within this much of the node that
 answers knowing it."""
+WARM_CONNECTIONS = 4
+"""Connections opened to a promoted master before it gets its slots."""
 FOLLOW_FOR = 2.0
 """Seconds the slot ranges are still looked at after the last failed call on a Cluster
 (an error reply such as CLUSTERDOWN says the topology is changing)."""
@@ -690,7 +692,7 @@ class RedisStore:
             try:
                 async with asyncio.timeout(self.sync_timeout):
                     moved = await self._moved_ranges()
-                    if moved is None or (moved and not self._promote(moved)):
+                    if moved is None or (moved and not await self._promote(moved)):
                         await self._client.nodes_manager.initialize()
                     if moved is None or moved:
                         self._forget_gone_nodes()
@@ -720,15 +722,16 @@ class RedisStore:
                     break
         return moved
 
-    def _promote(self, moved: list[tuple[int, int, str, int]]) -> bool:
+    async def _promote(self, moved: list[tuple[int, int, str, int]]) -> bool:
         """The ranges in ``moved`` given to their new masters in place, when each is a
         failover: the new master serves no other slot (a promoted replica, known to
-        the map or not). Its slots get a new node list, the new master first and the
-        old one as a replica; each slot is assigned (5,461 of them for a third of the
-        slots: a fraction of a millisecond). The whole map's rebuild instead holds
-        this loop about 4 ms (16,384 slots, twice over), one more stall for every
-        call in flight. False, with nothing changed, when a range is no failover
-        (slots migrated to another master): the map is then rebuilt."""
+        the map or not). Each new master is readied first (see _ready_master); then
+        its slots get a new node list, the new master first and the old one as a
+        replica, each slot assigned (5,461 of them for a third of the slots: a
+        fraction of a millisecond). The whole map's rebuild instead holds this loop
+        about 4 ms (16,384 slots, twice over), one more stall for every call in
+        flight. False, with nothing changed, when a range is no failover (slots
+        migrated to another master): the map is then rebuilt."""
         nodes = self._client.nodes_manager
         slots = nodes.slots_cache
         targets = []
@@ -739,11 +742,13 @@ class RedisStore:
                 return False
             if node is not None and node.server_type == PRIMARY:
                 return False  # a master already: slots migrated
-            targets.append((start, end, host, port, owners, node))
-        for start, end, host, port, owners, node in targets:
             if node is None:
-                node = ClusterNode(host, port, PRIMARY, **nodes.connection_kwargs)
+                node = ClusterNode(host, port, REPLICA, **nodes.connection_kwargs)
                 nodes.set_nodes(nodes.nodes_cache, {node.name: node})
+            targets.append((start, end, owners, node))
+        masters = {node.name: node for *_, node in targets}
+        await asyncio.gather(*(self._ready_master(node) for node in masters.values()))
+        for start, end, owners, node in targets:
             old = owners[0]
             old.server_type, node.server_type = REPLICA, PRIMARY
             serving = [node, *(n for n in owners[1:] if n is not node), old]
@@ -752,6 +757,16 @@ class RedisStore:
             if nodes.default_node is old:
                 nodes.default_node = node
         return True
+
+    async def _ready_master(self, node: Any) -> None:
+        """A promoted master readied before it gets its slots: WARM_CONNECTIONS
+        connections opened, and the scripts loaded (a replica never ran them, and
+        SCRIPT LOAD is not replicated). Otherwise the calls in flight when its slots
+        arrive each dial a connection of their own and are refused NOSCRIPT, inside
+        their deadlines."""
+        await asyncio.gather(*(node.execute_command("PING") for _ in range(WARM_CONNECTIONS)))
+        for script in (self._exact, self._sync, self._tier):
+            await node.execute_command("SCRIPT", "LOAD", script.script)
 
     def _forget_gone_nodes(self) -> None:
         """After the slot map changed: the breakers of nodes that serve no slot any

@@ -81,7 +81,8 @@ async def test_cluster_master_killed_under_load(tmp_path: Path, full_coverage: b
     checks = run.live_checks
     assert [at for at, _ in checks if at < run.able_at], checks  # some before the promotion
     if not full_coverage:
-        assert all(decided for _, decided in checks), checks
+        undecided = [at for at, decided in checks if not decided]
+        assert not undecided, (f"{len(checks)} checks, promoted at {run.able_at:.2f}", undecided)
 
 
 async def test_sentinel_master_killed_under_load(tmp_path: Path) -> None:
