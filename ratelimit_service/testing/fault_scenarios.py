@@ -274,7 +274,9 @@ async def cluster_master_killed(directory: Path, full_coverage: bool = True) -> 
                 await eventually_async(promoted, timeout=30, what="a replica promoted")
                 able_at = probe.now() - fault_at
                 recovery = await _until_decides(service, probe, values=12)
-                run = await _finish("Cluster master killed", service, probe, fault_at, recovery)
+                coverage = "yes" if full_coverage else "no"
+                name = f"Cluster master killed, require-full-coverage {coverage}"
+                run = await _finish(name, service, probe, fault_at, recovery)
     finally:
         cluster.stop()
     run.able_at, run.live_checks = able_at, checks.results
