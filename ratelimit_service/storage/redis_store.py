@@ -597,14 +597,15 @@ class RedisStore:
     async def _run_on_node(self, node: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
         """A script call on one Cluster node's own connections, its reply time observed.
 
-        Not through redis-py's RedisCluster.execute_command: on CLUSTERDOWN that sleeps
-        0.25 s and then rebuilds the whole slot map (16,384 slots, about 4 ms of this
-        loop in one piece) once per failing command, so a cluster that reports itself
-        down while a master is away costs a chain of rebuilds that starves every call;
-        on a refused connection it asks for a rebuild that the next command of any node
-        runs. Here a failure is this node's alone (see _node_failed), and the slot map
-        is followed off the request path (see _follow_topology). A redirect (MOVED,
-        ASK: slots migrating) is left to redis-py, which follows it."""
+        Not through redis-py's RedisCluster.execute_command: on CLUSTERDOWN (every
+        node's answer, by default, while a master is flagged failed and not yet
+        replaced) that sleeps 0.25 s and then rebuilds the whole slot map (16,384
+        slots, about 4 ms of this loop in one piece) before it raises, so every call
+        to a live master waits for its deadline; on a refused connection it asks for a
+        rebuild that the next command to any node runs. Here a failure is this node's
+        alone (see _node_failed), and the slot map is followed off the request path
+        (see _follow_topology). A redirect (MOVED, ASK: slots migrating) is left to
+        redis-py, which follows it."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
