@@ -30,8 +30,17 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
 
+from redis.asyncio.cluster import ClusterNode
+from redis.cluster import PRIMARY, REPLICA, get_node_name
 from redis.crc import key_slot
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    MaxConnectionsError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ratelimit_service.core.drop_ratio import SyncResult, capacity
@@ -183,6 +192,15 @@ that no longer owns the slot. A fresh connection may reach the right one."""
 
 MAX_NODE_GATES = 1000
 """Cluster nodes with a breaker of their own, at most (cleared when full)."""
+FOLLOW_EVERY = 0.1
+"""Seconds between two looks at a Cluster's slot ranges while a node fails (see
+RedisStore._follow_topology): a promotion is seen within this much of the node that
+answers knowing it."""
+WARM_CONNECTIONS = 4
+"""Connections opened to a promoted master before it gets its slots."""
+FOLLOW_FOR = 2.0
+"""Seconds the slot ranges are still looked at after the last failed call on a Cluster
+(an error reply such as CLUSTERDOWN says the topology is changing)."""
 REDIAL_EVERY = 0.25
 """Seconds between two drops of redis-py's pool (and log lines) at most."""
 
@@ -258,6 +276,12 @@ class RedisStore:
         self._initialized = not self.cluster
         self._node_gates: dict[str, CircuitBreaker] = {}
         """A Cluster's nodes by name, each with its own breaker (see _node_gate)."""
+        self.node_failures = 0
+        """Calls to a Cluster node that failed while other nodes worked (see
+        _node_failed); the store's breaker counts the others."""
+        self._follower: asyncio.Future[None] | None = None
+        self._follow_until = 0.0
+        self._follows = 0
         self._init_lock = asyncio.Lock()
         self.calls = 0
         self.timeouts = 0
@@ -529,10 +553,12 @@ class RedisStore:
     # -- plumbing ----------------------------------------------------------------
 
     async def _call(self, script: Any, keys: list[str], args: list[Any], timeout: float) -> Any:
-        if not self.breaker.allow():
-            raise StoreUnavailable("redis: circuit open after recent failures")
-        gate = self._node_gate(keys[0]) if self.cluster and keys else None
-        if gate is not None and not gate.allow():
+        node = self._node_for(keys) if self.cluster else None
+        gate = self._node_gate(node.name) if node is not None else None
+        if gate is None:
+            if not self.breaker.allow():
+                raise StoreUnavailable("redis: circuit open after recent failures")
+        elif not gate.allow():  # a Cluster node: its own breaker, and no other
             raise StoreUnavailable(f"redis: {gate.name} failing: circuit open")
         self.calls += 1
         # The command runs as its own task and is shielded from our deadline: when the
@@ -541,7 +567,11 @@ class RedisStore:
         # instead would drop the connection, and the next call would pay a new
         # connection's handshake (several round trips) inside its own deadline: under a
         # slow Redis that spirals into every call timing out.
-        command = asyncio.ensure_future(self._run_timed(script, keys, args))
+        command = asyncio.ensure_future(
+            self._run_timed(script, keys, args)
+            if node is None
+            else self._run_on_node(node, script, keys, args)
+        )
         # Its outcome is collected even if our caller is cancelled meanwhile (gRPC
         # cancels a call past its deadline) and nobody awaits it any more.
         command.add_done_callback(_forget)
@@ -551,40 +581,215 @@ class RedisStore:
                     raw = await asyncio.shield(command)
             except TimeoutError:
                 if not await _answered_late(command):
+                    if gate is not None:
+                        self._watch_silence(command, gate)
                     raise self._timed_out(timeout) from None
                 raw = command.result()
         except StoreUnavailable:  # no answer in time: no verdict on Redis (see _timed_out)
             raise
         except Exception as exc:  # RedisError, OSError, and redis-py's own troubles in a
             # failover (a RuntimeError on a transport it closed): the call failed
-            if gate is not None:
-                gate.failure(describe(exc), evidence=True)
+            if node is not None and gate is not None:
+                raise self._node_failed(node, gate, exc) from exc
             raise self._failed(exc) from exc
         if gate is not None:
             gate.success()
         self._replied()
         return raw
 
-    def _node_gate(self, key: str) -> CircuitBreaker | None:
-        """A Cluster node's own breaker, for the node that serves ``key`` now: calls to
-        a node that just failed fail at once for a backoff, then one goes through,
-        while the other nodes are called as usual. Without it a master that is away
-        until its replica is promoted costs every call to its slots redis-py's whole
-        error path (reconnecting, reloading the slots), and the process saturates."""
+    def _node_for(self, keys: list[str]) -> Any:
+        """The Cluster node that serves ``keys`` in the slot map now, or None (no key,
+        the map not loaded yet, the slot not covered): redis-py's client then routes
+        the call itself."""
+        if not keys or not self._initialized:
+            return None
         try:
-            node = self._client.get_node_from_key(key)
-        except Exception:  # slots not loaded yet, or not covered: no node to gate
+            return self._client.get_node_from_key(keys[0])
+        except Exception:  # slots not loaded, or not covered: no node to call
             return None
-        if node is None:
-            return None
-        gate = self._node_gates.get(node.name)
+
+    async def _run_on_node(self, node: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """A script call on one Cluster node's own connections, its reply time observed.
+
+        Not through redis-py's RedisCluster.execute_command: on CLUSTERDOWN (every
+        node's answer, by default, while a master is flagged failed and not yet
+        replaced) that sleeps 0.25 s and then rebuilds the whole slot map (16,384
+        slots, about 4 ms of this loop in one piece) before it raises, so every call
+        to a live master waits for its deadline; on a refused connection it asks for a
+        rebuild that the next command to any node runs. Here a failure is this node's
+        alone (see _node_failed), and the slot map is followed off the request path
+        (see _follow_topology). A redirect (MOVED, ASK: slots migrating) is left to
+        redis-py, which follows it."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            reply = await node.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:  # a node restarted or promoted without the script: load it
+            reply = await node.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        except AskError:  # MOVED too
+            return await self._run_timed(script, keys, args)
+        self.reply_time.observe(loop.time() - started)
+        return reply
+
+    def _watch_silence(self, command: asyncio.Future[Any], gate: CircuitBreaker) -> None:
+        """A Cluster call given up at its deadline: if it still has no reply ``silence``
+        seconds on, its node counts as down (a hung or cut-off node; SILENCE), so the
+        calls to its slots fail fast on its breaker instead of each waiting for its
+        deadline. One timer per call given up, only then."""
+
+        def check() -> None:
+            if not command.done():
+                self.silences += 1
+                gate.down(f"no reply for {self.silence:.1f} s")
+                self._follow_topology_soon()
+
+        asyncio.get_running_loop().call_later(self.silence, check)
+
+    def _node_gate(self, name: str) -> CircuitBreaker:
+        """A Cluster node's own breaker: calls to a node that just failed fail at once
+        for a backoff, then one goes through, while the other nodes are called as
+        usual. Without it a master that is away until its replica is promoted costs
+        every call to its slots a connection attempt."""
+        gate = self._node_gates.get(name)
         if gate is None:
             if len(self._node_gates) >= MAX_NODE_GATES:
                 self._node_gates.clear()
-            gate = self._node_gates[node.name] = CircuitBreaker(
-                flip_after=1, open_after=1, max_backoff=0.5, name=f"redis node {node.name}"
+            gate = self._node_gates[name] = CircuitBreaker(
+                flip_after=1, open_after=1, max_backoff=0.5, name=f"redis node {name}"
             )
         return gate
+
+    def _node_failed(self, node: Any, gate: CircuitBreaker, exc: BaseException) -> StoreUnavailable:
+        """A call to a Cluster node failed. An error reply (CLUSTERDOWN, TRYAGAIN...)
+        came from a node that is there and answers at once: the call is answered by
+        failure_mode, and the node stays open to calls (it serves again the moment
+        the cluster does). A failed connection is the node's alone: its breaker opens,
+        its idle connections are dialled again on their next use. Either way the slot
+        ranges are followed for a while (a promotion moves them), and the store as a
+        whole counts a failure only when no node it calls works."""
+        reason = describe(exc)
+        self._follow_until = asyncio.get_running_loop().time() + FOLLOW_FOR
+        self._follow_topology_soon()
+        if isinstance(exc, MaxConnectionsError):  # this process's own pool: no verdict
+            return StoreUnavailable(f"redis: {reason}")
+        if not isinstance(exc, ResponseError):
+            gate.failure(reason, evidence=True)
+            redial = getattr(node, "_mark_free_connections_for_reconnect_on_error", None)
+            if redial is not None:  # redis-py 8: idle connections dialled on next use
+                redial(exc)
+        if isinstance(exc, ResponseError) or all(
+            not each.healthy for each in self._node_gates.values()
+        ):
+            self.breaker.failure(reason, evidence=True)
+        else:
+            self.node_failures += 1  # counted here, not by the store's breaker
+        return StoreUnavailable(f"redis: {node.name}: {reason}")
+
+    def _follow_topology_soon(self) -> None:
+        """Start following the slot ranges, unless that is under way already."""
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.ensure_future(self._follow_topology())
+            self._follower.add_done_callback(_forget)
+
+    async def _follow_topology(self) -> None:
+        """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY:
+        the slot ranges as a node that answers sees them (CLUSTER SLOTS, a few
+        hundred bytes), and the slot map changed only when they name another master
+        than the map does: a promoted replica takes its ranges in place (see
+        _promote), anything else rebuilds the map. One look at a time, each within
+        ``sync_timeout``, off the request path; a look that fails is tried again with
+        the next node."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < self._follow_until or any(
+            not gate.healthy for gate in self._node_gates.values()
+        ):
+            await asyncio.sleep(FOLLOW_EVERY)
+            try:
+                async with asyncio.timeout(self.sync_timeout):
+                    moved = await self._moved_ranges()
+                    if moved is None or (moved and not await self._promote(moved)):
+                        await self._client.nodes_manager.initialize()
+                    if moved is None or moved:
+                        self._forget_gone_nodes()
+            except Exception:  # no answer from that node, or no node: next time
+                continue
+
+    async def _moved_ranges(self) -> list[tuple[int, int, str, int]] | None:
+        """The slot ranges (first, last, the master's host and port as announced) for
+        which a node that answers names another master than the slot map does; None
+        when no node is known to answer (the map is then rebuilt from the seeds)."""
+        nodes = self._client.nodes_manager
+        failing = {name for name, gate in self._node_gates.items() if not gate.healthy}
+        asked = [node for node in self._client.get_nodes() if node.name not in failing]
+        if not asked:
+            return None
+        self._follows += 1
+        node = asked[self._follows % len(asked)]
+        moved = []
+        for start, end, primary, *_ in await node.execute_command("CLUSTER SLOTS"):
+            host = primary[0].decode() if isinstance(primary[0], bytes) else primary[0]
+            host, port = host or node.host, int(primary[1])
+            name = get_node_name(*nodes.remap_host_port(host, port))
+            for slot in (start, end):
+                owners = nodes.slots_cache.get(slot)
+                if not owners or owners[0].name != name:
+                    moved.append((start, end, host, port))
+                    break
+        return moved
+
+    async def _promote(self, moved: list[tuple[int, int, str, int]]) -> bool:
+        """The ranges in ``moved`` given to their new masters in place, when each is a
+        failover: the new master serves no other slot (a promoted replica, known to
+        the map or not). Each new master is readied first (see _ready_master); then
+        its slots get a new node list, the new master first and the old one as a
+        replica, each slot assigned (5,461 of them for a third of the slots: a
+        fraction of a millisecond). The whole map's rebuild instead holds this loop
+        about 4 ms (16,384 slots, twice over), one more stall for every call in
+        flight. False, with nothing changed, when a range is no failover (slots
+        migrated to another master): the map is then rebuilt."""
+        nodes = self._client.nodes_manager
+        slots = nodes.slots_cache
+        targets = []
+        for start, end, host, port in moved:
+            owners = slots.get(start)
+            node = nodes.get_node(*nodes.remap_host_port(host, port))
+            if owners is None or slots.get(end) is not owners:
+                return False
+            if node is not None and node.server_type == PRIMARY:
+                return False  # a master already: slots migrated
+            if node is None:
+                node = ClusterNode(host, port, REPLICA, **nodes.connection_kwargs)
+                nodes.set_nodes(nodes.nodes_cache, {node.name: node})
+            targets.append((start, end, owners, node))
+        masters = {node.name: node for *_, node in targets}
+        await asyncio.gather(*(self._ready_master(node) for node in masters.values()))
+        for start, end, owners, node in targets:
+            old = owners[0]
+            old.server_type, node.server_type = REPLICA, PRIMARY
+            serving = [node, *(n for n in owners[1:] if n is not node), old]
+            for slot in range(start, end + 1):
+                slots[slot] = serving
+            if nodes.default_node is old:
+                nodes.default_node = node
+        return True
+
+    async def _ready_master(self, node: Any) -> None:
+        """A promoted master readied before it gets its slots: WARM_CONNECTIONS
+        connections opened, and the scripts loaded (a replica never ran them, and
+        SCRIPT LOAD is not replicated). Otherwise the calls in flight when its slots
+        arrive each dial a connection of their own and are refused NOSCRIPT, inside
+        their deadlines."""
+        await asyncio.gather(*(node.execute_command("PING") for _ in range(WARM_CONNECTIONS)))
+        for script in (self._exact, self._sync, self._tier):
+            await node.execute_command("SCRIPT", "LOAD", script.script)
+
+    def _forget_gone_nodes(self) -> None:
+        """After the slot map changed: the breakers of nodes that serve no slot any
+        more (a dead master whose replica was promoted) are dropped, so the store no
+        longer counts them unavailable."""
+        masters = {node.name for node in self._client.get_primaries()}
+        for name in [name for name in self._node_gates if name not in masters]:
+            del self._node_gates[name]
 
     def _failed(self, exc: BaseException) -> StoreUnavailable:
         """A call failed: a breaker event, and a connection that answered that it is
@@ -722,7 +927,7 @@ class RedisStore:
     def stats(self) -> dict[str, float]:
         return {
             "calls": self.calls,
-            "errors": self.breaker.total_failures,
+            "errors": self.breaker.total_failures + self.node_failures,
             "timeouts": self.timeouts,
             "silences": self.silences,
             "dropped_connections": self.dropped_connections,
@@ -746,6 +951,8 @@ class RedisStore:
 
     async def close(self) -> None:
         self._batcher.close()
+        if self._follower is not None:
+            self._follower.cancel()
         if self._pipe is not None:
             await self._pipe.close()
         await self._client.aclose()

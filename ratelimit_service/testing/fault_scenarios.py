@@ -14,20 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
+from redis.crc import key_slot
 
 from ratelimit_service.testing.envoy import ServiceProcess
 from ratelimit_service.testing.faults import (
     FAULTS_CONFIG,
     Probe,
+    fresh_decided,
+    fresh_key,
     store_decides,
     touch_probabilistic,
 )
 from ratelimit_service.testing.fleet import scrape
 from ratelimit_service.testing.forwarder import Forwarder
-from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup, RedisServer
+from ratelimit_service.testing.redis import (
+    RedisCluster,
+    RedisSentinelSetup,
+    RedisServer,
+    masters_in,
+)
 from ratelimit_service.testing.waiting import eventually_async
 
 CONTROL = 2.0
@@ -57,6 +71,17 @@ class FaultRun:
     log: str
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     """/metrics at moments the scenario names ("during", "later", "end")."""
+    able_at: float = 0.0
+    """Seconds from the fault to the store being able to answer again (seen by the
+    scenario: a promotion), where the scenario records it."""
+    live_checks: list[tuple[float, bool]] = field(default_factory=list)
+    """Checks of the slots a fault leaves served (a Cluster's live masters): seconds
+    since the fault, and whether the store decided (see faults.fresh_decided)."""
+
+    @property
+    def decided_at(self) -> float:
+        """Seconds from the fault to the store deciding again."""
+        return self.able_at + self.recovery
 
     @property
     def control_share(self) -> float:
@@ -214,28 +239,104 @@ async def silent_store(directory: Path, how: str, seconds: float) -> FaultRun:
     return run
 
 
-async def cluster_master_killed(directory: Path) -> FaultRun:
+CHECK_EVERY = 0.1
+"""Seconds between two checks of the slots a fault leaves served."""
+
+
+async def cluster_master_killed(directory: Path, full_coverage: bool = True) -> FaultRun:
     """A Redis Cluster master SIGKILLed; its replica is promoted after the cluster's node
-    timeout (1 s). Recovery counts from the promotion, over values on every node."""
-    cluster = RedisCluster(directory, masters=3, replicas=1, node_timeout_ms=1000)
+    timeout (1 s). Recovery counts from the promotion, over values on every node. From
+    the kill to the end, a fresh value in the live masters' slots is checked every
+    CHECK_EVERY (``live_checks``). ``full_coverage``: the cluster's
+    cluster-require-full-coverage (see testing.redis.RedisCluster)."""
+    cluster = RedisCluster(
+        directory, masters=3, replicas=1, node_timeout_ms=1000, full_coverage=full_coverage
+    )
     cluster.start()
     try:
         killed = cluster.masters()[0]
-        async with _served(directory, cluster.url) as (service, probe):
+        live = [p for p in cluster.masters() if p != killed]
+        dead_slots = cluster.slot_ranges(killed)
+        async with (
+            _served(directory, cluster.url) as (service, probe),
+            aioredis.Redis(port=live[0], decode_responses=True) as watcher,
+        ):
+            checks = _LiveSlots(service.grpc_port, probe, dead_slots)
+            await checks.verify(cluster)
             fault_at = probe.now()
             cluster.kill(killed)
+            async with checks.running(fault_at):
 
-            async def promoted() -> bool:
-                masters = await asyncio.to_thread(cluster.masters)  # redis-cli: off the loop
-                return killed not in masters and len(masters) == 3
+                async def promoted() -> bool:
+                    masters = await _masters_seen(watcher)
+                    return killed not in masters and len(masters) == 3
 
-            await eventually_async(promoted, timeout=30, what="a replica promoted")
-            recovery = await _until_decides(service, probe, values=12)
-            run = await _finish("Cluster master killed", service, probe, fault_at, recovery)
+                await eventually_async(promoted, timeout=30, what="a replica promoted")
+                able_at = probe.now() - fault_at
+                recovery = await _until_decides(service, probe, values=12)
+                coverage = "yes" if full_coverage else "no"
+                name = f"Cluster master killed, require-full-coverage {coverage}"
+                run = await _finish(name, service, probe, fault_at, recovery)
     finally:
         cluster.stop()
+    run.able_at, run.live_checks = able_at, checks.results
     run.log = _log(service)
     return run
+
+
+async def _masters_seen(client: Any) -> list[int]:
+    """The masters a node sees (CLUSTER NODES on the loop: no redis-cli process to
+    spawn every look while the probe runs)."""
+    return masters_in(await client.execute_command("CLUSTER", "NODES"))
+
+
+class _LiveSlots:
+    """Checks, every CHECK_EVERY, that the store decides a fresh value whose slot is
+    not among ``dead_slots``."""
+
+    def __init__(self, port: int, probe: Probe, dead_slots: list[tuple[int, int]]) -> None:
+        self.port, self.probe, self.dead_slots = port, probe, dead_slots
+        self.results: list[tuple[float, bool]] = []
+        self._values = (f"live{n}" for n in itertools.count() if self._live(f"live{n}"))
+
+    def _live(self, value: str) -> bool:
+        slot = key_slot(fresh_key(value).encode())
+        return not any(start <= slot <= end for start, end in self.dead_slots)
+
+    async def verify(self, cluster: RedisCluster) -> None:
+        """Before the fault: a checked value is decided, and its key is where
+        fresh_key says (so the slots checked are the ones the store uses)."""
+        value = next(self._values)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            decided = await fresh_decided(rls_pb2_grpc.RateLimitServiceStub(channel), value)
+        key = fresh_key(value)
+        found = [
+            port
+            for port in await asyncio.to_thread(cluster.masters)
+            if (await asyncio.to_thread(cluster.cli, port, "exists", key)).strip() == "1"
+        ]
+        if not decided or len(found) != 1:
+            raise RuntimeError(f"fresh value {value} not decided or its key not found")
+
+    @contextlib.asynccontextmanager
+    async def running(self, fault_at: float) -> AsyncIterator[None]:
+        """Checks from now until the block ends."""
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(self._run(fault_at, stop))
+        try:
+            yield
+        finally:
+            stop.set()
+            await task
+
+    async def _run(self, fault_at: float, stop: asyncio.Event) -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+            while not stop.is_set():
+                decided = await fresh_decided(stub, next(self._values))
+                self.results.append((round(self.probe.now() - fault_at, 2), decided))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), CHECK_EVERY)
 
 
 async def sentinel_master_killed(directory: Path) -> FaultRun:

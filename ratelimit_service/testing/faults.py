@@ -144,11 +144,26 @@ async def store_decides(port: int, values: int = 1) -> bool:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = rls_pb2_grpc.RateLimitServiceStub(channel)
         for _ in range(values):
-            request = build_request("faults", [f"fresh=f{next(_fresh)}"], 0)
-            admitted = 0
-            for _ in range(FRESH_LIMIT + 3):
-                response = await stub.ShouldRateLimit(request, timeout=1.0)
-                admitted += response.overall_code == rls_pb2.RateLimitResponse.OK
-            if admitted != FRESH_LIMIT:
+            if not await fresh_decided(stub, f"f{next(_fresh)}", FRESH_LIMIT + 3):
                 return False
     return True
+
+
+async def fresh_decided(
+    stub: rls_pb2_grpc.RateLimitServiceStub, value: str, calls: int = FRESH_LIMIT + 1
+) -> bool:
+    """Whether the store decides the ``fresh`` rule's ``value`` (never used before):
+    exactly its limit (5) of ``calls`` calls admitted (failure_mode open admits all)."""
+    request = build_request("faults", [f"fresh={value}"], 0)
+    admitted = 0
+    for _ in range(calls):
+        response = await stub.ShouldRateLimit(request, timeout=1.0)
+        admitted += response.overall_code == rls_pb2.RateLimitResponse.OK
+    return admitted == FRESH_LIMIT
+
+
+def fresh_key(value: str, prefix: str = "rl:") -> str:
+    """The Redis key of the ``fresh`` rule's ``value`` (the store's exact key: prefix,
+    window, the domain's and descriptor's names, the window again; see
+    core.matching.bucket_key)."""
+    return f"{prefix}e:60:faults\x1ffresh\x1e{value}\x1f60"

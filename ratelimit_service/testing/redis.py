@@ -99,15 +99,32 @@ def _cluster_port() -> int:
             return port
 
 
+def masters_in(nodes: str) -> list[int]:
+    """The ports of the masters not flagged failed in a CLUSTER NODES reply."""
+    return [
+        int(line.split()[1].split(":")[1].split("@")[0])
+        for line in nodes.splitlines()
+        if "master" in line.split()[2] and "fail" not in line.split()[2]
+    ]
+
+
 class RedisCluster(_Processes):
     """A Redis Cluster on loopback, built with redis-cli: ``masters`` masters, each with
     ``replicas`` replicas (promoted ``node_timeout_ms`` after their master stops
-    answering)."""
+    answering). ``full_coverage``: cluster-require-full-coverage (Redis's default,
+    yes: every node refuses every slot, CLUSTERDOWN, while a master is flagged failed
+    and not yet replaced)."""
 
     def __init__(
-        self, directory: Path, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 15000
+        self,
+        directory: Path,
+        masters: int = 3,
+        replicas: int = 0,
+        node_timeout_ms: int = 15000,
+        full_coverage: bool = True,
     ) -> None:
         super().__init__()
+        self.full_coverage = full_coverage
         self.ports = [_cluster_port() for _ in range(masters * (1 + replicas))]
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
@@ -119,11 +136,20 @@ class RedisCluster(_Processes):
         for port in self.ports:
             nodes = _cli(port, "cluster", "nodes")
             if nodes:
-                return [
-                    int(line.split()[1].split(":")[1].split("@")[0])
-                    for line in nodes.splitlines()
-                    if "master" in line.split()[2] and "fail" not in line.split()[2]
-                ]
+                return masters_in(nodes)
+        return []
+
+    def cli(self, port: int, *args: str) -> str:
+        """redis-cli on one node: its output."""
+        return _cli(port, *args)
+
+    def slot_ranges(self, port: int) -> list[tuple[int, int]]:
+        """The slot ranges the node on ``port`` serves now (as it sees itself)."""
+        for line in _cli(port, "cluster", "nodes").splitlines():
+            fields = line.split()
+            if "myself" in fields[2]:
+                bounds = [f.split("-") for f in fields[8:] if not f.startswith("[")]
+                return [(int(b[0]), int(b[-1])) for b in bounds]
         return []
 
     def kill(self, port: int) -> None:
@@ -146,6 +172,8 @@ class RedisCluster(_Processes):
                     str(self.node_timeout_ms),
                     "--repl-diskless-sync-delay",
                     "0",
+                    "--cluster-require-full-coverage",
+                    "yes" if self.full_coverage else "no",
                 )
             )
         for port in self.ports:

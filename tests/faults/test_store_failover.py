@@ -21,6 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 RECOVERY = 5.0
 """Seconds from the store being able to answer again to the service deciding by it."""
+PROMOTED_RECOVERY = 1.0
+"""Seconds from a Cluster replica's promotion to the service deciding on every node."""
 MISSED_SHARE = 0.001
 """Calls past their 20 ms deadline, at most, from the fault on, beyond twice the share
 the control missed (a busy machine's own misses are the load's, not the fault's)."""
@@ -62,12 +64,25 @@ async def test_store_that_stops_answering(tmp_path: Path, how: str) -> None:
     assert (end[store_metric("outages")], end[store_metric("recoveries")]) == (1, 1)
 
 
-async def test_cluster_master_killed_under_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("full_coverage", [False, True], ids=["coverage-no", "coverage-yes"])
+async def test_cluster_master_killed_under_load(tmp_path: Path, full_coverage: bool) -> None:
     """Calls to the killed master's slots fail fast on its node's own breaker while
     the other nodes go on deciding; every node decides again once the replica is
-    promoted."""
-    run = await fault_scenarios.cluster_master_killed(tmp_path)
+    promoted, within PROMOTED_RECOVERY of the promotion and RECOVERY of the kill.
+
+    With cluster-require-full-coverage no, the live masters' slots are decided by Redis
+    throughout (checked every 0.1 s from the kill on). With yes (Redis's default) every
+    node refuses every slot (CLUSTERDOWN) from the failed flag to the promotion: those
+    calls are answered by failure_mode, within their deadline like the rest."""
+    run = await fault_scenarios.cluster_master_killed(tmp_path, full_coverage)
     assert_survived(run)
+    assert run.recovery <= PROMOTED_RECOVERY, (run.able_at, run.recovery)
+    assert run.decided_at <= RECOVERY, (run.able_at, run.recovery)
+    checks = run.live_checks
+    assert [at for at, _ in checks if at < run.able_at], checks  # some before the promotion
+    if not full_coverage:
+        undecided = [at for at, decided in checks if not decided]
+        assert not undecided, (f"{len(checks)} checks, promoted at {run.able_at:.2f}", undecided)
 
 
 async def test_sentinel_master_killed_under_load(tmp_path: Path) -> None:
