@@ -35,8 +35,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ratelimit_service.testing.redis import free_port
-
 CHUNK = 65536
 
 
@@ -198,6 +196,9 @@ async def _control(
 
 
 async def _main(listen: int, upstream: int, control: int) -> None:
+    """Serve the forwarder and its control port; once both listen, print their ports on
+    one line (port 0: the system picks one, so no other process can take it between a
+    parent's pick and this bind)."""
     state = _State(upstream)
     server = await asyncio.start_server(
         lambda r, w: _serve_client(r, w, state), "127.0.0.1", listen, reuse_address=True
@@ -205,6 +206,8 @@ async def _main(listen: int, upstream: int, control: int) -> None:
     controller = await asyncio.start_server(
         lambda r, w: _control(r, w, state), "127.0.0.1", control, reuse_address=True
     )
+    ports = [s.sockets[0].getsockname()[1] for s in (server, controller)]
+    print(*ports, flush=True)
     async with server, controller:
         await asyncio.gather(server.serve_forever(), controller.serve_forever())
 
@@ -214,21 +217,22 @@ class Forwarder:
     ``upstream``."""
 
     def __init__(self, upstream: int) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.control_port = free_port()
         self._process = subprocess.Popen(
             [sys.executable, "-m", "ratelimit_service.testing.forwarder",
-             "--listen", str(self.port), "--upstream", str(upstream),
-             "--control", str(self.control_port)]
+             "--listen", "0", "--upstream", str(upstream), "--control", "0"],
+            stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
+        assert self._process.stdout is not None
+        announced = self._process.stdout.readline().split()  # once both ports listen
+        if len(announced) != 2:
+            self._process.kill()
+            raise RuntimeError(f"the forwarder did not start (exit {self._process.wait()})")
+        self.port, self.control_port = int(announced[0]), int(announced[1])
+        self.url = f"redis://127.0.0.1:{self.port}/0"
         self._control: socket.socket | None = None
 
     def _command(self, line: str) -> str:
         if self._control is None:
-            from ratelimit_service.testing.fleet import wait_port
-
-            wait_port(self.control_port)
             self._control = socket.create_connection(("127.0.0.1", self.control_port), timeout=5)
         self._control.sendall(line.encode() + b"\n")
         answer = b""
