@@ -23,6 +23,10 @@ from ratelimit_service.testing.faults import FAULTS_CONFIG, Probe
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 MISSED_SHARE = 0.001
+MISSED_FLOOR = 3
+"""The canary sends about 500 calls during the abuse, so 0.1 % of them is half a call:
+the floor is what a busy 2-core machine's scheduling alone makes the canary miss
+(2 of 527 seen beside a busy-loop); a service stalled by the abuse misses dozens."""
 MAX_REQUEST_BYTES = 4096
 
 
@@ -117,7 +121,10 @@ async def test_abusive_clients_beside_a_canary(tmp_path: Path) -> None:
         during = canary.between(abuse_at)
         share = canary.outcomes(before)["DEADLINE_EXCEEDED"] / len(before)
         missed = canary.outcomes(during)["DEADLINE_EXCEEDED"]
-        assert missed <= max(1, len(during) * (MISSED_SHARE + 2 * share)), (missed, share)
+        assert missed <= max(MISSED_FLOOR, len(during) * (MISSED_SHARE + 2 * share)), (
+            missed,
+            share,
+        )
         url = f"http://127.0.0.1:{service.admin_port}/healthcheck"
         with urllib.request.urlopen(url, timeout=5) as page:
             assert page.status == 200
