@@ -24,7 +24,7 @@ from ratelimit_service.core.config_loader import UNIT_NAMES, ConfigFile, check_c
 from ratelimit_service.core.config_model import DomainConfig, Mode
 from ratelimit_service.core.matching import Match, find_limit, override_stats_key
 from ratelimit_service.core.units import Unit
-from ratelimit_service.testing.fixtures import COMPAT, COMPAT_ENV
+from ratelimit_harness.fixtures import COMPAT, COMPAT_ENV
 
 VALID_UNITS = f"; valid units: {UNIT_NAMES}"
 

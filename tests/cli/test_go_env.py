@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ratelimit_service.cli.go_env import GoSettingError, parse_go_duration, read_go_environment
 from ratelimit_service.cli.main import _go_environment, build_parser
-from ratelimit_service.testing.fixtures import make_request, ratelimit_command, settings_free_env
-from ratelimit_service.testing.redis import RedisServer, free_port
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_harness.fixtures import make_request, ratelimit_command, settings_free_env
+from ratelimit_harness.redis import RedisServer, free_port
+from ratelimit_harness.waiting import eventually
 
 pytestmark = pytest.mark.slow  # starts processes
 

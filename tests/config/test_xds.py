@@ -1,6 +1,6 @@
 """Rules by xDS: XdsConfigSource against a real ADS server (grpc.aio on loopback).
 
-The server (ratelimit_service/testing/xds.py) is a minimal state-of-the-world ADS
+The server (harness/ratelimit_harness/xds.py) is a minimal state-of-the-world ADS
 server that records every request the client sends (the ACKs and NACKs). Configs
 end in a real RateLimiter on the embedded store, and the tests ask it for decisions.
 """
@@ -29,9 +29,9 @@ from ratelimit_service.core.units import Unit
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
-from ratelimit_service.testing.waiting import eventually_async
-from ratelimit_service.testing.xds import TIMEOUT, AdsServer, domain, limit
+from ratelimit_harness.certs import CertPair, make_ca, make_cert
+from ratelimit_harness.waiting import eventually_async
+from ratelimit_harness.xds import TIMEOUT, AdsServer, domain, limit
 
 VALID_UNITS = f"; valid units: {UNIT_NAMES}"
 

@@ -23,7 +23,7 @@ from ratelimit_service.core.zones import ZoneShare
 from ratelimit_service.storage.redis_store import RedisStore, _script, tier_args
 from ratelimit_service.storage.script_replies import tier_reply, zone_read_reply, zone_write_reply
 from ratelimit_service.storage.zoned import write_args
-from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
+from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 
 FORGET_US = 15_000_000
 

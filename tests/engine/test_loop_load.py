@@ -17,7 +17,7 @@ from ratelimit_service.engine.loop_load import (
     Saturation,
     read_schedstat,
 )
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 

@@ -13,7 +13,7 @@ from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.waiting import eventually_async
 
 
 class GatedStore(EmbeddedStore):

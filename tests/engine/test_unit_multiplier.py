@@ -22,7 +22,7 @@ from ratelimit_service.core.units import Unit
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_service.testing.fleet import python_burst, redis_server, service_fleet
+from ratelimit_harness.fleet import python_burst, redis_server, service_fleet
 
 RULES = """\
 domain: d

@@ -26,8 +26,8 @@ from ratelimit_service.engine.stats import Stats
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
-from ratelimit_service.testing.redis import RedisServer
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.redis import RedisServer
+from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.slow  # starts three redis-servers per test
 

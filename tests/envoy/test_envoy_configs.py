@@ -45,7 +45,7 @@ from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, No
 from ratelimit_service.core.matching import find_limit, find_limits
 from ratelimit_service.server.app import HEALTH_NAMES
 from ratelimit_service.server.settings import SETTINGS
-from ratelimit_service.testing.fixtures import REPO
+from ratelimit_harness.fixtures import REPO
 
 HttpFilter = http_connection_manager_pb2.HttpFilter
 Hcm = http_connection_manager_pb2.HttpConnectionManager

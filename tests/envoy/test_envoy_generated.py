@@ -22,7 +22,7 @@ import yaml
 from ratelimit_service.cli import envoy_config
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_loader import ConfigFile, load_config
-from ratelimit_service.testing.envoy import (
+from ratelimit_harness.envoy import (
     Envoy,
     ServiceProcess,
     Upstream,
@@ -30,7 +30,7 @@ from ratelimit_service.testing.envoy import (
     substitute_addresses,
     validate,
 )
-from ratelimit_service.testing.envoy_fixtures import (
+from ratelimit_harness.envoy_fixtures import (
     CONFIG_DIR,
     REPO,
     SHIPPED_BOOTSTRAP,

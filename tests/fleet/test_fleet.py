@@ -17,7 +17,7 @@ import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
 from ratelimit_service.cli.client import build_request
-from ratelimit_service.testing.fleet import (
+from ratelimit_harness.fleet import (
     Node,
     Timeline,
     drive,

@@ -16,11 +16,11 @@ import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service.testing.browser import chromium, dump_dom
-from ratelimit_service.testing.fixtures import RunningService
-from ratelimit_service.testing.fleet import redis_server as fleet_redis
-from ratelimit_service.testing.rlqs_sim import usage_report
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.browser import chromium, dump_dom
+from ratelimit_harness.fixtures import RunningService
+from ratelimit_harness.fleet import redis_server as fleet_redis
+from ratelimit_harness.rlqs_sim import usage_report
+from ratelimit_harness.waiting import eventually_async
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

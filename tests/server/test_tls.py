@@ -17,9 +17,9 @@ from ratelimit_service.cli.client import build_request
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
-from ratelimit_service.testing.redis import free_port
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_harness.certs import CertPair, make_ca, make_cert
+from ratelimit_harness.redis import free_port
+from ratelimit_harness.waiting import eventually
 
 pytestmark = [
     pytest.mark.slow,  # starts processes
@@ -123,7 +123,7 @@ def test_cli_client_over_tls(tmp_path: Path, pki) -> None:
          "--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key)],
     )  # fmt: skip
     try:
-        from ratelimit_service.testing.fleet import wait_healthy
+        from ratelimit_harness.fleet import wait_healthy
 
         wait_healthy(admin)
         result = subprocess.run(

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.testing.fixtures import make_request
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.fixtures import make_request
+from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 

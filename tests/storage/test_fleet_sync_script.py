@@ -22,7 +22,7 @@ from ratelimit_service.storage.script_replies import (
     zone_write_reply,
 )
 from ratelimit_service.storage.zoned import write_args
-from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
+from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 
 BUCKETS = {"a": (1, 100, None), "b": (60, 600, 150), "c": (1, 40, 10)}
 """Per bucket: window (seconds), limit, burst."""

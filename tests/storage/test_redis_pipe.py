@@ -15,8 +15,8 @@ from ratelimit_service.core.exact import ExactHit, ExactResult
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.redis import spawn_redis
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.redis import spawn_redis
+from ratelimit_harness.waiting import eventually_async
 
 pytestmark = [
     pytest.mark.serial,  # timing: run alone, after the parallel part

@@ -20,8 +20,8 @@ from ratelimit_service.storage.redis_connect import (
     parse_target,
 )
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.redis import RedisCluster, RedisSentinelSetup
+from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.slow  # starts processes
 
