@@ -17,10 +17,10 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
+from ratelimit_harness.fleet import redis_server
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_harness.fleet import redis_server
 
 
 async def fill(url: str) -> None:

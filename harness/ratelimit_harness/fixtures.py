@@ -23,10 +23,10 @@ import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from ratelimit_service.server.app import RateLimitService
-from ratelimit_service.server.settings import Settings
 from ratelimit_harness.fleet import redis_server as redis_process
 from ratelimit_harness.redis import RedisServer, free_port
+from ratelimit_service.server.app import RateLimitService
+from ratelimit_service.server.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent.parent
 """The repository (this package is installed in editable mode from it)."""

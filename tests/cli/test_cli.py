@@ -23,9 +23,9 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from ratelimit_service.core.config_loader import UNIT_NAMES
 from ratelimit_harness.fixtures import REPO, free_port, make_request
 from ratelimit_harness.waiting import eventually
+from ratelimit_service.core.config_loader import UNIT_NAMES
 
 pytestmark = pytest.mark.slow  # starts processes
 

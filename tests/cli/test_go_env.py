@@ -18,11 +18,11 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ratelimit_service.cli.go_env import GoSettingError, parse_go_duration, read_go_environment
-from ratelimit_service.cli.main import _go_environment, build_parser
 from ratelimit_harness.fixtures import make_request, ratelimit_command, settings_free_env
 from ratelimit_harness.redis import RedisServer, free_port
 from ratelimit_harness.waiting import eventually
+from ratelimit_service.cli.go_env import GoSettingError, parse_go_duration, read_go_environment
+from ratelimit_service.cli.main import _go_environment, build_parser
 
 pytestmark = pytest.mark.slow  # starts processes
 

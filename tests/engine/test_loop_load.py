@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.engine.loop_load import (
     STALL_AFTER,
@@ -17,7 +18,6 @@ from ratelimit_service.engine.loop_load import (
     Saturation,
     read_schedstat,
 )
-from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 

@@ -8,12 +8,12 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_harness.waiting import eventually_async
 
 
 class GatedStore(EmbeddedStore):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ratelimit_harness.fleet import python_burst, redis_server, service_fleet
 from ratelimit_service.core.config_loader import ConfigFile, check_config, load_config
 from ratelimit_service.core.config_model import RateLimit
 from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
@@ -22,7 +23,6 @@ from ratelimit_service.core.units import Unit
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_harness.fleet import python_burst, redis_server, service_fleet
 
 RULES = """\
 domain: d

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from ratelimit_harness.redis import RedisServer
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport
@@ -26,8 +28,6 @@ from ratelimit_service.engine.stats import Stats
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
-from ratelimit_harness.redis import RedisServer
-from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.slow  # starts three redis-servers per test
 

@@ -38,6 +38,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from validate import validate_pb2
 
+from ratelimit_harness.fixtures import REPO
 from ratelimit_service.cli import envoy_config, envoy_rlqs
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_loader import ConfigFile, load_config
@@ -45,7 +46,6 @@ from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, No
 from ratelimit_service.core.matching import find_limit, find_limits
 from ratelimit_service.server.app import HEALTH_NAMES
 from ratelimit_service.server.settings import SETTINGS
-from ratelimit_harness.fixtures import REPO
 
 HttpFilter = http_connection_manager_pb2.HttpFilter
 Hcm = http_connection_manager_pb2.HttpConnectionManager

@@ -19,9 +19,6 @@ from typing import Any
 import pytest
 import yaml
 
-from ratelimit_service.cli import envoy_config
-from ratelimit_service.config.files import read_config_files
-from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_harness.envoy import (
     Envoy,
     ServiceProcess,
@@ -37,6 +34,9 @@ from ratelimit_harness.envoy_fixtures import (
     patient,
     undecided_calls,
 )
+from ratelimit_service.cli import envoy_config
+from ratelimit_service.config.files import read_config_files
+from ratelimit_service.core.config_loader import ConfigFile, load_config
 
 StartEnvoy = Callable[..., Envoy]
 SpawnService = Callable[..., ServiceProcess]

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
 from ratelimit_harness.envoy import Envoy, ServiceProcess
 from ratelimit_harness.envoy_fixtures import (
     Load,
@@ -26,6 +25,7 @@ from ratelimit_harness.envoy_fixtures import (
     scrape,
 )
 from ratelimit_harness.redis import RedisServer
+from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
 
 REPORT = 5.0
 """Envoy 1.40's report interval, seconds."""

@@ -19,7 +19,6 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ratelimit_service.cli.client import build_request
 from ratelimit_harness.fleet import (
     SHOULD_RATE_LIMIT,
     keyed_load,
@@ -28,6 +27,7 @@ from ratelimit_harness.fleet import (
     service_fleet,
 )
 from ratelimit_harness.waiting import eventually_async
+from ratelimit_service.cli.client import build_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

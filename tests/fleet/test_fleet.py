@@ -16,7 +16,6 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
-from ratelimit_service.cli.client import build_request
 from ratelimit_harness.fleet import (
     Node,
     Timeline,
@@ -24,6 +23,7 @@ from ratelimit_harness.fleet import (
     service_fleet,
     write_config,
 )
+from ratelimit_service.cli.client import build_request
 
 pytestmark = [
     pytest.mark.serial,  # timing: run alone, after the parallel part

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service.server.app import RateLimitService, Settings
 from ratelimit_harness.fixtures import REPO, RunningService
 from ratelimit_harness.redis import free_port
 from ratelimit_harness.waiting import eventually, eventually_async
+from ratelimit_service.server.app import RateLimitService, Settings
 
 pytestmark = pytest.mark.slow  # starts processes
 

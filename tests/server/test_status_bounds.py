@@ -17,11 +17,11 @@ import grpc
 import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 
-from ratelimit_service.cli.client import build_request
-from ratelimit_service.engine.status import TOP
 from ratelimit_harness.fleet import SHOULD_RATE_LIMIT, service_fleet
 from ratelimit_harness.rlqs_sim import usage_report
 from ratelimit_harness.waiting import eventually_async
+from ratelimit_service.cli.client import build_request
+from ratelimit_service.engine.status import TOP
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

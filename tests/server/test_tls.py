@@ -13,13 +13,13 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
+from ratelimit_harness.certs import CertPair, make_ca, make_cert
+from ratelimit_harness.redis import free_port
+from ratelimit_harness.waiting import eventually
 from ratelimit_service.cli.client import build_request
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_harness.certs import CertPair, make_ca, make_cert
-from ratelimit_harness.redis import free_port
-from ratelimit_harness.waiting import eventually
 
 pytestmark = [
     pytest.mark.slow,  # starts processes

@@ -12,9 +12,9 @@ import urllib.request
 import grpc
 import pytest
 
-from ratelimit_service.core.config_model import Mode
 from ratelimit_harness.fixtures import make_request
 from ratelimit_harness.waiting import eventually_async
+from ratelimit_service.core.config_model import Mode
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 

@@ -23,6 +23,8 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.fixtures import window_slices
+from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 from ratelimit_service.core.exact import (
     CHECK,
     DECIDE,
@@ -40,8 +42,6 @@ from ratelimit_service.storage.embedded import EmbeddedStore
 from ratelimit_service.storage.exact_batcher import encode
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.storage.script_replies import exact_reply
-from ratelimit_harness.fixtures import window_slices
-from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 
 WINDOW = 3600
 ROLES = [HitRole.ENFORCE, HitRole.ENFORCE, HitRole.SHADOW, HitRole.QUOTA]

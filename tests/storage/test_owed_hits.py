@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.owed_hits import OwedHits
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.redis import spawn_redis
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import ExactHit, ExactResult
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_harness.redis import spawn_redis
-from ratelimit_harness.waiting import eventually_async
 
 pytestmark = [
     pytest.mark.serial,  # timing: run alone, after the parallel part

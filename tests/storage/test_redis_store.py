@@ -8,13 +8,13 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.fixtures import window_slices
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import ExactHit, HitRole
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.storage import redis_store
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_harness.fixtures import window_slices
-from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from ratelimit_harness.redis import RedisCluster, RedisSentinelSetup
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import CHECK, DECIDE, DENIED, ExactHit
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.storage.redis_connect import (
@@ -20,8 +22,6 @@ from ratelimit_service.storage.redis_connect import (
     parse_target,
 )
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_harness.redis import RedisCluster, RedisSentinelSetup
-from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.slow  # starts processes
 
