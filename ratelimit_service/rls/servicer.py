@@ -22,7 +22,7 @@ from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_
 from ratelimit_service.core.request import Descriptor, InvalidRequest, Request
 from ratelimit_service.core.units import unit_from_wire
 from ratelimit_service.engine.limiter import Overloaded, RateLimiter
-from ratelimit_service.engine.loop_load import LoopLag
+from ratelimit_service.engine.loop_lag import LoopLag
 from ratelimit_service.engine.tracing import Tracing, outcome_attributes
 from ratelimit_service.rls.wire import LimitHeads, RequestCache, encode_response
 

@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -57,7 +57,7 @@ from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.tiers import EXPIRE_PER_CALL, MILLI, Fenced, TierReport, TierTotals
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.core.zones import ZoneKeys
-from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.base import BreakerState, StoreMetrics, StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
 from ratelimit_service.storage.exact_batcher import (
     MAX_PENDING,
@@ -65,6 +65,7 @@ from ratelimit_service.storage.exact_batcher import (
     encode,
     hit_args,
 )
+from ratelimit_service.storage.loop_load import LoopLoad
 from ratelimit_service.storage.redis_connect import connect
 from ratelimit_service.storage.redis_pipe import RedisPipe, supports
 from ratelimit_service.storage.script_replies import exact_reply, sync_reply, tier_reply
@@ -280,6 +281,8 @@ class RedisStore:
         """Calls to a Cluster node that failed while other nodes worked (see
         _node_failed); the store's breaker counts the others."""
         self._follower: asyncio.Future[None] | None = None
+        self._load_sensor: asyncio.Future[None] | None = None
+        """Samples the event loop's load while exact calls are batched by it (start)."""
         self._follow_until = 0.0
         self._follows = 0
         self._init_lock = asyncio.Lock()
@@ -427,7 +430,7 @@ class RedisStore:
 
     # -- reconciler --------------------------------------------------------------
 
-    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+    async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         keys = [self._fleet_key(r.key, r.window_seconds) for r in reports]
         if self.cluster:
             # The node registry lives in its own slot: a heartbeat call of its own, and
@@ -866,7 +869,10 @@ class RedisStore:
         """Open a few connections and load the scripts before traffic, outside any
         request deadline. A Redis that refuses or errs is marked down (the breaker says
         so once) and tried again by the calls that follow; one that is only slow to
-        answer is no evidence of an outage: said once, and left to the request path."""
+        answer is no evidence of an outage: said once, and left to the request path.
+        Starts the event loop's load sensor where exact batching follows it."""
+        if self.wants_saturation and self._load_sensor is None:
+            self._load_sensor = asyncio.ensure_future(LoopLoad(self.loop_saturated).run())
         try:
             async with asyncio.timeout(self.sync_timeout * 2):
                 if not self._initialized:
@@ -905,26 +911,29 @@ class RedisStore:
     def healthy(self) -> bool:
         return self.breaker.healthy
 
-    def sweep(self) -> Iterator[int]:
-        """Redis expires every key itself."""
-        return iter(())
-
     @property
     def wants_saturation(self) -> bool:
-        """Whether loop_saturated does anything: exact calls are batched on a single
+        """Whether exact calls are held while the event loop is saturated: on a single
         server only (a Cluster spreads keys over nodes), and a hold of 0 turns it off."""
         return not self.cluster and self.batch_hold > 0
 
     def loop_saturated(self, saturated: bool) -> None:
         """While the event loop is saturated, exact calls are held to batch requests
         (see exact_batcher and loop_load)."""
-        if self.wants_saturation:
-            self._batcher.set_hold(self.batch_hold if saturated else 0.0)
+        self._batcher.set_hold(self.batch_hold if saturated else 0.0)
 
-    def histograms(self) -> dict[str, Histogram]:
-        return {"reply": self.reply_time}
+    def metrics(self) -> StoreMetrics:
+        breaker = BreakerState(
+            "store",
+            self.breaker.open,
+            self.breaker.healthy,
+            float(self.breaker.total_failures + self.node_failures),
+            float(self.breaker.outages),
+            float(self.breaker.recoveries),
+        )
+        return StoreMetrics("redis", self._figures(), {"reply": self.reply_time}, (breaker,))
 
-    def stats(self) -> dict[str, float]:
+    def _figures(self) -> dict[str, float]:
         return {
             "calls": self.calls,
             "errors": self.breaker.total_failures + self.node_failures,
@@ -951,8 +960,9 @@ class RedisStore:
 
     async def close(self) -> None:
         self._batcher.close()
-        if self._follower is not None:
-            self._follower.cancel()
+        for task in (self._follower, self._load_sensor):
+            if task is not None:
+                task.cancel()
         if self._pipe is not None:
             await self._pipe.close()
         await self._client.aclose()
