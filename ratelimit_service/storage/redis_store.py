@@ -896,7 +896,7 @@ class RedisStore:
 
     async def _initialize(self) -> None:
         """Discover the cluster once, before concurrent use: redis-py's lazy discovery
-        races when several first commands start together (seen with redis-py 8.1)."""
+        races when several first commands start together."""
         async with self._init_lock:
             if not self._initialized:
                 await self._client.initialize()
