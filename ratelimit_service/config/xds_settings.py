@@ -2,7 +2,8 @@
 
 The defaults are the Go service's (CONFIG_GRPC_XDS_* and XDS_CLIENT_*), so a
 deployment written for envoyproxy/ratelimit, Envoy Gateway's in particular, behaves
-the same: node id ``default``, backoff from 10 s to 60 s with a random factor of 0.5.
+the same: those with a flag are the --xds-* flags' (core/settings_table.py), the
+backoff's random factor is 0.5.
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-DEFAULT_MAX_MESSAGE_SIZE = 4 * 1024 * 1024
-"""gRPC's own default; a large Envoy Gateway install may need more (every config of
-every route comes in one response)."""
+from ratelimit_service.core.settings_table import default
+
+GO_SERVER_URL = "localhost:18000"
+"""The Go service's CONFIG_GRPC_XDS_SERVER_URL when unset."""
 
 
 @dataclass(frozen=True)
 class XdsSettings:
-    server_url: str = "localhost:18000"
+    server_url: str = GO_SERVER_URL
     """host:port of the ADS server (CONFIG_GRPC_XDS_SERVER_URL)."""
-    node_id: str = "default"
+    node_id: str = default("--xds-node-id")
     node_metadata: Mapping[str, str] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
     """Metadata sent on the stream (CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS)."""
@@ -31,11 +33,11 @@ class XdsSettings:
     """CA bundle the server's certificate must chain to; None: the system roots."""
     server_san: str | None = None
     """The name to check the server's certificate for, when it is not server_url's host."""
-    backoff_initial: float = 10.0
-    backoff_max: float = 60.0
+    backoff_initial: float = default("--xds-backoff-initial")
+    backoff_max: float = default("--xds-backoff-max")
     backoff_random_factor: float = 0.5
     backoff_jitter: bool = True
-    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    max_message_size: int = default("--xds-max-message-size")
     keepalive_time: float = 300.0
     """Seconds between HTTP/2 pings on a quiet stream, so a server that vanished without
     closing the connection (a node lost, a partition) is noticed and the client
