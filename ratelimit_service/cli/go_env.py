@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
-from ratelimit_service.config.xds_settings import GO_SERVER_URL
+from ratelimit_service.config.xds_settings import GO_SERVER_URL, MIN_MESSAGE_SIZE
 from ratelimit_service.core.address import split_host_port
 from ratelimit_service.core.settings_table import SETTINGS, Setting, not_negative
 
@@ -506,12 +506,14 @@ def _xds(r: _Reader) -> None:
     for setting in SETTINGS:
         if setting.go and setting.flag.startswith("--xds-"):
             _read(r, setting)
-    # Its own bound: the xDS client refuses a limit below 1 KiB (config/xds_settings.py).
+    # Read with the xDS client's own bound (config/xds_settings.py), not --xds-max-message-size's.
     size = r.text("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
     if size:
-        if not size.isdigit() or int(size) < 1024:
+        if not size.isdigit() or int(size) < MIN_MESSAGE_SIZE:
             raise GoSettingError(
-                "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", size, "expected a whole number, 1024 or more"
+                "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES",
+                size,
+                f"expected a whole number, {MIN_MESSAGE_SIZE} or more",
             )
         r.set("--xds-max-message-size", size, "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
 

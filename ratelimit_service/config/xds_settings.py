@@ -16,6 +16,8 @@ from ratelimit_service.core.settings_table import default
 
 GO_SERVER_URL = "localhost:18000"
 """The Go service's CONFIG_GRPC_XDS_SERVER_URL when unset."""
+MIN_MESSAGE_SIZE = 1024
+"""The smallest ``max_message_size`` taken: below it no response would fit."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class XdsSettings:
             raise ValueError("xDS backoff needs 0 < backoff_initial <= backoff_max")
         if not 0 <= self.backoff_random_factor < 1:
             raise ValueError("xDS backoff_random_factor must be in [0, 1)")
-        if self.max_message_size < 1024:
+        if self.max_message_size < MIN_MESSAGE_SIZE:
             raise ValueError("xDS max_message_size is below 1 KiB")
         if self.keepalive_time <= 0 or self.keepalive_timeout <= 0:
             raise ValueError("xDS keepalive_time and keepalive_timeout must be positive")

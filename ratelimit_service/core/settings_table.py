@@ -179,17 +179,21 @@ class Setting:
 
     @property
     def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
+        return _dest(self.flag)
 
     @property
     def env(self) -> str:
         return env_name(self.flag)
 
 
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
 def env_name(flag: str) -> str:
     """The environment variable of a flag, any command's: ``--redis-url`` is
     ``RATELIMIT_REDIS_URL``."""
-    return "RATELIMIT_" + flag.lstrip("-").replace("-", "_").upper()
+    return "RATELIMIT_" + _dest(flag).upper()
 
 
 def _none_if_empty(value: Any) -> Any:
