@@ -32,18 +32,17 @@ NOT_FLAGS = {"xds", "header_names", "shutdown_grace"}
 header names, and the grace after draining (fixed)."""
 
 
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("RATELIMIT_"):
-            monkeypatch.delenv(name)
+@pytest.fixture(autouse=True)
+def _no_ratelimit_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each flag's default is the declared one, not a RATELIMIT_* variable's."""
+    for name in [n for n in os.environ if n.startswith("RATELIMIT_")]:
+        monkeypatch.delenv(name)
 
 
-def _command(name: str) -> argparse.ArgumentParser:
-    parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    command: argparse.ArgumentParser = commands.choices[name]
-    return command
+def _serve() -> argparse.ArgumentParser:
+    commands = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    serve: argparse.ArgumentParser = commands.choices["serve"]
+    return serve
 
 
 def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
@@ -58,16 +57,14 @@ def test_every_settings_field_is_filled_by_one_flag() -> None:
     assert sorted(set(fills) - fields) == []
 
 
-@pytest.mark.usefixtures("clean_env")
 def test_serve_with_no_flag_gives_the_declared_defaults() -> None:
     args = build_parser().parse_args(["serve", "--config", "config/"])
     settings = settings_from(args)
     assert settings == dataclasses.replace(Settings(), config_path="config/")
 
 
-@pytest.mark.usefixtures("clean_env")
 def test_serve_flags_take_default_help_and_choices_from_the_table() -> None:
-    serve = _command("serve")
+    serve = _serve()
     for setting in SETTINGS:
         action = _action(serve, setting.flag)
         if setting.hidden:
@@ -82,7 +79,6 @@ def test_serve_flags_take_default_help_and_choices_from_the_table() -> None:
         assert action.choices == (None if setting.choices is None else list(setting.choices))
 
 
-@pytest.mark.usefixtures("clean_env")
 def test_serve_flags_parse_with_the_declared_parser() -> None:
     """A value on the command line is the declaration's parser's: a URL normalized, a
     bad number refused with the parser's message."""
@@ -92,7 +88,6 @@ def test_serve_flags_parse_with_the_declared_parser() -> None:
         build_parser().parse_args(["serve", "--near-limit-ratio", "2"])
 
 
-@pytest.mark.usefixtures("clean_env")
 def test_envoy_config_flags_default_to_the_renderers_options() -> None:
     args = build_parser().parse_args(["envoy-config", "--config", "x"])
     assert (args.domain, args.cluster, args.timeout) == (
@@ -138,7 +133,7 @@ def test_docs_settings_table_is_the_declared_one() -> None:
 
 @pytest.mark.parametrize("flag", ["--redis-timeout", "--drain-timeout", "--mode"])
 def test_help_shows_the_declared_default(flag: str) -> None:
-    action = _action(_command("serve"), flag)
+    action = _action(_serve(), flag)
     assert action.help is not None
     assert f"default: {BY_FLAG[flag].default}" in action.help
 
