@@ -15,7 +15,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from ratelimit_service.cli.main import build_parser
+from ratelimit_service.cli.parser import build_parser
 from ratelimit_service.testing.fixtures import REPO
 
 SKIPPED_DIRS = {".git", ".venv", "node_modules", "bench/out"}

@@ -23,7 +23,6 @@ from ratelimit_service.core.config_model import (
     RateLimitConfig,
 )
 from ratelimit_service.core.decision import (
-    NEAR_LIMIT_RATIO,
     drop_replaced,
     hits_for,
     near_hits,
@@ -61,6 +60,7 @@ from ratelimit_service.core.request import (
     Response,
     validate,
 )
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.units import Unit
 from ratelimit_service.engine.stats import RuleStats, Stats
 from ratelimit_service.storage.base import Store, StoreOverloaded, StoreUnavailable
@@ -186,12 +186,12 @@ class RateLimiter:
         stats: Stats | None = None,
         local: LocalBuckets | None = None,
         bounds: RequestBounds | None = None,
-        default_mode: Mode = Mode.PROBABILISTIC,
-        global_shadow: bool = False,
-        near_ratio: float = NEAR_LIMIT_RATIO,
+        default_mode: Mode = default("--mode"),
+        global_shadow: bool = default("--shadow-mode"),
+        near_ratio: float = default("--near-limit-ratio"),
         clock: Callable[[], float] = time.time,
         draw: Callable[[], float] | None = None,
-        count_denied_costs: bool = True,
+        count_denied_costs: bool = default("--count-denied-costs"),
     ) -> None:
         """``draw``: numbers in [0, 1) to compare with drop ratios. None (the default):
         each bucket's own evenly spread sequence (ProbabilisticBucket.next_draw), which

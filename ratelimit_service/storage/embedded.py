@@ -22,6 +22,7 @@ from ratelimit_service.core.drop_ratio import (
 from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.lru import LruMap
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.tiers import (
     Fenced,
     TierReport,
@@ -79,7 +80,7 @@ class EmbeddedStore:
     def __init__(
         self,
         *,
-        max_keys: int = 100_000,
+        max_keys: int = default("--max-buckets"),
         slices: int = DEFAULT_SLICES,
         clock: Callable[[], float] = time.time,
     ) -> None:

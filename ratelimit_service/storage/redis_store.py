@@ -54,13 +54,13 @@ from ratelimit_service.core.exact import (
 )
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.tiers import EXPIRE_PER_CALL, MILLI, Fenced, TierReport, TierTotals
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.core.zones import ZoneKeys
 from ratelimit_service.storage.base import BreakerState, StoreMetrics, StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
 from ratelimit_service.storage.exact_batcher import (
-    MAX_PENDING,
     ExactBatcher,
     encode,
     hit_args,
@@ -79,8 +79,6 @@ CALL_CHUNK = 256
 """Items per script call of a batched store call: the store itself splits every batch
 (a sync's buckets, a publish's counters, a zone's write-back) into calls of at most
 this many, so each Lua call is short and Redis stays responsive."""
-PREFIX = "rl:"
-"""What every key starts with, by default (--redis-key-prefix)."""
 
 
 def sync_args(
@@ -149,12 +147,6 @@ deadline gets to finish before it is given up: a reply that came while the loop 
 busy elsewhere needs a poll to be read and a turn or two for redis-py's task to parse
 it (redis-py's sockets are not ours to read directly, as the request path's pipe is).
 Turns, not milliseconds: the answer must still reach the caller within its deadline."""
-REQUEST_TIMEOUT = 1.0
-"""Seconds an exact decision waits for Redis at most, by default: the bound for a
-caller that sets no deadline (Envoy's filter sets one: 20 ms by default)."""
-SILENCE = 1.0
-"""Seconds with calls outstanding and no byte from Redis, by default, after which
-Redis counts as down (the connection is dropped and the breaker opens)."""
 
 
 async def _answered_late(command: asyncio.Future[Any]) -> bool:
@@ -240,16 +232,16 @@ class RedisStore:
         self,
         url: str,
         *,
-        request_timeout: float = REQUEST_TIMEOUT,
-        silence: float = SILENCE,
+        request_timeout: float = default("--redis-timeout"),
+        silence: float = default("--redis-silence"),
         sync_timeout: float = 1.0,
         connect_timeout: float = 0.5,
-        prefix: str = PREFIX,
+        prefix: str = default("--redis-key-prefix"),
         slices: int = DEFAULT_SLICES,
         node_ttl: float = 5.0,
-        max_connections: int = 64,
-        batch_hold: float = 0.001,
-        max_pending: int = MAX_PENDING,
+        max_connections: int = default("--redis-pool-size"),
+        batch_hold: float = default("--exact-batch-hold"),
+        max_pending: int = default("--exact-max-pending"),
         zone_keys: ZoneKeys | None = None,
     ) -> None:
         self.url = url
@@ -294,7 +286,7 @@ class RedisStore:
         self._redialed_at = -REDIAL_EVERY
         self._redial_said = False
         self.silences = 0
-        """Times Redis was found silent (see SILENCE)."""
+        """Times Redis was found silent (see --redis-silence)."""
         self.reply_time = Histogram()
         """Seconds from writing a call to reading its reply, as this process saw them."""
         self._last_reply = 0.0
@@ -636,7 +628,7 @@ class RedisStore:
 
     def _watch_silence(self, command: asyncio.Future[Any], gate: CircuitBreaker) -> None:
         """A Cluster call given up at its deadline: if it still has no reply ``silence``
-        seconds on, its node counts as down (a hung or cut-off node; SILENCE), so the
+        seconds on, its node counts as down (a hung or cut-off node; --redis-silence), so the
         calls to its slots fail fast on its breaker instead of each waiting for its
         deadline. One timer per call given up, only then."""
 

@@ -21,6 +21,7 @@ from typing import Any
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.exact import ExactHit, ExactResult
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.tiers import Fenced, TierReport, TierTotals
 from ratelimit_service.core.zones import (
     ZONE_FORGET_AFTER,
@@ -31,7 +32,7 @@ from ratelimit_service.core.zones import (
     ZoneTotals,
 )
 from ratelimit_service.storage.base import StoreMetrics
-from ratelimit_service.storage.redis_store import CALL_CHUNK, PREFIX, RedisStore, _script
+from ratelimit_service.storage.redis_store import CALL_CHUNK, RedisStore, _script
 from ratelimit_service.storage.script_replies import (
     lease_reply,
     zone_read_fleet_reply,
@@ -67,7 +68,7 @@ class ZoneRedisStore(RedisStore):
     by the deadline (the event loop's time) or timeout it is given."""
 
     def __init__(self, url: str, zone: str, **options: Any) -> None:
-        keys = ZoneKeys.of(options.get("prefix", PREFIX), zone)
+        keys = ZoneKeys.of(options.get("prefix", default("--redis-key-prefix")), zone)
         super().__init__(url, zone_keys=keys, **options)
         if self.cluster:
             raise ValueError("a zone store must be one Redis (or Sentinel), not Cluster")

@@ -13,7 +13,7 @@ import redis
 
 from ratelimit_service.core.exact import CHECK, DECIDE, DENIED, ExactHit
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.storage.redis_connect import (
+from ratelimit_service.core.redis_url import (
     Target,
     Topology,
     normalize_url,
