@@ -11,8 +11,7 @@ from typing import Any
 from ratelimit_service.core.config_model import RateLimit
 from ratelimit_service.core.exact import HitRole, denies
 from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus, Request
-
-NEAR_LIMIT_RATIO = 0.8
+from ratelimit_service.core.settings_table import default
 
 _OK = Code.OK
 _OVER = Code.OVER_LIMIT
@@ -40,7 +39,7 @@ def drop_replaced(limits: list[RateLimit | None]) -> None:
             limits[index] = None
 
 
-def near_threshold(limit: int, ratio: float = NEAR_LIMIT_RATIO) -> int:
+def near_threshold(limit: int, ratio: float = default("--near-limit-ratio")) -> int:
     """Hits in the window past which admitted hits count as near the limit (80 % by
     default, as envoyproxy/ratelimit counts them, and its NEAR_LIMIT_RATIO otherwise;
     denied hits are all over the limit)."""

@@ -7,30 +7,22 @@ descriptor over) the last quota one; otherwise the one with the smallest remaini
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ratelimit_service.core.config_model import HeaderStyle
 from ratelimit_service.core.decision import deciding_status, rule_name
 from ratelimit_service.core.request import DescriptorStatus
-
-
-class HeaderStyle(enum.Enum):
-    OFF = "off"
-    RATELIMIT = "ratelimit"
-    """``RateLimit-Limit`` / ``-Remaining`` / ``-Reset`` (names configurable), as the Go service."""
-    DRAFT03 = "draft03"
-    """``X-RateLimit-*`` of draft-ietf-httpapi-ratelimit-headers-03, as Envoy's own
-    ``enable_x_ratelimit_headers: DRAFT_VERSION_03`` writes them (limit with ``;w=``)."""
+from ratelimit_service.core.settings_table import default
 
 
 @dataclass(frozen=True, slots=True)
 class HeaderNames:
-    limit: str = "RateLimit-Limit"
-    remaining: str = "RateLimit-Remaining"
-    reset: str = "RateLimit-Reset"
-    rule: str = ""
+    limit: str = default("--header-limit")
+    remaining: str = default("--header-remaining")
+    reset: str = default("--header-reset")
+    rule: str = default("--header-rule")
     """A header naming the deciding rule (its name, else its stats key); empty: none.
     Independent of the style: it may be the only header sent."""
 

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.units import Unit
 
 UINT32_MAX = 2**32 - 1
@@ -66,8 +67,8 @@ class InvalidRequest(ValueError):
 class RequestBounds:
     """Limits on what one request may carry, so a bad client cannot cost unbounded work."""
 
-    max_descriptors: int = 64
-    max_entries: int = 32
+    max_descriptors: int = default("--max-descriptors")
+    max_entries: int = default("--max-entries")
     max_text_length: int = 1024
 
 

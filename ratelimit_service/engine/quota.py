@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from ratelimit_service.core.config_model import RateLimit, RateLimitConfig
 from ratelimit_service.core.matching import Match, bucket_entries, find_limits
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.shares import (
     Split,
     TokenBucket,
@@ -73,8 +74,6 @@ abandon the bucket (it subscribes again with its next request)."""
 FORGET_AFTER = 3 * REPORT_INTERVAL
 """Seconds after which an instance that stopped reporting a bucket no longer takes a
 share of it."""
-PUBLISH_INTERVAL = 1.0
-"""Seconds between two publishes of a replica's totals (``--rlqs-publish-interval``)."""
 MIN_ELAPSED = 0.5
 """A report sooner than this after the previous one measures no demand (Envoy's first
 report of a bucket comes at once, then the periodic ones)."""
@@ -237,7 +236,7 @@ class QuotaCoordinator:
         stats: Stats,
         store: Store,
         *,
-        interval: float = PUBLISH_INTERVAL,
+        interval: float = default("--rlqs-publish-interval"),
         member: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,

@@ -111,11 +111,12 @@ def store_metrics(store: Store, beside: Mapping[str, float] | None = None) -> It
     family = GaugeMetricFamily("ratelimit_store", "Store state", labels=["store", "name"])
     # A store whose figures say "healthy" already (Redis; with --zone, the global store)
     # keeps its own: one sample per name, or Prometheus drops the second of the scrape.
-    figures = {"healthy": 1.0 if store.healthy() else 0.0, **store.stats(), **(beside or {})}
+    metrics = store.metrics()
+    figures = {"healthy": 1.0 if store.healthy() else 0.0, **metrics.figures, **(beside or {})}
     for name, value in figures.items():
-        family.add_metric([store.name, name], value)
+        family.add_metric([metrics.name, name], value)
     yield family
-    for name, histogram in store.histograms().items():
+    for name, histogram in metrics.histograms.items():
         yield histogram_family(
             f"ratelimit_store_{name}_seconds",
             f"Store {name} time as this process saw it (from writing a call to reading"

@@ -535,31 +535,24 @@ def _service(stats: Stats, reference: Sample | None, sample: Sample) -> Json:
     }
 
 
-BREAKERS = {"": "store", "zone_store_": "zone store"}
-"""The prefixes under which a store's figures hold a circuit breaker's (Redis's, and
-with --zone the zone's own Redis beside the global one)."""
-
-
 def _store(store: Store) -> Json:
-    figures = store.stats()
-    breakers = []
-    for prefix, name in BREAKERS.items():
-        if f"{prefix}circuit_open" in figures:
-            breakers.append(
-                {
-                    "name": name,
-                    "open": bool(figures[f"{prefix}circuit_open"]),
-                    "healthy": bool(figures.get(f"{prefix}healthy", 1.0)),
-                    "errors": figures.get(f"{prefix}errors"),
-                    "outages": figures.get(f"{prefix}outages"),
-                    "recoveries": figures.get(f"{prefix}recoveries"),
-                }
-            )
+    metrics = store.metrics()
+    breakers = [
+        {
+            "name": breaker.name,
+            "open": breaker.open,
+            "healthy": breaker.healthy,
+            "errors": breaker.errors,
+            "outages": breaker.outages,
+            "recoveries": breaker.recoveries,
+        }
+        for breaker in metrics.breakers
+    ]
     return {
-        "name": store.name,
+        "name": metrics.name,
         "healthy": store.healthy(),
         "breakers": breakers,
-        "figures": {name: _num(value) for name, value in sorted(figures.items())},
+        "figures": {name: _num(value) for name, value in sorted(metrics.figures.items())},
     }
 
 

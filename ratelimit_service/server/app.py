@@ -63,7 +63,7 @@ from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.engine.background import BackgroundTask
 from ratelimit_service.engine.limiter import RateLimiter
-from ratelimit_service.engine.loop_load import LoopLag, LoopLoad
+from ratelimit_service.engine.loop_lag import LoopLag
 from ratelimit_service.engine.quota import FORGET_AFTER, QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.state_metrics import (
@@ -257,6 +257,8 @@ class RateLimitService:
         if store is None:
             store, self.zone_aggregator = make_store(settings)
         self.store = store
+        self.store_name = store.metrics().name
+        """The store's kind (embedded, redis, zoned), for logs, spans and the health page."""
         self.local = LocalBuckets(
             max_buckets=settings.max_buckets,
             # Never stale between two normal syncs, whatever the flags say.
@@ -276,7 +278,7 @@ class RateLimitService:
             count_denied_costs=settings.count_denied_costs,
         )
         if self.tracing is not None:
-            self.limiter.hit_store = self.tracing.traced_hit(self.store.hit, self.store.name)
+            self.limiter.hit_store = self.tracing.traced_hit(self.store.hit, self.store_name)
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
         self.quota = QuotaCoordinator(
             lambda: self.limiter.config,
@@ -299,14 +301,9 @@ class RateLimitService:
                 stats=self.stats,
                 interval=settings.watch_interval or 1.0,
             )
-        # Exact batching on Redis follows the event loop's load (see loop_load).
-        self._loop_load_task: BackgroundTask | None = None
         self.loop_lag = LoopLag(calls=lambda: self.stats.total_requests)
         self._loop_lag_task = BackgroundTask("loop-lag", self.loop_lag.run)
         self.tenuring = Tenuring()
-        if self.store.wants_saturation:
-            sensor = LoopLoad(self.store.loop_saturated)
-            self._loop_load_task = BackgroundTask("loop-load", sensor.run)
         self.health = health.aio.HealthServicer()
         self.status = StatusBoard(
             StatusSources(
@@ -411,8 +408,6 @@ class RateLimitService:
             self.zone_aggregator.start()
         self.reconciler.start()
         self.quota.start()
-        if self._loop_load_task is not None:
-            self._loop_load_task.start()
         self._loop_lag_task.start()
         if self.watcher is not None and self.settings.watch_interval > 0:
             self.watcher.start()
@@ -428,7 +423,7 @@ class RateLimitService:
             f"{self.settings.admin_addr} (port {self.admin.port})"
             if self.settings.admin_addr
             else "(off)",
-            self.store.name,
+            self.store_name,
             self.settings.mode.value,
             ",".join(sorted(self.limiter.config.domains)) or "(none)",
         )
@@ -513,8 +508,6 @@ class RateLimitService:
             await self._server.stop(self.settings.shutdown_grace)
         await self.reconciler.stop()
         await self.quota.stop()
-        if self._loop_load_task is not None:
-            await self._loop_load_task.stop()
         await self._loop_lag_task.stop()
         if self.watcher is not None:
             await self.watcher.stop()
@@ -637,7 +630,7 @@ class RateLimitService:
 
     def _healthcheck_page(self) -> tuple[int, str, bytes]:
         store = "healthy" if self.store.healthy() else "unavailable (rules use failure_mode)"
-        detail = f"store: {self.store.name} {store}\n".encode()
+        detail = f"store: {self.store_name} {store}\n".encode()
         if self.healthy():
             return 200, "text/plain", b"OK\n" + detail
         return 503, "text/plain", b"NOT SERVING\n" + detail

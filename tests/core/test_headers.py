@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.config_model import HeaderStyle, RateLimit
 from ratelimit_service.core.decision import deciding_status
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
+from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
 from ratelimit_service.core.request import Code, DescriptorStatus
 from ratelimit_service.core.units import Unit
 

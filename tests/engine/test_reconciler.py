@@ -27,12 +27,12 @@ class GatedStore(EmbeddedStore):
         self.down = False
         self.asked = asyncio.Event()
 
-    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+    async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         self.asked.set()
         await self.gate.wait()
         if self.down:
             raise StoreUnavailable("down")
-        return await super().sync(reports, interval)
+        return await super().sync(reports)
 
 
 async def _overloaded_bucket(local: LocalBuckets, reconciler: Reconciler) -> None:

@@ -14,8 +14,8 @@ import pytest
 
 from ratelimit_harness.fleet import python_burst, redis_server, service_fleet
 from ratelimit_service.core.config_loader import ConfigFile, check_config, load_config
-from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
+from ratelimit_service.core.config_model import HeaderStyle, RateLimit
+from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
 from ratelimit_service.core.matching import find_limit
 from ratelimit_service.core.request import Code, Descriptor, Request
 from ratelimit_service.core.shares import token_bucket

@@ -81,7 +81,7 @@ class Replica:
                               forget_after=FORGET_AFTER, clock=clock)  # fmt: skip
 
     async def sync(self, reports: list[BucketReport]) -> SyncResult:
-        return await self.store.sync(reports, 0.25)
+        return await self.store.sync(reports)
 
     async def close(self) -> None:
         await self.store.close()

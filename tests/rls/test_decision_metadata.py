@@ -9,9 +9,9 @@ import random
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import json_format
 
-from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.config_model import HeaderStyle, RateLimit
 from ratelimit_service.core.decision import deciding_rule, decision_metadata, go_metadata
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
+from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
 from ratelimit_service.core.request import (
     UINT32_MAX,
     Code,

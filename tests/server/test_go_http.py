@@ -259,7 +259,7 @@ async def test_json_bad_requests_are_400_with_the_reason(
 
 
 async def test_json_response_headers_as_grpc_adds_them(start: Starter) -> None:
-    from ratelimit_service.core.headers import HeaderStyle
+    from ratelimit_service.core.config_model import HeaderStyle
 
     svc = await start(response_headers=HeaderStyle.RATELIMIT)
     status, answer = await post_json(svc, {"domain": "d", "descriptors": [one("k", "h")]})

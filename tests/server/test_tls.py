@@ -181,7 +181,7 @@ async def test_redis_over_tls(pki) -> None:
         await store.close()
         untrusted = RedisStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['other'].cert}")
         with pytest.raises(StoreUnavailable):
-            await untrusted.sync([], 0.25)
+            await untrusted.sync([])
         with pytest.raises(StoreUnavailable):  # the request path's own connection, too
             await untrusted.hit([ExactHit("k", 2, 60, 1)], True)
         assert untrusted._pipe is not None and untrusted._pipe.connects == 0
@@ -252,7 +252,7 @@ async def test_redis_tls_with_a_client_certificate_from_the_go_settings(pki) -> 
         url = read_go_environment(go, go_mode=False).values["--redis-url"].value
         store = RedisStore(url, request_timeout=1)
         assert (await store.hit([ExactHit("k", 2, 60, 1)], True))[0].remaining == 1
-        await store.sync([], 0.25)
+        await store.sync([])
         await store.close()
         refused = RedisStore(anonymous, request_timeout=1)
         with pytest.raises(StoreUnavailable):

@@ -60,7 +60,7 @@ async def test_requests_past_the_bound_are_refused_or_denied_never_admitted(
         ]
         store = service.service.store
         await eventually_async(  # both wait for the frozen Redis: the bound is reached
-            lambda: store.stats()["exact_pending"] >= 2, timeout=5, what="two pending"
+            lambda: store.metrics().figures["exact_pending"] >= 2, timeout=5, what="two pending"
         )
         assert not any(call.done() for call in stuck)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
