@@ -115,8 +115,8 @@ class Action:
 
 @dataclass(frozen=True, slots=True)
 class CounterView:
-    """One counter as the status page reads it (engine/status.py): a copy, taken
-    between two reports."""
+    """One counter as the status page and /metrics read it (engine/status.py,
+    engine/state_metrics.py): a copy, taken between two reports."""
 
     key: str
     stats_key: str
@@ -494,21 +494,13 @@ class QuotaCoordinator:
         for key in list(self._of.get(instance, ())):
             self._drop(instance, self._counters[key])
 
-    # -- for the metrics page ------------------------------------------------------------
-
-    def demands(self) -> dict[str, dict[str, float | None]]:
-        """Each counter's instances on this replica and their demand per second."""
-        return {key: {n: s.demand for n, s in c.seen.items()} for key, c in self._counters.items()}
-
-    def shares(self) -> dict[str, dict[str, float]]:
-        """Each counter's share last assigned to each instance of this replica, in
-        hits per window."""
-        return {key: dict(c.shares) for key, c in self._counters.items()}
+    # -- the read-out: the status page and /metrics ------------------------------------
 
     def view(self) -> Iterator[CounterView | None]:
-        """Each counter reported here, copied for the status page; a None after every
-        SLICE instances copied: a point where the reader may return to the event loop
-        (1,000 Envoys on one counter are read in pieces)."""
+        """Each counter reported here, copied for the status page and /metrics (the one
+        read-out of the coordinator's state); a None after every SLICE instances
+        copied: a point where the reader may return to the event loop (1,000 Envoys on
+        one counter are read in pieces)."""
         wall, copied = self._wall(), 0
         for counter in list(self._counters.values()):
             shares = counter.shares
@@ -531,11 +523,6 @@ class QuotaCoordinator:
             if copied >= SLICE:
                 copied = 0
                 yield None
-
-    def parts(self) -> dict[str, tuple[float, TierTotals | None]]:
-        """Each counter's part of the limit held by this replica (hits per window) and
-        the fleet's totals it came from (None: never read from the store)."""
-        return {key: (c.part, c.totals) for key, c in self._counters.items() if c.part is not None}
 
 
 def _per_second(bucket: TokenBucket | None) -> float | None:
