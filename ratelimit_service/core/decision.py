@@ -129,10 +129,10 @@ def decision_metadata(
     domain: str, response: Response, go_request: Request | None = None
 ) -> dict[str, Any]:
     """The response's ``dynamic_metadata``, which Envoy's ratelimit filter puts under
-    its namespace for access logs: the domain, the deciding rule (its
+    its namespace for access logs: the domain, the deciding rule (Response.decided's
     :func:`rule_name`; absent when no descriptor has a finite limit), ``shadow:
-    OVER_LIMIT`` when global shadow mode answered OK where the statuses deny, and,
-    per descriptor in request order, its rule's
+    OVER_LIMIT`` when the answer is OK where its statuses deny (Response.shadowed:
+    global shadow mode), and, per descriptor in request order, its rule's
     :func:`limit_facts` and ``remaining``, with ``shadow: OVER_LIMIT`` for a shadow
     rule over its limit, or None when it has no finite limit, under ``descriptors``.
     With ``go_request`` (``--go-dynamic-metadata``), envoyproxy/ratelimit's keys too
