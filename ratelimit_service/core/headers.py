@@ -1,18 +1,18 @@
 """Rate-limit response headers, chosen the way envoyproxy/ratelimit chooses them.
 
 The descriptor reported is the one that decided the answer (core.decision's
-verdict): on a denial the last enforcing descriptor over its limit, else (every quota
-descriptor over) the last quota one; otherwise the one with the smallest remaining count.
+verdict, which the response carries: Response.decided): on a denial the last enforcing
+descriptor over its limit, else (every quota descriptor over) the last quota one;
+otherwise the one with the smallest remaining count.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ratelimit_service.core.config_model import HeaderStyle
-from ratelimit_service.core.decision import deciding_status, rule_name
+from ratelimit_service.core.decision import rule_name
 from ratelimit_service.core.request import DescriptorStatus
 from ratelimit_service.core.settings_table import default
 
@@ -31,13 +31,13 @@ DRAFT03_NAMES = HeaderNames("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-Rat
 
 
 def rate_limit_headers(
-    statuses: Sequence[DescriptorStatus], style: HeaderStyle, names: HeaderNames
+    status: DescriptorStatus | None, style: HeaderStyle, names: HeaderNames
 ) -> list[tuple[str, str]]:
-    """Header name/value pairs for Envoy to add to the client response; empty when off
-    or when no descriptor had a limit."""
+    """Header name/value pairs for Envoy to add to the client response, for the
+    answer's deciding ``status`` (Response.decided); empty when off or when no
+    descriptor had a limit."""
     if style is HeaderStyle.OFF and not names.rule:
         return []
-    status = deciding_status(statuses)
     if status is None or status.limit is None:
         return []
     headers = _count_headers(status, style, names)

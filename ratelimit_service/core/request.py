@@ -55,8 +55,17 @@ class DescriptorStatus:
 
 @dataclass(slots=True)
 class Response:
+    """An answer; core.decision.answer makes one from its statuses, with the verdict
+    over them worked out once for everything that reads it (the metadata, the
+    headers, the over_limit body)."""
+
     overall: Code
     statuses: list[DescriptorStatus] = field(default_factory=list)
+    decided: DescriptorStatus | None = None
+    """The status of the rule that decided the answer (core.decision.verdict); None
+    when no descriptor has a limit."""
+    shadowed: bool = False
+    """The answer is OK where its statuses deny (global shadow mode)."""
 
 
 class InvalidRequest(ValueError):

@@ -23,11 +23,11 @@ from ratelimit_service.core.config_model import (
     RateLimitConfig,
 )
 from ratelimit_service.core.decision import (
+    answer,
     drop_replaced,
     hits_for,
     near_hits,
     near_threshold,
-    overall_code,
     role_of,
 )
 from ratelimit_service.core.exact import (
@@ -329,7 +329,7 @@ class RateLimiter:
         taken: list[tuple[ProbabilisticBucket, int]] = []
         commit, _ = self._decide_local(plan.local, False, statuses, taken)
         if commit:  # nothing denied: OK, with nothing to give back
-            return Response(_OK, statuses)
+            return answer(statuses, admit=True)
         return self._finish(statuses, taken)
 
     def rules_of(self, request: Request) -> list[tuple[int, str]]:
@@ -549,13 +549,14 @@ class RateLimiter:
     def _finish(
         self, statuses: list[DescriptorStatus], taken: list[tuple[ProbabilisticBucket, int]]
     ) -> Response:
-        overall = overall_code(statuses)
-        if overall is _OVER:
+        """The answer (its verdict worked out once, core.decision.answer); a denied
+        request's probabilistic hits given back."""
+        response = answer(statuses, self.global_shadow)
+        if response.overall is _OVER or response.shadowed:
             self.local.give_back(taken)  # a denied request consumes no quota
-            if self.global_shadow:
+            if response.shadowed:
                 self.stats.global_shadow_mode += 1
-                overall = _OK
-        return Response(overall, statuses)
+        return response
 
 
 def _put(statuses: list[DescriptorStatus], index: int, status: DescriptorStatus) -> None:

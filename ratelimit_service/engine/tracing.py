@@ -192,10 +192,10 @@ def outcome_attributes(
     deciding: str | None = None,
 ) -> dict[str, Any]:
     """What a decision's span says about it: the domain, the overall code, the rule
-    that decided (``deciding``: core.decision.deciding_rule, as the answer's metadata
-    names it), every rule the request matched (stats keys) and the rules of the
-    descriptors answered OVER_LIMIT. ``rules``: (descriptor index, stats key) per
-    matched rule; ``codes``: each descriptor's code as answered."""
+    that decided (``deciding``: as the answer's metadata names it), every rule the
+    request matched (stats keys) and the rules of the descriptors answered OVER_LIMIT.
+    ``rules``: (descriptor index, stats key) per matched rule; ``codes``: each
+    descriptor's code as answered."""
     attributes: dict[str, Any] = {"ratelimit.overall_code": overall}
     if deciding is not None:
         attributes["ratelimit.rule"] = deciding

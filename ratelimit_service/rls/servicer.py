@@ -127,9 +127,7 @@ class RateLimitServicer:
                 response = await self.limiter.should_rate_limit(request, deadline)
             headers = None
             if self._headers:
-                headers = rate_limit_headers(
-                    response.statuses, self.header_style, self.header_names
-                )
+                headers = rate_limit_headers(response.decided, self.header_style, self.header_names)
             go_request = request if self.go_metadata else None
             return encode_response(response, headers, self._heads, request.domain, go_request)
         except InvalidRequest as exc:

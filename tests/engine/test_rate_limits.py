@@ -98,7 +98,7 @@ async def test_the_status_is_the_most_restrictive_limit(mode: str) -> None:
     over = await rate.should_rate_limit(request)
     assert over.overall is Code.OVER_LIMIT
     assert over.statuses[0].code is Code.OVER_LIMIT and over.statuses[0].remaining == 0
-    headers = dict(rate_limit_headers(over.statuses, HeaderStyle.DRAFT03, HeaderNames()))
+    headers = dict(rate_limit_headers(over.decided, HeaderStyle.DRAFT03, HeaderNames()))
     assert headers["X-RateLimit-Limit"] == "3, 3;w=1"
     assert headers["X-RateLimit-Remaining"] == "0"
 

@@ -130,7 +130,7 @@ async def test_the_status_and_the_headers_follow_the_period() -> None:
     response = await rate.should_rate_limit(Request("d", [Descriptor((("long", "x"),))]))
     status = response.statuses[0]
     assert status.limit is not None and status.limit.unit is Unit.MINUTE
-    headers = dict(rate_limit_headers(response.statuses, HeaderStyle.DRAFT03, HeaderNames()))
+    headers = dict(rate_limit_headers(response.decided, HeaderStyle.DRAFT03, HeaderNames()))
     assert headers["X-RateLimit-Limit"] == "100, 100;w=600"
     exact = await rate.should_rate_limit(Request("d", [Descriptor((("ten", "x"),))]))
     # When its hit leaves the 10 s window (up to T + T/60 later), said as at most T.

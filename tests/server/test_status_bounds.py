@@ -109,7 +109,7 @@ async def _get(port: int, path: str) -> bytes:
 
 
 async def _tenures(port: int) -> float:
-    """The service's tenure rounds so far (server/app.py Tenuring)."""
+    """The service's tenure rounds so far (server/gc_policy.py Tenuring)."""
     metrics = (await _get(port, "/metrics")).decode()
     (line,) = [x for x in metrics.splitlines() if x.startswith("ratelimit_gc_tenures_total ")]
     return float(line.split()[1])
