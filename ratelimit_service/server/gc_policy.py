@@ -1,36 +1,32 @@
 """The garbage collector's policy for a serving process (:class:`Tenuring`, installed
-by server/app.py at start): collections that hold the event loop for a millisecond or
-two, whatever the number of keys, where CPython's defaults would hold it for tens.
+by server/app.py at start): collections that hold the event loop briefly, whatever the
+number of keys, where CPython's defaults would hold it past Envoy's deadline.
 
 Why: CPython's oldest-generation pass scans every tracked object, and a limiter keeps
 tracked objects per key: probabilistic buckets, stats keys, cached requests and their
-plans, the store's entries. Over 50,000 keys at 500 calls a second that pass took 15-90
-ms (190 ms on a busy machine) every 10 s and freed almost nothing; it holds the event
-loop, so calls in flight missed Envoy's 20 ms deadline. At the caps (100,000 buckets,
-10,000 stats keys and cached requests) one pass takes 60 ms on an idle core. The
-options, measured:
+plans, the store's entries. Over many keys that pass grows with them, frees almost
+nothing and holds the event loop, so calls in flight miss Envoy's 20 ms deadline (the
+pass's length at 50,000 keys and at the caps: docs/benchmarks.md, "Soak"). The other
+options fall short:
 
 - ``gc.freeze()`` after start-up alone keeps modules and config out of the scans, but
   the per-key state arrives later: the pass still grows with the keys.
 - ``gc.set_threshold`` changes how often the pass runs, not how long it holds the loop.
 - Per-key state made cheap to scan (numbers in arrays, atomic tuples): the state lives
-  in several layers (buckets, stats, request cache, each store's own tables), and even
-  100,000 entries whose values hold no references (arrays) cost a 6 ms pass.
+  in several layers (buckets, stats, request cache, each store's own tables), and
+  entries whose values hold no references still cost a pass that grows with them.
 - CPython 3.11 cannot run a full pass in steps.
 
 So the process *tenures*: every second, at a moment when every task running has been
 running since the round before at least (background loops, RLQS streams, kept-alive
 connections; no call or scrape is half-done), it collects everything not yet tenured
-(what was made since: a pass of a millisecond or two) and freezes what survived. Full
-passes then scan only what is newer than the last tenure, whatever the number of keys.
-Garbage is never frozen (the collection comes first), only objects that were alive at a
-quiet moment: per-key state, which holds no cycles and is freed by reference counting
-when evicted, and long-lived service objects. The cost: a cycle formed later among
-tenured objects is not collected. The process's memory stays flat over a 30-minute soak
-(docs/benchmarks.md), and the tenured objects still alive follow the live state: between
-104,000 and 149,000 over 7 minutes of 500 calls a second over 50,000 keys, with 20
-refused calls a second and a scrape every 15 s beside them, and 84,000 half a minute
-after the load stopped. ``ratelimit_gc_pause_seconds`` times every collection;
+(what was made since: a short pass) and freezes what survived. Full passes then scan
+only what is newer than the last tenure, whatever the number of keys. Garbage is never
+frozen (the collection comes first), only objects that were alive at a quiet moment:
+per-key state, which holds no cycles and is freed by reference counting when evicted,
+and long-lived service objects. The cost: a cycle formed later among tenured objects is
+not collected; the process's memory stays flat over the soak (docs/benchmarks.md).
+``ratelimit_gc_pause_seconds`` times every collection;
 ``ratelimit_gc_tenured_objects_total`` counts the objects tenured (counting those still
 alive, ``gc.get_freeze_count()``, walks them all: a pause of its own)."""
 
