@@ -35,6 +35,7 @@ from prometheus_client.utils import floatToGoString as _untyped_go_float
 
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.lru import LruMap
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.engine.counters import CATALOGUE, KEY_COUNTERS, Counter, Kind, Label
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class Stats:
     overrides or detailed_metric on high-cardinality values) are added up under
     ``_overflow``."""
 
-    def __init__(self, max_keys: int = 10_000) -> None:
+    def __init__(self, max_keys: int = default("--max-stats-keys")) -> None:
         self.max_keys = max_keys
         self.rules: dict[str, RuleStats] = {}
         self.domain_not_found: dict[str, int] = {}

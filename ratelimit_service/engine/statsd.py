@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from operator import attrgetter
 
 from ratelimit_service.core.histogram import LATENCY_BOUNDS, Histogram
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.engine.background import BackgroundTask, in_stretches
 from ratelimit_service.engine.counters import (
     DOMAIN_NOT_FOUND,
@@ -160,7 +161,13 @@ class StatsdSink:
     seconds, and once more when stopped. The address is resolved at each flush (a
     statsd agent's name may move); a flush that cannot send is dropped and counted."""
 
-    def __init__(self, stats: Stats, host: str, port: int, interval: float = 10.0) -> None:
+    def __init__(
+        self,
+        stats: Stats,
+        host: str,
+        port: int,
+        interval: float = default("--statsd-flush-interval"),
+    ) -> None:
         if interval <= 0:
             raise ValueError("statsd flush interval must be positive")
         self.host, self.port, self.interval = host, port, interval
