@@ -96,6 +96,7 @@ def sync_args(
             report.admitted,
             report.offered,
             report.key if zoned else "",
+            "" if report.ends_in is None else round(report.ends_in * 1_000_000),
         )
     return args
 
