@@ -382,11 +382,14 @@ class ZonePass:
         bucket, which does not refill: drop_ratio.control with the zones as the nodes,
         by the zone's demand against the fleet's. The zones' allotments together stay
         within what the budget has left, as the nodes' credits do; the zone's replicas
-        divide its own (fleet_sync.lua)."""
+        divide its own (fleet_sync.lua). A zone that has not published the budget yet
+        may hold what a new bucket holds (the budget over the zones), unseen in the
+        global bucket: that much of it is not allotted until the zone is heard."""
+        unheard = max(0, zones - fleet.members)
         credit = control(
             limit=bucket.limit,
             window_seconds=bucket.window_seconds,
-            tokens=budget.tokens,
+            tokens=budget.tokens - unheard * bucket.limit / zones,
             fleet_rate=fleet.demand,
             local_rate=report.demand,
             interval=self.interval,

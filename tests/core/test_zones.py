@@ -288,6 +288,11 @@ def test_a_calendar_budget_is_folded_into_the_global_bucket_and_allotted_by_dema
     answers[2] = TierTotals(0.001, 400.0, 0, 2, 0)
     shares, _ = arithmetic.shares(plan, answers, [FleetView(4_000.0, 0)])
     assert shares[1][1].allot == 700 + 4_000 / 2 / 4
+    # While the other zone has not published the budget, what it may hold of it (a new
+    # bucket's half) is not allotted.
+    answers[2] = TierTotals(0.001, 400.0, 0, 1, 0)
+    shares, _ = arithmetic.shares(plan, answers, [FleetView(9_000.0, 0)])
+    assert shares[1][1].allot == 700 + (9_000 - 5_000) / 2 / 4
     shares, _ = arithmetic.shares(plan, answers, [FleetView(-50.0, 0)])  # overspent
     assert shares[1][1].allot == 700
     shares, _ = arithmetic.shares(plan, answers, None)

@@ -103,7 +103,7 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
                 reports.append(
                     BucketReport(
                         name, limit, window, offered, admitted, burst=burst, ends_in=ends_in
-                    )  # fmt: skip
+                    )
                 )
             # Now and then no heartbeat (as a Cluster's bucket calls: the registry is
             # in another slot): the live nodes are not counted.
