@@ -49,6 +49,7 @@ domain: ai
 descriptors:
   - key: tenant
     mode: probabilistic
+    failure_mode: closed  # a replica whose view is stale denies: nothing uncounted
     rate_limit: {{unit: day, requests_per_unit: {BUDGET}, calendar: {zone}}}
 """
 
@@ -131,6 +132,10 @@ async def test_a_fleet_spends_a_calendar_budget_once_and_it_does_not_come_back(
         for db in (1, 2):
             counted = functools.partial(zones_counted, redis_server.url, db)
             await eventually_async(counted, timeout=20, what=f"two zones counted in db {db}")
+    await eventually_async(
+        lambda: all(replica.service.reconciler.syncs >= 2 for replica in replicas),
+        what="both replicas synced",
+    )
     await asyncio.gather(*(replica.spend() for replica in replicas))
     admissions = [entry for replica in replicas for entry in replica.admitted]
     admitted = sum(hits for _, hits in admissions)
