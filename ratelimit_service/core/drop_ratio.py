@@ -37,8 +37,8 @@ gives:
   sync interval.
 * **Calendar budgets.** A budget counted by the calendar (core/calendar.py) has a
   bucket per period that does not refill: the budget is half of what is stored (all
-  of it for a process alone), so a fleet spends what is left geometrically and the
-  stored tokens are never handed out twice over.
+  of it for a process alone), so a fleet spends what is left geometrically, and a
+  node whose view misses the others' last admissions grants from half of it.
 * **Fast attack, smooth decay.** The offered-rate estimate follows a rise at once
   (no lag on a spike) and falls with an exponential moving average (no oscillation
   after a dip). Each node also corrects the fleet's rate for the others' reports
