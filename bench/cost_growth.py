@@ -56,11 +56,11 @@ from throughput import (
     start_service,
 )
 
+from ratelimit_harness.redis import RedisServer
 from ratelimit_service.cli.client import build_request
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.redis import RedisServer
 
 DOMAIN = "bench"
 HUGE_LIMIT = 1_000_000_000

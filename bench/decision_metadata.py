@@ -21,18 +21,19 @@ import time
 from collections.abc import Callable
 
 from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.decision import answer
 from ratelimit_service.core.request import Code, DescriptorStatus, Response
 from ratelimit_service.core.units import Unit
 from ratelimit_service.rls.wire import LimitHeads, encode_response
 
 
-def answer(descriptors: int) -> tuple[Response, LimitHeads]:
+def typical(descriptors: int) -> tuple[Response, LimitHeads]:
     limits = [
         RateLimit(1000 * (i + 1), Unit.MINUTE, name="" if i else "per-ip", stats_key=f"edge.k{i}")
         for i in range(descriptors)
     ]
     statuses = [DescriptorStatus(Code.OK, limit, 873 + i, 12.5) for i, limit in enumerate(limits)]
-    return Response(Code.OK, statuses), LimitHeads(limits)
+    return answer(statuses), LimitHeads(limits)
 
 
 def per_call(call: Callable[[], object], calls: int) -> float:
@@ -43,7 +44,7 @@ def per_call(call: Callable[[], object], calls: int) -> float:
 
 
 def measure(descriptors: int, rounds: int, calls: int) -> dict[str, float]:
-    response, heads = answer(descriptors)
+    response, heads = typical(descriptors)
     variants = {
         "without": lambda: encode_response(response, None, heads),
         "with": lambda: encode_response(response, None, heads, "edge"),

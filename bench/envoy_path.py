@@ -77,9 +77,9 @@ from throughput import (
     start_service,
 )
 
-from ratelimit_service.testing.envoy import Envoy, find_envoy, load_yaml
-from ratelimit_service.testing.fleet import wait_healthy, wait_port
-from ratelimit_service.testing.redis import free_port
+from ratelimit_harness.envoy import Envoy, find_envoy, load_yaml
+from ratelimit_harness.fleet import wait_healthy, wait_port
+from ratelimit_harness.redis import free_port
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent

@@ -4,7 +4,7 @@
     python bench/faults.py --outage 300    # partitions and hangs of 5 minutes
     python bench/faults.py --only cluster,cluster-nocover --rounds 5 --busy
 
-Each fault runs as testing/fault_scenarios.py stages it: a service process on real
+Each fault runs as ratelimit_harness/fault_scenarios.py stages it: a service process on real
 redis-servers, a grpc.aio probe at 200 calls a second on 100 keys of an exact rule
 (``failure_mode: open``) with Envoy's 20 ms deadline, 2 s of control load before the
 fault. Printed per run, as a Markdown table: calls, the share of calls that missed
@@ -27,9 +27,9 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from ratelimit_service.testing import fault_scenarios
-from ratelimit_service.testing.fault_scenarios import FaultRun, store_metric
-from ratelimit_service.testing.fleet import cpu_hog
+from ratelimit_harness import fault_scenarios
+from ratelimit_harness.fault_scenarios import FaultRun, store_metric
+from ratelimit_harness.fleet import cpu_hog
 
 Scenario = Callable[[Path], Awaitable[FaultRun]]
 

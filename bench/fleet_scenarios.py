@@ -34,15 +34,15 @@ from pathlib import Path
 import redis
 from simulate import reaction_time as rows_reaction_time
 
-from ratelimit_service.testing.fleet import (
+from ratelimit_harness.fleet import (
     Timeline,
     drive,
     redis_server,
     service_fleet,
     write_config,
 )
-from ratelimit_service.testing.redis import RedisServer
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_harness.redis import RedisServer
+from ratelimit_harness.waiting import eventually
 
 SKEW = [0.4, 0.3, 0.2, 0.1]
 SCENARIOS = ("overload", "under", "step", "exact", "outage")

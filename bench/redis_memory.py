@@ -17,10 +17,10 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
+from ratelimit_harness.fleet import redis_server
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.fleet import redis_server
 
 
 async def fill(url: str) -> None:
@@ -30,7 +30,7 @@ async def fill(url: str) -> None:
         for _ in range(70):  # a 1 s window has 60 slices of ~16.7 ms: touch each of them
             await store.hit([ExactHit("full", 10**6, 1, 1)], True)
             await asyncio.sleep(0.017)
-        await store.sync([BucketReport("bucket", 100, 1, 5, 5)], 0.25)
+        await store.sync([BucketReport("bucket", 100, 1, 5, 5)])
     finally:
         await store.close()
     client = aioredis.Redis.from_url(url)

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from envoy_path import upstream_bootstrap
 
-from ratelimit_service.testing.envoy import Envoy, ServiceProcess, find_envoy
+from ratelimit_harness.envoy import Envoy, ServiceProcess, find_envoy
 
 REPO = Path(__file__).resolve().parent.parent
 SKEW = (0.5, 0.3, 0.2)

@@ -43,10 +43,10 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from fleet_scenarios import max_in_any_window, p99
 from simulate import reaction_time
 
+from ratelimit_harness import fleet
+from ratelimit_harness.fleet import Timeline, drive, redis_server, service_fleet
+from ratelimit_harness.redis import RedisServer
 from ratelimit_service.cli.client import build_request
-from ratelimit_service.testing import fleet
-from ratelimit_service.testing.fleet import Timeline, drive, redis_server, service_fleet
-from ratelimit_service.testing.redis import RedisServer
 
 DOMAIN = "sem"
 OVER = 2

@@ -65,7 +65,7 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
         node = nodes[i]
         if kind == 0:
             reports = node.take_reports(at, args.interval)
-            result = await store.sync(reports, args.interval)
+            result = await store.sync(reports)
             # Redis counts the live nodes in its registry; the embedded store is one process.
             result = SyncResult(nodes=args.nodes, views=result.views)
             node.apply_all(reports, result, at, args.interval)

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ratelimit_service.testing.fleet import (
+from ratelimit_harness.fleet import (
     KeyedLoad,
     cpu_hog,
     keyed_load,

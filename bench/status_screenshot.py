@@ -21,10 +21,10 @@ from pathlib import Path
 
 import grpc
 
+from ratelimit_harness.browser import chromium, screenshot
+from ratelimit_harness.fleet import SHOULD_RATE_LIMIT, redis_server, service_fleet
+from ratelimit_harness.rlqs_sim import SimEnvoy, StreamingEnvoy
 from ratelimit_service.cli.client import build_request
-from ratelimit_service.testing.browser import chromium, screenshot
-from ratelimit_service.testing.fleet import SHOULD_RATE_LIMIT, redis_server, service_fleet
-from ratelimit_service.testing.rlqs_sim import SimEnvoy, StreamingEnvoy
 
 REPO = Path(__file__).resolve().parent.parent
 CALLS = [

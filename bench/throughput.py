@@ -63,10 +63,10 @@ from typing import Any
 import redis
 from redis_delay_proxy import ping_rtts
 
+from ratelimit_harness.fleet import wait_healthy, wait_port
+from ratelimit_harness.redis import RedisServer, free_port
 from ratelimit_service.cli.client import build_request
 from ratelimit_service.storage.redis_connect import connect
-from ratelimit_service.testing.fleet import wait_healthy, wait_port
-from ratelimit_service.testing.redis import RedisServer, free_port
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent

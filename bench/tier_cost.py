@@ -54,8 +54,8 @@ from throughput import (
     start_service,
 )
 
-from ratelimit_service.testing.redis import RedisServer
-from ratelimit_service.testing.rlqs_sim import SimEnvoy, usage_report
+from ratelimit_harness.redis import RedisServer
+from ratelimit_harness.rlqs_sim import SimEnvoy, usage_report
 
 REPLICAS = 4
 LIMIT = 50_000

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import throughput as tp
 
+from ratelimit_harness.otlp import GrpcReceiver
 from ratelimit_service.engine.tracing import RLS_SPAN, Tracing
-from ratelimit_service.testing.otlp import GrpcReceiver
 
 RATES = {"off": None, "1 %": "0.01", "100 %": "1.0"}
 SETUPS = {

@@ -1,7 +1,7 @@
-"""The suite's fixtures live in pytest plugins (modules of ratelimit_service.testing),
+"""The suite's fixtures live in pytest plugins (modules of ratelimit_harness),
 which test modules never import for fixtures: they name them as parameters."""
 
 pytest_plugins = [
-    "ratelimit_service.testing.fixtures",
-    "ratelimit_service.testing.envoy_fixtures",
+    "ratelimit_harness.fixtures",
+    "ratelimit_harness.envoy_fixtures",
 ]

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
+from ratelimit_harness.fixtures import COMPAT, COMPAT_ENV
 from ratelimit_service.core.config_loader import UNIT_NAMES, ConfigFile, check_config, load_config
 from ratelimit_service.core.config_model import DomainConfig, Mode
 from ratelimit_service.core.matching import Match, find_limit, override_stats_key
 from ratelimit_service.core.units import Unit
-from ratelimit_service.testing.fixtures import COMPAT, COMPAT_ENV
 
 VALID_UNITS = f"; valid units: {UNIT_NAMES}"
 

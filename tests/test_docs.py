@@ -15,8 +15,8 @@ from urllib.parse import unquote
 
 import pytest
 
-from ratelimit_service.cli.main import build_parser
-from ratelimit_service.testing.fixtures import REPO
+from ratelimit_harness.fixtures import REPO
+from ratelimit_service.cli.parser import build_parser
 
 SKIPPED_DIRS = {".git", ".venv", "node_modules", "bench/out"}
 FENCE = re.compile(r"^ {0,3}(```|~~~)")

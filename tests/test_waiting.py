@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from ratelimit_service.testing import waiting
-from ratelimit_service.testing.waiting import NotYet, eventually, eventually_async
+from ratelimit_harness import waiting
+from ratelimit_harness.waiting import NotYet, eventually, eventually_async
 
 
 def test_returns_the_first_truthy_look(monkeypatch) -> None:

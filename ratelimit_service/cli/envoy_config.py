@@ -1,23 +1,17 @@
 """Generate the Envoy side of a descriptor configuration: the ratelimit HTTP filter, the
 HTTP/2 cluster it calls, and the route ``rate_limits`` that produce the descriptors.
 
-Behind ``ratelimit-service envoy-config --config PATH``. Every piece is built as the
-typed xds-protos message and only then rendered (``MessageToDict`` → YAML), so a field
-name or type Envoy would reject cannot get into the output: the snippet is valid by
-construction, and it stays in step with the rules because it is derived from them.
-
-Which action produces which descriptor key is a convention, since the rule files do not
-say where a value comes from: ``remote_address``, ``masked_remote_address``,
-``source_cluster`` and ``destination_cluster`` are Envoy's own actions; ``generic_key``
-takes the rule's fixed value; ``path``, ``method`` and ``authority``/``host`` read the
-HTTP/2 pseudo-headers; any other key reads the header ``x-<key>`` (``tenant`` →
-``x-tenant``). Edit the header names in the output if your headers differ.
+Behind ``ratelimit-service envoy-config --config PATH``. What to emit is decided in
+envoy_plan.py (which chains, which routes, which header a key is read from); here every
+piece is built as the typed xds-protos message and only then rendered
+(``MessageToDict`` → YAML), so a field name or type Envoy would reject cannot get into
+the output: the snippet is valid by construction, and it stays in step with the rules
+because it is derived from them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import yaml
@@ -46,16 +40,21 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
+from ratelimit_service.cli.envoy_plan import (
+    DEFAULT_OPTIONS,
+    Chain,
+    EnvoyOptions,
+    RoutePlan,
+    header_for,
+    limited_chains,
+    pick_domain,
+    plan_routes,
+    usage_of,
+)
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.address import split_host_port
 from ratelimit_service.core.config_loader import load_config
-from ratelimit_service.core.config_model import (
-    DescriptorNode,
-    DomainConfig,
-    NodeChildren,
-    UsageSource,
-    WildcardPattern,
-)
+from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, UsageSource
 
 Action = route_components_pb2.RateLimit.Action
 
@@ -68,19 +67,6 @@ PREVIOUS_HOSTS = "envoy.retry_host_predicates.previous_hosts"
 # The calls retried (once, on another replica): those that failed before any replica
 # could answer them. Never a slow call, which has spent the filter's timeout already.
 RETRY_ON = "connect-failure,refused-stream,reset,unavailable"
-
-# Descriptor keys whose values Envoy reads from HTTP/2 pseudo-headers.
-PSEUDO_HEADERS = {
-    "path": ":path",
-    "method": ":method",
-    "authority": ":authority",
-    "host": ":authority",
-}
-
-
-def header_for(key: str) -> str:
-    """The request header a descriptor key is read from, by the convention above."""
-    return PSEUDO_HEADERS.get(key, "x-" + key.replace("_", "-").lower())
 
 
 def action_for(node: DescriptorNode) -> Message | None:
@@ -102,23 +88,6 @@ def action_for(node: DescriptorNode) -> Message | None:
     return Action(
         request_headers=Action.RequestHeaders(header_name=header_for(key), descriptor_key=key)
     )
-
-
-def _limited_paths(
-    children: NodeChildren, prefix: tuple[DescriptorNode, ...] = ()
-) -> Iterator[tuple[DescriptorNode, ...]]:
-    """Every chain of nodes, root first, that ends on a node with a ``rate_limit``, in the
-    order of the rule files (the index groups nodes by kind, not by line)."""
-    for node in sorted(children, key=lambda child: child.line or 0):
-        chain = (*prefix, node)
-        if node.limits:
-            yield chain
-        yield from _limited_paths(node.children, chain)
-
-
-def usage_of(chain: tuple[DescriptorNode, ...]) -> UsageSource | None:
-    """Where Envoy reads a response's cost, when the chain ends on a usage budget."""
-    return next((limit.usage for limit in chain[-1].limits if limit.usage is not None), None)
 
 
 def phased(
@@ -156,7 +125,7 @@ def route_rate_limits(
     action chain can produce (reported, not emitted)."""
     entries: list[route_components_pb2.RateLimit] = []
     skipped: list[str] = []
-    for chain in _limited_paths(domain.root):
+    for chain in limited_chains(domain.root):
         actions = [action_for(node) for node in chain]
         if any(action is None for action in actions):
             skipped.append(chain[-1].config_path)
@@ -324,41 +293,30 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def pick_domain(domains: Sequence[str], wanted: str | None) -> str:
-    """The domain to render: the one asked for, or the only one loaded."""
-    if wanted is not None:
-        if wanted not in domains:
-            raise ValueError(f"domain {wanted!r} is not in the config (has: {', '.join(domains)})")
-        return wanted
-    if len(domains) != 1:
-        raise ValueError(f"the config has domains {', '.join(domains)}: choose one with --domain")
-    return domains[0]
+def load_domain(config_path: str, options: EnvoyOptions) -> DomainConfig:
+    """The rules of the domain to render, from ``config_path``.
+
+    Raises ConfigLoadError when the rules do not load, ValueError on a bad domain."""
+    config = load_config(read_config_files(config_path), merge_domains=options.merge_domains)
+    return config.domains[pick_domain(sorted(config.domains), options.domain)]
 
 
-def render(
-    config_path: str,
-    *,
-    domain: str | None = None,
-    cluster: str = "ratelimit",
-    timeout: str = "0.02s",
-    service_address: str = "ratelimit:8081",
-    merge_domains: bool = False,
-) -> str:
+def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
     """YAML for the Envoy side of ``config_path``'s rules: ``http_filters`` (place before
     the router), ``clusters`` and ``rate_limits`` (for a virtual host or a route action).
 
     Raises ConfigLoadError when the rules do not load, ValueError on a bad argument."""
-    config = load_config(read_config_files(config_path), merge_domains=merge_domains)
-    name = pick_domain(sorted(config.domains), domain)
-    rate_limits, skipped = route_rate_limits(config.domains[name])
+    domain = load_domain(config_path, options)
+    name = domain.name
+    rate_limits, skipped = route_rate_limits(domain)
     # Costs go on the filter itself (is_phased); plain entries under a route or host.
     on_filter = rate_limits if is_phased(rate_limits) else []
-    filter_dict = _to_dict(ratelimit_filter(name, cluster, timeout, on_filter))
+    filter_dict = _to_dict(ratelimit_filter(name, options.cluster, options.timeout, on_filter))
     # Spelled out although it is the default, so the reader sees the fail-open choice.
     _spell_out_fail_open(filter_dict)
     snippet: dict[str, Any] = {
         "http_filters": [filter_dict],
-        "clusters": [_to_dict(ratelimit_cluster(cluster, service_address))],
+        "clusters": [_to_dict(ratelimit_cluster(options.cluster, options.service_address))],
     }
     if not on_filter:
         snippet["rate_limits"] = [_to_dict(entry) for entry in rate_limits]
@@ -386,57 +344,14 @@ def render(
 # ------------------------------------------------------------------ a whole bootstrap
 
 
-@dataclass(frozen=True)
-class RoutePlan:
-    """One route of the generated bootstrap: its name, what it matches, what it sends."""
-
-    name: str
-    path: str | None
-    prefix: str | None
-    rate_limits: list[route_components_pb2.RateLimit]
-
-
-def _routable(value: str) -> bool:
-    """A path rule value that is a route of its own: exact, or one trailing ``*``."""
-    return value.startswith("/") and "*" not in value.rstrip("*") and value.count("*") <= 1
-
-
-def _covers(rule_value: str, route_value: str) -> bool:
-    """Whether every request routed to ``route_value`` has a path ``rule_value`` matches."""
-    if route_value.endswith("*"):
-        return rule_value.endswith("*") and route_value[:-1].startswith(rule_value[:-1])
-    return (
-        WildcardPattern(rule_value).matches(route_value)
-        if "*" in rule_value
-        else (rule_value == route_value)
-    )
-
-
-def _path_values(chain: tuple[DescriptorNode, ...]) -> list[str]:
-    return [node.value for node in chain if node.key == "path" and node.value is not None]
-
-
-def _route_name(value: str, taken: set[str]) -> str:
-    base = value.strip("/*").replace("/", "-") or "root"
-    name, number = base, 2
-    while name in taken:
-        name, number = f"{base}-{number}", number + 1
-    taken.add(name)
-    return name
-
-
-def _chain_entries(
-    chain: tuple[DescriptorNode, ...], exact_path: str | None
-) -> list[route_components_pb2.RateLimit]:
+def _chain_entries(chain: Chain, exact_path: str | None) -> list[route_components_pb2.RateLimit]:
     """The rate_limits entries for a chain on a route (:func:`phased`); none when no
     action yields one of its keys."""
     entry = _chain_entry(chain, exact_path)
     return [] if entry is None else phased(entry, usage_of(chain))
 
 
-def _chain_entry(
-    chain: tuple[DescriptorNode, ...], exact_path: str | None
-) -> route_components_pb2.RateLimit | None:
+def _chain_entry(chain: Chain, exact_path: str | None) -> route_components_pb2.RateLimit | None:
     """The rate_limits entry for a chain on a route. On an exact-path route, a ``path``
     node with that very value becomes a fixed ``generic_key`` (the query string, which
     ``:path`` would carry, cannot then spoil the match)."""
@@ -467,67 +382,23 @@ def _dedup(
     return out
 
 
-def plan_routes(domain: DomainConfig) -> list[RoutePlan]:
-    """Routes for the rules: one per ``path`` value a rule names (exact, or a prefix ending
-    in one ``*``), most specific first, then ``/`` for everything else.
-
-    A route sends the chains of the path rules that cover it, and the chains that name no
-    path, unless every path rule that covers it is ``unlimited``: such a route (``/healthz``)
-    sends only those, so it is counted and never limited by another rule. ``/`` sends the
-    chains that name no path, and those whose path value no route can match."""
-    chains = list(_limited_paths(domain.root))
-    general = [chain for chain in chains if not _path_values(chain)]
-    values = sorted(
-        {value for chain in chains for value in _path_values(chain) if _routable(value)},
-        key=lambda v: (v.endswith("*"), -len(v), v),
-    )
-    taken: set[str] = {"other"}
-    plans: list[RoutePlan] = []
-    for value in values:
-        exact = None if value.endswith("*") else value
-        concerned = [
-            chain for chain in chains if any(_covers(rule, value) for rule in _path_values(chain))
-        ]
-        only_unlimited = all(
-            any(limit.unlimited for limit in chain[-1].limits) for chain in concerned
-        )
-        sent = concerned if only_unlimited else general + concerned
-        plans.append(
-            RoutePlan(
-                name=_route_name(value, taken),
-                path=exact,
-                prefix=value[:-1] if exact is None else None,
-                rate_limits=_dedup(e for chain in sent for e in _chain_entries(chain, exact)),
-            )
-        )
-    leftover = [
-        chain
-        for chain in chains
-        if _path_values(chain) and not all(_routable(v) for v in _path_values(chain))
-    ]
-    plans.append(
-        RoutePlan(
-            name="other",
-            path=None,
-            prefix="/",
-            rate_limits=_dedup(
-                e for chain in general + leftover for e in _chain_entries(chain, None)
-            ),
-        )
-    )
-    return plans
-
-
 def _pack(message: Message) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
     return packed
 
 
+def plan_rate_limits(plan: RoutePlan) -> list[route_components_pb2.RateLimit]:
+    """The rate_limits entries a planned route sends: its chains' (:func:`phased`), each
+    once; a chain with a key no action yields sends none."""
+    return _dedup(entry for chain in plan.chains for entry in _chain_entries(chain, plan.path))
+
+
 def _route(plan: RoutePlan, upstream_cluster: str) -> route_components_pb2.Route:
     """A planned route. Its rate_limits go on the route action, or, when some carry a
     cost (:func:`is_phased`), all of them in the route's ``RateLimitPerRoute`` (which
     Envoy then reads instead of the action's)."""
+    rate_limits = plan_rate_limits(plan)
     route = route_components_pb2.Route(
         name=plan.name,
         match=(
@@ -537,38 +408,29 @@ def _route(plan: RoutePlan, upstream_cluster: str) -> route_components_pb2.Route
         ),
         route=route_components_pb2.RouteAction(cluster=upstream_cluster),
     )
-    if is_phased(plan.rate_limits):
-        per_route = rate_limit_pb2.RateLimitPerRoute(rate_limits=plan.rate_limits)
+    if is_phased(rate_limits):
+        per_route = rate_limit_pb2.RateLimitPerRoute(rate_limits=rate_limits)
         route.typed_per_filter_config[RATELIMIT_FILTER].CopyFrom(_pack(per_route))
     else:
-        route.route.rate_limits.extend(plan.rate_limits)
+        route.route.rate_limits.extend(rate_limits)
     return route
 
 
 def build_bootstrap(
-    domain: DomainConfig,
-    *,
-    cluster: str = "ratelimit",
-    timeout: str = "0.02s",
-    service_address: str = "ratelimit:8081",
-    listen: str = "0.0.0.0:8080",
-    admin: str = "127.0.0.1:9901",
-    upstream_address: str = "upstream:8080",
-    upstream_cluster: str = "upstream",
+    domain: DomainConfig, options: EnvoyOptions = DEFAULT_OPTIONS
 ) -> bootstrap_pb2.Bootstrap:
     """A complete Envoy bootstrap: admin, one listener whose HTTP connection manager runs
     the ratelimit filter then the router, the routes of ``plan_routes`` (to a placeholder
     upstream cluster), and the service's HTTP/2 cluster with gRPC health checks and
     outlier detection."""
-    if cluster == upstream_cluster:
-        raise ValueError(f"--cluster {cluster!r} is the name of the upstream cluster")
-    routes = [_route(plan, upstream_cluster) for plan in plan_routes(domain)]
+    check_clusters(options)
+    routes = [_route(plan, options.upstream_cluster) for plan in plan_routes(domain)]
     manager = http_connection_manager_pb2.HttpConnectionManager(
         stat_prefix=domain.name,
         # Envoy at the edge: remote_address is the peer, not a forgeable X-Forwarded-For.
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         http_filters=[
-            ratelimit_filter(domain.name, cluster, timeout),
+            ratelimit_filter(domain.name, options.cluster, options.timeout),
             http_connection_manager_pb2.HttpFilter(
                 name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
             ),
@@ -580,31 +442,22 @@ def build_bootstrap(
             ],
         ),
     )
-    return bootstrap_around(
-        manager,
-        domain.name,
-        listen=listen,
-        admin=admin,
-        upstream=(upstream_cluster, upstream_address),
-        service=(cluster, service_address),
-    )
+    return bootstrap_around(manager, domain.name, options)
 
 
-def bootstrap_around(
-    manager: Message,
-    name: str,
-    *,
-    listen: str,
-    admin: str,
-    upstream: tuple[str, str],
-    service: tuple[str, str],
-) -> bootstrap_pb2.Bootstrap:
+def check_clusters(options: EnvoyOptions) -> None:
+    """A bootstrap's two clusters need two names."""
+    if options.cluster == options.upstream_cluster:
+        raise ValueError(f"--cluster {options.cluster!r} is the name of the upstream cluster")
+
+
+def bootstrap_around(manager: Message, name: str, options: EnvoyOptions) -> bootstrap_pb2.Bootstrap:
     """A bootstrap with an admin, one listener running ``manager`` (an HTTP connection
-    manager), the placeholder upstream cluster and the service's cluster (each a name
-    and HOST:PORT): what the RLS and RLQS bootstraps share."""
+    manager), the placeholder upstream cluster and the service's cluster, as
+    ``options`` place them: what the RLS and RLQS bootstraps share."""
     listener = listener_pb2.Listener(
         name=name,
-        address=_socket(listen, "listen address"),
+        address=_socket(options.listen, "listen address"),
         filter_chains=[
             listener_components_pb2.FilterChain(
                 filters=[
@@ -614,12 +467,14 @@ def bootstrap_around(
         ],
     )
     return bootstrap_pb2.Bootstrap(
-        admin=bootstrap_pb2.Admin(address=_socket(admin, "admin address")),
+        admin=bootstrap_pb2.Admin(address=_socket(options.admin, "admin address")),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
             listeners=[listener],
             clusters=[
-                _static_cluster(*upstream, "upstream address"),
-                ratelimit_cluster(*service),
+                _static_cluster(
+                    options.upstream_cluster, options.upstream_address, "upstream address"
+                ),
+                ratelimit_cluster(options.cluster, options.service_address),
             ],
         ),
     )
@@ -638,39 +493,18 @@ def _spell_out_fail_open(node: Any) -> None:
             _spell_out_fail_open(item)
 
 
-def render_bootstrap(
-    config_path: str,
-    *,
-    domain: str | None = None,
-    cluster: str = "ratelimit",
-    timeout: str = "0.02s",
-    service_address: str = "ratelimit:8081",
-    merge_domains: bool = False,
-    listen: str = "0.0.0.0:8080",
-    admin: str = "127.0.0.1:9901",
-    upstream_address: str = "upstream:8080",
-) -> str:
+def render_bootstrap(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
     """YAML of ``build_bootstrap`` for ``config_path``'s rules, runnable as ``envoy -c``.
 
     Raises ConfigLoadError when the rules do not load, ValueError on a bad argument."""
-    config = load_config(read_config_files(config_path), merge_domains=merge_domains)
-    name = pick_domain(sorted(config.domains), domain)
-    bootstrap = build_bootstrap(
-        config.domains[name],
-        cluster=cluster,
-        timeout=timeout,
-        service_address=service_address,
-        listen=listen,
-        admin=admin,
-        upstream_address=upstream_address,
-    )
-    rendered = _to_dict(bootstrap)
+    domain = load_domain(config_path, options)
+    rendered = _to_dict(build_bootstrap(domain, options))
     _spell_out_fail_open(rendered)
-    _, skipped = route_rate_limits(config.domains[name])
+    _, skipped = route_rate_limits(domain)
     header = [
-        f"# Envoy bootstrap for rate-limit domain '{name}', generated from {config_path}.",
-        f"# Run: envoy -c FILE. Listener {listen}, admin {admin}; the service at"
-        f" {service_address}.",
+        f"# Envoy bootstrap for rate-limit domain '{domain.name}', generated from {config_path}.",
+        f"# Run: envoy -c FILE. Listener {options.listen}, admin {options.admin}; the service"
+        f" at {options.service_address}.",
         "# The 'upstream' cluster is a placeholder: point it at your application.",
         "# Routes: one per path a rule names, then '/'; each sends the descriptors its rules",
         "# need (a path only `unlimited` rules cover sends only those, so it is never limited).",

@@ -5,13 +5,13 @@
 Each rule that has a limit becomes one bucket matcher: it matches when the request
 carries every key of the rule's chain (and each fixed value: exact, a ``prefix*``, or
 a regular expression for other wildcards), and builds the bucket id from those keys,
-read from the request the way the RLS generator reads them (envoy_config.header_for;
+read from the request the way the RLS generator reads them (envoy_plan.header_for;
 ``remote_address`` is the peer's address). Envoy takes the first matcher that
 matches, so longer chains come first and each request counts against one rule: the
 most specific one (RLS sends every descriptor and checks them all), ranked as
 matching ranks them. Rules no
 request can reach this way (``unlimited`` ones, valueless ``generic_key``) get no
-matcher: their requests are allowed and not reported.
+matcher: their requests are allowed and not reported (envoy_plan.bucket_chains).
 
 Envoy 1.40's quirks, handled here: ``reporting_interval`` is required but ignored (it
 reports every 5 s); an assignment that expires falls back to ALLOW_ALL for a minute
@@ -46,16 +46,20 @@ from xds.type.matcher.v3 import matcher_pb2, regex_pb2, string_pb2
 from ratelimit_service.cli.envoy_config import (
     ROUTER_FILTER,
     _duration,
-    _limited_paths,
     _pack,
     _to_dict,
     bootstrap_around,
-    header_for,
-    pick_domain,
+    check_clusters,
+    load_domain,
     ratelimit_cluster,
 )
-from ratelimit_service.config.files import read_config_files
-from ratelimit_service.core.config_loader import load_config
+from ratelimit_service.cli.envoy_plan import (
+    DEFAULT_OPTIONS,
+    Chain,
+    EnvoyOptions,
+    bucket_chains,
+    header_for,
+)
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig
 
 RLQS_FILTER = "envoy.filters.http.rate_limit_quota"
@@ -95,7 +99,7 @@ def _value_match(node: DescriptorNode) -> string_pb2.StringMatcher:
     return _regex(".*".join(re.escape(part) for part in node.value.split("*")))
 
 
-def _predicate(chain: tuple[DescriptorNode, ...]) -> Any:
+def _predicate(chain: Chain) -> Any:
     singles = [
         _Predicate(
             single_predicate=_Predicate.SinglePredicate(
@@ -109,7 +113,7 @@ def _predicate(chain: tuple[DescriptorNode, ...]) -> Any:
     return _Predicate(and_matcher=_Predicate.PredicateList(predicate=singles))
 
 
-def _bucket_settings(chain: tuple[DescriptorNode, ...]) -> Any:
+def _bucket_settings(chain: Chain) -> Any:
     builder = _Settings.BucketIdBuilder()
     for node in chain:
         value = builder.bucket_id_builder[node.key]
@@ -147,26 +151,6 @@ def _bucket_settings(chain: tuple[DescriptorNode, ...]) -> Any:
     )
 
 
-def _specificity(node: DescriptorNode) -> int:
-    """As matching ranks a level's children: an exact value, a wildcard, any value."""
-    if node.value is None:
-        return 2
-    return 1 if node.pattern is not None else 0
-
-
-def bucket_chains(domain: DomainConfig) -> list[tuple[DescriptorNode, ...]]:
-    """The rule chains that get a matcher, most specific first (longer chains, then
-    exact values before wildcards before any value, level by level), then in the
-    order of the rule files."""
-    chains = [
-        chain
-        for chain in _limited_paths(domain.root)
-        if not any(limit.unlimited for limit in chain[-1].limits)
-        and not any(n.key == "generic_key" and n.value is None for n in chain)
-    ]
-    return sorted(chains, key=lambda chain: (-len(chain), [_specificity(n) for n in chain]))
-
-
 def bucket_matchers(domain: DomainConfig) -> matcher_pb2.Matcher:
     matchers = [
         matcher_pb2.Matcher.MatcherList.FieldMatcher(
@@ -195,28 +179,20 @@ def rlqs_filter(domain: DomainConfig, cluster: str, node_id: str | None) -> Mess
 
 
 def build_rlqs_bootstrap(
-    domain: DomainConfig,
-    *,
-    cluster: str = "rlqs",
-    service_address: str = "ratelimit:8081",
-    node_id: str | None = None,
-    listen: str = "0.0.0.0:8080",
-    admin: str = "127.0.0.1:9901",
-    upstream_address: str = "upstream:8080",
-    upstream_cluster: str = "upstream",
+    domain: DomainConfig, options: EnvoyOptions = DEFAULT_OPTIONS
 ) -> bootstrap_pb2.Bootstrap:
     """Admin, one listener (the RLQS filter, then the router; every path to the
     placeholder upstream), the upstream and the service's HTTP/2 cluster with gRPC
     health checks and outlier detection (``ratelimit_cluster``: a dead replica is out
     at once, so the stream Envoy reopens at its next report lands on a live one). The
     stream has no retry policy of its own: it is long-lived, not a call to retry."""
-    if cluster == upstream_cluster:
-        raise ValueError(f"--cluster {cluster!r} is the name of the upstream cluster")
+    options = options.for_rlqs()
+    check_clusters(options)
     manager = http_connection_manager_pb2.HttpConnectionManager(
         stat_prefix=domain.name,
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         http_filters=[
-            rlqs_filter(domain, cluster, node_id),
+            rlqs_filter(domain, options.cluster, options.node_id),
             http_connection_manager_pb2.HttpFilter(
                 name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
             ),
@@ -230,59 +206,36 @@ def build_rlqs_bootstrap(
                     routes=[
                         route_components_pb2.Route(
                             match=route_components_pb2.RouteMatch(prefix="/"),
-                            route=route_components_pb2.RouteAction(cluster=upstream_cluster),
+                            route=route_components_pb2.RouteAction(
+                                cluster=options.upstream_cluster
+                            ),
                         )
                     ],
                 )
             ],
         ),
     )
-    return bootstrap_around(
-        manager,
-        domain.name,
-        listen=listen,
-        admin=admin,
-        upstream=(upstream_cluster, upstream_address),
-        service=(cluster, service_address),
-    )
+    return bootstrap_around(manager, domain.name, options)
 
 
 def render_rlqs(
-    config_path: str,
-    *,
-    bootstrap: bool,
-    domain: str | None = None,
-    cluster: str = "rlqs",
-    service_address: str = "ratelimit:8081",
-    node_id: str | None = None,
-    merge_domains: bool = False,
-    listen: str = "0.0.0.0:8080",
-    admin: str = "127.0.0.1:9901",
-    upstream_address: str = "upstream:8080",
+    config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS, *, bootstrap: bool
 ) -> str:
     """YAML: the filter and its cluster, or (``bootstrap``) a whole bootstrap."""
-    config = load_config(read_config_files(config_path), merge_domains=merge_domains)
-    name = pick_domain(sorted(config.domains), domain)
-    rules = config.domains[name]
+    rules = load_domain(config_path, options)
     header = [
-        f"# RLQS for rate-limit domain '{name}', generated from {config_path}: Envoy enforces",
+        f"# RLQS for rate-limit domain '{rules.name}', generated from {config_path}: Envoy"
+        " enforces",
         "# token buckets the service assigns, reporting usage every 5 s (no call per request).",
         "# One bucket per request: the first matcher that matches (longest rule chain first).",
         "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
     if bootstrap:
-        built = build_rlqs_bootstrap(
-            rules,
-            cluster=cluster,
-            service_address=service_address,
-            node_id=node_id,
-            listen=listen,
-            admin=admin,
-            upstream_address=upstream_address,
-        )
+        built = build_rlqs_bootstrap(rules, options)
         return "\n".join(header) + "\n" + yaml.safe_dump(_to_dict(built), sort_keys=False)
+    options = options.for_rlqs()
     pieces = {
-        "http_filters": [_to_dict(rlqs_filter(rules, cluster, node_id))],
-        "clusters": [_to_dict(ratelimit_cluster(cluster, service_address))],
+        "http_filters": [_to_dict(rlqs_filter(rules, options.cluster, options.node_id))],
+        "clusters": [_to_dict(ratelimit_cluster(options.cluster, options.service_address))],
     }
     return "\n".join(header) + "\n" + yaml.safe_dump(pieces, sort_keys=False)

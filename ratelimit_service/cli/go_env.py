@@ -5,7 +5,12 @@ a Helm chart) configures it entirely through environment variables such as ``RED
 ``PORT`` or ``RUNTIME_ROOT``. This module turns those into values for our own ``serve``
 flags, so the same environment runs this service unchanged. A value found here is the
 weakest source: a flag on the command line wins, then our ``RATELIMIT_<FLAG>`` variable,
-then the Go name (see ``cli.main._add``).
+then the Go name (see ``cli.parser._add``).
+
+A Go variable that sets one flag is named in that flag's declaration (``go`` in
+core/settings_table.py) and read by the syntax of the flag's kind (:func:`_read`); the
+rules below read the others: those composed from several variables (``HOST``/``PORT``,
+the ``REDIS_*`` family), and those read in a way of their own.
 
 Each Go setting is one of three kinds (docs/settings.md has the table):
 
@@ -34,7 +39,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
+from ratelimit_service.config.xds_settings import GO_SERVER_URL, MIN_MESSAGE_SIZE
 from ratelimit_service.core.address import split_host_port
+from ratelimit_service.core.settings_table import SETTINGS, Setting, not_negative
 
 GO_LOG_LEVELS = {
     "trace": "DEBUG",
@@ -218,6 +225,61 @@ def _address(host: str, port: int) -> str:
 # -- the rules, one per group of Go settings ------------------------------------------
 
 
+def _one_to_one(r: _Reader) -> None:
+    """Every Go variable that sets one flag, except the xDS client's (read by _xds, only
+    when rules come by xDS)."""
+    for setting in SETTINGS:
+        if setting.go and not setting.flag.startswith("--xds-"):
+            _read(r, setting)
+
+
+def _read(r: _Reader, setting: Setting) -> None:
+    """``setting``'s Go variable, in the Go syntax of the flag's kind: a switch is a Go
+    bool, a choice any case of one, seconds a Go duration, a share a number from 0 to 1,
+    a count a whole number, a text any text but empty."""
+    name, flag, kind = setting.go, setting.flag, setting.kind
+    if kind == "switch":
+        if r.has(name):
+            r.set(flag, "1" if r.boolean(name) else "", name)
+    elif kind == "choice":
+        _choice(r, name, flag, setting.choices or ())
+    elif kind == "share":
+        _share(r, name, flag)
+    elif kind == "seconds":
+        _seconds(r, name, flag, positive=setting.parse is not not_negative)
+    elif kind == "count":
+        _count(r, name, flag)
+    elif r.text(name):
+        r.set(flag, r.text(name), name)
+
+
+def _choice(r: _Reader, name: str, flag: str, choices: tuple[str, ...]) -> None:
+    text = r.text(name)
+    if not text:
+        return
+    if text.lower() not in choices:
+        raise GoSettingError(name, text, f"choose {' or '.join(choices)}")
+    r.set(flag, text.lower(), name)
+
+
+def _seconds(r: _Reader, name: str, flag: str, *, positive: bool) -> None:
+    seconds = r.duration(name)
+    if seconds is None:
+        return
+    if positive and seconds <= 0:
+        raise GoSettingError(name, r.text(name), "must be positive")
+    r.set(flag, seconds, name)
+
+
+def _count(r: _Reader, name: str, flag: str) -> None:
+    if not r.has(name):
+        return
+    text = r.text(name)
+    if not text.isdigit() or int(text) < 1:
+        raise GoSettingError(name, text, "expected a whole number, 1 or more")
+    r.set(flag, text, name)
+
+
 def _share(r: _Reader, name: str, flag: str) -> None:
     """A setting that is a share, from 0 to 1, onto ``flag`` (when set)."""
     text = r.text(name)
@@ -259,13 +321,6 @@ def _ports(r: _Reader) -> None:
     elif r.has("GRPC_PORT") or (r.go_mode and r.has("GRPC_HOST")):
         address = _address(r.text("GRPC_HOST"), r.port("GRPC_PORT", 8081))
         r.set("--grpc-addr", address, "GRPC_HOST/GRPC_PORT")
-    for name, flag in (
-        ("GRPC_MAX_CONNECTION_AGE", "--grpc-max-connection-age"),
-        ("GRPC_MAX_CONNECTION_AGE_GRACE", "--grpc-max-connection-age-grace"),
-    ):
-        seconds = r.duration(name)
-        if seconds is not None:
-            r.set(flag, seconds, name)
 
 
 def _grpc_tls(r: _Reader) -> None:
@@ -289,7 +344,7 @@ def _grpc_tls(r: _Reader) -> None:
             break
 
 
-def _logging(r: _Reader) -> None:
+def _log_level(r: _Reader) -> None:
     level = r.text("LOG_LEVEL")
     if level:
         if level.lower() not in GO_LOG_LEVELS:
@@ -297,11 +352,6 @@ def _logging(r: _Reader) -> None:
                 "LOG_LEVEL", level, f"unknown level; choose from {', '.join(GO_LOG_LEVELS)}"
             )
         r.set("--log-level", GO_LOG_LEVELS[level.lower()], "LOG_LEVEL")
-    log_format = r.text("LOG_FORMAT")
-    if log_format:
-        if log_format.lower() not in ("text", "json"):
-            raise GoSettingError("LOG_FORMAT", log_format, "choose text or json")
-        r.set("--log-format", log_format.lower(), "LOG_FORMAT")
 
 
 def _backend(r: _Reader) -> None:
@@ -325,16 +375,7 @@ def _redis(r: _Reader) -> None:
     url = r.text("REDIS_URL")
     if url:
         r.set("--redis-url", redis_url_from_go(r), "REDIS_URL")
-    if r.has("REDIS_POOL_SIZE"):
-        size = r.text("REDIS_POOL_SIZE")
-        if not size.isdigit() or int(size) < 1:
-            raise GoSettingError("REDIS_POOL_SIZE", size, "expected a whole number, 1 or more")
-        r.set("--redis-pool-size", size, "REDIS_POOL_SIZE")
-    seconds = r.duration("REDIS_TIMEOUT")
-    if seconds is not None:
-        if seconds <= 0:
-            raise GoSettingError("REDIS_TIMEOUT", r.text("REDIS_TIMEOUT"), "must be positive")
-        r.set("--redis-timeout", seconds, "REDIS_TIMEOUT")
+    # Read when set, even empty: the Go service's default prefix is "".
     if r.has("CACHE_KEY_PREFIX"):
         r.set("--redis-key-prefix", r.text("CACHE_KEY_PREFIX"), "CACHE_KEY_PREFIX")
 
@@ -414,19 +455,6 @@ def _tls_query(r: _Reader) -> str:
     return "?" + "&".join(options) if options else ""
 
 
-def _limiter(r: _Reader) -> None:
-    for name, flag in (
-        ("SHADOW_MODE", "--shadow-mode"),
-        ("MERGE_DOMAIN_CONFIG", "--merge-domain-config"),
-        ("FORCE_START_WITHOUT_INITIAL_CONFIG", "--force-start-without-initial-config"),
-        ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "--healthy-with-at-least-one-config-loaded"),
-    ):
-        if r.has(name):
-            r.set(flag, "1" if r.boolean(name) else "", name)
-    _share(r, "NEAR_LIMIT_RATIO", "--near-limit-ratio")
-    _stop_increment(r)
-
-
 def _stop_increment(r: _Reader) -> None:
     """STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT: true, a denied call counts nothing
     (--count-denied-costs false); false (Go counts every hit), costs count when denied
@@ -446,16 +474,6 @@ def _stop_increment(r: _Reader) -> None:
 def _headers(r: _Reader) -> None:
     if r.boolean("LIMIT_RESPONSE_HEADERS_ENABLED"):
         r.set("--response-headers", "ratelimit", "LIMIT_RESPONSE_HEADERS_ENABLED")
-    if r.has("RESPONSE_DYNAMIC_METADATA"):
-        metadata = r.boolean("RESPONSE_DYNAMIC_METADATA")
-        r.set("--go-dynamic-metadata", "1" if metadata else "", "RESPONSE_DYNAMIC_METADATA")
-    for name, flag in (
-        ("LIMIT_LIMIT_HEADER", "--header-limit"),
-        ("LIMIT_REMAINING_HEADER", "--header-remaining"),
-        ("LIMIT_RESET_HEADER", "--header-reset"),
-    ):
-        if r.text(name):
-            r.set(flag, r.text(name), name)
 
 
 def _stats(r: _Reader) -> None:
@@ -463,13 +481,6 @@ def _stats(r: _Reader) -> None:
     if r.boolean("USE_STATSD", default=r.go_mode) and not disabled:
         address = _address(r.text("STATSD_HOST", "localhost"), r.port("STATSD_PORT", 8125))
         r.set("--statsd-addr", address, "USE_STATSD/STATSD_HOST/STATSD_PORT")
-    seconds = r.duration("STATS_FLUSH_INTERVAL")
-    if seconds is not None:
-        if seconds <= 0:
-            raise GoSettingError(
-                "STATS_FLUSH_INTERVAL", r.text("STATS_FLUSH_INTERVAL"), "must be positive"
-            )
-        r.set("--statsd-flush-interval", seconds, "STATS_FLUSH_INTERVAL")
     if r.boolean("USE_PROMETHEUS") and not disabled:
         address = r.text("PROMETHEUS_ADDR", ":9090") or ":9090"
         try:
@@ -489,57 +500,22 @@ def _xds(r: _Reader) -> None:
         raise GoSettingError("CONFIG_TYPE", r.text("CONFIG_TYPE"), "choose FILE or GRPC_XDS_SOTW")
     if config_type == "FILE":
         return
-    server = r.text("CONFIG_GRPC_XDS_SERVER_URL", "localhost:18000") or "localhost:18000"
+    server = r.text("CONFIG_GRPC_XDS_SERVER_URL") or GO_SERVER_URL
     _check_host_port("CONFIG_GRPC_XDS_SERVER_URL", server, server)
     r.set("--xds-server", server, "CONFIG_TYPE/CONFIG_GRPC_XDS_SERVER_URL")
-    for name, flag in (
-        ("CONFIG_GRPC_XDS_NODE_ID", "--xds-node-id"),
-        ("CONFIG_GRPC_XDS_NODE_METADATA", "--xds-node-metadata"),
-        ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "--xds-headers"),
-        ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "--xds-client-cert"),
-        ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "--xds-client-key"),
-        ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "--xds-server-ca"),
-        ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "--xds-server-san"),
-    ):
-        if r.text(name):
-            r.set(flag, r.text(name), name)
-    if r.boolean("CONFIG_GRPC_XDS_SERVER_USE_TLS"):
-        r.set("--xds-tls", "1", "CONFIG_GRPC_XDS_SERVER_USE_TLS")
-    for name, flag in (
-        ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "--xds-backoff-initial"),
-        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "--xds-backoff-max"),
-    ):
-        seconds = r.duration(name)
-        if seconds is not None:
-            if seconds <= 0:
-                raise GoSettingError(name, r.text(name), "must be positive")
-            r.set(flag, seconds, name)
+    for setting in SETTINGS:
+        if setting.go and setting.flag.startswith("--xds-"):
+            _read(r, setting)
+    # Read with the xDS client's own bound (config/xds_settings.py), not --xds-max-message-size's.
     size = r.text("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
     if size:
-        if not size.isdigit() or int(size) < 1024:
+        if not size.isdigit() or int(size) < MIN_MESSAGE_SIZE:
             raise GoSettingError(
-                "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", size, "expected a whole number, 1024 or more"
+                "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES",
+                size,
+                f"expected a whole number, {MIN_MESSAGE_SIZE} or more",
             )
         r.set("--xds-max-message-size", size, "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
-
-
-def _tracing(r: _Reader) -> None:
-    """TRACING_*: spans over OTLP; the exporters read OTEL_EXPORTER_OTLP_* themselves."""
-    if r.has("TRACING_ENABLED"):
-        r.set("--tracing", "1" if r.boolean("TRACING_ENABLED") else "", "TRACING_ENABLED")
-    for name, flag in (
-        ("TRACING_SERVICE_NAME", "--tracing-service-name"),
-        ("TRACING_SERVICE_NAMESPACE", "--tracing-service-namespace"),
-        ("TRACING_SERVICE_INSTANCE_ID", "--tracing-service-instance-id"),
-    ):
-        if r.text(name):
-            r.set(flag, r.text(name), name)
-    protocol = r.text("TRACING_EXPORTER_PROTOCOL")
-    if protocol:
-        if protocol.lower() not in ("grpc", "http"):
-            raise GoSettingError("TRACING_EXPORTER_PROTOCOL", protocol, "choose grpc or http")
-        r.set("--tracing-protocol", protocol.lower(), "TRACING_EXPORTER_PROTOCOL")
-    _share(r, "TRACING_SAMPLING_RATE", "--tracing-sampling-rate")
 
 
 def _accepted(r: _Reader) -> None:
@@ -556,13 +532,13 @@ _RULES: tuple[Callable[[_Reader], None], ...] = (
     _runtime,
     _ports,
     _grpc_tls,
-    _logging,
+    _log_level,
     _backend,
     _redis,
-    _limiter,
+    _stop_increment,
     _headers,
     _stats,
     _xds,
-    _tracing,
+    _one_to_one,
     _accepted,
 )

@@ -18,6 +18,7 @@ from pathlib import Path
 from ratelimit_service.config.files import config_paths
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_model import RateLimitConfig
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.engine.background import BackgroundTask
 from ratelimit_service.engine.stats import Stats
 
@@ -48,7 +49,7 @@ class ConfigWatcher:
         load: Callable[[], RateLimitConfig],
         install: Callable[[RateLimitConfig], None],
         stats: Stats,
-        interval: float = 1.0,
+        interval: float = default("--watch-interval"),
     ) -> None:
         self.path = path
         self._load = load

@@ -2,7 +2,8 @@
 
 The defaults are the Go service's (CONFIG_GRPC_XDS_* and XDS_CLIENT_*), so a
 deployment written for envoyproxy/ratelimit, Envoy Gateway's in particular, behaves
-the same: node id ``default``, backoff from 10 s to 60 s with a random factor of 0.5.
+the same: those with a flag are the --xds-* flags' (core/settings_table.py), the
+backoff's random factor is 0.5.
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-DEFAULT_MAX_MESSAGE_SIZE = 4 * 1024 * 1024
-"""gRPC's own default; a large Envoy Gateway install may need more (every config of
-every route comes in one response)."""
+from ratelimit_service.core.settings_table import default
+
+GO_SERVER_URL = "localhost:18000"
+"""The Go service's CONFIG_GRPC_XDS_SERVER_URL when unset."""
+MIN_MESSAGE_SIZE = 1024
+"""The smallest ``max_message_size`` taken: below it no response would fit."""
 
 
 @dataclass(frozen=True)
 class XdsSettings:
-    server_url: str = "localhost:18000"
+    server_url: str = GO_SERVER_URL
     """host:port of the ADS server (CONFIG_GRPC_XDS_SERVER_URL)."""
-    node_id: str = "default"
+    node_id: str = default("--xds-node-id")
     node_metadata: Mapping[str, str] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
     """Metadata sent on the stream (CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS)."""
@@ -31,11 +35,11 @@ class XdsSettings:
     """CA bundle the server's certificate must chain to; None: the system roots."""
     server_san: str | None = None
     """The name to check the server's certificate for, when it is not server_url's host."""
-    backoff_initial: float = 10.0
-    backoff_max: float = 60.0
+    backoff_initial: float = default("--xds-backoff-initial")
+    backoff_max: float = default("--xds-backoff-max")
     backoff_random_factor: float = 0.5
     backoff_jitter: bool = True
-    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    max_message_size: int = default("--xds-max-message-size")
     keepalive_time: float = 300.0
     """Seconds between HTTP/2 pings on a quiet stream, so a server that vanished without
     closing the connection (a node lost, a partition) is noticed and the client
@@ -56,7 +60,7 @@ class XdsSettings:
             raise ValueError("xDS backoff needs 0 < backoff_initial <= backoff_max")
         if not 0 <= self.backoff_random_factor < 1:
             raise ValueError("xDS backoff_random_factor must be in [0, 1)")
-        if self.max_message_size < 1024:
+        if self.max_message_size < MIN_MESSAGE_SIZE:
             raise ValueError("xDS max_message_size is below 1 KiB")
         if self.keepalive_time <= 0 or self.keepalive_timeout <= 0:
             raise ValueError("xDS keepalive_time and keepalive_timeout must be positive")

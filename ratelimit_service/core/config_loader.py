@@ -32,6 +32,7 @@ from ratelimit_service.core.config_model import (
     WildcardPattern,
     list_label,
 )
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.units import UNIT_SECONDS, Unit, parse_unit
 
 UINT32_MAX = 2**32 - 1
@@ -678,7 +679,7 @@ def _plain_yaml(exc: yaml.MarkedYAMLError) -> str:
 def load_config(
     files: Sequence[ConfigFile],
     *,
-    default_mode: Mode = Mode.PROBABILISTIC,
+    default_mode: Mode = default("--mode"),
     default_failure_mode: FailureMode = FailureMode.OPEN,
     merge_domains: bool = False,
 ) -> RateLimitConfig:

@@ -29,6 +29,18 @@ class FailureMode(enum.Enum):
     CLOSED = "closed"
 
 
+class HeaderStyle(enum.Enum):
+    """Which rate-limit headers an answer asks Envoy to add to the client response
+    (--response-headers)."""
+
+    OFF = "off"
+    RATELIMIT = "ratelimit"
+    """``RateLimit-Limit`` / ``-Remaining`` / ``-Reset`` (names configurable), as the Go service."""
+    DRAFT03 = "draft03"
+    """``X-RateLimit-*`` of draft-ietf-httpapi-ratelimit-headers-03, as Envoy's own
+    ``enable_x_ratelimit_headers: DRAFT_VERSION_03`` writes them (limit with ``;w=``)."""
+
+
 MAX_OVER_LIMIT_BODY = 16 * 1024
 """The largest ``over_limit.body`` a rule may give (bytes, UTF-8): every denial by the
 rule carries it, and Envoy holds it in memory per 429."""

@@ -10,9 +10,8 @@ from typing import Any
 
 from ratelimit_service.core.config_model import RateLimit
 from ratelimit_service.core.exact import HitRole, denies
-from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus, Request
-
-NEAR_LIMIT_RATIO = 0.8
+from ratelimit_service.core.request import Code, Descriptor, DescriptorStatus, Request, Response
+from ratelimit_service.core.settings_table import default
 
 _OK = Code.OK
 _OVER = Code.OVER_LIMIT
@@ -40,7 +39,7 @@ def drop_replaced(limits: list[RateLimit | None]) -> None:
             limits[index] = None
 
 
-def near_threshold(limit: int, ratio: float = NEAR_LIMIT_RATIO) -> int:
+def near_threshold(limit: int, ratio: float = default("--near-limit-ratio")) -> int:
     """Hits in the window past which admitted hits count as near the limit (80 % by
     default, as envoyproxy/ratelimit counts them, and its NEAR_LIMIT_RATIO otherwise;
     denied hits are all over the limit)."""
@@ -96,26 +95,21 @@ def verdict(statuses: Sequence[DescriptorStatus]) -> tuple[Code, DescriptorStatu
     return _OK, nearest
 
 
-def overall_code(statuses: Sequence[DescriptorStatus]) -> Code:
-    """The answer's overall code (:func:`verdict`)."""
-    return verdict(statuses)[0]
-
-
-def deciding_status(statuses: Sequence[DescriptorStatus]) -> DescriptorStatus | None:
-    """The status of the rule that decided the answer (:func:`verdict`); the
-    rate-limit headers report it too."""
-    return verdict(statuses)[1]
+def answer(statuses: list[DescriptorStatus], admit: bool = False) -> Response:
+    """The response for ``statuses``: its code and deciding status by :func:`verdict`,
+    worked out once per answer (the metadata, the headers and the over_limit body
+    read them from the response). With ``admit`` (global shadow mode, or the limiter
+    admitted the request already) the answer is OK, marked ``shadowed`` where the
+    statuses deny."""
+    code, decided = verdict(statuses)
+    if code is _OVER and admit:
+        return Response(_OK, statuses, decided, True)
+    return Response(code, statuses, decided)
 
 
 def rule_name(limit: RateLimit) -> str:
     """How a rule is named to operators: its YAML ``name``, else its stats key."""
     return limit.name or limit.stats_key
-
-
-def deciding_rule(statuses: Sequence[DescriptorStatus]) -> str | None:
-    """The name (:func:`rule_name`) of the rule that decided the answer, or None."""
-    status = deciding_status(statuses)
-    return None if status is None or status.limit is None else rule_name(status.limit)
 
 
 def limit_facts(limit: RateLimit) -> dict[str, Any]:
@@ -131,16 +125,13 @@ SHADOW_OVER = "OVER_LIMIT"
 
 
 def decision_metadata(
-    domain: str,
-    statuses: Sequence[DescriptorStatus],
-    overall: Code | None = None,
-    go_request: Request | None = None,
+    domain: str, response: Response, go_request: Request | None = None
 ) -> dict[str, Any]:
     """The response's ``dynamic_metadata``, which Envoy's ratelimit filter puts under
-    its namespace for access logs: the domain, the deciding rule (:func:`deciding_rule`;
-    absent when no descriptor has a finite limit), ``shadow: OVER_LIMIT`` when the
-    answer's code (``overall``; None: the statuses' own) is OK where the statuses deny
-    (global shadow mode), and, per descriptor in request order, its rule's
+    its namespace for access logs: the domain, the deciding rule (Response.decided's
+    :func:`rule_name`; absent when no descriptor has a finite limit), ``shadow:
+    OVER_LIMIT`` when the answer is OK where its statuses deny (Response.shadowed:
+    global shadow mode), and, per descriptor in request order, its rule's
     :func:`limit_facts` and ``remaining``, with ``shadow: OVER_LIMIT`` for a shadow
     rule over its limit, or None when it has no finite limit, under ``descriptors``.
     With ``go_request`` (``--go-dynamic-metadata``), envoyproxy/ratelimit's keys too
@@ -148,10 +139,10 @@ def decision_metadata(
     list above is under ``limits``. rls/wire.py writes the same content straight to
     bytes."""
     metadata: dict[str, Any] = {"domain": domain}
-    code, decided = verdict(statuses)
+    statuses, decided = response.statuses, response.decided
     if decided is not None and decided.limit is not None:
         metadata["rule"] = rule_name(decided.limit)
-    if code is _OVER and overall is _OK:
+    if response.shadowed:
         metadata[SHADOW] = SHADOW_OVER
     items: list[dict[str, Any] | None] = []
     for status in statuses:

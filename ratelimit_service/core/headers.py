@@ -1,36 +1,28 @@
 """Rate-limit response headers, chosen the way envoyproxy/ratelimit chooses them.
 
 The descriptor reported is the one that decided the answer (core.decision's
-verdict): on a denial the last enforcing descriptor over its limit, else (every quota
-descriptor over) the last quota one; otherwise the one with the smallest remaining count.
+verdict, which the response carries: Response.decided): on a denial the last enforcing
+descriptor over its limit, else (every quota descriptor over) the last quota one;
+otherwise the one with the smallest remaining count.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ratelimit_service.core.decision import deciding_status, rule_name
+from ratelimit_service.core.config_model import HeaderStyle
+from ratelimit_service.core.decision import rule_name
 from ratelimit_service.core.request import DescriptorStatus
-
-
-class HeaderStyle(enum.Enum):
-    OFF = "off"
-    RATELIMIT = "ratelimit"
-    """``RateLimit-Limit`` / ``-Remaining`` / ``-Reset`` (names configurable), as the Go service."""
-    DRAFT03 = "draft03"
-    """``X-RateLimit-*`` of draft-ietf-httpapi-ratelimit-headers-03, as Envoy's own
-    ``enable_x_ratelimit_headers: DRAFT_VERSION_03`` writes them (limit with ``;w=``)."""
+from ratelimit_service.core.settings_table import default
 
 
 @dataclass(frozen=True, slots=True)
 class HeaderNames:
-    limit: str = "RateLimit-Limit"
-    remaining: str = "RateLimit-Remaining"
-    reset: str = "RateLimit-Reset"
-    rule: str = ""
+    limit: str = default("--header-limit")
+    remaining: str = default("--header-remaining")
+    reset: str = default("--header-reset")
+    rule: str = default("--header-rule")
     """A header naming the deciding rule (its name, else its stats key); empty: none.
     Independent of the style: it may be the only header sent."""
 
@@ -39,13 +31,13 @@ DRAFT03_NAMES = HeaderNames("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-Rat
 
 
 def rate_limit_headers(
-    statuses: Sequence[DescriptorStatus], style: HeaderStyle, names: HeaderNames
+    status: DescriptorStatus | None, style: HeaderStyle, names: HeaderNames
 ) -> list[tuple[str, str]]:
-    """Header name/value pairs for Envoy to add to the client response; empty when off
-    or when no descriptor had a limit."""
+    """Header name/value pairs for Envoy to add to the client response, for the
+    answer's deciding ``status`` (Response.decided); empty when off or when no
+    descriptor had a limit."""
     if style is HeaderStyle.OFF and not names.rule:
         return []
-    status = deciding_status(statuses)
     if status is None or status.limit is None:
         return []
     headers = _count_headers(status, style, names)

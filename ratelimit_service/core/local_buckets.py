@@ -29,6 +29,7 @@ from ratelimit_service.core.drop_ratio import (
     initial_credit,
     smoothed_rate,
 )
+from ratelimit_service.core.settings_table import default
 
 IDLE_SECONDS = 30.0
 """How long a bucket no request used is kept (at least its window). A process that
@@ -244,9 +245,9 @@ class LocalBuckets:
 
     def __init__(
         self,
-        max_buckets: int = 100_000,
+        max_buckets: int = default("--max-buckets"),
         decay: float = 0.5,
-        stale_after: float = 3.0,
+        stale_after: float = default("--stale-after"),
     ) -> None:
         self._buckets: OrderedDict[str, ProbabilisticBucket] = OrderedDict()
         self.stale_after = stale_after

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ratelimit_service.core.config_model import RateLimit
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.units import Unit
 
 UINT32_MAX = 2**32 - 1
@@ -54,8 +55,17 @@ class DescriptorStatus:
 
 @dataclass(slots=True)
 class Response:
+    """An answer; core.decision.answer makes one from its statuses, with the verdict
+    over them worked out once for everything that reads it (the metadata, the
+    headers, the over_limit body)."""
+
     overall: Code
     statuses: list[DescriptorStatus] = field(default_factory=list)
+    decided: DescriptorStatus | None = None
+    """The status of the rule that decided the answer (core.decision.verdict); None
+    when no descriptor has a limit."""
+    shadowed: bool = False
+    """The answer is OK where its statuses deny (global shadow mode)."""
 
 
 class InvalidRequest(ValueError):
@@ -66,8 +76,8 @@ class InvalidRequest(ValueError):
 class RequestBounds:
     """Limits on what one request may carry, so a bad client cannot cost unbounded work."""
 
-    max_descriptors: int = 64
-    max_entries: int = 32
+    max_descriptors: int = default("--max-descriptors")
+    max_entries: int = default("--max-entries")
     max_text_length: int = 1024
 
 

@@ -23,12 +23,11 @@ from ratelimit_service.core.config_model import (
     RateLimitConfig,
 )
 from ratelimit_service.core.decision import (
-    NEAR_LIMIT_RATIO,
+    answer,
     drop_replaced,
     hits_for,
     near_hits,
     near_threshold,
-    overall_code,
     role_of,
 )
 from ratelimit_service.core.exact import (
@@ -61,6 +60,7 @@ from ratelimit_service.core.request import (
     Response,
     validate,
 )
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.units import Unit
 from ratelimit_service.engine.stats import RuleStats, Stats
 from ratelimit_service.storage.base import Store, StoreOverloaded, StoreUnavailable
@@ -68,8 +68,8 @@ from ratelimit_service.storage.base import Store, StoreOverloaded, StoreUnavaila
 log = logging.getLogger(__name__)
 
 MATCH_CACHE_SIZE = 10_000
-# Enum members read through the class cost ~50 ns each (3.11); the request path reads
-# these module constants instead.
+# An Enum member read through its class is a lookup through the enum's metaclass each
+# time; the request path reads these module constants instead.
 _OK = Code.OK
 _OVER = Code.OVER_LIMIT
 _PLACEHOLDER = DescriptorStatus(_OK)
@@ -201,12 +201,12 @@ class RateLimiter:
         stats: Stats | None = None,
         local: LocalBuckets | None = None,
         bounds: RequestBounds | None = None,
-        default_mode: Mode = Mode.PROBABILISTIC,
-        global_shadow: bool = False,
-        near_ratio: float = NEAR_LIMIT_RATIO,
+        default_mode: Mode = default("--mode"),
+        global_shadow: bool = default("--shadow-mode"),
+        near_ratio: float = default("--near-limit-ratio"),
         clock: Callable[[], float] = time.time,
         draw: Callable[[], float] | None = None,
-        count_denied_costs: bool = True,
+        count_denied_costs: bool = default("--count-denied-costs"),
     ) -> None:
         """``draw``: numbers in [0, 1) to compare with drop ratios. None (the default):
         each bucket's own evenly spread sequence (ProbabilisticBucket.next_draw), which
@@ -257,7 +257,7 @@ class RateLimiter:
             statuses[index] = DescriptorStatus(_OK)
         taken: list[tuple[ProbabilisticBucket, int]] = []
         # No coroutine below this one: most requests never wait, and each coroutine
-        # layer costs the request path about 0.3 µs.
+        # layer adds a frame and a send to every request.
         commit, quota_met = True, False
         if plan.local:
             commit, quota_met = self._decide_local(plan.local, plan.exact_quota, statuses, taken)
@@ -344,7 +344,7 @@ class RateLimiter:
         taken: list[tuple[ProbabilisticBucket, int]] = []
         commit, _ = self._decide_local(plan.local, False, statuses, taken)
         if commit:  # nothing denied: OK, with nothing to give back
-            return Response(_OK, statuses)
+            return answer(statuses, admit=True)
         return self._finish(statuses, taken)
 
     def rules_of(self, request: Request) -> list[tuple[int, str]]:
@@ -570,13 +570,14 @@ class RateLimiter:
     def _finish(
         self, statuses: list[DescriptorStatus], taken: list[tuple[ProbabilisticBucket, int]]
     ) -> Response:
-        overall = overall_code(statuses)
-        if overall is _OVER:
+        """The answer (its verdict worked out once, core.decision.answer); a denied
+        request's probabilistic hits given back."""
+        response = answer(statuses, self.global_shadow)
+        if response.overall is _OVER or response.shadowed:
             self.local.give_back(taken)  # a denied request consumes no quota
-            if self.global_shadow:
+            if response.shadowed:
                 self.stats.global_shadow_mode += 1
-                overall = _OK
-        return Response(overall, statuses)
+        return response
 
 
 def _put(statuses: list[DescriptorStatus], index: int, status: DescriptorStatus) -> None:

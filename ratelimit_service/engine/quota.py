@@ -39,18 +39,17 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ratelimit_service.core.config_model import RateLimit, RateLimitConfig
 from ratelimit_service.core.matching import Match, bucket_entries, find_limits
+from ratelimit_service.core.quota_counter import QuotaCounter, Seen
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.shares import (
-    Split,
     TokenBucket,
-    counted_share,
     next_bucket,
     settle_share,
     stored,
-    water_level,
     window_index,
     window_reset,
 )
@@ -73,8 +72,6 @@ abandon the bucket (it subscribes again with its next request)."""
 FORGET_AFTER = 3 * REPORT_INTERVAL
 """Seconds after which an instance that stopped reporting a bucket no longer takes a
 share of it."""
-PUBLISH_INTERVAL = 1.0
-"""Seconds between two publishes of a replica's totals (``--rlqs-publish-interval``)."""
 MIN_ELAPSED = 0.5
 """A report sooner than this after the previous one measures no demand (Envoy's first
 report of a bucket comes at once, then the periodic ones)."""
@@ -115,96 +112,10 @@ class Action:
     ttl_seconds: int = TTL_SECONDS
 
 
-@dataclass(slots=True)
-class _Seen:
-    """One instance's own view of one counter (its reports to this replica)."""
-
-    last_report: float
-    demand: float | None = None
-    """Hits per second it offered over its last measured report; None: not yet."""
-    idle: int = 0
-    bucket: Mapping[str, str] | None = None
-    """The bucket id the instance last reported for the counter (what a pushed
-    assignment names)."""
-    sent: TokenBucket | None = None
-    """The token bucket the instance holds (None: none yet, or a blanket rule)."""
-    saved: float | None = None
-    """What its bucket holds, as core.shares.stored counts it (None: no bucket yet)."""
-    lost: float = 0.0
-    """What it lost to its full bucket over its last report (core.shares.stored)."""
-    saved_at: float = 0.0
-    """When ``saved`` was counted (this process's clock)."""
-
-
-@dataclass(slots=True)
-class _Counter:
-    """One counter (a rule's bucket key) on this replica: the instances that report it
-    here, their shares, and the replica's part of the limit."""
-
-    key: str
-    match: Match
-    seen: dict[str, _Seen] = field(default_factory=dict)
-    shares: dict[str, float] = field(default_factory=dict)
-    """The share last assigned to each instance, in hits per window."""
-    counts: dict[str, float] = field(default_factory=dict)
-    """What each instance's share counts for in the others' room (counted_share)."""
-    held: float = 0.0
-    """The sum of ``counts``: what the instances hold of the part."""
-    part: float | None = None
-    """This replica's part of the limit, hits per window; None until first published."""
-    split: Split = field(default_factory=lambda: Split(math.inf, 0.0))
-    """The part divided among ``seen`` by demand (recomputed at each publish)."""
-    totals: TierTotals | None = None
-    used: int = 0
-    """The fleet's allowed hits in the current window: the store's count at the last
-    publish and this replica's since."""
-    window: int = -1
-    unpublished: int = 0
-    """Allowed hits reported here since the last publish."""
-    first: asyncio.Future[None] | None = None
-    """The first publish in flight (reports that meet the counter meanwhile wait on it)."""
-
-    @property
-    def window_seconds(self) -> int:
-        return self.match.limit.window_seconds
-
-    def asked(self, seen: _Seen, even: float) -> float:
-        """What an instance asks for, in hits per window (``even`` while unmeasured)."""
-        return even if seen.demand is None else seen.demand * self.window_seconds
-
-    def even(self) -> float:
-        return (self.part or 0.0) / max(1, len(self.seen))
-
-    def assign(self, name: str, share: float, even: float) -> None:
-        """Record ``name``'s new share and what it counts for in the others' room."""
-        seen = self.seen.get(name)
-        counted = counted_share(share, None if seen is None else seen.demand, even)
-        self.held += counted - self.counts.get(name, 0.0)
-        self.shares[name], self.counts[name] = share, counted
-
-    def room(self, name: str) -> float:
-        """What ``name`` may hold: the part less what the others hold now."""
-        return (self.part or 0.0) - (self.held - self.counts.get(name, 0.0))
-
-    def resplit(self) -> None:
-        """Divide the part among the instances again (their demands changed)."""
-        part, even = self.part or 0.0, self.even()
-        self.split = water_level(part, {n: self.asked(s, even) for n, s in self.seen.items()})
-        self.held = 0.0
-        for name, share in list(self.shares.items()):
-            self.counts.pop(name, None)
-            self.assign(name, share, even)
-
-    def remove(self, name: str) -> None:
-        self.seen.pop(name, None)
-        self.shares.pop(name, None)
-        self.held -= self.counts.pop(name, 0.0)
-
-
 @dataclass(frozen=True, slots=True)
 class CounterView:
-    """One counter as the status page reads it (engine/status.py): a copy, taken
-    between two reports."""
+    """One counter as the status page and /metrics read it (engine/status.py,
+    engine/state_metrics.py): a copy, taken between two reports."""
 
     key: str
     stats_key: str
@@ -225,8 +136,8 @@ class _Pending:
     """A bucket of a report whose rule limits it, waiting for its counter's part."""
 
     usage: Usage
-    counter: _Counter
-    seen: _Seen
+    counter: QuotaCounter
+    seen: Seen
     elapsed: float | None
 
 
@@ -237,7 +148,7 @@ class QuotaCoordinator:
         stats: Stats,
         store: Store,
         *,
-        interval: float = PUBLISH_INTERVAL,
+        interval: float = default("--rlqs-publish-interval"),
         member: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -252,12 +163,15 @@ class QuotaCoordinator:
         self._wall = wall
         self.interval = interval
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._counters: dict[str, _Counter] = {}
+        self._counters: dict[str, QuotaCounter] = {}
         self._of: dict[str, set[str]] = {}
         """Instance → the counters it reports here."""
         self._pushers: dict[str, Callable[[list[Action]], bool]] = {}
         """Each connected instance's way to receive assignments between its reports
         (its stream's outbox; False when it is full)."""
+        self._first: dict[int, asyncio.Future[None]] = {}
+        """Counters whose first publish is in flight, by id() (each one held alive by
+        the publishing report meanwhile): reports that meet one wait on it."""
         self._background = BackgroundTask("rlqs-publish", self.run)
 
         self.closing = asyncio.Event()
@@ -309,12 +223,12 @@ class QuotaCoordinator:
         log.debug("report from %s: %s %d/%d", instance, usage.bucket, usage.allowed, usage.denied)
         counter = self._counters.get(match.bucket_key)
         if counter is None:
-            counter = self._counters[match.bucket_key] = _Counter(match.bucket_key, match)
+            counter = self._counters[match.bucket_key] = QuotaCounter(match.bucket_key, match)
         self._follow_rule(counter, match)
         seen = counter.seen.get(instance)
         elapsed = None if seen is None else now - seen.last_report
         if seen is None:
-            seen = counter.seen[instance] = _Seen(now)
+            seen = counter.seen[instance] = Seen(now)
             self._of.setdefault(instance, set()).add(counter.key)
             if counter.part is not None:
                 counter.resplit()  # once per instance joining: its even share counts
@@ -329,7 +243,7 @@ class QuotaCoordinator:
         return _Pending(usage, counter, seen, elapsed)
 
     @staticmethod
-    def _spent(seen: _Seen, usage: Usage, now: float) -> None:
+    def _spent(seen: Seen, usage: Usage, now: float) -> None:
         """What the instance's bucket holds now and what it lost to being full: it
         earned at the rate it holds since the last count, and spent what it allowed."""
         if seen.saved is None or seen.sent is None:
@@ -340,7 +254,7 @@ class QuotaCoordinator:
         seen.saved_at = now
 
     @staticmethod
-    def _follow_rule(counter: _Counter, match: Match) -> None:
+    def _follow_rule(counter: QuotaCounter, match: Match) -> None:
         """The rule in force now: a reload that changed the limit applies at once, the
         replica keeping its fraction of it until the next publish."""
         before, now = counter.match.limit, match.limit
@@ -351,7 +265,7 @@ class QuotaCoordinator:
         counter.part = fraction * now.requests_per_unit
         counter.resplit()
 
-    def _add_used(self, counter: _Counter, allowed: int) -> None:
+    def _add_used(self, counter: QuotaCounter, allowed: int) -> None:
         """Count allowed hits in the fleet's window (a new window starts at 0, on time,
         with or without the store)."""
         index = window_index(self._wall(), counter.window_seconds)
@@ -360,22 +274,23 @@ class QuotaCoordinator:
         counter.used += allowed
         counter.unpublished += allowed
 
-    async def _first_parts(self, counters: list[_Counter]) -> None:
+    async def _first_parts(self, counters: list[QuotaCounter]) -> None:
         """Counters this replica has never published get their part from the store
         before they are answered (a restarted replica must not hand out the whole
         limit again): one call for all of them; a report that meets one whose first
         publish is in flight waits for it."""
-        fresh = list({id(c): c for c in counters if c.part is None and c.first is None}.values())
-        waiting = {id(c.first): c.first for c in counters if c.first is not None}
+        first = self._first
+        fresh = list({id(c): c for c in counters if c.part is None and id(c) not in first}.values())
+        waiting = {id(f): f for c in counters if (f := first.get(id(c))) is not None}
         if fresh:
             done = asyncio.get_running_loop().create_future()
             for counter in fresh:
-                counter.first = done
+                first[id(counter)] = done
             try:
                 await self._publish(fresh)
             finally:
                 for counter in fresh:
-                    counter.first = None
+                    del first[id(counter)]
                 done.set_result(None)
         for future in waiting.values():
             await asyncio.shield(future)
@@ -402,7 +317,7 @@ class QuotaCoordinator:
             return Action(usage.bucket, DENY_ALL, ttl_seconds=reset)
         return Action(usage.bucket, TOKEN_BUCKET, self._bucket(counter, seen, share))
 
-    def _bucket(self, counter: _Counter, seen: _Seen, share: float) -> TokenBucket:
+    def _bucket(self, counter: QuotaCounter, seen: Seen, share: float) -> TokenBucket:
         """The bucket to send for ``share``: the one the instance holds when that will
         do, else a new one, which Envoy starts full with what the instance has stored."""
         limit = counter.match.limit
@@ -426,7 +341,7 @@ class QuotaCoordinator:
             for counter in counters:
                 self._grow(counter)
 
-    async def _publish(self, counters: list[_Counter]) -> bool:
+    async def _publish(self, counters: list[QuotaCounter]) -> bool:
         """Publish this replica's totals of ``counters`` and take its new parts; False
         when the store is away (each counter keeps its part: fail-static; one never
         published gets the whole limit, as RLS answers by failure_mode then)."""
@@ -455,7 +370,7 @@ class QuotaCoordinator:
             counter.resplit()
         return True
 
-    def _totals(self, counter: _Counter) -> TierReport:
+    def _totals(self, counter: QuotaCounter) -> TierReport:
         """This replica's totals of one counter: its instances' demand (per second; an
         unmeasured one as an even share of the fleet's instances) and allowed hits."""
         window = counter.window_seconds
@@ -468,7 +383,7 @@ class QuotaCoordinator:
             counter.key, self.member, demand, len(counter.seen), counter.unpublished, window, rate
         )
 
-    def _grow(self, counter: _Counter) -> None:
+    def _grow(self, counter: QuotaCounter) -> None:
         """Push, now, a larger bucket to every instance of this replica whose fair share
         grew into room nobody holds (the part grew, or another instance's report freed
         room). Without it a share grows only at the instance's own next report, up to
@@ -510,7 +425,7 @@ class QuotaCoordinator:
             for name in [n for n, s in counter.seen.items() if now - s.last_report > FORGET_AFTER]:
                 self._drop(name, counter)
 
-    def _drop(self, instance: str, counter: _Counter) -> None:
+    def _drop(self, instance: str, counter: QuotaCounter) -> None:
         """``instance`` no longer reports ``counter`` here; a counter no instance
         reports goes (memory follows the buckets in use)."""
         counter.remove(instance)
@@ -578,21 +493,13 @@ class QuotaCoordinator:
         for key in list(self._of.get(instance, ())):
             self._drop(instance, self._counters[key])
 
-    # -- for the metrics page ------------------------------------------------------------
-
-    def demands(self) -> dict[str, dict[str, float | None]]:
-        """Each counter's instances on this replica and their demand per second."""
-        return {key: {n: s.demand for n, s in c.seen.items()} for key, c in self._counters.items()}
-
-    def shares(self) -> dict[str, dict[str, float]]:
-        """Each counter's share last assigned to each instance of this replica, in
-        hits per window."""
-        return {key: dict(c.shares) for key, c in self._counters.items()}
+    # -- the read-out: the status page and /metrics ------------------------------------
 
     def view(self) -> Iterator[CounterView | None]:
-        """Each counter reported here, copied for the status page; a None after every
-        SLICE instances copied: a point where the reader may return to the event loop
-        (1,000 Envoys on one counter are read in pieces)."""
+        """Each counter reported here, copied for the status page and /metrics (the one
+        read-out of the coordinator's state); a None after every SLICE instances
+        copied: a point where the reader may return to the event loop (1,000 Envoys on
+        one counter are read in pieces)."""
         wall, copied = self._wall(), 0
         for counter in list(self._counters.values()):
             shares = counter.shares
@@ -615,11 +522,6 @@ class QuotaCoordinator:
             if copied >= SLICE:
                 copied = 0
                 yield None
-
-    def parts(self) -> dict[str, tuple[float, TierTotals | None]]:
-        """Each counter's part of the limit held by this replica (hits per window) and
-        the fleet's totals it came from (None: never read from the store)."""
-        return {key: (c.part, c.totals) for key, c in self._counters.items() if c.part is not None}
 
 
 def _per_second(bucket: TokenBucket | None) -> float | None:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
-from ratelimit_service.engine.background import BackgroundTask, every, in_stretches
+from ratelimit_service.engine.background import BackgroundTask, every
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -74,22 +74,18 @@ class Reconciler:
             # charged, so they must not eat the new credit either.
             self.local.forgive(reports)
         self.local.apply_all(reports, result, now, self.interval)
-        sweep = self.syncs % 40 == 0
         self.syncs += 1
         self.failing = False
         self.local.last_sync_ok = now
         self.last_duration = time.perf_counter() - started
         self.durations.observe(self.last_duration)
-        if sweep:  # after the sync is measured: its pieces and rests are not the sync's
-            async for _ in in_stretches(self.store.sweep()):
-                pass
         return len(reports)
 
     async def _sync_keeping_rates(self, reports: list[BucketReport]) -> SyncResult:
         """The store's answer; while it is late (a slow or frozen Redis can take the whole
         sync timeout), buckets get their last credit again every interval, so they keep
         their last rate instead of running dry."""
-        pending = asyncio.ensure_future(self.store.sync(reports, self.interval))
+        pending = asyncio.ensure_future(self.store.sync(reports))
         wait = self.interval * LATE_AFTER
         while True:
             done, _ = await asyncio.wait({pending}, timeout=wait)

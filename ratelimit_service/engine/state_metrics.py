@@ -111,11 +111,12 @@ def store_metrics(store: Store, beside: Mapping[str, float] | None = None) -> It
     family = GaugeMetricFamily("ratelimit_store", "Store state", labels=["store", "name"])
     # A store whose figures say "healthy" already (Redis; with --zone, the global store)
     # keeps its own: one sample per name, or Prometheus drops the second of the scrape.
-    figures = {"healthy": 1.0 if store.healthy() else 0.0, **store.stats(), **(beside or {})}
+    metrics = store.metrics()
+    figures = {"healthy": 1.0 if store.healthy() else 0.0, **metrics.figures, **(beside or {})}
     for name, value in figures.items():
-        family.add_metric([store.name, name], value)
+        family.add_metric([metrics.name, name], value)
     yield family
-    for name, histogram in store.histograms().items():
+    for name, histogram in metrics.histograms.items():
         yield histogram_family(
             f"ratelimit_store_{name}_seconds",
             f"Store {name} time as this process saw it (from writing a call to reading"
@@ -187,27 +188,26 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric | None]:
         "ratelimit_rlqs_buckets", "RLQS counters with reports, per domain", labels=["domain"]
     )
     domains: dict[str, int] = {}
-    shares, parts = quota.shares(), quota.parts()
-    samples = 0
-    for count, (key, seen) in enumerate(quota.demands().items()):
-        samples += 1 + len(seen)
-        if samples >= SLICE:
-            samples = 0
+    shown = 0
+    for view in quota.view():
+        if view is None:
             yield None
-        domain = key.split("\x1f", 1)[0]
-        domains[domain] = domains.get(domain, 0) + 1
-        if count >= MAX_BUCKET_SERIES:
             continue
-        label = readable_bucket(key)
-        instances.add_metric([label], len(seen))
-        for name, rate in seen.items():
+        domain = view.key.split("\x1f", 1)[0]
+        domains[domain] = domains.get(domain, 0) + 1
+        if shown >= MAX_BUCKET_SERIES:
+            continue
+        shown += 1
+        label = readable_bucket(view.key)
+        instances.add_metric([label], len(view.instances))
+        for name, rate, assigned, _ in view.instances:
             if rate is not None:
                 demand.add_metric([label, name], rate)
-        for name, assigned in shares.get(key, {}).items():
-            share.add_metric([label, name], assigned)
-        if key in parts:
-            held, totals = parts[key]
-            part.add_metric([label], held)
+            if assigned is not None:
+                share.add_metric([label, name], assigned)
+        if view.part is not None:
+            part.add_metric([label], view.part)
+            totals = view.totals
             if totals is not None:
                 fleet.add_metric([label, "demand"], totals.demand)
                 fleet.add_metric([label, "instances"], totals.instances)

@@ -35,6 +35,7 @@ from prometheus_client.utils import floatToGoString as _untyped_go_float
 
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.lru import LruMap
+from ratelimit_service.engine.counters import CATALOGUE, KEY_COUNTERS, Counter, Kind, Label
 
 log = logging.getLogger(__name__)
 
@@ -42,40 +43,34 @@ _go_float = cast(Callable[[float], str], _untyped_go_float)
 """A value as the text format prints it (Go's float formatting, as generate_latest)."""
 
 OVERFLOW_KEY = "_overflow"
-RULE_PREFIX = "ratelimit_service_rate_limit_"
 SLICE = 250
 """Samples per piece of the exposition at most: under 0.1 ms of work for the per-key
 families on an idle core (see the module docstring)."""
 
 
 class RuleStats:
-    """Per stats-key counters, named as in envoyproxy/ratelimit."""
+    """Per stats-key counters, named as in envoyproxy/ratelimit (engine/counters.py
+    KEY_COUNTERS declares them: its entries are the slots)."""
 
-    __slots__ = (
-        "failure_mode_allowed",
-        "failure_mode_denied",
-        "near_limit",
-        "over_limit",
-        "overloaded",
-        "shadow_mode",
-        "total_hits",
-        "within_limit",
-    )
+    __slots__ = tuple(counter.attr for counter in KEY_COUNTERS)
+
+    total_hits: int
+    over_limit: int
+    near_limit: int
+    within_limit: int
+    shadow_mode: int
+    failure_mode_allowed: int
+    """Hits admitted by failure_mode: open because the store failed (exact) or the
+    last sync is too old (probabilistic)."""
+    failure_mode_denied: int
+    """Hits denied by failure_mode: closed, for the same reasons."""
+    overloaded: int
+    """Exact hits of requests that found too many others waiting for the store
+    (refused with RESOURCE_EXHAUSTED, or denied by failure_mode: closed)."""
 
     def __init__(self) -> None:
-        self.total_hits = 0
-        self.over_limit = 0
-        self.near_limit = 0
-        self.within_limit = 0
-        self.shadow_mode = 0
-        self.failure_mode_allowed = 0
-        """Hits admitted by failure_mode: open because the store failed (exact) or the
-        last sync is too old (probabilistic)."""
-        self.failure_mode_denied = 0
-        """Hits denied by failure_mode: closed, for the same reasons."""
-        self.overloaded = 0
-        """Exact hits of requests that found too many others waiting for the store
-        (refused with RESOURCE_EXHAUSTED, or denied by failure_mode: closed)."""
+        for name in self.__slots__:
+            setattr(self, name, 0)
 
 
 NEAR_KEYS = 1_000
@@ -99,9 +94,10 @@ class NearKey:
 
 
 class Stats:
-    """All service counters. The number of distinct stats keys is bounded: keys past
-    ``max_keys`` (per-request overrides or detailed_metric on high-cardinality values)
-    are added up under ``_overflow``."""
+    """All service counters (engine/counters.py names them for each output). The
+    number of distinct stats keys is bounded: keys past ``max_keys`` (per-request
+    overrides or detailed_metric on high-cardinality values) are added up under
+    ``_overflow``."""
 
     def __init__(self, max_keys: int = 10_000) -> None:
         self.max_keys = max_keys
@@ -161,7 +157,8 @@ point where the scrape may return to the event loop (a long walk over the state)
 
 
 class StatsCollector(Collector):
-    """Exposes :class:`Stats` plus any extra gauge sources (buckets, store) to Prometheus."""
+    """Exposes :class:`Stats` (as engine/counters.py's catalogue names its counters)
+    plus any extra gauge sources (buckets, store) to Prometheus."""
 
     def __init__(self, stats: Stats, *sources: GaugeSource) -> None:
         self._stats = stats
@@ -170,25 +167,15 @@ class StatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Every family at once, for prometheus_client (the server uses exposition())."""
         stats = self._stats
-        families = {
-            name: CounterMetricFamily(
-                RULE_PREFIX + name, f"envoyproxy/ratelimit {name}", labels=["key"]
-            )
-            for name in RuleStats.__slots__
-        }
-        for key, rule in list(stats.rules.items()):
-            for name, family in families.items():
-                family.add_metric([key], getattr(rule, name))
-        yield from families.values()
-        not_found = CounterMetricFamily(
-            RULE_PREFIX + "domain_not_found",
-            NOT_FOUND_HELP,
-            labels=["domain"],
-        )
-        for domain, count in list(stats.domain_not_found.items()):
-            not_found.add_metric([domain], count)
-        yield not_found
-        yield from self._service_families()
+        rules = list(stats.rules.items())
+        for counter in CATALOGUE:
+            if counter.label is None:
+                yield _plain_family(counter, stats)
+                continue
+            family = CounterMetricFamily(counter.metric, counter.help, labels=[counter.label.value])
+            for label_value, value in _rows(counter, stats, rules):
+                family.add_metric([label_value], value)
+            yield family
         for source in self._sources:
             yield from (family for family in source() if family is not None)
 
@@ -199,22 +186,13 @@ class StatsCollector(Collector):
         snapshot, as with any client library)."""
         stats = self._stats
         rules = list(stats.rules.items())
-        for name in RuleStats.__slots__:
-            value = attrgetter(name)
-            yield from _labelled_counter(
-                RULE_PREFIX + name,
-                f"envoyproxy/ratelimit {name}",
-                "key",
-                [(key, value(rule)) for key, rule in rules],
-            )
-        yield from _labelled_counter(
-            RULE_PREFIX + "domain_not_found",
-            NOT_FOUND_HELP,
-            "domain",
-            list(stats.domain_not_found.items()),
-        )
-        for family in self._service_families():
-            yield from _family_text(family)
+        for counter in CATALOGUE:
+            if counter.label is None:
+                yield from _family_text(_plain_family(counter, stats))
+            else:
+                rows = _rows(counter, stats, rules)
+                label = counter.label.value
+                yield from _labelled_counter(counter.metric, counter.help, label, rows)
         for source in self._sources:
             for item in source():
                 if item is None:
@@ -222,21 +200,24 @@ class StatsCollector(Collector):
                 else:
                     yield from _family_text(item)
 
-    def _service_families(self) -> Iterator[Metric]:
-        stats = self._stats
-        yield from _service_counters(stats)
-        yield histogram_family(
-            "ratelimit_server_should_rate_limit_response_time_seconds",
-            LATENCY_HELP,
-            stats.latency,
-        )
+
+def _rows(
+    counter: Counter, stats: Stats, rules: list[tuple[str, RuleStats]]
+) -> list[tuple[str, float]]:
+    """A labelled counter's (label value, count) pairs."""
+    if counter.label is Label.KEY:
+        value = attrgetter(counter.attr)
+        return [(key, value(rule)) for key, rule in rules]
+    counts: dict[str, int] = getattr(stats, counter.attr)
+    return list(counts.items())
 
 
-NOT_FOUND_HELP = "Requests for a domain with no config"
-LATENCY_HELP = (
-    "ShouldRateLimit calls' time in the service: from the handler's start to its answer,"
-    " plus the wait of calls held by a pause of the event loop (see rls/servicer.py)"
-)
+def _plain_family(counter: Counter, stats: Stats) -> Metric:
+    """An unlabelled counter's family, or the latency histogram's."""
+    value = getattr(stats, counter.attr)
+    if counter.kind is Kind.HISTOGRAM:
+        return histogram_family(counter.metric, counter.help, value)
+    return CounterMetricFamily(counter.metric, counter.help, value=value)
 
 
 def _labelled_counter(
@@ -290,39 +271,6 @@ def _family_text(family: Metric) -> Iterator[bytes]:
             text = text.split(b"\n", 2)[2]
         yield text
         yield b""
-
-
-def _service_counters(stats: Stats) -> Iterator[Metric]:
-    plain = {
-        "ratelimit_service_config_load_success": ("Configs loaded", stats.config_load_success),
-        "ratelimit_service_config_load_error": ("Configs rejected", stats.config_load_error),
-        "ratelimit_service_global_shadow_mode": (
-            "Requests let through by global shadow mode",
-            stats.global_shadow_mode,
-        ),
-        "ratelimit_service_call_should_rate_limit_service_error": (
-            "Invalid requests",
-            stats.service_error,
-        ),
-        "ratelimit_service_call_should_rate_limit_store_error": (
-            "Requests that met a store error",
-            stats.store_error,
-        ),
-        "ratelimit_service_call_should_rate_limit_store_overloaded": (
-            "Requests with exact descriptors that found too many others waiting for the store",
-            stats.store_overloaded,
-        ),
-        "ratelimit_server_should_rate_limit_total_requests": (
-            "ShouldRateLimit calls",
-            stats.total_requests,
-        ),
-        "ratelimit_service_stats_keys_overflowed": (
-            "Hits counted under _overflow because of the stats key bound",
-            stats.overflowed_keys,
-        ),
-    }
-    for name, (help_text, value) in plain.items():
-        yield CounterMetricFamily(name, help_text, value=value)
 
 
 def histogram_family(name: str, help_text: str, histogram: Histogram) -> Metric:

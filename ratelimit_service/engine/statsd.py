@@ -3,15 +3,10 @@
 Nothing is added to the request path. The request path already bumps plain counters
 (:mod:`ratelimit_service.engine.stats`); every flush interval a background task reads
 them, turns what changed since the last flush into statsd lines and sends them packed
-into datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go service's:
-
-- ``ratelimit.service.rate_limit.<stats key>.{total_hits,over_limit,near_limit,
-  within_limit,shadow_mode}`` and ``ratelimit.service.rate_limit.<domain>.domain_not_found``
-- ``ratelimit.service.{config_load_success,config_load_error,global_shadow_mode}``
-- ``ratelimit.service.call.should_rate_limit.{service_error,redis_error}`` (``redis_error``
-  counts requests that met a store error, whichever the store)
-- ``ratelimit_server.ShouldRateLimit.total_requests`` (counter) and
-  ``ratelimit_server.ShouldRateLimit.response_time`` (timer, milliseconds).
+into datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go service's,
+declared beside each counter in engine/counters.py (``ratelimit.service.rate_limit.
+<stats key>.total_hits``, ``ratelimit_server.ShouldRateLimit.response_time`` and so on);
+counters the Go service does not have stay on /metrics.
 
 A flush reads every stats key (30 ms at the 10,000 keys' cap): it is made in pieces of
 SLICE keys, taken in stretches that leave the event loop to the calls between
@@ -29,9 +24,16 @@ import asyncio
 import logging
 import socket
 from collections.abc import Iterable, Iterator
+from operator import attrgetter
 
-from ratelimit_service.core.histogram import LATENCY_BOUNDS
+from ratelimit_service.core.histogram import LATENCY_BOUNDS, Histogram
 from ratelimit_service.engine.background import BackgroundTask, in_stretches
+from ratelimit_service.engine.counters import (
+    DOMAIN_NOT_FOUND,
+    KEY_COUNTERS,
+    LATENCY,
+    SERVICE_COUNTERS,
+)
 from ratelimit_service.engine.stats import SLICE, Stats
 
 log = logging.getLogger(__name__)
@@ -39,11 +41,6 @@ log = logging.getLogger(__name__)
 MAX_DATAGRAM = 1432
 """Bytes per datagram at most: fits a 1500-byte MTU with IP and UDP headers, as
 statsd clients commonly size them."""
-RULE_COUNTERS = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode")
-"""The per-rule counters the Go service sends (our other per-rule counters, such as
-failure_mode_allowed, have no Go name and stay on /metrics)."""
-SERVICE = "ratelimit.service"
-SERVER = "ratelimit_server.ShouldRateLimit"
 _UNSAFE = str.maketrans({":": "_", "|": "_", "\n": "_", "\r": "_"})
 
 
@@ -51,6 +48,21 @@ def stat_name(name: str) -> str:
     """A name statsd can carry: ``:`` and ``|`` become ``_`` as in the Go service's
     stats keys, and so do line breaks (they would end the line)."""
     return name.translate(_UNSAFE)
+
+
+def _around(template: str | None, label: str) -> tuple[str, str]:
+    """A labelled statsd name's parts before and after its label's value."""
+    head, _, tail = (template or "").partition("{" + label + "}")
+    return head, tail
+
+
+_PER_KEY = [(c.attr, _around(c.statsd, "key")) for c in KEY_COUNTERS if c.statsd is not None]
+_PER_KEY_VALUES = attrgetter(*(attr for attr, _ in _PER_KEY))
+"""A stats key's counters that statsd carries, as a tuple."""
+_PER_KEY_NAMES = [names for _, names in _PER_KEY]
+_NOT_FOUND_NAME = _around(DOMAIN_NOT_FOUND.statsd, "domain")
+_TIMER = LATENCY.statsd
+_SERVICE = [(c.attr, c.statsd) for c in SERVICE_COUNTERS if c.statsd is not None]
 
 
 class StatsdDeltas:
@@ -70,33 +82,28 @@ class StatsdDeltas:
         """The lines, SLICE stats keys (or domains) at a time, then the service's own."""
         stats = self._stats
         out: list[str] = []
+        nothing = (0,) * len(_PER_KEY)
         for count, (key, rule) in enumerate(list(stats.rules.items()), 1):
-            now = tuple(getattr(rule, name) for name in RULE_COUNTERS)
-            before = self._rules.get(key)
+            now: tuple[int, ...] = _PER_KEY_VALUES(rule)
+            before = self._rules.get(key, nothing)
             self._rules[key] = now
-            prefix = f"{SERVICE}.rate_limit.{stat_name(key)}."
-            for name, value, old in zip(RULE_COUNTERS, now, before or (0,) * len(now), strict=True):
+            name = stat_name(key)
+            for (head, tail), value, old in zip(_PER_KEY_NAMES, now, before, strict=True):
                 delta = _delta(value, old)
                 if delta:
-                    out.append(f"{prefix}{name}:{delta}|c")
+                    out.append(f"{head}{name}{tail}:{delta}|c")
             if count % SLICE == 0:
                 yield out
                 out = []
-        for count, (domain, found) in enumerate(list(stats.domain_not_found.items()), 1):
-            name = f"{SERVICE}.rate_limit.{stat_name(domain)}.domain_not_found"
-            out.extend(self._counter(name, found))
+        head, tail = _NOT_FOUND_NAME
+        not_found: dict[str, int] = getattr(stats, DOMAIN_NOT_FOUND.attr)
+        for count, (domain, found) in enumerate(list(not_found.items()), 1):
+            out.extend(self._counter(f"{head}{stat_name(domain)}{tail}", found))
             if count % SLICE == 0:
                 yield out
                 out = []
-        for name, value in (
-            (f"{SERVICE}.config_load_success", stats.config_load_success),
-            (f"{SERVICE}.config_load_error", stats.config_load_error),
-            (f"{SERVICE}.global_shadow_mode", stats.global_shadow_mode),
-            (f"{SERVICE}.call.should_rate_limit.service_error", stats.service_error),
-            (f"{SERVICE}.call.should_rate_limit.redis_error", stats.store_error),
-            (f"{SERVER}.total_requests", stats.total_requests),
-        ):
-            out.extend(self._counter(name, value))
+        for attr, name in _SERVICE:
+            out.extend(self._counter(name, getattr(stats, attr)))
         out.extend(self._timer_lines())
         yield out
 
@@ -107,7 +114,7 @@ class StatsdDeltas:
             yield f"{name}:{delta}|c"
 
     def _timer_lines(self) -> Iterator[str]:
-        latency = self._stats.latency
+        latency: Histogram = getattr(self._stats, LATENCY.attr)
         buckets, total = list(latency.buckets), latency.sum
         gained = [_delta(now, old) for now, old in zip(buckets, self._latency_buckets, strict=True)]
         calls = sum(gained)
@@ -121,7 +128,7 @@ class StatsdDeltas:
             if count:
                 value = min(max(mean_ms, lower * 1000.0), upper * 1000.0)
                 rate = "" if count == 1 else f"|@{1.0 / count:.6g}"
-                yield f"{SERVER}.response_time:{value:.6g}|ms{rate}"
+                yield f"{_TIMER}:{value:.6g}|ms{rate}"
             lower = upper
 
 

@@ -33,12 +33,14 @@ import math
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Generic, TypeVar
 
 from ratelimit_service.core.config_model import RateLimit, RateLimitConfig, period_text
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.units import UNIT_SECONDS, Unit
 from ratelimit_service.engine.background import result_in_stretches
+from ratelimit_service.engine.counters import CATALOGUE, KEY_COUNTERS, Label
 from ratelimit_service.engine.quota import CounterView, QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.state_metrics import readable_bucket
@@ -60,9 +62,21 @@ _Item = TypeVar("_Item")
 Work = Generator[None, None, _T]
 """Work done in pieces: it yields None where it may return to the event loop."""
 Json = dict[str, Any]
-Counts = tuple[int, int, int, int]
-"""A stats key's total_hits, over_limit, near_limit and shadow_mode counters."""
-NONE: Counts = (0, 0, 0, 0)
+Counts = tuple[int, ...]
+"""A stats key's counters the rules table shows (engine/counters.py: those with a
+status key), in the catalogue's order."""
+_SHOWN = [(c.attr, c.status) for c in KEY_COUNTERS if c.status is not None]
+_COUNTS = attrgetter(*(attr for attr, _ in _SHOWN))
+_ROW_KEYS = [key for _, key in _SHOWN]
+_HITS = [attr for attr, _ in _SHOWN].index("total_hits")
+_DENIED = [attr for attr, _ in _SHOWN].index("over_limit")
+NONE: Counts = (0,) * len(_SHOWN)
+_SERVICE = [
+    (c.attr, c.status, c.label is Label.DOMAIN)
+    for c in CATALOGUE
+    if c.status is not None and c.label is not Label.KEY
+]
+"""The service-wide counters /status.json shows: attribute, key, whether per domain."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,19 +297,15 @@ def _rules(
     top: Top[tuple[str, Counts, Counts | None]] = Top()
     hits = over = 0
     for count, (key, rule) in enumerate(list(stats.rules.items()), 1):
-        now_counts = counts[key] = (
-            rule.total_hits,
-            rule.over_limit,
-            rule.near_limit,
-            rule.shadow_mode,
-        )
+        now_counts: Counts = _COUNTS(rule)
+        counts[key] = now_counts
         if earlier is None:
-            rank: tuple[float, ...] = (now_counts[0],)
+            rank: tuple[float, ...] = (now_counts[_HITS],)
             delta = None
         else:
             delta = _minus(now_counts, earlier.get(key, NONE))
-            hits, over = hits + delta[0], over + delta[1]
-            rank = (delta[0], now_counts[0])
+            hits, over = hits + delta[_HITS], over + delta[_DENIED]
+            rank = (delta[_HITS], now_counts[_HITS])
         if top.wants(rank):
             top.keep(rank, (key, now_counts, delta))
         if count % SLICE == 0:
@@ -311,7 +321,7 @@ def _rules(
 
 
 def _minus(now: Counts, before: Counts) -> Counts:
-    return (now[0] - before[0], now[1] - before[1], now[2] - before[2], now[3] - before[3])
+    return tuple([a - b for a, b in zip(now, before, strict=True)])
 
 
 def _rule_row(
@@ -322,24 +332,16 @@ def _rule_row(
         "limit": None if limit is None else limit_text(limit),
         "mode": None if limit is None else limit.mode.value,
         "shadow": limit is not None and limit.shadow_mode,
-        "total_hits": counts[0],
-        "total_denied": counts[1],
+        "total_hits": counts[_HITS],
+        "total_denied": counts[_DENIED],
         "rate": None,
-        "hits": None,
-        "denied": None,
         "denied_share": None,
-        "near_limit": None,
-        "shadow_denied": None,
+        **dict.fromkeys(_ROW_KEYS),
     }
     if delta is not None and interval is not None:
-        row.update(
-            rate=_num(delta[0] / interval),
-            hits=delta[0],
-            denied=delta[1],
-            denied_share=_share(delta[1], delta[0]),
-            near_limit=delta[2],
-            shadow_denied=delta[3],
-        )
+        row.update(zip(_ROW_KEYS, delta, strict=True))
+        row["rate"] = _num(delta[_HITS] / interval)
+        row["denied_share"] = _share(delta[_DENIED], delta[_HITS])
     return row
 
 
@@ -517,49 +519,37 @@ def _rlqs_totals(quota: QuotaCoordinator) -> Json:
 
 
 def _service(stats: Stats, reference: Sample | None, sample: Sample) -> Json:
+    """The service-wide counters the catalogue shows (a per-domain one as its sum),
+    the call rate over the interval, and the stats keys against their cap."""
     interval = None if reference is None else sample.at - reference.at
     requests = sample.requests - (reference.requests if reference is not None else 0)
-    return {
-        "requests": sample.requests,
-        "rate": None if interval is None else _num(requests / interval),
-        "service_errors": stats.service_error,
-        "store_errors": stats.store_error,
-        "store_overloaded": stats.store_overloaded,
-        "global_shadow_mode": stats.global_shadow_mode,
-        "domains_not_found": sum(stats.domain_not_found.values()),
-        "config_loads": stats.config_load_success,
-        "config_errors": stats.config_load_error,
-        "stats_keys": len(stats.rules),
-        "stats_keys_cap": stats.max_keys,
-        "stats_keys_overflowed": stats.overflowed_keys,
-    }
-
-
-BREAKERS = {"": "store", "zone_store_": "zone store"}
-"""The prefixes under which a store's figures hold a circuit breaker's (Redis's, and
-with --zone the zone's own Redis beside the global one)."""
+    service: Json = {"rate": None if interval is None else _num(requests / interval)}
+    for attr, key, per_domain in _SERVICE:
+        value = getattr(stats, attr)
+        service[key] = sum(value.values()) if per_domain else value
+    service["stats_keys"] = len(stats.rules)
+    service["stats_keys_cap"] = stats.max_keys
+    return service
 
 
 def _store(store: Store) -> Json:
-    figures = store.stats()
-    breakers = []
-    for prefix, name in BREAKERS.items():
-        if f"{prefix}circuit_open" in figures:
-            breakers.append(
-                {
-                    "name": name,
-                    "open": bool(figures[f"{prefix}circuit_open"]),
-                    "healthy": bool(figures.get(f"{prefix}healthy", 1.0)),
-                    "errors": figures.get(f"{prefix}errors"),
-                    "outages": figures.get(f"{prefix}outages"),
-                    "recoveries": figures.get(f"{prefix}recoveries"),
-                }
-            )
+    metrics = store.metrics()
+    breakers = [
+        {
+            "name": breaker.name,
+            "open": breaker.open,
+            "healthy": breaker.healthy,
+            "errors": breaker.errors,
+            "outages": breaker.outages,
+            "recoveries": breaker.recoveries,
+        }
+        for breaker in metrics.breakers
+    ]
     return {
-        "name": store.name,
+        "name": metrics.name,
         "healthy": store.healthy(),
         "breakers": breakers,
-        "figures": {name: _num(value) for name, value in sorted(figures.items())},
+        "figures": {name: _num(value) for name, value in sorted(metrics.figures.items())},
     }
 
 

@@ -34,8 +34,9 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from ratelimit_service.core.request import Request
+from ratelimit_service.core.settings_table import choices_of, default
 
-PROTOCOLS = ("grpc", "http")
+PROTOCOLS = choices_of("--tracing-protocol")
 INSTRUMENTATION = "ratelimit_service"
 RLS_SPAN = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 RLQS_SPAN = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService report"
@@ -70,12 +71,12 @@ class Tracing:
     def __init__(
         self,
         *,
-        protocol: str = "http",
-        endpoint: str | None = None,
-        sampling_rate: float = 1.0,
-        service_name: str = "ratelimit-service",
-        service_namespace: str = "",
-        service_instance_id: str = "",
+        protocol: str = default("--tracing-protocol"),
+        endpoint: str | None = default("--tracing-endpoint"),
+        sampling_rate: float = default("--tracing-sampling-rate"),
+        service_name: str = default("--tracing-service-name"),
+        service_namespace: str = default("--tracing-service-namespace"),
+        service_instance_id: str = default("--tracing-service-instance-id"),
     ) -> None:
         """``endpoint``: the OTLP receiver's base URL, as ``OTEL_EXPORTER_OTLP_ENDPOINT``
         gives it (the HTTP exporter posts to its ``/v1/traces``); None: the exporter's
@@ -191,10 +192,10 @@ def outcome_attributes(
     deciding: str | None = None,
 ) -> dict[str, Any]:
     """What a decision's span says about it: the domain, the overall code, the rule
-    that decided (``deciding``: core.decision.deciding_rule, as the answer's metadata
-    names it), every rule the request matched (stats keys) and the rules of the
-    descriptors answered OVER_LIMIT. ``rules``: (descriptor index, stats key) per
-    matched rule; ``codes``: each descriptor's code as answered."""
+    that decided (``deciding``: as the answer's metadata names it), every rule the
+    request matched (stats keys) and the rules of the descriptors answered OVER_LIMIT.
+    ``rules``: (descriptor index, stats key) per matched rule; ``codes``: each
+    descriptor's code as answered."""
     attributes: dict[str, Any] = {"ratelimit.overall_code": overall}
     if deciding is not None:
         attributes["ratelimit.rule"] = deciding

@@ -17,23 +17,19 @@ import grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.message import DecodeError
 
-from ratelimit_service.core.config_model import RateLimitConfig
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
+from ratelimit_service.core.config_model import HeaderStyle, RateLimitConfig
+from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
 from ratelimit_service.core.request import Descriptor, InvalidRequest, Request
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.units import unit_from_wire
 from ratelimit_service.engine.limiter import Overloaded, RateLimiter
-from ratelimit_service.engine.loop_load import LoopLag
+from ratelimit_service.engine.loop_lag import LoopLag
 from ratelimit_service.engine.tracing import Tracing, outcome_attributes
 from ratelimit_service.rls.wire import LimitHeads, RequestCache, encode_response
 
 log = logging.getLogger(__name__)
 
 RLS_SERVICE = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
-DEADLINE_MARGIN = 0.005
-"""Seconds before the caller's gRPC deadline at which an exact decision stops waiting
-for the store and answers by failure_mode, by default: time to send the answer. An
-answer given later than this often reaches its caller after it has stopped waiting
-(the fault tests in tests/faults/ show it with answers 2 ms before the deadline)."""
 
 
 def request_from_proto(message: Any) -> Request:
@@ -72,9 +68,9 @@ class RateLimitServicer:
     def __init__(
         self,
         limiter: RateLimiter,
-        header_style: HeaderStyle = HeaderStyle.OFF,
+        header_style: HeaderStyle = default("--response-headers"),
         header_names: HeaderNames | None = None,
-        deadline_margin: float = DEADLINE_MARGIN,
+        deadline_margin: float = default("--deadline-margin"),
         lag: LoopLag | None = None,
         tracing: Tracing | None = None,
         go_metadata: bool = False,
@@ -131,9 +127,7 @@ class RateLimitServicer:
                 response = await self.limiter.should_rate_limit(request, deadline)
             headers = None
             if self._headers:
-                headers = rate_limit_headers(
-                    response.statuses, self.header_style, self.header_names
-                )
+                headers = rate_limit_headers(response.decided, self.header_style, self.header_names)
             go_request = request if self.go_metadata else None
             return encode_response(response, headers, self._heads, request.domain, go_request)
         except InvalidRequest as exc:

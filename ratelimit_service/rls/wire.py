@@ -38,7 +38,6 @@ from ratelimit_service.core.decision import (
     go_metadata,
     limit_facts,
     rule_name,
-    verdict,
 )
 from ratelimit_service.core.request import (
     UINT32_MAX,
@@ -238,9 +237,9 @@ def encode_response(
         header = _field(_HEADER_KEY, key.encode()) + _field(_HEADER_VALUE, value.encode())
         parts.append(_field(_HEADERS, header))
     if heads.over_limit and response.overall is _OVER_LIMIT:
-        parts.append(over_limit_field(response.statuses, heads))
+        parts.append(over_limit_field(response.decided, heads))
     if domain is not None:
-        parts.append(metadata_field(domain, response.statuses, heads, response.overall, go_request))
+        parts.append(metadata_field(domain, response, heads, go_request))
     return b"".join(parts)
 
 
@@ -260,10 +259,9 @@ def over_limit_fields(answer: OverLimitAnswer) -> bytes:
     return fields
 
 
-def over_limit_field(statuses: Sequence[DescriptorStatus], heads: LimitHeads) -> bytes:
-    """The over_limit answer of the rule that decided a denial (core.decision's
-    verdict), or nothing when that rule has none."""
-    decided = verdict(statuses)[1]
+def over_limit_field(decided: DescriptorStatus | None, heads: LimitHeads) -> bytes:
+    """The over_limit answer of the rule that decided a denial (Response.decided), or
+    nothing when that rule has none."""
     if decided is None or decided.limit is None or decided.limit.over_limit is None:
         return b""
     fields = heads.over_limit.get(id(decided.limit))
@@ -318,27 +316,23 @@ MAX_CACHED_DOMAINS = 1024
 
 
 def metadata_field(
-    domain: str,
-    statuses: Sequence[DescriptorStatus],
-    heads: LimitHeads,
-    overall: Code | None = None,
-    go_request: Request | None = None,
+    domain: str, response: Response, heads: LimitHeads, go_request: Request | None = None
 ) -> bytes:
     """The whole ``dynamic_metadata`` field: core.decision.decision_metadata's content
-    (``overall``: the answer's code; with envoyproxy/ratelimit's keys when ``go_request``
-    is given: an opt-in, so they are encoded per answer, not kept). A shadow rule over
-    its limit is rare: its item is written whole, not from the kept parts."""
+    (with envoyproxy/ratelimit's keys when ``go_request`` is given: an opt-in, so they
+    are encoded per answer, not kept). A shadow rule over its limit is rare: its item
+    is written whole, not from the kept parts."""
     domain_entry = _DOMAINS.get(domain)
     if domain_entry is None:
         if len(_DOMAINS) >= MAX_CACHED_DOMAINS:
             _DOMAINS.clear()
         domain_entry = _DOMAINS[domain] = _entry("domain", _value(domain))
     parts = [domain_entry]
-    code, decided = verdict(statuses)
+    statuses, decided = response.statuses, response.decided
     if decided is not None and decided.limit is not None:
         rule = heads.rule.get(id(decided.limit))
         parts.append(rule if rule is not None else rule_entry(decided.limit))
-    if code is Code.OVER_LIMIT and overall is Code.OK:  # global shadow mode
+    if response.shadowed:  # global shadow mode
         parts.append(_SHADOW_ENTRY)
     heads_of = heads.items
     items = []

@@ -1,47 +1,15 @@
 """Wiring and lifecycle: build the limiter, store, reconciler, gRPC and admin listeners,
 start them, and stop them gracefully (health NOT_SERVING first, then drain).
 
-The garbage collector is part of the process set-up (:class:`Tenuring`). CPython's
-oldest-generation pass scans every tracked object, and a limiter keeps tracked objects
-per key: probabilistic buckets, stats keys, cached requests and their plans, the store's
-entries. Over 50,000 keys at 500 calls a second that pass took 15-90 ms (190 ms on a
-busy machine) every 10 s and freed almost nothing; it holds the event loop, so calls in
-flight missed Envoy's 20 ms deadline. At the caps (100,000 buckets, 10,000 stats keys
-and cached requests) one pass takes 60 ms on an idle core. The options, measured:
-
-- ``gc.freeze()`` after start-up alone keeps modules and config out of the scans, but
-  the per-key state arrives later: the pass still grows with the keys.
-- ``gc.set_threshold`` changes how often the pass runs, not how long it holds the loop.
-- Per-key state made cheap to scan (numbers in arrays, atomic tuples): the state lives
-  in several layers (buckets, stats, request cache, each store's own tables), and even
-  100,000 entries whose values hold no references (arrays) cost a 6 ms pass.
-- CPython 3.11 cannot run a full pass in steps.
-
-So the process *tenures*: every second, at a moment when every task running has been
-running since the round before at least (background loops, RLQS streams, kept-alive
-connections; no call or scrape is half-done), it collects everything not yet tenured
-(what was made since: a pass of a millisecond or two) and freezes what survived. Full
-passes then scan only what is newer than the last tenure, whatever the number of keys.
-Garbage is never frozen (the collection comes first), only objects that were alive at a
-quiet moment: per-key state, which holds no cycles and is freed by reference counting
-when evicted, and long-lived service objects. The cost: a cycle formed later among
-tenured objects is not collected. The process's memory stays flat over a 30-minute soak
-(docs/benchmarks.md), and the tenured objects still alive follow the live state: between
-104,000 and 149,000 over 7 minutes of 500 calls a second over 50,000 keys, with 20
-refused calls a second and a scrape every 15 s beside them, and 84,000 half a minute
-after the load stopped. ``ratelimit_gc_pause_seconds`` times every collection;
-``ratelimit_gc_tenured_objects_total`` counts the objects tenured (counting those still
-alive, ``gc.get_freeze_count()``, walks them all: a pause of its own)."""
+The garbage collector's policy for the serving process is server/gc_policy.py's
+(:class:`~ratelimit_service.server.gc_policy.Tenuring`), installed at start."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import socket
-import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,7 +17,7 @@ import grpc
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.config.watcher import ConfigWatcher
@@ -58,12 +26,11 @@ from ratelimit_service.core.address import listen_host, split_host_port
 from ratelimit_service.core.config_errors import ConfigLoadError
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import RateLimitConfig
-from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.engine.background import BackgroundTask
 from ratelimit_service.engine.limiter import RateLimiter
-from ratelimit_service.engine.loop_load import LoopLag, LoopLoad
+from ratelimit_service.engine.loop_lag import LoopLag
 from ratelimit_service.engine.quota import FORGET_AFTER, QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.state_metrics import (
@@ -82,6 +49,7 @@ from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.rlqs.servicer import RLQS_SERVICE, QuotaServicer
 from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
 from ratelimit_service.server.explain_page import explain_page
+from ratelimit_service.server.gc_policy import Tenuring
 from ratelimit_service.server.go_http import GoEndpoints
 from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
 from ratelimit_service.server.settings import Settings
@@ -96,99 +64,6 @@ log = logging.getLogger(__name__)
 
 HEALTH_NAMES = ("", RLS_SERVICE, RLQS_SERVICE, "ratelimit")
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-TENURE_INTERVAL = 1.0
-"""Seconds between two tenures (see the module docstring)."""
-QUIET_TRIES = 100
-"""Looks for a quiet moment per tenure, QUIET_WAIT apart, before the round is skipped."""
-QUIET_WAIT = 0.001
-
-
-class Tenuring:
-    """The collector's policy for a serving process (see the module docstring): times
-    every collection, and tenures the survivors every ``interval`` at a quiet moment.
-    Process-wide: :meth:`install` once, in the process that serves."""
-
-    def __init__(self, interval: float = TENURE_INTERVAL) -> None:
-        self.interval = interval
-        self.pauses = Histogram()
-        """Every collection's duration, any generation (the event loop waits for it)."""
-        self.tenures = 0
-        self.tenured_objects = 0
-        self.skipped = 0
-        """Rounds without a quiet moment (calls always in flight): nothing tenured."""
-        self._started = 0.0
-        self._background = BackgroundTask("gc-tenure", self._run)
-
-    def install(self) -> None:
-        gc.collect()
-        gc.freeze()  # modules, config, listeners: alive as long as the process
-        gc.callbacks.append(self._timed)
-        self._background.start()
-        log.debug("objects tenured at start: %d", gc.get_freeze_count())
-
-    async def uninstall(self) -> None:
-        await self._background.stop()
-        if self._timed in gc.callbacks:
-            gc.callbacks.remove(self._timed)
-
-    def _timed(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.pauses.observe(time.perf_counter() - self._started)
-
-    def tenure(self) -> None:
-        """Collect what is not tenured yet, then tenure what survived (counted: the
-        survivors are few, where counting every tenured object would take a pause of
-        its own)."""
-        gc.collect()
-        self.tenured_objects += len(gc.get_objects(generation=2))
-        gc.freeze()
-        self.tenures += 1
-
-    async def _run(self) -> None:
-        current = asyncio.current_task()
-        seen: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
-        settled: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
-        while True:
-            await asyncio.sleep(self.interval)
-            for _ in range(QUIET_TRIES):
-                tasks = asyncio.all_tasks()
-                if all(task in settled or task is current for task in tasks):
-                    self.tenure()
-                    break
-                del tasks
-                await asyncio.sleep(QUIET_WAIT)
-            else:
-                self.skipped += 1
-                tasks = asyncio.all_tasks()
-            # A task alive at two rounds lives long (a stream, a kept-alive connection, a
-            # background loop): it no longer stands in the way of a quiet moment.
-            settled = weakref.WeakSet(task for task in tasks if task in seen)
-            seen = weakref.WeakSet(tasks)
-            del tasks
-
-    def metrics(self) -> Iterator[Metric | None]:
-        yield histogram_family(
-            "ratelimit_gc_pause_seconds",
-            "Garbage collections' durations, any generation (the event loop waits for them)",
-            self.pauses,
-        )
-        yield CounterMetricFamily(
-            "ratelimit_gc_tenures",
-            "Tenures: survivors frozen out of later collections",
-            value=self.tenures,
-        )
-        yield CounterMetricFamily(
-            "ratelimit_gc_tenures_skipped",
-            "Tenure rounds skipped: no moment without a call in flight",
-            value=self.skipped,
-        )
-        yield CounterMetricFamily(
-            "ratelimit_gc_tenured_objects",
-            "Objects tenured (frozen) so far: out of the collector's scans from then on",
-            value=self.tenured_objects,
-        )
 
 
 def load_rules(settings: Settings) -> RateLimitConfig:
@@ -257,6 +132,8 @@ class RateLimitService:
         if store is None:
             store, self.zone_aggregator = make_store(settings)
         self.store = store
+        self.store_name = store.metrics().name
+        """The store's kind (embedded, redis, zoned), for logs, spans and the health page."""
         self.local = LocalBuckets(
             max_buckets=settings.max_buckets,
             # Never stale between two normal syncs, whatever the flags say.
@@ -276,7 +153,7 @@ class RateLimitService:
             count_denied_costs=settings.count_denied_costs,
         )
         if self.tracing is not None:
-            self.limiter.hit_store = self.tracing.traced_hit(self.store.hit, self.store.name)
+            self.limiter.hit_store = self.tracing.traced_hit(self.store.hit, self.store_name)
         self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
         self.quota = QuotaCoordinator(
             lambda: self.limiter.config,
@@ -299,14 +176,9 @@ class RateLimitService:
                 stats=self.stats,
                 interval=settings.watch_interval or 1.0,
             )
-        # Exact batching on Redis follows the event loop's load (see loop_load).
-        self._loop_load_task: BackgroundTask | None = None
         self.loop_lag = LoopLag(calls=lambda: self.stats.total_requests)
         self._loop_lag_task = BackgroundTask("loop-lag", self.loop_lag.run)
         self.tenuring = Tenuring()
-        if self.store.wants_saturation:
-            sensor = LoopLoad(self.store.loop_saturated)
-            self._loop_load_task = BackgroundTask("loop-load", sensor.run)
         self.health = health.aio.HealthServicer()
         self.status = StatusBoard(
             StatusSources(
@@ -411,8 +283,6 @@ class RateLimitService:
             self.zone_aggregator.start()
         self.reconciler.start()
         self.quota.start()
-        if self._loop_load_task is not None:
-            self._loop_load_task.start()
         self._loop_lag_task.start()
         if self.watcher is not None and self.settings.watch_interval > 0:
             self.watcher.start()
@@ -428,7 +298,7 @@ class RateLimitService:
             f"{self.settings.admin_addr} (port {self.admin.port})"
             if self.settings.admin_addr
             else "(off)",
-            self.store.name,
+            self.store_name,
             self.settings.mode.value,
             ",".join(sorted(self.limiter.config.domains)) or "(none)",
         )
@@ -513,8 +383,6 @@ class RateLimitService:
             await self._server.stop(self.settings.shutdown_grace)
         await self.reconciler.stop()
         await self.quota.stop()
-        if self._loop_load_task is not None:
-            await self._loop_load_task.stop()
         await self._loop_lag_task.stop()
         if self.watcher is not None:
             await self.watcher.stop()
@@ -637,7 +505,7 @@ class RateLimitService:
 
     def _healthcheck_page(self) -> tuple[int, str, bytes]:
         store = "healthy" if self.store.healthy() else "unavailable (rules use failure_mode)"
-        detail = f"store: {self.store.name} {store}\n".encode()
+        detail = f"store: {self.store_name} {store}\n".encode()
         if self.healthy():
             return 200, "text/plain", b"OK\n" + detail
         return 503, "text/plain", b"NOT SERVING\n" + detail

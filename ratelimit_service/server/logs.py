@@ -11,6 +11,8 @@ import json
 import logging
 import time
 
+from ratelimit_service.core.settings_table import default
+
 
 class JsonFormatter(logging.Formatter):
     """``{"@timestamp", "level", "logger", "@message"}`` plus ``exception`` when there is one
@@ -54,10 +56,10 @@ class LateAnswers(logging.Filter):
 LATE_ANSWERS = LateAnswers()
 """The one filter on grpc's logger (configure_logging installs it)."""
 
-DEFAULT_LEVEL = "INFO"
 
-
-def configure_logging(level: str = DEFAULT_LEVEL, log_format: str = "text") -> None:
+def configure_logging(
+    level: str = default("--log-level"), log_format: str = default("--log-format")
+) -> None:
     handler = logging.StreamHandler()
     if log_format == "json":
         handler.setFormatter(JsonFormatter())

@@ -1,491 +1,89 @@
-"""Every setting of ``serve``, declared once: flag, type, default, group, help, and the
-Settings field it fills. The command line (cli/main.py) builds ``serve``'s parser and
-its ``--help`` from SETTINGS, reads ``RATELIMIT_<FLAG>`` and the Go service's names
-for each (cli/go_env.py), and builds :class:`Settings` from the parsed values;
-``docs/settings.md``'s table of flags is :func:`markdown_table`, and tests hold the
-Settings defaults, that table and the README's usage to these declarations.
-
-Parsers raise ValueError with the cause: the command line turns it into a one-line
-usage error naming the flag (or the environment variable) and the value.
+"""What a running service needs: :class:`Settings`, one field per setting of
+core/settings_table.py that fills one (its default and meaning are declared there),
+and the few no single flag fills. The command line builds it with :func:`fields_from`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ratelimit_service.config.xds_settings import XdsSettings
-from ratelimit_service.core.address import split_host_port
-from ratelimit_service.core.config_model import Mode
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle
-from ratelimit_service.engine.tracing import PROTOCOLS
-from ratelimit_service.rls.servicer import DEADLINE_MARGIN
-from ratelimit_service.storage.redis_connect import normalize_url
-
-# -- value parsers ---------------------------------------------------------------------
-
-
-def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    """A parser of numbers above 0 of ``kind`` (int or float)."""
-
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"must be positive, got {text}")
-        return value
-
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
-
-
-def not_negative(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"must be a number, 0 or more, got {text}")
-    return value
-
-
-def ratio(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise ValueError(f"must be a number from 0 to 1, got {text}")
-    return value
-
-
-def true_or_false(text: str) -> bool:
-    """``true`` or ``false`` (also 1/0, yes/no, on/off), for a setting on by default."""
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"must be true or false, got {text!r}")
-
-
-def listen_addr(text: str) -> str:
-    """``HOST:PORT``, or a ``unix:`` path (gRPC's form)."""
-    return text if text.startswith("unix:") else host_port(text)
-
-
-def host_port(text: str) -> str:
-    """``HOST:PORT`` (the host may be empty: every address; IPv6 in brackets; port 0:
-    any free one)."""
-    split_host_port(text, any_port=True)
-    return text
-
-
-def redis_url(text: str) -> str:
-    """A store URL, or ``HOST:PORT`` as the Go service writes REDIS_URL (see
-    storage.redis_connect.normalize_url)."""
-    try:
-        return normalize_url(text)
-    except ValueError as exc:
-        raise ValueError(f"{text!r}: {exc}") from None
-
-
-def zone_name(text: str) -> str:
-    """A zone's name: letters, digits, ``-``, ``_`` and ``.`` (it names Redis keys)."""
-    if not text or not all(c.isalnum() or c in "-_." for c in text):
-        raise ValueError(f"letters, digits, '-', '_' and '.' only, got {text!r}")
-    return text
-
-
-def log_level(text: str) -> str:
-    level = text.upper()
-    if level not in LOG_LEVELS:
-        raise ValueError(f"choose from {', '.join(LOG_LEVELS)}, got {text!r}")
-    return level
-
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-# -- the declarations ------------------------------------------------------------------
-
-GROUPS = (
-    "listening",
-    "rules",
-    "store",
-    "modes and limits",
-    "Envoy compatibility",
-    "TLS",
-    "operations",
-    "observability",
-)
-"""``serve --help`` shows the flags in these groups, in this order."""
-
-
-@dataclass(frozen=True)
-class Setting:
-    flag: str
-    group: str
-    help: str
-    default: Any = None
-    parse: Callable[[str], Any] = str
-    choices: tuple[str, ...] | None = None
-    switch: bool = False
-    """A flag without a value (on when given, or when its variable is 1/true)."""
-    fills: str | None = None
-    """The Settings field it fills (None: the command line uses it itself)."""
-    to_field: Callable[[Any], Any] | None = None
-    """Turns the parsed value into the field's (an enum, None for an empty text)."""
-    go_default: Any = "same"
-    """The default when started from the Go service's settings, if it differs."""
-    hidden: bool = False
-
-    def field(self, value: Any) -> Any:
-        """The Settings field's value for a parsed ``value``."""
-        return self.to_field(value) if self.to_field is not None else value
-
-    @property
-    def metavar(self) -> str:
-        """What ``--help`` shows for the value."""
-        names = {
-            host_port: "HOST:PORT",
-            listen_addr: "ADDR",
-            redis_url: "URL",
-            true_or_false: "true|false",
-        }
-        if self.parse in names:
-            return names[self.parse]
-        kind = getattr(self.parse, "__name__", "")
-        if "int" in kind:
-            return "N"
-        if "float" in kind or self.parse in (not_negative, ratio):
-            return "NUMBER"
-        return "PATH" if self.flag.endswith(("-cert", "-key", "-ca", "--config")) else "TEXT"
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return "RATELIMIT_" + self.dest.upper()
-
-
-def _none_if_empty(value: Any) -> Any:
-    return value or None
-
-
-SETTINGS: tuple[Setting, ...] = (
-    # listening
-    Setting("--grpc-addr", "listening", "gRPC listen address (HOST:PORT or unix:PATH)",
-            "0.0.0.0:8081", listen_addr, fills="grpc_addr"),
-    Setting("--admin-addr", "listening",
-            "admin HTTP listen address: /healthcheck, /metrics, /rlconfig (off by default when"
-            " started from envoyproxy/ratelimit's settings: the debug port serves them)",
-            "127.0.0.1:6070", host_port, fills="admin_addr", to_field=_none_if_empty,
-            go_default=None),
-    Setting("--workers", "listening",
-            "worker processes on one gRPC port (SO_REUSEPORT); more than 1 needs Redis",
-            1, positive(int)),
-    Setting("--reuse-port", "listening", "share the gRPC port (set by --workers)",
-            switch=True, fills="reuse_port", hidden=True),
-    Setting("--event-loop", "listening", "event loop: uvloop when installed (auto), or asyncio's",
-            "auto", choices=("auto", "asyncio", "uvloop")),
-    Setting("--max-request-bytes", "listening",
-            "largest request accepted (gRPC answers RESOURCE_EXHAUSTED beyond)",
-            1 << 20, positive(int), fills="max_request_bytes"),
-    Setting("--grpc-max-connection-age", "listening",
-            "seconds after which a gRPC connection is asked to go away (spreads clients over"
-            " new replicas; off unless given)",
-            None, positive(float), fills="grpc_max_connection_age"),
-    Setting("--grpc-max-connection-age-grace", "listening",
-            "seconds calls may take to finish on a connection asked to go away",
-            None, not_negative, fills="grpc_max_connection_age_grace"),
-    # rules
-    Setting("--config", "rules",
-            "rule file, or directory of *.yaml/*.yml (unset: envoyproxy/ratelimit's"
-            " RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY; with --xds-server, rules"
-            " come from xDS instead)",
-            None, fills="config_path", to_field=lambda v: v or ""),
-    Setting("--watch-interval", "rules",
-            "seconds between checks of the config files for changes (0: never; SIGHUP always"
-            " reloads)", 1.0, not_negative, fills="watch_interval"),
-    Setting("--merge-domain-config", "rules",
-            "merge files with the same domain instead of rejecting them",
-            switch=True, fills="merge_domain_config"),
-    Setting("--force-start-without-initial-config", "rules",
-            "start (and keep watching) even when the rules do not load at start; until they"
-            " do, no domain is known", switch=True, fills="force_start_without_initial_config"),
-    Setting("--xds-server", "rules",
-            "HOST:PORT of an xDS (ADS) server: rules from it, as RateLimitConfig resources,"
-            " instead of --config", None, host_port),
-    Setting("--xds-node-id", "rules", "this service's node id to the xDS server", "default"),
-    Setting("--xds-node-metadata", "rules", "k=v,k2=v2: node metadata for the xDS server", ""),
-    Setting("--xds-headers", "rules", "k:v,k2:v2: gRPC metadata on the xDS stream", ""),
-    Setting("--xds-tls", "rules", "connect to the xDS server over TLS", switch=True),
-    Setting("--xds-client-cert", "rules", "PEM client certificate for the xDS server"),
-    Setting("--xds-client-key", "rules", "PEM key of --xds-client-cert"),
-    Setting("--xds-server-ca", "rules", "PEM CA bundle that signed the xDS server"),
-    Setting("--xds-server-san", "rules", "name the xDS server's certificate must hold"),
-    Setting("--xds-backoff-initial", "rules",
-            "seconds before the first reconnect to the xDS server (growing x1.5 per try)",
-            10.0, positive(float)),
-    Setting("--xds-backoff-max", "rules", "most seconds between two reconnects",
-            60.0, positive(float)),
-    Setting("--xds-max-message-size", "rules", "largest xDS response accepted, in bytes",
-            4 << 20, positive(int)),
-    # store
-    Setting("--redis-url", "store",
-            "Redis: redis://, rediss://, unix://, redis+sentinel://, redis+cluster:// URL, or"
-            " HOST:PORT as the Go service writes it; without it, the embedded store",
-            None, redis_url, fills="redis_url", to_field=_none_if_empty),
-    Setting("--redis-timeout", "store",
-            "the longest an exact decision waits for Redis before its failure_mode applies:"
-            " the bound for callers with no deadline; a gRPC deadline (less"
-            " --deadline-margin) shortens it", 1.0, positive(float), fills="redis_timeout"),
-    Setting("--deadline-margin", "store",
-            "seconds before the caller's gRPC deadline at which an exact decision stops"
-            " waiting for Redis and answers by failure_mode (time to send the answer)",
-            DEADLINE_MARGIN, not_negative, fills="deadline_margin"),
-    Setting("--redis-silence", "store",
-            "seconds with calls outstanding and no byte from Redis after which Redis counts"
-            " as down (the circuit breaker opens); a slow reply never opens it",
-            1.0, positive(float), fills="redis_silence"),
-    Setting("--redis-pool-size", "store",
-            "most connections to Redis (the request path adds one of its own)",
-            64, positive(int), fills="redis_pool_size"),
-    Setting("--redis-key-prefix", "store", "prefix of every key this service writes to Redis",
-            "rl:", fills="redis_key_prefix"),
-    Setting("--exact-batch-hold", "store",
-            "while the event loop is saturated, seconds exact decisions wait to share one"
-            " Redis call (0: never wait)", 0.001, not_negative, fills="exact_batch_hold"),
-    Setting("--exact-max-pending", "store",
-            "exact requests that may wait for Redis at once; one more is refused (gRPC"
-            " RESOURCE_EXHAUSTED, or denied by failure_mode: closed rules)",
-            2048, positive(int), fills="exact_max_pending"),
-    Setting("--sync-interval", "store", "seconds between probabilistic syncs",
-            0.25, positive(float), fills="sync_interval"),
-    Setting("--stale-after", "store",
-            "seconds without a successful sync before probabilistic rules use failure_mode",
-            3.0, positive(float), fills="stale_after"),
-    Setting("--zone", "store",
-            "this replica's zone (unique per global store): RLQS and probabilistic totals go"
-            " to the zone's store (--redis-url), and one replica per zone publishes the"
-            " zone's to --global-redis-url (off: one tier)",
-            parse=zone_name, fills="zone"),
-    Setting("--global-redis-url", "store",
-            "with --zone: the store above the zones (Redis, Sentinel or Cluster); exact"
-            " rules are decided on it", parse=redis_url, fills="global_redis_url"),
-    Setting("--zone-interval", "store",
-            "with --zone: seconds between two publishes of the zone's totals to the global"
-            " store", 1.0, positive(float), fills="zone_interval"),
-    Setting("--rlqs-publish-interval", "store",
-            "seconds between two publishes of this replica's RLQS totals to the store"
-            " (how soon a replica learns the others' demand)",
-            1.0, positive(float), fills="rlqs_publish_interval"),
-    # modes and limits
-    Setting("--mode", "modes and limits", "mode of rules that declare none", "probabilistic",
-            choices=tuple(m.value for m in Mode), fills="mode", to_field=Mode),
-    Setting("--shadow-mode", "modes and limits",
-            "global shadow mode: report OVER_LIMIT per descriptor, never deny",
-            switch=True, fills="shadow_mode"),
-    Setting("--near-limit-ratio", "modes and limits",
-            "share of a limit past which admitted hits count as near_limit",
-            0.8, ratio, fills="near_limit_ratio"),
-    Setting("--count-denied-costs", "modes and limits",
-            "count a cost (a descriptor's explicit hits_addend of 1 or more: usage already"
-            " spent) when denied too; false: a denied call counts nothing",
-            True, true_or_false, fills="count_denied_costs"),
-    Setting("--max-buckets", "modes and limits",
-            "bound on per-descriptor-value state (LRU beyond it)",
-            100_000, positive(int), fills="max_buckets"),
-    Setting("--max-stats-keys", "modes and limits", "bound on distinct per-rule stats keys",
-            10_000, positive(int), fills="max_stats_keys"),
-    Setting("--max-descriptors", "modes and limits",
-            "most descriptors one request may carry (more: INVALID_ARGUMENT)",
-            64, positive(int), fills="max_descriptors"),
-    Setting("--max-entries", "modes and limits",
-            "most entries one descriptor may carry (more: INVALID_ARGUMENT)",
-            32, positive(int), fills="max_entries"),
-    # Envoy compatibility
-    Setting("--response-headers", "Envoy compatibility",
-            "add rate-limit headers to responses: RateLimit-* or draft-03 X-RateLimit-*",
-            "off", choices=tuple(s.value for s in HeaderStyle), fills="response_headers",
-            to_field=HeaderStyle),
-    Setting("--header-limit", "Envoy compatibility", "name of the limit header",
-            "RateLimit-Limit"),
-    Setting("--header-remaining", "Envoy compatibility", "name of the remaining header",
-            "RateLimit-Remaining"),
-    Setting("--header-reset", "Envoy compatibility", "name of the reset header",
-            "RateLimit-Reset"),
-    Setting("--header-rule", "Envoy compatibility",
-            "name of a response header naming the rule that decided (its name, else its stats"
-            " key), with or without --response-headers (empty: not sent)", ""),
-    Setting("--go-dynamic-metadata", "Envoy compatibility",
-            "answers' dynamic metadata carries envoyproxy/ratelimit's keys too (domain,"
-            " descriptors, hitsAddend, the passed rules' metadata); ours per descriptor move"
-            " to limits", switch=True, fills="go_dynamic_metadata"),
-    Setting("--http-addr", "Envoy compatibility",
-            "envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (off unless"
-            " given)", None, host_port, fills="http_addr", to_field=_none_if_empty),
-    Setting("--debug-addr", "Envoy compatibility",
-            "envoyproxy/ratelimit's debug port: /rlconfig and /metrics (off unless given)",
-            None, host_port, fills="debug_addr", to_field=_none_if_empty),
-    Setting("--healthy-with-at-least-one-config-loaded", "Envoy compatibility",
-            "health checks fail until rules with at least one domain are loaded",
-            switch=True, fills="healthy_with_at_least_one_config_loaded"),
-    # TLS
-    Setting("--tls-cert", "TLS", "PEM certificate: serve gRPC over TLS", fills="tls_cert"),
-    Setting("--tls-key", "TLS", "PEM private key of --tls-cert", fills="tls_key"),
-    Setting("--tls-client-ca", "TLS",
-            "PEM CA bundle: require client certificates signed by it (mTLS)",
-            fills="tls_client_ca"),
-    # operations
-    Setting("--drain-timeout", "operations",
-            "on SIGTERM, seconds the service keeps answering while its health reports"
-            " NOT_SERVING, so a health-checking Envoy moves away first (0: stop at once;"
-            " SIGINT always stops at once)", 15.0, not_negative, fills="drain_timeout"),
-    Setting("--drain-quiet", "operations",
-            "draining ends once no call came for this many seconds",
-            1.0, positive(float), fills="drain_quiet"),
-    # observability
-    Setting("--log-level", "observability", "log level", "INFO", log_level,
-            choices=LOG_LEVELS),
-    Setting("--log-format", "observability", "log format", "text", choices=("text", "json"),
-            fills="log_format"),
-    Setting("--statsd-addr", "observability",
-            "HOST:PORT of a statsd agent: envoyproxy/ratelimit's stats over UDP (off unless"
-            " given)", None, host_port, fills="statsd_addr", to_field=_none_if_empty),
-    Setting("--statsd-flush-interval", "observability", "seconds between two statsd flushes",
-            10.0, positive(float), fills="statsd_flush_interval"),
-    Setting("--prometheus-addr", "observability",
-            "HOST:PORT of a listener serving only the metrics (off unless given)",
-            None, host_port, fills="prometheus_addr", to_field=_none_if_empty),
-    Setting("--prometheus-path", "observability", "path of the metrics there", "/metrics",
-            fills="prometheus_path"),
-    Setting("--tracing", "observability",
-            "OpenTelemetry spans per decision, children of the caller's (Envoy's), exported"
-            " over OTLP (needs the tracing extra)", switch=True, fills="tracing"),
-    Setting("--tracing-endpoint", "observability",
-            "the OTLP receiver's base URL (http://HOST:4317 for grpc, :4318 for http);"
-            " unset: OTEL_EXPORTER_OTLP_ENDPOINT, else localhost",
-            None, fills="tracing_endpoint", to_field=_none_if_empty),
-    Setting("--tracing-protocol", "observability", "OTLP over grpc or http (protobuf)",
-            "http", choices=PROTOCOLS, fills="tracing_protocol"),
-    Setting("--tracing-sampling-rate", "observability",
-            "share of calls traced (those their caller sampled out never are)",
-            1.0, ratio, fills="tracing_sampling_rate"),
-    Setting("--tracing-service-name", "observability", "service.name of the spans",
-            "ratelimit-service", fills="tracing_service_name", go_default="RateLimit"),
-    Setting("--tracing-service-namespace", "observability", "service.namespace of the spans",
-            "", fills="tracing_service_namespace"),
-    Setting("--tracing-service-instance-id", "observability",
-            "service.instance.id of the spans (unset: a random UUID per process)",
-            "", fills="tracing_service_instance_id"),
-)  # fmt: skip
-
-BY_FLAG = {setting.flag: setting for setting in SETTINGS}
-
-
-# -- what the service gets -------------------------------------------------------------
+from ratelimit_service.core.config_model import HeaderStyle, Mode
+from ratelimit_service.core.headers import HeaderNames
+from ratelimit_service.core.settings_table import SETTINGS, default
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What a running service needs, filled from SETTINGS (the defaults here are the
-    declared ones: tests/server/test_settings.py holds them equal)."""
+    """The service's settings; a field named like a flag's (``--redis-timeout``:
+    ``redis_timeout``) is that flag's, with its declared default."""
 
-    config_path: str = ""
-    grpc_addr: str = "0.0.0.0:8081"
-    admin_addr: str | None = "127.0.0.1:6070"
-    """Our admin listener: /healthcheck, /metrics, /rlconfig (None: off)."""
-    mode: Mode = Mode.PROBABILISTIC
-    sync_interval: float = 0.25
-    redis_url: str | None = None
-    redis_timeout: float = 1.0
-    """The longest an exact decision waits for Redis: the bound for a caller with no
-    deadline; a gRPC deadline (less deadline_margin) shortens it."""
-    redis_silence: float = 1.0
-    """Seconds with calls outstanding and no byte from Redis after which it counts as
-    down (the breaker opens)."""
-    deadline_margin: float = DEADLINE_MARGIN
-    """Seconds before a caller's gRPC deadline at which an exact decision stops waiting."""
-    redis_pool_size: int = 64
-    redis_key_prefix: str = "rl:"
-    """Every key this service writes to Redis starts with it (CACHE_KEY_PREFIX)."""
-    exact_batch_hold: float = 0.001
-    """While the event loop is saturated, exact Redis calls wait this long to batch."""
-    exact_max_pending: int = 2048
-    """Exact requests waiting for Redis at most; one more is refused (see limiter)."""
-    stale_after: float = 3.0
-    zone: str | None = None
-    """This replica's zone (None: one tier, every replica on the one store)."""
-    global_redis_url: str | None = None
-    """With a zone: the store above the zones."""
-    zone_interval: float = 1.0
-    """Seconds between two publishes of a zone's totals to the global store."""
-    rlqs_publish_interval: float = 1.0
-    """Seconds between two publishes of this replica's RLQS totals (engine/quota.py)."""
-    max_buckets: int = 100_000
-    max_stats_keys: int = 10_000
-    merge_domain_config: bool = False
-    shadow_mode: bool = False
-    near_limit_ratio: float = 0.8
-    count_denied_costs: bool = True
-    """A cost (core/exact.py is_cost) is counted when denied too (off: nothing a
-    denied call carries is counted, the Go service's
-    STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=true)."""
-    force_start_without_initial_config: bool = False
-    """Rules that do not load at start: serve with no domain and keep watching, instead
-    of refusing to start."""
-    healthy_with_at_least_one_config_loaded: bool = False
-    """Health fails until rules with a domain are loaded."""
-    shutdown_grace: float = 5.0
-    """Seconds calls in flight may take to finish once draining is over."""
-    drain_timeout: float = 15.0
-    """On SIGTERM, keep answering for up to this many seconds while health reports
-    NOT_SERVING, so that Envoy's health check takes the replica out before it stops
-    (0: stop at once)."""
-    drain_quiet: float = 1.0
-    """Draining ends early once no ShouldRateLimit call came for this long: the
-    callers have moved on."""
-    max_descriptors: int = 64
-    max_entries: int = 32
-    max_request_bytes: int = 1 << 20
-    """Larger requests are refused by gRPC itself (RESOURCE_EXHAUSTED)."""
-    response_headers: HeaderStyle = HeaderStyle.OFF
-    go_dynamic_metadata: bool = False
-    """Answers carry envoyproxy/ratelimit's dynamic metadata keys (RESPONSE_DYNAMIC_METADATA)."""
+    config_path: str = default("--config")
+    grpc_addr: str = default("--grpc-addr")
+    admin_addr: str | None = default("--admin-addr")
+    mode: Mode = default("--mode")
+    sync_interval: float = default("--sync-interval")
+    redis_url: str | None = default("--redis-url")
+    redis_timeout: float = default("--redis-timeout")
+    redis_silence: float = default("--redis-silence")
+    deadline_margin: float = default("--deadline-margin")
+    redis_pool_size: int = default("--redis-pool-size")
+    redis_key_prefix: str = default("--redis-key-prefix")
+    exact_batch_hold: float = default("--exact-batch-hold")
+    exact_max_pending: int = default("--exact-max-pending")
+    stale_after: float = default("--stale-after")
+    zone: str | None = default("--zone")
+    global_redis_url: str | None = default("--global-redis-url")
+    zone_interval: float = default("--zone-interval")
+    rlqs_publish_interval: float = default("--rlqs-publish-interval")
+    max_buckets: int = default("--max-buckets")
+    max_stats_keys: int = default("--max-stats-keys")
+    merge_domain_config: bool = default("--merge-domain-config")
+    shadow_mode: bool = default("--shadow-mode")
+    near_limit_ratio: float = default("--near-limit-ratio")
+    count_denied_costs: bool = default("--count-denied-costs")
+    force_start_without_initial_config: bool = default("--force-start-without-initial-config")
+    healthy_with_at_least_one_config_loaded: bool = default(
+        "--healthy-with-at-least-one-config-loaded"
+    )
+    drain_timeout: float = default("--drain-timeout")
+    drain_quiet: float = default("--drain-quiet")
+    max_descriptors: int = default("--max-descriptors")
+    max_entries: int = default("--max-entries")
+    max_request_bytes: int = default("--max-request-bytes")
+    response_headers: HeaderStyle = default("--response-headers")
+    go_dynamic_metadata: bool = default("--go-dynamic-metadata")
+    log_format: str = default("--log-format")
+    watch_interval: float = default("--watch-interval")
+    reuse_port: bool = default("--reuse-port")
+    tls_cert: str | None = default("--tls-cert")
+    tls_key: str | None = default("--tls-key")
+    tls_client_ca: str | None = default("--tls-client-ca")
+    http_addr: str | None = default("--http-addr")
+    debug_addr: str | None = default("--debug-addr")
+    statsd_addr: str | None = default("--statsd-addr")
+    statsd_flush_interval: float = default("--statsd-flush-interval")
+    prometheus_addr: str | None = default("--prometheus-addr")
+    prometheus_path: str = default("--prometheus-path")
+    tracing: bool = default("--tracing")
+    tracing_endpoint: str | None = default("--tracing-endpoint")
+    tracing_protocol: str = default("--tracing-protocol")
+    tracing_sampling_rate: float = default("--tracing-sampling-rate")
+    tracing_service_name: str = default("--tracing-service-name")
+    tracing_service_namespace: str = default("--tracing-service-namespace")
+    tracing_service_instance_id: str = default("--tracing-service-instance-id")
+    grpc_max_connection_age: float | None = default("--grpc-max-connection-age")
+    grpc_max_connection_age_grace: float | None = default("--grpc-max-connection-age-grace")
     header_names: HeaderNames = field(default_factory=HeaderNames)
-    log_format: str = "text"
-    watch_interval: float = 1.0
-    """Seconds between looks at the config files for a change (0: no watching)."""
-    reuse_port: bool = False
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    """With tls_cert and tls_key the gRPC listener speaks TLS; with tls_client_ca too,
-    clients must present a certificate signed by it (mTLS)."""
-    http_addr: str | None = None
-    """envoyproxy/ratelimit's HTTP port: GET /healthcheck and POST /json (None: off)."""
-    debug_addr: str | None = None
-    """envoyproxy/ratelimit's debug port: /rlconfig and /metrics (None: off)."""
-    statsd_addr: str | None = None
-    """HOST:PORT of a statsd agent: the Go service's stat names over UDP (None: off)."""
-    statsd_flush_interval: float = 10.0
-    """Seconds between two statsd flushes (the Go service's STATS_FLUSH_INTERVAL)."""
-    prometheus_addr: str | None = None
-    """A listener serving only the metrics, at ``prometheus_path`` (USE_PROMETHEUS)."""
-    prometheus_path: str = "/metrics"
-    tracing: bool = False
-    """Spans per decision over OTLP (engine/tracing.py); the tracing_* fields set them up."""
-    tracing_endpoint: str | None = None
-    tracing_protocol: str = "http"
-    tracing_sampling_rate: float = 1.0
-    tracing_service_name: str = "ratelimit-service"
-    tracing_service_namespace: str = ""
-    tracing_service_instance_id: str = ""
-    grpc_max_connection_age: float | None = None
-    grpc_max_connection_age_grace: float | None = None
-    """gRPC connections asked to go away after this long, and the calls' grace then."""
+    """The four --header-* flags."""
+    shutdown_grace: float = 5.0
+    """Seconds calls in flight may take to finish once draining is over (no flag)."""
     xds: XdsSettings | None = None
-    """Rules from an xDS server (the Go service's CONFIG_TYPE=GRPC_XDS_SOTW) instead of
-    files; config_path is then unused. Unless force_start_without_initial_config, the
-    service listens only once the first rules are installed."""
+    """Rules from an xDS server (the --xds-* flags; the Go service's
+    CONFIG_TYPE=GRPC_XDS_SOTW) instead of files; config_path is then unused. Unless
+    force_start_without_initial_config, the service listens only once the first rules
+    are installed."""
 
 
 def fields_from(values: dict[str, Any]) -> dict[str, Any]:
@@ -503,22 +101,3 @@ def fields_from(values: dict[str, Any]) -> dict[str, Any]:
         values["header_rule"],
     )
     return fields
-
-
-def markdown_table() -> str:
-    """docs/settings.md's table of serve's flags, group by group."""
-    lines = ["| flag | default | environment | what it does |", "|---|---|---|---|"]
-    for group in GROUPS:
-        lines.append(f"| **{group}** | | | |")
-        for setting in SETTINGS:
-            if setting.group != group or setting.hidden:
-                continue
-            default = "off" if setting.switch else _shown(setting.default)
-            lines.append(f"| `{setting.flag}` | {default} | `{setting.env}` | {setting.help} |")
-    return "\n".join(lines) + "\n"
-
-
-def _shown(default: Any) -> str:
-    if isinstance(default, bool):
-        return f"`{str(default).lower()}`"
-    return "(none)" if default in (None, "") else f"`{default}`"

@@ -8,7 +8,8 @@ records one replica's RLQS totals and returns the fleet's.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ratelimit_service.core.drop_ratio import SyncResult
@@ -28,8 +29,35 @@ class StoreOverloaded(Exception):
     failure policy does not apply; callers answer it explicitly (see the limiter)."""
 
 
-class Store(Protocol):
+@dataclass(frozen=True)
+class BreakerState:
+    """One circuit breaker of a store, as the status page shows it (a Redis store has
+    one; with --zone the zone's Redis has its own beside the global one)."""
+
     name: str
+    open: bool
+    healthy: bool
+    errors: float
+    outages: float
+    recoveries: float
+
+
+@dataclass(frozen=True)
+class StoreMetrics:
+    """What a store tells the metrics and status pages: its name, gauges and counters
+    by name (e.g. keys, evictions), histograms by name (a remote store: ``reply``, the
+    seconds from writing a call to reading its reply as this process saw them) and its
+    breakers."""
+
+    name: str
+    figures: dict[str, float]
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+    breakers: tuple[BreakerState, ...] = ()
+
+
+class Store(Protocol):
+    """Seven members, each one a reason in every backend. What only one backend needs
+    (an in-process store's sweeping, the Redis batcher's load sensor) it does itself."""
 
     def hit(
         self,
@@ -53,7 +81,7 @@ class Store(Protocol):
         path)."""
         ...
 
-    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+    async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         """Add ``reports`` to the fleet totals; return the live node count and each
         bucket's fleet view. Runs even with no reports: it is the node's heartbeat."""
         ...
@@ -67,36 +95,19 @@ class Store(Protocol):
 
     async def start(self) -> None:
         """Connect and load what the store needs before traffic, outside any request's
-        deadline. Never raises: a store that is away is marked unhealthy (requests
-        answer by failure_mode) and tried again until it answers."""
+        deadline, and start what the store runs beside its calls. Never raises: a store
+        that is away is marked unhealthy (requests answer by failure_mode) and tried
+        again until it answers."""
         ...
 
-    def sweep(self) -> Iterator[int]:
-        """Forget state that holds nothing any more (an in-process store's empty
-        windows), a short piece at a time: yields how many entries each piece removed.
-        The reconciler calls it now and then and leaves the loop to calls between
-        pieces; a store that expires its keys itself yields nothing."""
+    def healthy(self) -> bool:
+        """Whether the store answers (the health check and the status page)."""
         ...
 
-    @property
-    def wants_saturation(self) -> bool:
-        """Whether the store acts on :meth:`loop_saturated` (the service then runs a
-        sensor of the event loop's load for it)."""
+    def metrics(self) -> StoreMetrics:
+        """The store's name, figures, histograms and breakers, read now."""
         ...
 
-    def loop_saturated(self, saturated: bool) -> None:
-        """The event loop's thread is saturated (True) or no longer (False)."""
+    async def close(self) -> None:
+        """Stop what :meth:`start` started and close connections."""
         ...
-
-    def healthy(self) -> bool: ...
-
-    def stats(self) -> dict[str, float]:
-        """Gauges and counters for the metrics page (e.g. keys, evictions)."""
-        ...
-
-    def histograms(self) -> dict[str, Histogram]:
-        """Histograms for the metrics page by name (a remote store: ``reply``, the
-        seconds from writing a call to reading its reply as this process saw them)."""
-        ...
-
-    async def close(self) -> None: ...

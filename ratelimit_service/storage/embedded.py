@@ -21,9 +21,9 @@ from ratelimit_service.core.drop_ratio import (
     zone_limit,
 )
 from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
-from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.lru import LruMap
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.tiers import (
     Fenced,
     TierReport,
@@ -32,6 +32,7 @@ from ratelimit_service.core.tiers import (
     publish_fenced,
 )
 from ratelimit_service.core.window import DEFAULT_SLICES, SlidingWindow
+from ratelimit_service.storage.base import StoreMetrics
 
 
 class _FleetBucket:
@@ -104,12 +105,15 @@ class _FleetBucket:
 
 
 class EmbeddedStore:
-    name = "embedded"
+    """Exact windows, fleet buckets and RLQS tables in this process's memory, each map
+    bounded (least recently used out first). What holds nothing any more is forgotten
+    a piece at a time, one piece per sync: the sync is this store's heartbeat, and a
+    piece is short enough to leave the loop to calls (core/lru.py SWEEP_PIECE)."""
 
     def __init__(
         self,
         *,
-        max_keys: int = 100_000,
+        max_keys: int = default("--max-buckets"),
         slices: int = DEFAULT_SLICES,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -119,6 +123,7 @@ class EmbeddedStore:
         self._fleet: LruMap[_FleetBucket] = LruMap(max_keys)
         self._tiers: LruMap[TierTable] = LruMap(max_keys)
         self.swept = 0
+        self._sweep: Iterator[int] = iter(())
 
     def _window(self, key: str, window_seconds: int) -> SlidingWindow:
         return self._windows.get_or_create(
@@ -143,14 +148,12 @@ class EmbeddedStore:
         windows = [self._window(hit.key, hit.window_seconds) for hit in hits]
         return evaluate(hits, windows, now, commit)
 
-    def histograms(self) -> dict[str, Histogram]:
-        return {}  # nothing is remote
-
-    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+    async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         now = self._clock()
         views: list[FleetView] = []
         for report in reports:
             views.append(self._fleet_bucket(report, now).update(report, now))
+        self._sweep_a_piece()
         return SyncResult(nodes=1, views=views)
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
@@ -160,38 +163,37 @@ class EmbeddedStore:
         assert not isinstance(answers, Fenced)  # no token, no fence
         return answers
 
-    def sweep(self) -> Iterator[int]:
-        """Forget state that no longer holds anything, a piece at a time (the clock is
-        read per entry: calls run between pieces)."""
+    def _sweep_a_piece(self) -> None:
+        """Judge the next piece of the current pass over the maps (a new pass when the
+        last one is done); the clock is read per entry."""
+        removed = next(self._sweep, None)
+        if removed is None:
+            self._sweep = self._sweep_pass()
+            removed = next(self._sweep, 0)
+        self.swept += removed
+
+    def _sweep_pass(self) -> Iterator[int]:
+        """One pass: empty windows, then idle fleet buckets, a piece at a time."""
         clock = self._clock
-        pieces = chain(
+        return chain(
             self._windows.remove_if(lambda window: window.count(clock()) == 0),
             self._fleet.remove_if(lambda bucket: bucket.idle(clock())),
         )
-        for removed in pieces:
-            self.swept += removed
-            yield removed
 
     async def start(self) -> None:
         """Nothing to connect to."""
 
-    @property
-    def wants_saturation(self) -> bool:
-        return False  # decisions never wait: nothing to batch
-
-    def loop_saturated(self, saturated: bool) -> None:
-        """Nothing is batched here."""
-
     def healthy(self) -> bool:
         return True
 
-    def stats(self) -> dict[str, float]:
-        return {
-            "exact_keys": len(self._windows),
-            "fleet_keys": len(self._fleet),
-            "evictions": self._windows.evictions + self._fleet.evictions,
-            "swept": self.swept,
+    def metrics(self) -> StoreMetrics:
+        figures = {
+            "exact_keys": float(len(self._windows)),
+            "fleet_keys": float(len(self._fleet)),
+            "evictions": float(self._windows.evictions + self._fleet.evictions),
+            "swept": float(self.swept),
         }
+        return StoreMetrics("embedded", figures)  # nothing remote, no breaker
 
     async def close(self) -> None:
         return None

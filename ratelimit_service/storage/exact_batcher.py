@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, request_denied
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.storage.base import StoreOverloaded, StoreUnavailable
 from ratelimit_service.storage.owed_hits import OwedHits
 from ratelimit_service.storage.script_replies import exact_reply
@@ -66,11 +67,6 @@ the hold only delayed it (as when the load has just dropped)."""
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis. A full
 batch goes out at once, even while another call is in flight."""
-MAX_PENDING = 2048
-"""Requests submitted and not yet answered (queued or in a call) at most, by default;
-one more is refused with StoreOverloaded. At the few thousand exact decisions a
-second one process makes, that is several hundred milliseconds of queue: far past any
-caller's deadline, so nothing useful is refused."""
 
 
 class Channel(Protocol):
@@ -201,7 +197,11 @@ class _Batch:
 
 class ExactBatcher:
     def __init__(
-        self, channel: Channel, slices: int, timeout: float, max_pending: int = MAX_PENDING
+        self,
+        channel: Channel,
+        slices: int,
+        timeout: float,
+        max_pending: int = default("--exact-max-pending"),
     ) -> None:
         """``timeout``: how long a request without a deadline of its own waits, and the
         longest any request waits."""

@@ -1,7 +1,7 @@
 """One pipelined connection to one Redis server, for the exact-mode request path.
 
-redis-py's asyncio client spends about 60 µs of CPU per command (connection pool,
-per-command locking, stream reads), more than the rest of a ShouldRateLimit call.
+redis-py's asyncio client spends more CPU per command (connection pool, per-command
+locking, stream reads) than the rest of a ShouldRateLimit call.
 Redis answers the commands of one connection in order, so one connection can carry
 any number of outstanding commands: this module writes each command to the socket
 at once and, as replies arrive (hiredis parses them), hands each to the callback its

@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -54,17 +54,18 @@ from ratelimit_service.core.exact import (
 )
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.tiers import EXPIRE_PER_CALL, MILLI, Fenced, TierReport, TierTotals
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.core.zones import ZoneKeys
-from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.base import BreakerState, StoreMetrics, StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
 from ratelimit_service.storage.exact_batcher import (
-    MAX_PENDING,
     ExactBatcher,
     encode,
     hit_args,
 )
+from ratelimit_service.storage.loop_load import LoopLoad
 from ratelimit_service.storage.redis_connect import connect
 from ratelimit_service.storage.redis_pipe import RedisPipe, supports
 from ratelimit_service.storage.script_replies import exact_reply, sync_reply, tier_reply
@@ -78,8 +79,6 @@ CALL_CHUNK = 256
 """Items per script call of a batched store call: the store itself splits every batch
 (a sync's buckets, a publish's counters, a zone's write-back) into calls of at most
 this many, so each Lua call is short and Redis stays responsive."""
-PREFIX = "rl:"
-"""What every key starts with, by default (--redis-key-prefix)."""
 
 
 def sync_args(
@@ -149,12 +148,6 @@ deadline gets to finish before it is given up: a reply that came while the loop 
 busy elsewhere needs a poll to be read and a turn or two for redis-py's task to parse
 it (redis-py's sockets are not ours to read directly, as the request path's pipe is).
 Turns, not milliseconds: the answer must still reach the caller within its deadline."""
-REQUEST_TIMEOUT = 1.0
-"""Seconds an exact decision waits for Redis at most, by default: the bound for a
-caller that sets no deadline (Envoy's filter sets one: 20 ms by default)."""
-SILENCE = 1.0
-"""Seconds with calls outstanding and no byte from Redis, by default, after which
-Redis counts as down (the connection is dropped and the breaker opens)."""
 
 
 async def _answered_late(command: asyncio.Future[Any]) -> bool:
@@ -240,16 +233,16 @@ class RedisStore:
         self,
         url: str,
         *,
-        request_timeout: float = REQUEST_TIMEOUT,
-        silence: float = SILENCE,
+        request_timeout: float = default("--redis-timeout"),
+        silence: float = default("--redis-silence"),
         sync_timeout: float = 1.0,
         connect_timeout: float = 0.5,
-        prefix: str = PREFIX,
+        prefix: str = default("--redis-key-prefix"),
         slices: int = DEFAULT_SLICES,
         node_ttl: float = 5.0,
-        max_connections: int = 64,
-        batch_hold: float = 0.001,
-        max_pending: int = MAX_PENDING,
+        max_connections: int = default("--redis-pool-size"),
+        batch_hold: float = default("--exact-batch-hold"),
+        max_pending: int = default("--exact-max-pending"),
         zone_keys: ZoneKeys | None = None,
     ) -> None:
         self.url = url
@@ -281,6 +274,8 @@ class RedisStore:
         """Calls to a Cluster node that failed while other nodes worked (see
         _node_failed); the store's breaker counts the others."""
         self._follower: asyncio.Future[None] | None = None
+        self._load_sensor: asyncio.Future[None] | None = None
+        """Samples the event loop's load while exact calls are batched by it (start)."""
         self._follow_until = 0.0
         self._follows = 0
         self._init_lock = asyncio.Lock()
@@ -292,7 +287,7 @@ class RedisStore:
         self._redialed_at = -REDIAL_EVERY
         self._redial_said = False
         self.silences = 0
-        """Times Redis was found silent (see SILENCE)."""
+        """Times Redis was found silent (see --redis-silence)."""
         self.reply_time = Histogram()
         """Seconds from writing a call to reading its reply, as this process saw them."""
         self._last_reply = 0.0
@@ -428,7 +423,7 @@ class RedisStore:
 
     # -- reconciler --------------------------------------------------------------
 
-    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+    async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         keys = [self._fleet_key(r.key, r.window_seconds) for r in reports]
         if self.cluster:
             # The node registry lives in its own slot: a heartbeat call of its own, and
@@ -655,7 +650,7 @@ class RedisStore:
 
     def _watch_silence(self, command: asyncio.Future[Any], gate: CircuitBreaker) -> None:
         """A Cluster call given up at its deadline: if it still has no reply ``silence``
-        seconds on, its node counts as down (a hung or cut-off node; SILENCE), so the
+        seconds on, its node counts as down (a hung or cut-off node; --redis-silence), so the
         calls to its slots fail fast on its breaker instead of each waiting for its
         deadline. One timer per call given up, only then."""
 
@@ -888,7 +883,10 @@ class RedisStore:
         """Open a few connections and load the scripts before traffic, outside any
         request deadline. A Redis that refuses or errs is marked down (the breaker says
         so once) and tried again by the calls that follow; one that is only slow to
-        answer is no evidence of an outage: said once, and left to the request path."""
+        answer is no evidence of an outage: said once, and left to the request path.
+        Starts the event loop's load sensor where exact batching follows it."""
+        if self.wants_saturation and self._load_sensor is None:
+            self._load_sensor = asyncio.ensure_future(LoopLoad(self.loop_saturated).run())
         try:
             async with asyncio.timeout(self.sync_timeout * 2):
                 if not self._initialized:
@@ -912,7 +910,7 @@ class RedisStore:
 
     async def _initialize(self) -> None:
         """Discover the cluster once, before concurrent use: redis-py's lazy discovery
-        races when several first commands start together (seen with redis-py 8.1)."""
+        races when several first commands start together."""
         async with self._init_lock:
             if not self._initialized:
                 await self._client.initialize()
@@ -927,26 +925,29 @@ class RedisStore:
     def healthy(self) -> bool:
         return self.breaker.healthy
 
-    def sweep(self) -> Iterator[int]:
-        """Redis expires every key itself."""
-        return iter(())
-
     @property
     def wants_saturation(self) -> bool:
-        """Whether loop_saturated does anything: exact calls are batched on a single
+        """Whether exact calls are held while the event loop is saturated: on a single
         server only (a Cluster spreads keys over nodes), and a hold of 0 turns it off."""
         return not self.cluster and self.batch_hold > 0
 
     def loop_saturated(self, saturated: bool) -> None:
         """While the event loop is saturated, exact calls are held to batch requests
         (see exact_batcher and loop_load)."""
-        if self.wants_saturation:
-            self._batcher.set_hold(self.batch_hold if saturated else 0.0)
+        self._batcher.set_hold(self.batch_hold if saturated else 0.0)
 
-    def histograms(self) -> dict[str, Histogram]:
-        return {"reply": self.reply_time}
+    def metrics(self) -> StoreMetrics:
+        breaker = BreakerState(
+            "store",
+            self.breaker.open,
+            self.breaker.healthy,
+            float(self.breaker.total_failures + self.node_failures),
+            float(self.breaker.outages),
+            float(self.breaker.recoveries),
+        )
+        return StoreMetrics("redis", self._figures(), {"reply": self.reply_time}, (breaker,))
 
-    def stats(self) -> dict[str, float]:
+    def _figures(self) -> dict[str, float]:
         return {
             "calls": self.calls,
             "errors": self.breaker.total_failures + self.node_failures,
@@ -973,8 +974,9 @@ class RedisStore:
 
     async def close(self) -> None:
         self._batcher.close()
-        if self._follower is not None:
-            self._follower.cancel()
+        for task in (self._follower, self._load_sensor):
+            if task is not None:
+                task.cancel()
         if self._pipe is not None:
             await self._pipe.close()
         await self._client.aclose()

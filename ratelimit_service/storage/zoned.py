@@ -14,13 +14,14 @@ its arithmetic core/zones.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.exact import ExactHit, ExactResult
-from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.tiers import Fenced, TierReport, TierTotals
 from ratelimit_service.core.zones import (
     ZONE_FORGET_AFTER,
@@ -30,7 +31,8 @@ from ratelimit_service.core.zones import (
     ZoneShare,
     ZoneTotals,
 )
-from ratelimit_service.storage.redis_store import CALL_CHUNK, PREFIX, RedisStore, _script
+from ratelimit_service.storage.base import StoreMetrics
+from ratelimit_service.storage.redis_store import CALL_CHUNK, RedisStore, _script
 from ratelimit_service.storage.script_replies import (
     lease_reply,
     zone_read_fleet_reply,
@@ -67,7 +69,7 @@ class ZoneRedisStore(RedisStore):
     by the deadline (the event loop's time) or timeout it is given."""
 
     def __init__(self, url: str, zone: str, **options: Any) -> None:
-        keys = ZoneKeys.of(options.get("prefix", PREFIX), zone)
+        keys = ZoneKeys.of(options.get("prefix", default("--redis-key-prefix")), zone)
         super().__init__(url, zone_keys=keys, **options)
         if self.cluster:
             raise ValueError("a zone store must be one Redis (or Sentinel), not Cluster")
@@ -77,6 +79,11 @@ class ZoneRedisStore(RedisStore):
         self._read_fleet = self._client.register_script(_script("zone_read_fleet.lua"))
         self._write = self._client.register_script(_script("zone_write.lua"))
         self._lease = self._client.register_script(_script("lease.lua"))
+
+    @property
+    def wants_saturation(self) -> bool:
+        """No exact call comes here (the global store decides them): no load sensor."""
+        return False
 
     async def zone_totals(self, forget_after: float, deadline: float) -> list[ZoneTotals]:
         """Every counter a replica of the zone published within ``forget_after``."""
@@ -127,8 +134,6 @@ class ZonedStore:
     store, exact rules on the global store. The zone's aggregator runs beside it
     (engine/zone_aggregator.py, wired by server/app.py)."""
 
-    name = "zoned"
-
     def __init__(self, zone_store: ZoneRedisStore, global_store: RedisStore) -> None:
         self.zone_store = zone_store
         self.global_store = global_store
@@ -142,8 +147,8 @@ class ZonedStore:
     ) -> Awaitable[list[ExactResult]]:
         return self.global_store.hit(hits, commit, owe, deadline)
 
-    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
-        return await self.zone_store.sync(reports, interval)
+    async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
+        return await self.zone_store.sync(reports)
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
         return await self.zone_store.publish(reports, forget_after)
@@ -151,28 +156,18 @@ class ZonedStore:
     async def start(self) -> None:
         await asyncio.gather(self.zone_store.start(), self.global_store.start())
 
-    def sweep(self) -> Iterator[int]:
-        """Both stores are Redis, which expires every key itself."""
-        return iter(())
-
-    @property
-    def wants_saturation(self) -> bool:
-        return self.global_store.wants_saturation
-
-    def loop_saturated(self, saturated: bool) -> None:
-        self.global_store.loop_saturated(saturated)
-
     def healthy(self) -> bool:
         """The zone store answers: RLQS goes on (fail-static without the global one)."""
         return self.zone_store.healthy()
 
-    def stats(self) -> dict[str, float]:
-        zone = {f"zone_store_{k}": v for k, v in self.zone_store.stats().items()}
-        return {**self.global_store.stats(), **zone}
-
-    def histograms(self) -> dict[str, Histogram]:
-        zone = {f"zone_{k}": v for k, v in self.zone_store.histograms().items()}
-        return {**self.global_store.histograms(), **zone}
+    def metrics(self) -> StoreMetrics:
+        """The global store's figures and histograms with the zone store's beside them
+        (``zone_store_`` and ``zone_`` before their names), and both breakers."""
+        above, zone = self.global_store.metrics(), self.zone_store.metrics()
+        figures = {**above.figures, **{f"zone_store_{k}": v for k, v in zone.figures.items()}}
+        histograms = {**above.histograms, **{f"zone_{k}": v for k, v in zone.histograms.items()}}
+        breakers = above.breakers + tuple(replace(b, name="zone store") for b in zone.breakers)
+        return StoreMetrics("zoned", figures, histograms, breakers)
 
     async def close(self) -> None:
         await asyncio.gather(self.zone_store.close(), self.global_store.close())

@@ -18,11 +18,13 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 
+from ratelimit_service.engine.counters import RULE_PREFIX
 from ratelimit_service.tune.arithmetic import Resolution, Rule, excluded_patterns, resolution
 from ratelimit_service.tune.prometheus import PrometheusClient
 
-METRIC = "ratelimit_service_rate_limit_{}_total"
-"""engine/stats.py's per-rule counters as Prometheus exposes them (``_total`` added)."""
+METRIC = RULE_PREFIX + "{}_total"
+"""The service's per-rule counters (engine/counters.py) as Prometheus exposes them
+(``_total`` added)."""
 TOP_KEYS = 5
 ASSUMED_SCRAPE = 60.0
 """Prometheus's default scrape_interval, used when no recent sample shows the real one."""

@@ -23,9 +23,9 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from ratelimit_harness.fixtures import REPO, free_port, make_request
+from ratelimit_harness.waiting import eventually
 from ratelimit_service.core.config_loader import UNIT_NAMES
-from ratelimit_service.testing.fixtures import REPO, free_port, make_request
-from ratelimit_service.testing.waiting import eventually
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -470,8 +470,8 @@ def test_check_config_on_the_example_config() -> None:
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_serve_on_either_event_loop(tmp_path: Path, loop: str) -> None:
     """uvloop is the default when installed; asyncio's own loop stays available."""
-    from ratelimit_service.testing.fleet import wait_healthy
-    from ratelimit_service.testing.redis import free_port
+    from ratelimit_harness.fleet import wait_healthy
+    from ratelimit_harness.redis import free_port
 
     config = tmp_path / "rules.yaml"
     config.write_text(

@@ -18,12 +18,12 @@ import pytest
 import redis
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
+from ratelimit_harness.certs import CertPair, make_ca, make_cert
+from ratelimit_harness.fixtures import make_request, ratelimit_command
+from ratelimit_harness.redis import RedisServer, free_port
+from ratelimit_harness.waiting import eventually_async
+from ratelimit_harness.xds import AdsServer, domain, limit
 from ratelimit_service.config import rls_conf_pb2 as rls
-from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
-from ratelimit_service.testing.fixtures import make_request, ratelimit_command
-from ratelimit_service.testing.redis import RedisServer, free_port
-from ratelimit_service.testing.waiting import eventually_async
-from ratelimit_service.testing.xds import AdsServer, domain, limit
 
 pytestmark = pytest.mark.slow  # starts processes
 

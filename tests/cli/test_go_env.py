@@ -4,6 +4,7 @@ Go service's environment alone against real Redis, statsd and HTTP sockets."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -18,11 +19,13 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ratelimit_harness.fixtures import make_request, ratelimit_command, settings_free_env
+from ratelimit_harness.redis import RedisServer, free_port
+from ratelimit_harness.waiting import eventually
 from ratelimit_service.cli.go_env import GoSettingError, parse_go_duration, read_go_environment
-from ratelimit_service.cli.main import _go_environment, build_parser
-from ratelimit_service.testing.fixtures import make_request, ratelimit_command, settings_free_env
-from ratelimit_service.testing.redis import RedisServer, free_port
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_service.cli.main import _go_environment
+from ratelimit_service.cli.parser import build_parser
+from ratelimit_service.core.settings_table import SETTINGS, Setting
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -145,6 +148,45 @@ def values(env: dict[str, str], go_mode: bool = False) -> dict[str, str]:
 )
 def test_go_settings_map_onto_our_flags(env: dict[str, str], expected: dict[str, str]) -> None:
     assert values(env) == expected
+
+
+def _go_sample(setting: Setting) -> tuple[str, str]:
+    """A value of ``setting``'s Go variable in Go's syntax, and the flag's value it means."""
+    if setting.kind == "switch":
+        return "true", "1"
+    if setting.choices is not None:
+        return setting.choices[-1].upper(), setting.choices[-1]
+    if setting.kind == "share":
+        return "0.5", "0.5"
+    if setting.kind == "seconds":
+        return "1m30s", "90.0"
+    if setting.kind == "count":
+        return "7", "7"
+    sample = {"--xds-node-metadata": "k=v", "--xds-headers": "k:v"}.get(setting.flag, "x-name")
+    return sample, sample
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.go], ids=lambda s: s.go)
+def test_each_go_name_of_the_table_sets_its_flag(
+    setting: Setting, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table's Go name of a setting, in Go's syntax, sets that flag and no other, as
+    if the flag were given its value (xDS ones when rules come by xDS)."""
+    go_text, flag_text = _go_sample(setting)
+    env = {setting.go: go_text}
+    expected = {setting.flag: flag_text}
+    if setting.flag.startswith("--xds-"):
+        env["CONFIG_TYPE"] = "GRPC_XDS_SOTW"
+        expected["--xds-server"] = "localhost:18000"
+    assert values(env) == expected
+    for name in [n for n in os.environ if n.startswith("RATELIMIT_")]:
+        monkeypatch.delenv(name)
+    go = read_go_environment(env, go_mode=False)
+    from_go = build_parser(go).parse_args(["serve", "--config", "c"])
+    base = ["serve", "--config", "c"]
+    given = [*base, setting.flag] if setting.switch else [*base, setting.flag, flag_text]
+    from_flag = build_parser().parse_args(given)
+    assert getattr(from_go, setting.dest) == getattr(from_flag, setting.dest)
 
 
 def test_go_mode_takes_the_go_services_defaults() -> None:
@@ -419,11 +461,13 @@ def test_without_force_start_missing_rules_stop_the_start(tmp_path: Path) -> Non
 
 
 def test_docs_settings_table_names_every_go_setting_read_and_only_those() -> None:
-    """docs/settings.md's table and cli/go_env.py name the same Go settings."""
+    """docs/settings.md's table names the Go settings read: those the settings table
+    maps one to one, and those cli/go_env.py reads itself."""
     source = (REPO / "ratelimit_service" / "cli" / "go_env.py").read_text()
     values_not_names = {"FILE", "GRPC_XDS_SOTW", "SINGLE", "SENTINEL", "CLUSTER", "TRUE", "FALSE"}
     values_not_names |= {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
     read = set(re.findall(r'"([A-Z][A-Z0-9_]{2,})"', source)) - values_not_names
+    read |= {setting.go for setting in SETTINGS if setting.go}
     table = (REPO / "docs" / "settings.md").read_text().split("### The table", 1)[1]
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     documented = {name for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row)}

@@ -18,11 +18,11 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
-from ratelimit_service.cli.main import build_parser
+from ratelimit_harness.fixtures import COMPAT_ENV, REPO, free_port, make_request
+from ratelimit_harness.waiting import eventually
 from ratelimit_service.cli.main import main as cli_main
+from ratelimit_service.cli.parser import build_parser
 from ratelimit_service.core.config_loader import ConfigFile, check_config
-from ratelimit_service.testing.fixtures import COMPAT_ENV, REPO, free_port, make_request
-from ratelimit_service.testing.waiting import eventually
 
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RATELIMIT_")}
 BASE_ENV["PYTHONUNBUFFERED"] = "1"

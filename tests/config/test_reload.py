@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
+from ratelimit_harness.fleet import wait_healthy
+from ratelimit_harness.redis import free_port
+from ratelimit_harness.waiting import eventually, eventually_async
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.testing.fleet import wait_healthy
-from ratelimit_service.testing.redis import free_port
-from ratelimit_service.testing.waiting import eventually, eventually_async
 
 pytestmark = pytest.mark.slow  # starts processes
 

@@ -1,6 +1,6 @@
 """Rules by xDS: XdsConfigSource against a real ADS server (grpc.aio on loopback).
 
-The server (ratelimit_service/testing/xds.py) is a minimal state-of-the-world ADS
+The server (harness/ratelimit_harness/xds.py) is a minimal state-of-the-world ADS
 server that records every request the client sends (the ACKs and NACKs). Configs
 end in a real RateLimiter on the embedded store, and the tests ask it for decisions.
 """
@@ -17,6 +17,9 @@ import grpc.aio
 import pytest
 from google.protobuf import struct_pb2
 
+from ratelimit_harness.certs import CertPair, make_ca, make_cert
+from ratelimit_harness.waiting import eventually_async
+from ratelimit_harness.xds import TIMEOUT, AdsServer, domain, limit
 from ratelimit_service.config import rls_conf_pb2 as rls
 from ratelimit_service.config.xds import XdsConfigSource
 from ratelimit_service.config.xds_settings import Backoff, XdsSettings, parse_key_values
@@ -29,9 +32,6 @@ from ratelimit_service.core.units import Unit
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
-from ratelimit_service.testing.waiting import eventually_async
-from ratelimit_service.testing.xds import TIMEOUT, AdsServer, domain, limit
 
 VALID_UNITS = f"; valid units: {UNIT_NAMES}"
 

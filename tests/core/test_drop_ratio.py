@@ -317,24 +317,24 @@ async def test_embedded_store_sync_is_a_token_bucket() -> None:
     clock = [100.0]
     store = EmbeddedStore(clock=lambda: clock[0])
     report = BucketReport("k", limit=100, window_seconds=1, offered=80, admitted=60)
-    result = await store.sync([report], 0.25)
+    result = await store.sync([report])
     assert result.nodes == 1
     assert result.views == [FleetView(tokens=40.0, offered_total=80, limit=100)]  # 100 stored
     clock[0] = 100.25  # refilled by 25, then 10 taken
     report = BucketReport("k", limit=100, window_seconds=1, offered=90, admitted=10)
-    (view,) = (await store.sync([report], 0.25)).views
+    (view,) = (await store.sync([report])).views
     assert view.tokens == pytest.approx(55.0)
     assert view.offered_total == 170
     clock[0] = 110.0  # long idle: full again, never above the capacity
     report = BucketReport("k", limit=100, window_seconds=1, offered=0, admitted=0)
-    (view,) = (await store.sync([report], 0.25)).views
+    (view,) = (await store.sync([report])).views
     assert view.tokens == pytest.approx(100.0)
     # another window length is another bucket, and a rule's burst caps its bucket
     other = BucketReport("k", limit=100, window_seconds=60, offered=1, admitted=1, burst=30)
-    (view,) = (await store.sync([other], 0.25)).views
+    (view,) = (await store.sync([other])).views
     assert (view.tokens, view.offered_total) == (29.0, 1)
-    assert store.stats()["fleet_keys"] == 2
-    assert (await store.sync([], 0.25)).views == []
+    assert store.metrics().figures["fleet_keys"] == 2
+    assert (await store.sync([])).views == []
 
 
 # --------------------------------------------------------------------------- LocalBuckets
@@ -777,7 +777,7 @@ async def simulate(
         while next_sync <= now:
             clock[0] = next_sync
             reports = local.take_reports(next_sync, INTERVAL)
-            synced = await store.sync(reports, INTERVAL)
+            synced = await store.sync(reports)
             local.apply_all(reports, synced, next_sync, INTERVAL)
             next_sync += INTERVAL
         clock[0] = now
@@ -921,7 +921,7 @@ async def simulate_fleet(
             at, i = heapq.heappop(syncs)
             clock[0] = at
             reports = fleet[i].take_reports(at, INTERVAL)
-            synced = await store.sync(reports, INTERVAL)
+            synced = await store.sync(reports)
             fleet[i].apply_all(reports, SyncResult(nodes, synced.views), at, INTERVAL)
             heapq.heappush(syncs, (at + INTERVAL, i))
         clock[0] = now

@@ -12,7 +12,6 @@ from ratelimit_service.core.decision import (
     hits_for,
     near_hits,
     near_threshold,
-    overall_code,
     role_of,
     verdict,
 )
@@ -340,7 +339,7 @@ def test_near_hits(limit: int, before: int, hits: int, near: int) -> None:
     assert near_hits(near_threshold(limit), before, hits) == near
 
 
-# --------------------------------------------------------------------------- overall_code
+# --------------------------------------------------------------------------- verdict
 
 OK = Code.OK
 OVER = Code.OVER_LIMIT
@@ -368,7 +367,7 @@ def status(code: Code, quota: bool | None, shadow: bool = False) -> DescriptorSt
     ],
 )
 def test_overall_code(statuses: list[tuple[Code, bool | None]], expected: Code) -> None:
-    assert overall_code([status(code, quota) for code, quota in statuses]) is expected
+    assert verdict([status(code, quota) for code, quota in statuses])[0] is expected
 
 
 def test_a_rule_both_shadow_and_quota_is_shadow_it_admits_nothing() -> None:
@@ -376,7 +375,7 @@ def test_a_rule_both_shadow_and_quota_is_shadow_it_admits_nothing() -> None:
     would switch the other quota rules off."""
     statuses = [status(OK, True, shadow=True), status(OVER, True)]
     assert role_of(statuses[0].limit) is HitRole.SHADOW  # type: ignore[arg-type]
-    assert overall_code(statuses) is OVER
+    assert verdict(statuses)[0] is OVER
 
 
 def test_the_deciding_rule_of_a_denial_is_over_its_limit() -> None:

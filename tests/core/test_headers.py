@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.decision import deciding_status
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
+from ratelimit_service.core.config_model import HeaderStyle, RateLimit
+from ratelimit_service.core.decision import verdict
+from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
 from ratelimit_service.core.request import Code, DescriptorStatus
 from ratelimit_service.core.units import Unit
 
@@ -20,36 +20,37 @@ def status(code: Code, count: int, remaining: int, quota: bool = False) -> Descr
 
 def test_smallest_remaining_is_chosen() -> None:
     statuses = [status(Code.OK, 10, 7), status(Code.OK, 5, 2), DescriptorStatus(Code.OK)]
-    assert deciding_status(statuses) is statuses[1]
+    assert verdict(statuses)[1] is statuses[1]
 
 
 def test_over_limit_wins_unless_quota_and_last_wins() -> None:
     first_over, second_over = status(Code.OVER_LIMIT, 10, 0), status(Code.OVER_LIMIT, 20, 0)
     quota_over = status(Code.OVER_LIMIT, 1, 0, quota=True)
     statuses = [first_over, status(Code.OK, 5, 0), second_over, quota_over]
-    assert deciding_status(statuses) is second_over
+    assert verdict(statuses)[1] is second_over
 
 
 def test_no_limit_no_headers() -> None:
     none = [DescriptorStatus(Code.OK), DescriptorStatus(Code.OK, remaining=2**32 - 1)]
-    assert rate_limit_headers(none, HeaderStyle.RATELIMIT, HeaderNames()) == []
-    assert rate_limit_headers([status(Code.OK, 1, 1)], HeaderStyle.OFF, HeaderNames()) == []
+    assert verdict(none)[1] is None
+    assert rate_limit_headers(None, HeaderStyle.RATELIMIT, HeaderNames()) == []
+    assert rate_limit_headers(status(Code.OK, 1, 1), HeaderStyle.OFF, HeaderNames()) == []
 
 
 def test_header_values_and_styles() -> None:
-    statuses = [status(Code.OK, 10, 4)]
-    assert rate_limit_headers(statuses, HeaderStyle.RATELIMIT, HeaderNames()) == [
+    decided = status(Code.OK, 10, 4)
+    assert rate_limit_headers(decided, HeaderStyle.RATELIMIT, HeaderNames()) == [
         ("RateLimit-Limit", "10"),
         ("RateLimit-Remaining", "4"),
         ("RateLimit-Reset", "13"),
     ]
     names = HeaderNames("X-Quota", "X-Left", "X-Retry")
-    assert [n for n, _ in rate_limit_headers(statuses, HeaderStyle.RATELIMIT, names)] == [
+    assert [n for n, _ in rate_limit_headers(decided, HeaderStyle.RATELIMIT, names)] == [
         "X-Quota",
         "X-Left",
         "X-Retry",
     ]
-    assert rate_limit_headers(statuses, HeaderStyle.DRAFT03, names) == [
+    assert rate_limit_headers(decided, HeaderStyle.DRAFT03, names) == [
         ("X-RateLimit-Limit", "10, 10;w=60"),
         ("X-RateLimit-Remaining", "4"),
         ("X-RateLimit-Reset", "13"),

@@ -8,6 +8,7 @@ import random
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 from ratelimit_service.core.shares import water_level
 from ratelimit_service.core.tiers import (
     EXPIRE_PER_CALL,
@@ -23,7 +24,6 @@ from ratelimit_service.core.zones import ZoneShare
 from ratelimit_service.storage.redis_store import RedisStore, _script, tier_args
 from ratelimit_service.storage.script_replies import tier_reply, zone_read_reply, zone_write_reply
 from ratelimit_service.storage.zoned import write_args
-from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
 FORGET_US = 15_000_000
 

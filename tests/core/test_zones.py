@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 from ratelimit_service.core.drop_ratio import FleetView
 from ratelimit_service.core.tiers import Fenced, TierTotals
 from ratelimit_service.core.zones import (
@@ -33,7 +34,6 @@ from ratelimit_service.core.zones import (
 from ratelimit_service.storage.redis_store import _script
 from ratelimit_service.storage.script_replies import lease_reply, zone_write_reply
 from ratelimit_service.storage.zoned import lease_args, write_args
-from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
 TTL, MARGIN = 1.0, 0.125
 

@@ -23,8 +23,8 @@ from zoneinfo import ZoneInfo
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.testing.waiting import eventually_async
 
 BUDGET = 864_000_000
 """A day's budget: a rolling bucket of it refills 10,000 hits a second."""

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
+from ratelimit_harness.fixtures import make_request
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.testing.fixtures import make_request
 
 RULES = """\
 domain: fresh

@@ -600,7 +600,7 @@ async def test_exact_windows_bounded_under_a_flood() -> None:
     h = Harness(max_keys=100)
     for index in range(1000):
         assert (await h.call(f"ex=client{index}")).overall is OK
-    stats = h.store.stats()
+    stats = h.store.metrics().figures
     assert stats["exact_keys"] == 100
     assert stats["evictions"] == 900
 

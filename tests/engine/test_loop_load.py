@@ -9,15 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.engine.loop_load import (
-    STALL_AFTER,
-    LoopLag,
-    LoopLoad,
-    Saturation,
-    read_schedstat,
-)
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_service.engine.loop_lag import STALL_AFTER, LoopLag
+from ratelimit_service.storage.loop_load import LoopLoad, Saturation, read_schedstat
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
@@ -105,7 +100,7 @@ async def test_service_holds_exact_calls_while_its_loop_is_saturated(
         config, redis_url=redis_server.url, mode=Mode.EXACT, exact_batch_hold=0.002
     )
     store = running.service.store
-    assert store.stats()["exact_batch_hold_seconds"] == 0
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
     # Keep the loop's thread busy for a second, a few milliseconds at a time, so the
     # service's own sampling task (every 0.25 s) runs in between and sees it.
     loop = asyncio.get_running_loop()
@@ -114,17 +109,17 @@ async def test_service_holds_exact_calls_while_its_loop_is_saturated(
     while loop.time() < end and saturated_at is None:
         _spin(0.005)
         await asyncio.sleep(0)
-        if store.stats()["exact_batch_hold_seconds"] == 0.002:
+        if store.metrics().figures["exact_batch_hold_seconds"] == 0.002:
             saturated_at = loop.time()
     assert saturated_at is not None, "the saturated loop was not noticed"
-    batches = store.stats()["exact_batches"]
+    batches = store.metrics().figures["exact_batches"]
     loop_started = loop.time()
     response = await running.call("d", [("k", "v")])
     assert response.overall_code == 1  # OK
-    assert store.stats()["exact_batches"] == batches + 1
+    assert store.metrics().figures["exact_batches"] == batches + 1
     assert loop.time() - loop_started >= 0.002  # its call was held
     await eventually_async(  # idle: the hold goes away
-        lambda: store.stats()["exact_batch_hold_seconds"] == 0, timeout=5, what="hold off"
+        lambda: store.metrics().figures["exact_batch_hold_seconds"] == 0, timeout=5, what="hold off"
     )
 
 

@@ -19,6 +19,7 @@ from ratelimit_service.engine.quota import (
     ALLOW_ALL,
     DENY_ALL,
     Action,
+    CounterView,
     QuotaCoordinator,
     Usage,
 )
@@ -106,6 +107,11 @@ def coordinator(store: EmbeddedStore | None = None) -> tuple[QuotaCoordinator, C
     return QuotaCoordinator(lambda: config, stats, store, clock=clock, wall=clock), clock, stats
 
 
+def counters(quota: QuotaCoordinator) -> dict[str, CounterView]:
+    """The coordinator's read-out (what /status.json and /metrics show), by counter."""
+    return {view.key: view for view in quota.view() if view is not None}
+
+
 async def test_two_instances_share_a_limit_by_demand() -> None:
     quota, clock, _ = coordinator()
     bucket = {"tenant": "t"}
@@ -171,7 +177,7 @@ async def test_idle_buckets_are_abandoned_and_a_closed_stream_is_forgotten() -> 
     quota.forget("b")
     clock.now += 16.0  # past FORGET_AFTER: the store no longer counts b (nor idle a)
     await quota.report("c", "q", [Usage(bucket, 1, 0)])
-    assert list(quota.demands()[KEY]) == ["c"]
+    assert [name for name, *_ in counters(quota)[KEY].instances] == ["c"]
 
 
 async def test_a_demand_shift_is_rebalanced_within_two_reports() -> None:
@@ -344,7 +350,7 @@ async def test_with_the_store_away_the_last_fleet_divides_the_limit() -> None:
     (a,) = await quota.report("a", "q", [Usage(bucket, 100, 0)])
     assert a.token_bucket is not None  # still a share of the two, not the whole limit
     assert a.token_bucket.tokens_per_fill < 100
-    assert quota.store_errors == 1 and quota.parts()[KEY][0] == 100.0  # fail-static
+    assert quota.store_errors == 1 and counters(quota)[KEY].part == 100.0  # fail-static
 
 
 async def test_what_is_kept_follows_the_buckets_in_use() -> None:
@@ -354,10 +360,10 @@ async def test_what_is_kept_follows_the_buckets_in_use() -> None:
     for n in range(50):
         quota.connected()
         await quota.report(f"e{n}", "q", [Usage({"tenant": f"t{n}"}, 1, 0)])
-    assert len(quota.demands()) == 50
+    assert len(counters(quota)) == 50
     for n in range(50):
         quota.forget(f"e{n}")
-    assert quota.demands() == {} and quota.shares() == {}
+    assert counters(quota) == {}
 
 
 async def test_with_the_store_away_a_used_up_window_resets_on_time() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
-from ratelimit_service.engine.quota import DENY_ALL, QuotaCoordinator, Usage
+from ratelimit_service.engine.quota import DENY_ALL, CounterView, QuotaCoordinator, Usage
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.storage.redis_store import RedisStore
 
@@ -32,6 +32,18 @@ class Clock:
 KEY = "q\x1ftenant\x1et\x1f1"
 
 
+def view(quota: QuotaCoordinator) -> CounterView:
+    """The replica's read-out of the counter (what /status.json and /metrics show)."""
+    (found,) = [v for v in quota.view() if v is not None and v.key == KEY]
+    return found
+
+
+def part(quota: QuotaCoordinator) -> float:
+    held = view(quota).part
+    assert held is not None
+    return held
+
+
 async def test_two_replicas_divide_one_limit_from_totals(redis_server) -> None:
     config = load_config([ConfigFile("q.yaml", RULES)])
     clock = Clock()  # the replicas' own clocks measure demand; Redis's keeps the windows
@@ -45,7 +57,7 @@ async def test_two_replicas_divide_one_limit_from_totals(redis_server) -> None:
         await two.report("b", "q", [Usage(bucket, b_hits, 0)])
         for replica in (one, two, one, two):  # publishes, each in turn
             await replica.tick()
-        return one.parts()[KEY][0], two.parts()[KEY][0]
+        return part(one), part(two)
 
     try:
         (first,) = await one.report("a", "q", [Usage(bucket, 1, 0)])
@@ -57,7 +69,7 @@ async def test_two_replicas_divide_one_limit_from_totals(redis_server) -> None:
         part_one, part_two = await round_of(100, 1250)
         assert part_one == pytest.approx(100 * 20 / 270, abs=0.01)
         assert part_one + part_two == pytest.approx(100, abs=0.01)
-        totals = one.parts()[KEY][1]
+        totals = view(one).totals
         assert totals is not None and (totals.instances, totals.members) == (2, 2)
         # Under it (20/s and 50/s): each its demand, and half the 30 spare.
         part_one, part_two = await round_of(100, 250)

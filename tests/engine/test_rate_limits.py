@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from ratelimit_harness.fleet import python_burst, redis_server, service_fleet
 from ratelimit_service.core.config_loader import ConfigFile, check_config, load_config
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
+from ratelimit_service.core.config_model import HeaderStyle
+from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
 from ratelimit_service.core.request import Code, Descriptor, Request
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_service.testing.fleet import python_burst, redis_server, service_fleet
 
 RULES = """\
 domain: d
@@ -97,7 +98,7 @@ async def test_the_status_is_the_most_restrictive_limit(mode: str) -> None:
     over = await rate.should_rate_limit(request)
     assert over.overall is Code.OVER_LIMIT
     assert over.statuses[0].code is Code.OVER_LIMIT and over.statuses[0].remaining == 0
-    headers = dict(rate_limit_headers(over.statuses, HeaderStyle.DRAFT03, HeaderNames()))
+    headers = dict(rate_limit_headers(over.decided, HeaderStyle.DRAFT03, HeaderNames()))
     assert headers["X-RateLimit-Limit"] == "3, 3;w=1"
     assert headers["X-RateLimit-Remaining"] == "0"
 

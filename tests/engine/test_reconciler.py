@@ -8,12 +8,12 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_service.testing.waiting import eventually_async
 
 
 class GatedStore(EmbeddedStore):
@@ -27,12 +27,12 @@ class GatedStore(EmbeddedStore):
         self.down = False
         self.asked = asyncio.Event()
 
-    async def sync(self, reports: Sequence[BucketReport], interval: float) -> SyncResult:
+    async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         self.asked.set()
         await self.gate.wait()
         if self.down:
             raise StoreUnavailable("down")
-        return await super().sync(reports, interval)
+        return await super().sync(reports)
 
 
 async def _overloaded_bucket(local: LocalBuckets, reconciler: Reconciler) -> None:

@@ -8,12 +8,12 @@ from collections import Counter
 
 from prometheus_client.core import Metric
 
+from ratelimit_harness.redis import RedisServer
 from ratelimit_service.engine.quota import FORGET_AFTER
 from ratelimit_service.engine.state_metrics import store_metrics, zone_metrics
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
-from ratelimit_service.testing.redis import RedisServer
 
 
 def samples(families: list[Metric]) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:

@@ -18,11 +18,11 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from ratelimit_harness.fixtures import REPO, RunningService, make_request
+from ratelimit_harness.redis import free_port
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.engine.statsd import MAX_DATAGRAM, pack, stat_name
-from ratelimit_service.testing.fixtures import REPO, RunningService, make_request
-from ratelimit_service.testing.redis import free_port
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

@@ -10,6 +10,7 @@ import json
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.engine.counters import DOMAIN_NOT_FOUND, KEY_COUNTERS, SERVICE_COUNTERS
 from ratelimit_service.engine.quota import QuotaCoordinator, Usage
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.stats import SLICE, Stats
@@ -94,6 +95,31 @@ async def test_rates_denied_share_and_near_limit_over_the_interval() -> None:
     assert [r["key"] for r in second["rules"]["rows"]] == ["d.k", "d.p"]  # by rate
     assert second["rules"]["rate"] == 22.0 and second["rules"]["denied_share"] == 0.2273
     assert second["service"]["rate"] == 22.0 and second["service"]["requests"] == 54
+
+
+async def test_the_page_shows_every_counter_the_catalogue_gives_a_status_key() -> None:
+    """engine/counters.py: a service counter under its key (a per-domain one summed), a
+    stats key's counters in its row, counted over the interval."""
+    status, clock = board()
+    stats = status.sources.stats
+    rule = stats.rule("d.k")
+    await status.snapshot()
+    for n, counter in enumerate(KEY_COUNTERS, 1):
+        setattr(rule, counter.attr, n)
+    for n, counter in enumerate(SERVICE_COUNTERS, 100):
+        setattr(stats, counter.attr, n)
+    stats.domain_not_found.update(nope=5, other=6)
+    clock.now += 2.0
+    snapshot = await status.snapshot()
+    row = rows(snapshot["rules"])["d.k"]
+    for n, counter in enumerate(KEY_COUNTERS, 1):
+        if counter.status is not None:
+            assert row[counter.status] == n, counter
+    service = snapshot["service"]
+    for n, counter in enumerate(SERVICE_COUNTERS, 100):
+        if counter.status is not None:
+            assert service[counter.status] == n, counter
+    assert service[str(DOMAIN_NOT_FOUND.status)] == 11
 
 
 async def test_a_snapshot_is_shared_while_fresh_and_by_readers_at_once() -> None:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from ratelimit_harness.fleet import python_burst, redis_server, service_fleet
 from ratelimit_service.core.config_loader import ConfigFile, check_config, load_config
-from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
+from ratelimit_service.core.config_model import HeaderStyle, RateLimit
+from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
 from ratelimit_service.core.matching import find_limit
 from ratelimit_service.core.request import Code, Descriptor, Request
 from ratelimit_service.core.shares import token_bucket
@@ -22,7 +23,6 @@ from ratelimit_service.core.units import Unit
 from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_service.testing.fleet import python_burst, redis_server, service_fleet
 
 RULES = """\
 domain: d
@@ -130,7 +130,7 @@ async def test_the_status_and_the_headers_follow_the_period() -> None:
     response = await rate.should_rate_limit(Request("d", [Descriptor((("long", "x"),))]))
     status = response.statuses[0]
     assert status.limit is not None and status.limit.unit is Unit.MINUTE
-    headers = dict(rate_limit_headers(response.statuses, HeaderStyle.DRAFT03, HeaderNames()))
+    headers = dict(rate_limit_headers(response.decided, HeaderStyle.DRAFT03, HeaderNames()))
     assert headers["X-RateLimit-Limit"] == "100, 100;w=600"
     exact = await rate.should_rate_limit(Request("d", [Descriptor((("ten", "x"),))]))
     # When its hit leaves the 10 s window (up to T + T/60 later), said as at most T.

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.testing.waiting import eventually_async
 
 RULES = """\
 domain: ai

@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 import redis
 
+from ratelimit_harness.redis import RedisServer
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.tiers import Fenced
-from ratelimit_service.engine.quota import FORGET_AFTER, QuotaCoordinator, Usage
+from ratelimit_service.engine.quota import FORGET_AFTER, CounterView, QuotaCoordinator, Usage
 from ratelimit_service.engine.stats import Stats
 from ratelimit_service.engine.zone_aggregator import ZoneAggregator
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
-from ratelimit_service.testing.redis import RedisServer
-from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.slow  # starts three redis-servers per test
 
@@ -81,7 +81,7 @@ class Replica:
                               forget_after=FORGET_AFTER, clock=clock)  # fmt: skip
 
     async def sync(self, reports: list[BucketReport]) -> SyncResult:
-        return await self.store.sync(reports, 0.25)
+        return await self.store.sync(reports)
 
     async def close(self) -> None:
         await self.store.close()
@@ -132,8 +132,15 @@ class Fleet:
         for replica in self.replicas.values():
             await replica.tick()
 
+    def view(self, name: str) -> CounterView:
+        """The replica's read-out of the counter (what /status.json and /metrics show)."""
+        (view,) = [v for v in self.replicas[name].view() if v is not None and v.key == KEY]
+        return view
+
     def part(self, name: str) -> float:
-        return self.replicas[name].parts()[KEY][0]
+        part = self.view(name).part
+        assert part is not None
+        return part
 
     async def close(self) -> None:
         for store in self.stores.values():
@@ -186,7 +193,7 @@ async def test_two_zones_hold_one_limit_by_demand(servers) -> None:
         assert 97 <= sum(fleet.shares.values()) <= 100, fleet.shares
         # The global store holds one entry per zone, a zone store one per replica.
         assert global_members(servers["global"]) == {(b"a", b"b")}
-        totals = fleet.replicas["a1"].parts()[KEY][1]
+        totals = fleet.view("a1").totals
         assert totals is not None and (totals.members, totals.instances) == (2, 2)
 
 

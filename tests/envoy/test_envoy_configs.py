@@ -38,14 +38,15 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from validate import validate_pb2
 
+from ratelimit_harness.fixtures import REPO
 from ratelimit_service.cli import envoy_config, envoy_rlqs
+from ratelimit_service.cli.envoy_plan import EnvoyOptions
 from ratelimit_service.config.files import read_config_files
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, NodeChildren
 from ratelimit_service.core.matching import find_limit, find_limits
+from ratelimit_service.core.settings_table import SETTINGS
 from ratelimit_service.server.app import HEALTH_NAMES
-from ratelimit_service.server.settings import SETTINGS
-from ratelimit_service.testing.fixtures import REPO
 
 HttpFilter = http_connection_manager_pb2.HttpFilter
 Hcm = http_connection_manager_pb2.HttpConnectionManager
@@ -666,10 +667,11 @@ def test_render_options_and_key_conventions(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--domain"):
         envoy_config.render(str(tmp_path))
     with pytest.raises(ValueError, match="'c' is not in the config"):
-        envoy_config.render(str(tmp_path), domain="c")
+        envoy_config.render(str(tmp_path), EnvoyOptions(domain="c"))
     with pytest.raises(ValueError, match="timeout"):
-        envoy_config.render(str(tmp_path), domain="a", timeout="20ms")
-    text = envoy_config.render(str(tmp_path), domain="a", cluster="rls", timeout="0.05s")
+        envoy_config.render(str(tmp_path), EnvoyOptions(domain="a", timeout="20ms"))
+    options = EnvoyOptions(domain="a", cluster="rls", timeout="0.05s")
+    text = envoy_config.render(str(tmp_path), options)
     snippet = yaml.safe_load(text)
     grpc = snippet["http_filters"][0]["typed_config"]["rate_limit_service"]["grpc_service"]
     assert grpc["envoy_grpc"]["cluster_name"] == "rls" == snippet["clusters"][0]["name"]

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from ratelimit_service.testing.envoy import Envoy, ServiceProcess, Upstream
-from ratelimit_service.testing.envoy_fixtures import CONFIG_DIR, shipped_bootstrap
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_harness.envoy import Envoy, ServiceProcess, Upstream
+from ratelimit_harness.envoy_fixtures import CONFIG_DIR, shipped_bootstrap
+from ratelimit_harness.waiting import eventually
 
 pytestmark = pytest.mark.slow
 

@@ -19,10 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ratelimit_service.cli import envoy_config
-from ratelimit_service.config.files import read_config_files
-from ratelimit_service.core.config_loader import ConfigFile, load_config
-from ratelimit_service.testing.envoy import (
+from ratelimit_harness.envoy import (
     Envoy,
     ServiceProcess,
     Upstream,
@@ -30,13 +27,17 @@ from ratelimit_service.testing.envoy import (
     substitute_addresses,
     validate,
 )
-from ratelimit_service.testing.envoy_fixtures import (
+from ratelimit_harness.envoy_fixtures import (
     CONFIG_DIR,
     REPO,
     SHIPPED_BOOTSTRAP,
     patient,
     undecided_calls,
 )
+from ratelimit_service.cli import envoy_config, envoy_plan
+from ratelimit_service.cli.envoy_plan import EnvoyOptions
+from ratelimit_service.config.files import read_config_files
+from ratelimit_service.core.config_loader import ConfigFile, load_config
 
 StartEnvoy = Callable[..., Envoy]
 SpawnService = Callable[..., ServiceProcess]
@@ -158,25 +159,32 @@ def test_route_plan_for_overlapping_and_unlimited_paths(tmp_path: Path) -> None:
         "  - key: path\n    value: /x*y\n    rate_limit: {unit: second, requests_per_unit: 3}\n"
     )
     domain = load_config(read_config_files(str(rules))).domains["d"]
-    plans = {plan.name: plan for plan in envoy_config.plan_routes(domain)}
+    plans = {plan.name: plan for plan in envoy_plan.plan_routes(domain)}
     assert [(p.name, p.path, p.prefix) for p in plans.values()] == [
         ("ping", "/ping", None),
         ("api-admin", None, "/api/admin"),
         ("api", None, "/api/"),
         ("other", None, "/"),
     ]
+    # The plan: which rules' chains each route sends (no protobuf yet).
+    assert {name: [c[-1].config_path for c in plan.chains] for name, plan in plans.items()} == {
+        "ping": ["d.path_/ping"],  # only unlimited rules cover it: only those
+        "api-admin": ["d.user", "d.path_/api/*", "d.path_/api/admin*"],
+        "api": ["d.user", "d.path_/api/*"],
+        "other": ["d.user", "d.path_/x*y"],  # a pattern no route can match: the catch-all
+    }
 
     def sent(name: str) -> list[list[str]]:
-        return descriptor_sets([envoy_config._to_dict(entry) for entry in plans[name].rate_limits])
+        entries = envoy_config.plan_rate_limits(plans[name])
+        return descriptor_sets([envoy_config._to_dict(entry) for entry in entries])
 
     assert sent("ping") == [["path=/ping"]]
     # /api/admin/1 meets both /api/* and /api/admin*: the route sends the path once.
     assert sent("api-admin") == [["user<x-user"], ["path<:path"]]
     assert sent("api") == [["user<x-user"], ["path<:path"]]
-    # A pattern no route can match (/x*y) is sent from the catch-all.
     assert sent("other") == [["user<x-user"], ["path<:path"]]
     with pytest.raises(ValueError, match="upstream"):
-        envoy_config.build_bootstrap(domain, cluster="upstream")
+        envoy_config.build_bootstrap(domain, EnvoyOptions(cluster="upstream"))
 
 
 # ------------------------------------------------------------------ Istio's patches

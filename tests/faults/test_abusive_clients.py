@@ -16,9 +16,9 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
+from ratelimit_harness.envoy import ServiceProcess
+from ratelimit_harness.faults import FAULTS_CONFIG, Probe
 from ratelimit_service.rls.servicer import RLS_SERVICE
-from ratelimit_service.testing.envoy import ServiceProcess
-from ratelimit_service.testing.faults import FAULTS_CONFIG, Probe
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

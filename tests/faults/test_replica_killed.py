@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from ratelimit_service.testing.envoy import Envoy, ServiceProcess, load_yaml, substitute_addresses
-from ratelimit_service.testing.envoy_fixtures import (
+from ratelimit_harness.envoy import Envoy, ServiceProcess, load_yaml, substitute_addresses
+from ratelimit_harness.envoy_fixtures import (
     CONFIG_DIR,
     LOOPBACK_ANY,
     SHIPPED_BOOTSTRAP,

@@ -19,15 +19,15 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ratelimit_service.cli.client import build_request
-from ratelimit_service.testing.fleet import (
+from ratelimit_harness.fleet import (
     SHOULD_RATE_LIMIT,
     keyed_load,
     rss_bytes,
     scrape,
     service_fleet,
 )
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.waiting import eventually_async
+from ratelimit_service.cli.client import build_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

@@ -1,6 +1,6 @@
 """Store faults as they happen in production, under load, seen by a client with Envoy's
 20 ms deadline: a failover that repoints an address, a partition, a hung store, a
-Cluster or Sentinel master killed (testing/fault_scenarios.py stages each).
+Cluster or Sentinel master killed (ratelimit_harness/fault_scenarios.py stages each).
 
 Each asserts what the fault's row in docs/reliability.md promises: no gRPC error at any
 time, at most 0.1 % of calls past their deadline beyond what the machine itself makes
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ratelimit_service.testing import fault_scenarios
-from ratelimit_service.testing.fault_scenarios import FaultRun, store_metric
+from ratelimit_harness import fault_scenarios
+from ratelimit_harness.fault_scenarios import FaultRun, store_metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

@@ -4,7 +4,7 @@ failure does").
 
 Real processes: two zones (a redis-server each) under a global redis-server, two
 ``serve --zone`` replicas per zone, each dialling the global store through its own
-forwarder (testing/forwarder.py), and eight simulated Envoys on RLQS streams asking
+forwarder (ratelimit_harness/forwarder.py), and eight simulated Envoys on RLQS streams asking
 twice the limit (zone a's twice zone b's). Intervals are shortened (zones every 0.5 s,
 replicas every 0.25 s, Envoys report every second) so that a fault of 10 s spans twenty
 passes.
@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from ratelimit_service.testing.envoy import ServiceProcess
-from ratelimit_service.testing.envoy_fixtures import scrape
-from ratelimit_service.testing.forwarder import Forwarder
-from ratelimit_service.testing.redis import RedisServer
-from ratelimit_service.testing.rlqs_sim import SimEnvoy, StreamingEnvoy
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.envoy import ServiceProcess
+from ratelimit_harness.envoy_fixtures import scrape
+from ratelimit_harness.forwarder import Forwarder
+from ratelimit_harness.redis import RedisServer
+from ratelimit_harness.rlqs_sim import SimEnvoy, StreamingEnvoy
+from ratelimit_harness.waiting import eventually_async
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service.testing.fleet import (
+from ratelimit_harness.fleet import (
     cpu_hog,
     fleet_sum,
     python_burst,
@@ -27,8 +27,8 @@ from ratelimit_service.testing.fleet import (
     service_fleet,
     wait_port,
 )
-from ratelimit_service.testing.redis import free_port
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_harness.redis import free_port
+from ratelimit_harness.waiting import eventually
 
 pytestmark = [
     pytest.mark.serial,  # timing: run alone, after the parallel part

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from ratelimit_harness.fleet import cpu_hog, fleet_sum, redis_server, service_fleet
+from ratelimit_harness.fleet import rule_counter as _rule_counter
 from ratelimit_service.cli.client import build_request
-from ratelimit_service.testing.fleet import cpu_hog, fleet_sum, redis_server, service_fleet
-from ratelimit_service.testing.fleet import rule_counter as _rule_counter
 
 pytestmark = [
     pytest.mark.serial,  # timing: run alone, after the parallel part

@@ -16,14 +16,14 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
-from ratelimit_service.cli.client import build_request
-from ratelimit_service.testing.fleet import (
+from ratelimit_harness.fleet import (
     Node,
     Timeline,
     drive,
     service_fleet,
     write_config,
 )
+from ratelimit_service.cli.client import build_request
 
 pytestmark = [
     pytest.mark.serial,  # timing: run alone, after the parallel part

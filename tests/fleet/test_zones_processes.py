@@ -19,12 +19,12 @@ import pytest
 import redis
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
+from ratelimit_harness.envoy import ServiceProcess
+from ratelimit_harness.envoy_fixtures import scrape
+from ratelimit_harness.redis import RedisServer
+from ratelimit_harness.rlqs_sim import SimEnvoy, StreamingEnvoy
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.cli.client import build_request
-from ratelimit_service.testing.envoy import ServiceProcess
-from ratelimit_service.testing.envoy_fixtures import scrape
-from ratelimit_service.testing.redis import RedisServer
-from ratelimit_service.testing.rlqs_sim import SimEnvoy, StreamingEnvoy
-from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # starts processes; timing: run alone
 

@@ -16,9 +16,9 @@ from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ratelimit_harness.envoy import ServiceProcess
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.rlqs.servicer import SHUTTING_DOWN
-from ratelimit_service.testing.envoy import ServiceProcess
-from ratelimit_service.testing.waiting import eventually_async
 
 Usage = rlqs_pb2.RateLimitQuotaUsageReports.BucketQuotaUsage
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE

@@ -9,9 +9,9 @@ import random
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import json_format
 
-from ratelimit_service.core.config_model import RateLimit
-from ratelimit_service.core.decision import deciding_rule, decision_metadata, go_metadata
-from ratelimit_service.core.headers import HeaderNames, HeaderStyle, rate_limit_headers
+from ratelimit_service.core.config_model import HeaderStyle, RateLimit
+from ratelimit_service.core.decision import answer, decision_metadata, go_metadata
+from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
 from ratelimit_service.core.request import (
     UINT32_MAX,
     Code,
@@ -65,9 +65,9 @@ def test_wire_metadata_is_decision_metadata() -> None:
         domain = rng.choice(["edge", "d", "ü" * 300])
         limits = [s.limit for s in statuses if s.limit is not None]
         heads = rls_wire.LimitHeads(limits[: rng.randint(0, len(limits))])
-        response = Response(rng.choice(list(Code)), statuses)
+        response = answer(statuses, admit=rng.random() < 0.5)
         encoded = rls_wire.encode_response(response, None, heads, domain)
-        metadata = decision_metadata(domain, statuses, response.overall)
+        metadata = decision_metadata(domain, response)
         assert parsed_metadata(encoded) == metadata
         checked["rule"] += "rule" in metadata
         checked["shadow"] += "shadow" in metadata
@@ -84,7 +84,7 @@ def test_shadow_marks_what_shadow_mode_made_ok() -> None:
         DescriptorStatus(Code.OK, tenant, 3),
         DescriptorStatus(Code.OK, trial, 0, 1.0, True),
     ]
-    assert decision_metadata("edge", shadowed, Code.OK) == {
+    assert decision_metadata("edge", answer(shadowed)) == {
         "domain": "edge",
         "rule": "trial",
         "descriptors": [
@@ -93,9 +93,11 @@ def test_shadow_marks_what_shadow_mode_made_ok() -> None:
         ],
     }
     over = [DescriptorStatus(Code.OVER_LIMIT, tenant, 0)]
-    assert decision_metadata("edge", over, Code.OK)["shadow"] == "OVER_LIMIT"
-    assert "shadow" not in decision_metadata("edge", over, Code.OVER_LIMIT)
-    assert "shadow" not in decision_metadata("edge", over)
+    shadow_mode = answer(over, admit=True)  # global shadow mode
+    assert shadow_mode.overall is Code.OK and shadow_mode.shadowed
+    assert decision_metadata("edge", shadow_mode)["shadow"] == "OVER_LIMIT"
+    assert "shadow" not in decision_metadata("edge", answer(over))
+    assert not answer(shadowed, admit=True).shadowed  # OK by its statuses already
 
 
 def random_request(rng: random.Random, size: int) -> Request:
@@ -119,9 +121,9 @@ def test_wire_metadata_with_go_keys_is_decision_metadata() -> None:
         request = random_request(rng, len(statuses))
         limits = [s.limit for s in statuses if s.limit is not None]
         heads = rls_wire.LimitHeads(limits[: rng.randint(0, len(limits))])
-        response = Response(rng.choice(list(Code)), statuses)
+        response = answer(statuses, admit=rng.random() < 0.5)
         encoded = rls_wire.encode_response(response, None, heads, "edge", request)
-        expected = decision_metadata("edge", statuses, response.overall, go_request=request)
+        expected = decision_metadata("edge", response, go_request=request)
         assert parsed_metadata(encoded) == expected
         assert "descriptors" in expected and "limits" in expected
         merged += "metadata" in expected
@@ -178,6 +180,13 @@ def test_no_domain_no_metadata() -> None:
     assert not R.FromString(rls_wire.encode_response(response, None)).HasField("dynamic_metadata")
 
 
+def deciding_rule(statuses: list[DescriptorStatus]) -> str | None:
+    """The rule the answer's metadata names as the one that decided it."""
+    rule = decision_metadata("edge", answer(statuses)).get("rule")
+    assert rule is None or isinstance(rule, str)
+    return rule
+
+
 def test_the_denying_rule_decides_else_the_nearest() -> None:
     per_ip = RateLimit(100, Unit.MINUTE, stats_key="edge.remote_address")
     tenant = RateLimit(10, Unit.SECOND, name="tenant-burst", stats_key="edge.tenant")
@@ -185,7 +194,7 @@ def test_the_denying_rule_decides_else_the_nearest() -> None:
     assert deciding_rule(ok) == "edge.remote_address"  # nearest its limit, by its stats key
     over = [DescriptorStatus(Code.OK, per_ip, 3), DescriptorStatus(Code.OVER_LIMIT, tenant, 0)]
     assert deciding_rule(over) == "tenant-burst"  # the YAML name when there is one
-    metadata = decision_metadata("edge", [*over, DescriptorStatus(Code.OK)])
+    metadata = decision_metadata("edge", answer([*over, DescriptorStatus(Code.OK)]))
     assert metadata == {
         "domain": "edge",
         "rule": "tenant-burst",
@@ -196,22 +205,26 @@ def test_the_denying_rule_decides_else_the_nearest() -> None:
         ],
     }
     assert deciding_rule([DescriptorStatus(Code.OK), DescriptorStatus(Code.OK, None, 9)]) is None
-    assert "rule" not in decision_metadata("edge", [DescriptorStatus(Code.OK)])
+    assert "rule" not in decision_metadata("edge", answer([DescriptorStatus(Code.OK)]))
 
 
 def test_rule_header_with_or_without_the_count_headers() -> None:
     tenant = RateLimit(10, Unit.SECOND, name="tenant-burst", stats_key="edge.tenant")
     over = [DescriptorStatus(Code.OVER_LIMIT, tenant, 0, 0.4)]
     named = HeaderNames(rule="X-RateLimit-Rule")
-    assert rate_limit_headers(over, HeaderStyle.OFF, named) == [
+    decided = answer(over).decided
+    assert rate_limit_headers(decided, HeaderStyle.OFF, named) == [
         ("X-RateLimit-Rule", "tenant-burst")
     ]
-    both = rate_limit_headers(over, HeaderStyle.RATELIMIT, named)
+    both = rate_limit_headers(decided, HeaderStyle.RATELIMIT, named)
     assert both == [
         ("RateLimit-Limit", "10"),
         ("RateLimit-Remaining", "0"),
         ("RateLimit-Reset", "1"),
         ("X-RateLimit-Rule", "tenant-burst"),
     ]
-    assert rate_limit_headers(over, HeaderStyle.OFF, HeaderNames()) == []
-    assert rate_limit_headers([DescriptorStatus(Code.OK)], HeaderStyle.OFF, named) == []
+    assert rate_limit_headers(decided, HeaderStyle.OFF, HeaderNames()) == []
+    assert (
+        rate_limit_headers(answer([DescriptorStatus(Code.OK)]).decided, HeaderStyle.OFF, named)
+        == []
+    )

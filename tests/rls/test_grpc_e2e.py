@@ -23,9 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from ratelimit_harness.fixtures import RunningService, make_request
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.testing.fixtures import RunningService, make_request
-from ratelimit_service.testing.waiting import eventually_async
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

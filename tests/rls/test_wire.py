@@ -12,6 +12,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit_service.core.config_model import OverLimitAnswer, RateLimit
+from ratelimit_service.core.decision import answer
 from ratelimit_service.core.request import (
     UINT32_MAX,
     Code,
@@ -179,17 +180,14 @@ async def test_malformed_bytes_get_invalid_argument(start_service, write_config)
 def test_a_denial_carries_the_deciding_rules_over_limit_answer() -> None:
     """The rule that decided a denial gives the 429 its body (raw_body) and content type
     (a response header); an OK answer, or a denial by a rule without one, carries none."""
-    answer = OverLimitAnswer(b'{"error": "tokens"}', "application/json")
-    budget = RateLimit(6000, Unit.MINUTE, stats_key="ai.tenant", over_limit=answer)
+    tokens = OverLimitAnswer(b'{"error": "tokens"}', "application/json")
+    budget = RateLimit(6000, Unit.MINUTE, stats_key="ai.tenant", over_limit=tokens)
     plain = RateLimit(5, Unit.SECOND, stats_key="ai.user")
     bare = RateLimit(7, Unit.SECOND, stats_key="ai.k", over_limit=OverLimitAnswer(b"slow down"))
     for heads in (rls_wire.LimitHeads([budget, plain, bare]), rls_wire.LimitHeads([budget])):
 
         def encoded(*statuses: DescriptorStatus) -> rls_pb2.RateLimitResponse:
-            overall = (
-                Code.OVER_LIMIT if any(s.code is Code.OVER_LIMIT for s in statuses) else Code.OK
-            )
-            response = Response(overall, list(statuses))
+            response = answer(list(statuses))
             return rls_pb2.RateLimitResponse.FromString(
                 rls_wire.encode_response(response, [("x-a", "1")], heads)  # noqa: B023
             )

@@ -20,11 +20,11 @@ import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from google.protobuf import duration_pb2
 
-from ratelimit_service.testing.envoy import ServiceProcess, running
-from ratelimit_service.testing.fixtures import make_request
-from ratelimit_service.testing.prometheus import Prometheus, prometheus_missing
-from ratelimit_service.testing.redis import RedisServer
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.envoy import ServiceProcess, running
+from ratelimit_harness.fixtures import make_request
+from ratelimit_harness.prometheus import Prometheus, prometheus_missing
+from ratelimit_harness.redis import RedisServer
+from ratelimit_harness.waiting import eventually_async
 
 pytestmark = pytest.mark.slow  # starts redis-server, the service and Prometheus
 

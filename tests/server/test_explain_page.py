@@ -15,8 +15,8 @@ from urllib.parse import quote
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
+from ratelimit_harness.fixtures import RunningService
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.testing.fixtures import RunningService
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

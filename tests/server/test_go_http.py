@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
+from ratelimit_harness.fixtures import REPO, RunningService
+from ratelimit_harness.redis import free_port
+from ratelimit_harness.waiting import eventually, eventually_async
 from ratelimit_service.server.app import RateLimitService, Settings
-from ratelimit_service.testing.fixtures import REPO, RunningService
-from ratelimit_service.testing.redis import free_port
-from ratelimit_service.testing.waiting import eventually, eventually_async
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -259,7 +259,7 @@ async def test_json_bad_requests_are_400_with_the_reason(
 
 
 async def test_json_response_headers_as_grpc_adds_them(start: Starter) -> None:
-    from ratelimit_service.core.headers import HeaderStyle
+    from ratelimit_service.core.config_model import HeaderStyle
 
     svc = await start(response_headers=HeaderStyle.RATELIMIT)
     status, answer = await post_json(svc, {"domain": "d", "descriptors": [one("k", "h")]})
@@ -430,7 +430,7 @@ def test_debug_addr_with_workers_is_refused(write_config: Callable[..., Path]) -
 def test_http_port_shared_by_workers(write_config: Callable[..., Path], redis_server: Any) -> None:
     """--workers 2 --http-addr: both workers bind the port (SO_REUSEPORT, like gRPC), so
     the supervisor sees both serving; /json on fresh connections counts in Redis."""
-    from ratelimit_service.testing.fleet import wait_healthy
+    from ratelimit_harness.fleet import wait_healthy
 
     http_at, grpc_at, admin_at = free_port(), free_port(), free_port()
     process = subprocess.Popen(

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from ratelimit_harness.fleet import wait_healthy
+from ratelimit_harness.redis import free_port
 from ratelimit_service.server.logs import LATE_ANSWERS, configure_logging
-from ratelimit_service.testing.fleet import wait_healthy
-from ratelimit_service.testing.redis import free_port
 
 
 @pytest.mark.slow  # starts a service process

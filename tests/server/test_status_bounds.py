@@ -17,11 +17,11 @@ import grpc
 import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 
+from ratelimit_harness.fleet import SHOULD_RATE_LIMIT, service_fleet
+from ratelimit_harness.rlqs_sim import usage_report
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.cli.client import build_request
 from ratelimit_service.engine.status import TOP
-from ratelimit_service.testing.fleet import SHOULD_RATE_LIMIT, service_fleet
-from ratelimit_service.testing.rlqs_sim import usage_report
-from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -109,7 +109,7 @@ async def _get(port: int, path: str) -> bytes:
 
 
 async def _tenures(port: int) -> float:
-    """The service's tenure rounds so far (server/app.py Tenuring)."""
+    """The service's tenure rounds so far (server/gc_policy.py Tenuring)."""
     metrics = (await _get(port, "/metrics")).decode()
     (line,) = [x for x in metrics.splitlines() if x.startswith("ratelimit_gc_tenures_total ")]
     return float(line.split()[1])

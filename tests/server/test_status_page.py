@@ -16,11 +16,12 @@ import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from ratelimit_service.testing.browser import chromium, dump_dom
-from ratelimit_service.testing.fixtures import RunningService
-from ratelimit_service.testing.fleet import redis_server as fleet_redis
-from ratelimit_service.testing.rlqs_sim import usage_report
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.browser import chromium, dump_dom
+from ratelimit_harness.fixtures import RunningService
+from ratelimit_harness.fleet import redis_server as fleet_redis
+from ratelimit_harness.rlqs_sim import usage_report
+from ratelimit_harness.waiting import eventually_async
+from ratelimit_service.storage.base import StoreMetrics
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -291,10 +292,10 @@ async def test_a_failing_snapshot_answers_500_and_the_port_keeps_serving(
     service = await start_service(write_config(RULES))
     port = service.service.admin.port
 
-    def broken() -> dict[str, float]:
+    def broken() -> StoreMetrics:
         raise RuntimeError("figures unavailable")
 
-    service.service.store.stats = broken  # type: ignore[method-assign]
+    service.service.store.metrics = broken  # type: ignore[method-assign]
     status, content_type, body = await get(port, "/status.json")
     assert (status, content_type, body) == (
         500, "text/plain", b"status snapshot failed: figures unavailable\n",

@@ -18,11 +18,11 @@ import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from ratelimit_harness.fleet import wait_healthy
+from ratelimit_harness.redis import free_port
+from ratelimit_harness.waiting import eventually
 from ratelimit_service.cli.client import build_request
 from ratelimit_service.server.supervisor import merge_metrics
-from ratelimit_service.testing.fleet import wait_healthy
-from ratelimit_service.testing.redis import free_port
-from ratelimit_service.testing.waiting import eventually
 
 pytestmark = pytest.mark.slow
 

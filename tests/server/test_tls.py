@@ -13,13 +13,13 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
+from ratelimit_harness.certs import CertPair, make_ca, make_cert
+from ratelimit_harness.redis import free_port
+from ratelimit_harness.waiting import eventually
 from ratelimit_service.cli.client import build_request
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.certs import CertPair, make_ca, make_cert
-from ratelimit_service.testing.redis import free_port
-from ratelimit_service.testing.waiting import eventually
 
 pytestmark = [
     pytest.mark.slow,  # starts processes
@@ -123,7 +123,7 @@ def test_cli_client_over_tls(tmp_path: Path, pki) -> None:
          "--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key)],
     )  # fmt: skip
     try:
-        from ratelimit_service.testing.fleet import wait_healthy
+        from ratelimit_harness.fleet import wait_healthy
 
         wait_healthy(admin)
         result = subprocess.run(
@@ -181,7 +181,7 @@ async def test_redis_over_tls(pki) -> None:
         await store.close()
         untrusted = RedisStore(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['other'].cert}")
         with pytest.raises(StoreUnavailable):
-            await untrusted.sync([], 0.25)
+            await untrusted.sync([])
         with pytest.raises(StoreUnavailable):  # the request path's own connection, too
             await untrusted.hit([ExactHit("k", 2, 60, 1)], True)
         assert untrusted._pipe is not None and untrusted._pipe.connects == 0
@@ -252,7 +252,7 @@ async def test_redis_tls_with_a_client_certificate_from_the_go_settings(pki) -> 
         url = read_go_environment(go, go_mode=False).values["--redis-url"].value
         store = RedisStore(url, request_timeout=1)
         assert (await store.hit([ExactHit("k", 2, 60, 1)], True))[0].remaining == 1
-        await store.sync([], 0.25)
+        await store.sync([])
         await store.close()
         refused = RedisStore(anonymous, request_timeout=1)
         with pytest.raises(StoreUnavailable):

@@ -13,8 +13,8 @@ import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 
+from ratelimit_harness.fixtures import make_request
 from ratelimit_service.engine.tracing import RLQS_SPAN, RLS_SPAN, STORE_SPAN
-from ratelimit_service.testing.fixtures import make_request
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT

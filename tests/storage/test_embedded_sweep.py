@@ -3,8 +3,6 @@ so the reconciler's sweep never holds the event loop for a pass over every key."
 
 from __future__ import annotations
 
-import asyncio
-
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.lru import SWEEP_PIECE, LruMap
@@ -31,32 +29,26 @@ async def test_the_embedded_sweep_forgets_only_what_holds_nothing() -> None:
         await store.hit([ExactHit(f"short{i}", 10, 1, 1)], True)
     await store.hit([ExactHit("long", 10, 3_600, 1)], True)
     now[0] += 2  # the one-second windows are empty; the hour's is not
-    pieces = list(store.sweep())
-    assert len(pieces) >= 2 and sum(pieces) == SWEEP_PIECE + 10
-    assert store.stats()["exact_keys"] == 1 and store.stats()["swept"] == SWEEP_PIECE + 10
+    await store.sync([])  # each sync, the store's heartbeat, judges one piece
+    figures = store.metrics().figures
+    assert figures["swept"] == SWEEP_PIECE and figures["exact_keys"] == 11
+    await store.sync([])
+    figures = store.metrics().figures
+    assert figures["exact_keys"] == 1 and figures["swept"] == SWEEP_PIECE + 10
     result = await store.hit([ExactHit("long", 10, 3_600, 0)], True)
     assert result[0].before == 1  # its hit is still counted
 
 
-async def test_the_reconciler_leaves_the_loop_to_calls_while_it_sweeps() -> None:
+async def test_a_sync_judges_one_piece_so_calls_run_between_pieces() -> None:
     now = [1_000.0]
     store = EmbeddedStore(clock=lambda: now[0])
     for i in range(30_000):
         await store.hit([ExactHit(f"k{i}", 10, 1, 1)], True)
     now[0] += 2
     reconciler = Reconciler(LocalBuckets(), store, interval=1.0, clock=lambda: now[0])
-    seen: set[float] = set()
-
-    async def beside() -> None:
-        while True:
-            seen.add(store.stats()["exact_keys"])
-            await asyncio.sleep(0)
-
-    task = asyncio.ensure_future(beside())
-    try:
-        await reconciler.sync_once()  # the first sync sweeps
-    finally:
-        task.cancel()
-    assert store.stats()["exact_keys"] == 0
-    # Other work ran between the pieces: it saw the sweep half done.
-    assert any(0 < keys < 30_000 for keys in seen), sorted(seen)
+    kept = []
+    for _ in range(30):
+        await reconciler.sync_once()
+        kept.append(store.metrics().figures["exact_keys"])
+    # One piece per sync: the pass is spread over the syncs, the loop free between them.
+    assert kept == [30_000 - SWEEP_PIECE * n for n in range(1, 31)]

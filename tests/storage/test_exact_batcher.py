@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.fixtures import window_slices
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.fixtures import window_slices
-from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
@@ -37,7 +37,7 @@ async def test_a_few_calls_go_out_at_once_then_requests_queue(redis_server) -> N
             *(store.hit([ExactHit("k", 100, 60, 1)], True) for _ in range(slots + 10))
         )
         # One call per free slot, then the ten that queued behind them share one.
-        assert store.stats()["exact_batches"] == slots + 1
+        assert store.metrics().figures["exact_batches"] == slots + 1
         assert sorted(r[0].before for r in results) == list(range(slots + 10))
     finally:
         await store.close()
@@ -46,8 +46,8 @@ async def test_a_few_calls_go_out_at_once_then_requests_queue(redis_server) -> N
 async def test_concurrent_requests_share_one_call_and_admit_the_limit(store: RedisStore) -> None:
     results = await asyncio.gather(*(store.hit([ExactHit("k", 7, 60, 1)], True) for _ in range(20)))
     # The first finds the line idle and goes alone; the 19 that queue behind it share one call.
-    assert store.stats()["exact_batches"] == 2
-    assert store.stats()["exact_batched_requests"] == 20
+    assert store.metrics().figures["exact_batches"] == 2
+    assert store.metrics().figures["exact_batched_requests"] == 20
     assert [r[0].admitted for r in results] == [True] * 7 + [False] * 13
     # Decided in submission order, each seeing what the ones before it consumed.
     assert [r[0].before for r in results] == list(range(7)) + [7] * 13
@@ -58,7 +58,7 @@ async def test_concurrent_requests_share_one_call_and_admit_the_limit(store: Red
 
 async def test_batch_mixes_keys_roles_and_check_only(store: RedisStore) -> None:
     await store.hit([ExactHit("full", 1, 60, 1)], True)
-    calls_before = store.stats()["exact_batches"]
+    calls_before = store.metrics().figures["exact_batches"]
     first, denied, check, shadow, plain = await asyncio.gather(
         store.hit([ExactHit("first", 1, 60, 1)], True),  # goes alone; the rest queue
         store.hit([ExactHit("roomy", 5, 60, 1), ExactHit("full", 1, 60, 1)], True),
@@ -66,7 +66,7 @@ async def test_batch_mixes_keys_roles_and_check_only(store: RedisStore) -> None:
         store.hit([ExactHit("full", 1, 60, 1, HitRole.SHADOW), ExactHit("roomy", 5, 60, 2)], True),
         store.hit([ExactHit("other", 2, 1, 2)], True),
     )
-    assert store.stats()["exact_batches"] == calls_before + 2
+    assert store.metrics().figures["exact_batches"] == calls_before + 2
     assert first[0].admitted
     assert [r.admitted for r in denied] == [True, False]
     assert check[0].admitted and check[0].before == 0  # the denied request took nothing
@@ -84,7 +84,7 @@ async def test_large_bursts_are_split_into_bounded_calls(store: RedisStore) -> N
     # The first request goes alone; then a batch leaves whenever it holds `size`
     # descriptors or more (52 requests of 5), and the rest when the line is free.
     per_batch = -(-size // 5)
-    assert store.stats()["exact_batches"] == 1 + -(-(size - 1) // per_batch)
+    assert store.metrics().figures["exact_batches"] == 1 + -(-(size - 1) // per_batch)
     assert all(r.admitted for result in results for r in result)
     totals = await store.hit([ExactHit(f"k{i}", 1000, 60, 0) for i in range(3)], True)
     assert [t.before for t in totals] == [2 * size, 2 * size, size]
@@ -139,9 +139,9 @@ async def test_hits_held_back_in_a_call_count_when_slices_are_read(
     try:
         await store.hit([ExactHit("w", 5, 1, 3)], True)
         await asyncio.sleep(0.5)  # the subject: slices leaving a window on Redis's clock
-        calls = store.stats()["exact_batches"]
+        calls = store.metrics().figures["exact_batches"]
         results = await burst(6)  # two fit; the four denied read the slices
-        assert store.stats()["exact_batches"] == calls + 2
+        assert store.metrics().figures["exact_batches"] == calls + 2
         assert [r.admitted for r in results] == [True, True] + [False] * 4
         assert [r.before for r in results] == [3, 4, 5, 5, 5, 5]
         for denied in results[2:]:
@@ -189,29 +189,29 @@ async def make_store(redis_server) -> AsyncIterator[Callable[..., RedisStore]]:
 async def test_requests_in_separate_turns_go_alone_when_not_held(make_store) -> None:
     store = make_store(request_timeout=0.5)
     results = await spread_over_turns(store, [ExactHit("t", 9, 60, 1)], 6)
-    assert store.stats()["exact_batch_hold_seconds"] == 0
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
     # A call slot was free each time: every request went at once, in its own call.
-    assert store.stats()["exact_batches"] == 6
-    assert store.stats()["exact_held_batches"] == 0
+    assert store.metrics().figures["exact_batches"] == 6
+    assert store.metrics().figures["exact_held_batches"] == 0
     assert sorted(r[0].before for r in results) == list(range(6))
 
 
 async def test_saturated_loop_holds_calls_so_requests_share_them(make_store) -> None:
     store = make_store(request_timeout=1.0, batch_hold=0.2)
     store.loop_saturated(True)
-    assert store.stats()["exact_batch_hold_seconds"] == 0.2
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0.2
     loop = asyncio.get_running_loop()
     started = loop.time()
     results = await spread_over_turns(store, [ExactHit("h", 3, 60, 1)], 5)
     waited = loop.time() - started
-    assert store.stats()["exact_batches"] == 1  # one call for the five
-    assert store.stats()["exact_held_batches"] == 1
+    assert store.metrics().figures["exact_batches"] == 1  # one call for the five
+    assert store.metrics().figures["exact_held_batches"] == 1
     assert [r[0].admitted for r in results] == [True] * 3 + [False] * 2
     assert [r[0].before for r in results] == [0, 1, 2, 3, 3]
     assert waited >= 0.19  # the batch left when its hold was over, not before
 
     store.loop_saturated(False)
-    assert store.stats()["exact_batch_hold_seconds"] == 0
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
     started = loop.time()
     again = await store.hit([ExactHit("h", 3, 60, 0)], True)
     assert loop.time() - started < 0.1  # not held any more
@@ -235,7 +235,7 @@ async def test_a_full_batch_does_not_wait_for_its_hold(make_store) -> None:
         *(store.hit([ExactHit("f", 10 * size, 60, 1)], True) for _ in range(size))
     )
     assert asyncio.get_running_loop().time() - started < 1.0
-    assert store.stats()["exact_batches"] == 1
+    assert store.metrics().figures["exact_batches"] == 1
     assert sorted(r[0].before for r in results) == list(range(size))
 
 
@@ -253,7 +253,7 @@ async def test_a_batch_queued_for_a_free_slot_is_not_held_when_holding_starts(
     joined = asyncio.ensure_future(store.hit([ExactHit("s", 10, 60, 1)], True))
     done, _ = await asyncio.wait([first, queued, joined], timeout=1.0)
     assert len(done) == 3  # not held for 2 s behind the first call
-    assert store.stats()["exact_batches"] == 2
+    assert store.metrics().figures["exact_batches"] == 2
     assert sorted(t.result()[0].before for t in (first, queued, joined)) == [0, 1, 2]
 
 
@@ -275,20 +275,20 @@ async def test_holding_stops_when_held_calls_leave_alone(make_store) -> None:
     waits = [await timed() for _ in range(lone + 2)]
     assert all(wait >= 0.19 for wait in waits[:lone]), waits
     assert all(wait < 0.1 for wait in waits[lone:]), waits
-    assert store.stats()["exact_batch_hold_seconds"] == 0
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
     # The next report brings the hold back, with a fresh count of lone calls.
     store.loop_saturated(True)
-    assert store.stats()["exact_batch_hold_seconds"] == 0.2
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0.2
     for _ in range(lone - 1):
         assert await timed() >= 0.19
-    assert store.stats()["exact_batch_hold_seconds"] == 0.2
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0.2
     # A shared held call starts the count again too.
     await spread_over_turns(store, hit, 3)
     for _ in range(lone - 1):
         await timed()
-    assert store.stats()["exact_batch_hold_seconds"] == 0.2
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0.2
     await timed()
-    assert store.stats()["exact_batch_hold_seconds"] == 0
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
 
 
 async def test_closing_the_store_fails_a_held_batch_instead_of_sending_it(
@@ -313,7 +313,7 @@ async def test_no_hold_without_a_single_server_or_with_a_hold_of_zero(make_store
     store = make_store(batch_hold=0.0)
     assert not store.wants_saturation
     store.loop_saturated(True)
-    assert store.stats()["exact_batch_hold_seconds"] == 0
+    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
 
 
 def test_a_deadline_already_past_arms_the_timer_under_uvloop() -> None:

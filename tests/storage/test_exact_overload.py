@@ -12,9 +12,9 @@ import urllib.request
 import grpc
 import pytest
 
+from ratelimit_harness.fixtures import make_request
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_model import Mode
-from ratelimit_service.testing.fixtures import make_request
-from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
@@ -60,7 +60,7 @@ async def test_requests_past_the_bound_are_refused_or_denied_never_admitted(
         ]
         store = service.service.store
         await eventually_async(  # both wait for the frozen Redis: the bound is reached
-            lambda: store.stats()["exact_pending"] >= 2, timeout=5, what="two pending"
+            lambda: store.metrics().figures["exact_pending"] >= 2, timeout=5, what="two pending"
         )
         assert not any(call.done() for call in stuck)
         with pytest.raises(grpc.aio.AioRpcError) as refused:

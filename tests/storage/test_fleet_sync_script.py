@@ -13,6 +13,7 @@ import random
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.zones import ZoneShare
 from ratelimit_service.storage.embedded import _FleetBucket
@@ -23,7 +24,6 @@ from ratelimit_service.storage.script_replies import (
     zone_write_reply,
 )
 from ratelimit_service.storage.zoned import write_args
-from ratelimit_service.testing.redis import script_on_test_clock, set_test_clock
 
 BUCKETS = {"a": (1, 100, None), "b": (60, 600, 150), "c": (1, 40, 10), "d": (86_400, 500, None)}
 """Per bucket: window (seconds), limit, burst."""

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import ExactHit
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.owed_hits import OwedHits
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
@@ -41,7 +41,7 @@ async def test_hits_admitted_while_redis_was_down_land_when_it_is_back(redis_ser
                 await store.hit(HIT, True, owe=True)
         with pytest.raises(StoreUnavailable):
             await store.hit(HIT, True, owe=False)  # a rule that fails closed: not owed
-        assert store.stats()["exact_owed_entries"] == 1  # four hits on one key: one entry
+        assert store.metrics().figures["exact_owed_entries"] == 1  # four hits on one key: one entry
         redis_server.start()
         await until_answered(store)
         # A fresh (empty) server: the four owed hits land with the first calls it answers.
@@ -52,8 +52,8 @@ async def test_hits_admitted_while_redis_was_down_land_when_it_is_back(redis_ser
         await eventually_async(
             landed, timeout=5, what="owed hits landed", ignore=(StoreUnavailable,)
         )
-        assert store.stats()["exact_owed_entries"] == 0
-        assert store.stats()["exact_owed_sent"] >= 1
+        assert store.metrics().figures["exact_owed_entries"] == 0
+        assert store.metrics().figures["exact_owed_sent"] >= 1
     finally:
         await store.close()
 
@@ -67,7 +67,7 @@ async def test_a_late_reply_that_counted_the_hit_owes_nothing(redis_server) -> N
             await store.hit(HIT, True, owe=True)  # Redis runs it once resumed: counted
         redis_server.resume()
         assert await until_answered(store) == 2  # not 3: counted once
-        assert store.stats()["exact_owed_entries"] == 0
+        assert store.metrics().figures["exact_owed_entries"] == 0
     finally:
         await store.close()
 
@@ -91,8 +91,8 @@ async def test_a_late_reply_that_denied_the_hit_owes_it(redis_server) -> None:
         await eventually_async(
             counted, timeout=5, what="the denied hit owed and repaid", ignore=(StoreUnavailable,)
         )
-        assert store.stats()["exact_owed_entries"] == 0
-        assert store.stats()["exact_owed_sent"] == 1
+        assert store.metrics().figures["exact_owed_entries"] == 0
+        assert store.metrics().figures["exact_owed_sent"] == 1
     finally:
         await store.close()
 
@@ -114,7 +114,7 @@ async def test_a_late_reply_that_denied_a_request_with_a_cost_owes_the_cost_no_m
         redis_server.resume()
 
         async def repaid() -> bool:
-            stats = store.stats()
+            stats = store.metrics().figures
             return stats["exact_owed_sent"] == 1 and stats["exact_owed_entries"] == 0
 
         await eventually_async(repaid, timeout=5, what="the owed hit repaid")
@@ -171,6 +171,6 @@ async def test_owed_hits_sent_again_keep_their_first_time(redis_server) -> None:
                 await store.hit(short, False)
         redis_server.start()
         assert await until_answered(store) == 0  # dropped, not counted a window later
-        assert store.stats()["exact_owed_dropped"] >= 1
+        assert store.metrics().figures["exact_owed_dropped"] >= 1
     finally:
         await store.close()

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.redis import spawn_redis
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import ExactHit, ExactResult
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.redis import spawn_redis
-from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = [
     pytest.mark.serial,  # timing: run alone, after the parallel part
@@ -98,14 +98,14 @@ async def test_a_silent_connection_is_dropped_and_opens_the_breaker(redis_server
         with pytest.raises(StoreUnavailable, match="no answer"):
             await store.hit(HIT, True)
         assert not store.breaker.open and store.healthy()  # slow is not down
-        assert store.stats()["silences"] == 0
+        assert store.metrics().figures["silences"] == 0
         with pytest.raises(StoreUnavailable, match="silent for longer"):
             await store.hit(HIT, True)  # 0.1 s of silence: it would wait in vain
-        assert store.stats()["exact_hopeless"] == 1
+        assert store.metrics().figures["exact_hopeless"] == 1
         await asyncio.sleep(0.2)  # the subject: 0.3 s of silence in all
         with pytest.raises(StoreUnavailable, match="circuit open"):
             await store.hit(HIT, True)  # its look finds 0.3 s: dropped, the breaker open
-        assert store.stats()["silences"] == 1
+        assert store.metrics().figures["silences"] == 1
         assert store.breaker.open and not store.healthy()
         redis_server.resume()
         result = await hit_once_recovered(store)
@@ -202,7 +202,7 @@ async def test_calls_expiring_together_all_count_as_timeouts(redis_server) -> No
         for call in calls:
             with pytest.raises(StoreUnavailable, match="no answer"):
                 await call
-        assert store.stats()["timeouts"] == 3
+        assert store.metrics().figures["timeouts"] == 3
     finally:
         redis_server.resume()
         await store.close()
@@ -222,7 +222,7 @@ async def test_a_reply_that_came_while_the_loop_was_blocked_is_used(redis_server
             time.sleep(0.2)  # the subject: the loop blocked for four times the deadline
             results = await call
             assert results[0].admitted is not None
-        stats = store.stats()
+        stats = store.metrics().figures
         assert stats["timeouts"] == 0 and stats["exact_given_up"] == 0
         assert store.healthy() and not store.breaker.open
         assert store.reply_time.count == 6

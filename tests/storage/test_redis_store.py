@@ -8,13 +8,13 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from ratelimit_harness.fixtures import window_slices
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import ExactHit, HitRole
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.storage import redis_store
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.fixtures import window_slices
-from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
@@ -122,29 +122,29 @@ async def test_script_reloaded_after_flush(store: RedisStore, redis_server) -> N
 
 
 async def test_fleet_sync_token_bucket(store: RedisStore) -> None:
-    first = await store.sync([BucketReport("b", 100, 1, offered=150, admitted=90)], 0.25)
+    first = await store.sync([BucketReport("b", 100, 1, offered=150, admitted=90)])
     assert first.nodes == 1
     # a new bucket holds its capacity: the whole limit
     assert 9.0 <= first.views[0].tokens <= 11.5  # 100 - 90, plus a few ms of refill
     assert first.views[0].offered_total == 150
     await asyncio.sleep(0.2)  # the subject: a refill on Redis's clock (TIME)
-    second = await store.sync([BucketReport("b", 100, 1, offered=10, admitted=0)], 0.25)
+    second = await store.sync([BucketReport("b", 100, 1, offered=10, admitted=0)])
     assert 25.0 <= second.views[0].tokens <= 45.0  # refilled at 100/s for ~0.2 s
     await asyncio.sleep(1.0)  # a whole window on Redis's clock: refilled to the brim
-    full = await store.sync([BucketReport("b", 100, 1, offered=0, admitted=0)], 0.25)
+    full = await store.sync([BucketReport("b", 100, 1, offered=0, admitted=0)])
     assert full.views[0].tokens == 100.0  # never above the capacity
     assert second.views[0].offered_total == 160
-    debt = await store.sync([BucketReport("b", 100, 1, offered=0, admitted=1000)], 0.25)
+    debt = await store.sync([BucketReport("b", 100, 1, offered=0, admitted=1000)])
     assert debt.views[0].tokens == -100.0  # debt is bounded by one window
     # a rule's burst caps its bucket below the limit
-    small = await store.sync([BucketReport("s", 100, 1, 1, 1, burst=20)], 0.25)
+    small = await store.sync([BucketReport("s", 100, 1, 1, 1, burst=20)])
     assert small.views[0].tokens == 19.0
 
 
 async def test_fleet_sync_stamps_keep_every_microsecond(store: RedisStore, redis_server) -> None:
     """The bucket's time stamp and the node registry's scores are written as whole
     microseconds (16 digits), not as Lua's 14-digit rendering of a number."""
-    await store.sync([BucketReport("b", 100, 1, offered=1, admitted=1)], 0.25)
+    await store.sync([BucketReport("b", 100, 1, offered=1, admitted=1)])
     raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
         stamp = await raw.hget(store._fleet_key("b", 1), "ts")
@@ -162,8 +162,8 @@ async def test_nodes_are_counted_by_heartbeat(redis_server) -> None:
     stores = [RedisStore(redis_server.url) for _ in range(3)]
     try:
         for store in stores:
-            await store.sync([], 0.25)
-        result = await stores[0].sync([], 0.25)
+            await store.sync([])
+        result = await stores[0].sync([])
         assert result.nodes == 3
         assert result.views == []
     finally:
@@ -195,14 +195,14 @@ async def test_paused_redis_times_out_within_bound(redis_server) -> None:
             return store.breaker.open
 
         await eventually_async(failed_until_open, timeout=2, what="the circuit open")
-        assert store.stats()["silences"] == 1
+        assert store.metrics().figures["silences"] == 1
         # The circuit is open now: the next call fails at once, without waiting.
         started = time.monotonic()
         with pytest.raises(StoreUnavailable, match="circuit open"):
             await store.hit([ExactHit("k", 5, 60, 1)], True)
         assert time.monotonic() - started < 0.01
         with pytest.raises(StoreUnavailable):
-            await store.sync([], 0.25)
+            await store.sync([])
     finally:
         redis_server.resume()
         await store.close()

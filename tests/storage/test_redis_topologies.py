@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import redis
 
+from ratelimit_harness.redis import RedisCluster, RedisSentinelSetup
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import CHECK, DECIDE, DENIED, ExactHit
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.storage.redis_connect import (
+from ratelimit_service.core.redis_url import (
     Target,
     Topology,
     normalize_url,
     parse_target,
 )
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.testing.redis import RedisCluster, RedisSentinelSetup
-from ratelimit_service.testing.waiting import eventually_async
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -111,8 +111,8 @@ async def test_cluster_probabilistic_sync(cluster: RedisCluster) -> None:
     try:
         reports = [BucketReport(f"b{i}", 100, 1, offered=30, admitted=20) for i in range(8)]
         started = time.monotonic()
-        await stores[0].sync(reports, 0.25)
-        result = await stores[1].sync(reports, 0.25)
+        await stores[0].sync(reports)
+        result = await stores[1].sync(reports)
         elapsed = time.monotonic() - started
         assert result.nodes == 2
         assert [v.offered_total for v in result.views] == [60] * 8
@@ -154,7 +154,7 @@ async def test_sentinel_both_modes_and_failover(sentinel: RedisSentinelSetup) ->
     try:
         assert not store.cluster
         assert (await store.hit([ExactHit("k", 3, 60, 1)], True))[0].remaining == 2
-        result = await store.sync([BucketReport("p", 100, 1, 10, 10)], 0.25)
+        result = await store.sync([BucketReport("p", 100, 1, 10, 10)])
         assert result.nodes == 1 and result.views[0].offered_total == 10
         old_master = sentinel.master()
         sentinel.failover()
@@ -164,7 +164,7 @@ async def test_sentinel_both_modes_and_failover(sentinel: RedisSentinelSetup) ->
 
         # The client asks the Sentinel again and reaches the new master.
         async def synced_on_the_new_master() -> bool:
-            result = await store.sync([BucketReport("p", 100, 1, 5, 5)], 0.25)
+            result = await store.sync([BucketReport("p", 100, 1, 5, 5)])
             return result.views[0].offered_total >= 15
 
         await eventually_async(

@@ -27,7 +27,7 @@ async def test_sync_and_publish_go_in_chunks_in_order(redis_server) -> None:
     try:
         buckets = [BucketReport(f"b{n}", 1000, 60, n, n) for n in range(ITEMS)]
         before = store.calls
-        result = await store.sync(buckets, 0.25)
+        result = await store.sync(buckets)
         assert store.calls - before == 3 and result.nodes == 1
         assert [view.tokens for view in result.views] == [1000.0 - n for n in range(ITEMS)]
         before = store.calls

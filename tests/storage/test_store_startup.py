@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from ratelimit_service.testing.fleet import (
+from ratelimit_harness.fleet import (
     python_burst,
     redis_server,
     scrape,
     service_fleet,
 )
-from ratelimit_service.testing.redis import RedisCluster, free_port
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_harness.redis import RedisCluster, free_port
+from ratelimit_harness.waiting import eventually
 
 pytestmark = [
     pytest.mark.slow,  # starts processes

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from ratelimit_harness.prometheus import Prometheus, prometheus_missing
+from ratelimit_harness.redis import free_port
 from ratelimit_service.cli.main import main
 from ratelimit_service.core.config_loader import UNIT_NAMES
-from ratelimit_service.testing.prometheus import Prometheus, prometheus_missing
-from ratelimit_service.testing.redis import free_port
 
 pytestmark = pytest.mark.slow  # starts processes
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from ratelimit_harness.prometheus import Prometheus, prometheus_missing
+from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.cli.main import main
-from ratelimit_service.testing.prometheus import Prometheus, prometheus_missing
-from ratelimit_service.testing.waiting import eventually_async
 from ratelimit_service.tune.prometheus import PrometheusClient, PrometheusError
 
 pytestmark = pytest.mark.slow  # starts processes

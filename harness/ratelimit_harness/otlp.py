@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from ratelimit_service.testing.waiting import eventually, eventually_async
+from ratelimit_harness.waiting import eventually, eventually_async
 
 _Request = trace_service_pb2.ExportTraceServiceRequest
 _Reply = trace_service_pb2.ExportTraceServiceResponse

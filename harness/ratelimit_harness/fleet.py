@@ -26,9 +26,9 @@ from pathlib import Path
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from ratelimit_harness.redis import RedisServer, free_port
+from ratelimit_harness.waiting import eventually
 from ratelimit_service.cli.client import build_request
-from ratelimit_service.testing.redis import RedisServer, free_port
-from ratelimit_service.testing.waiting import eventually
 
 OVER_LIMIT = 2
 SHOULD_RATE_LIMIT = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"

@@ -32,8 +32,8 @@ from typing import Any
 
 import yaml
 
-from ratelimit_service.testing.redis import free_port
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_harness.redis import free_port
+from ratelimit_harness.waiting import eventually
 
 Address = tuple[str, int]
 _BASE_IDS = itertools.count(1)

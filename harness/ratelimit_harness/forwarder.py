@@ -17,7 +17,7 @@ store whose failures the test stages as they happen in production.
   replaced (a late write).
 - ``reset()``: every open connection is closed at once; ``connections()`` counts them.
 
-It runs as its own process (``python -m ratelimit_service.testing.forwarder``), so that
+It runs as its own process (``python -m ratelimit_harness.forwarder``), so that
 its timing does not depend on the test's event loop or GIL, and takes one command a
 line on a control port (``upstream PORT``, ``blackhole``, ``forward``, ``delay MS``,
 ``hold``, ``release``, ``held``, ``reset``, ``count``). :class:`Forwarder` starts it
@@ -218,7 +218,7 @@ class Forwarder:
 
     def __init__(self, upstream: int) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "ratelimit_service.testing.forwarder",
+            [sys.executable, "-m", "ratelimit_harness.forwarder",
              "--listen", "0", "--upstream", str(upstream), "--control", "0"],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip

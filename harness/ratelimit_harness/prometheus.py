@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ratelimit_service.testing.redis import free_port
+from ratelimit_harness.redis import free_port
 
 
 def prometheus_missing() -> str | None:

@@ -3,7 +3,7 @@ one function per fault, shared by the fault tests (tests/faults/) and the longer
 of bench/faults.py.
 
 Each scenario starts a service process on real redis-servers (behind a TCP forwarder
-where the fault needs one), runs a :class:`~ratelimit_service.testing.faults.Probe`
+where the fault needs one), runs a :class:`~ratelimit_harness.faults.Probe`
 with Envoy's 20 ms deadline, lets ``CONTROL`` seconds of load pass (the control: what
 the machine alone makes miss), stages the fault, measures how long after the store can
 answer again it decides again, lets a second of load pass, and returns a
@@ -25,8 +25,8 @@ import redis.asyncio as aioredis
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from redis.crc import key_slot
 
-from ratelimit_service.testing.envoy import ServiceProcess
-from ratelimit_service.testing.faults import (
+from ratelimit_harness.envoy import ServiceProcess
+from ratelimit_harness.faults import (
     FAULTS_CONFIG,
     Probe,
     fresh_decided,
@@ -34,15 +34,15 @@ from ratelimit_service.testing.faults import (
     store_decides,
     touch_probabilistic,
 )
-from ratelimit_service.testing.fleet import scrape
-from ratelimit_service.testing.forwarder import Forwarder
-from ratelimit_service.testing.redis import (
+from ratelimit_harness.fleet import scrape
+from ratelimit_harness.forwarder import Forwarder
+from ratelimit_harness.redis import (
     RedisCluster,
     RedisSentinelSetup,
     RedisServer,
     masters_in,
 )
-from ratelimit_service.testing.waiting import eventually_async
+from ratelimit_harness.waiting import eventually_async
 
 CONTROL = 2.0
 """Seconds of load before each fault: the control."""
@@ -248,7 +248,7 @@ async def cluster_master_killed(directory: Path, full_coverage: bool = True) -> 
     timeout (1 s). Recovery counts from the promotion, over values on every node. From
     the kill to the end, a fresh value in the live masters' slots is checked every
     CHECK_EVERY (``live_checks``). ``full_coverage``: the cluster's
-    cluster-require-full-coverage (see testing.redis.RedisCluster)."""
+    cluster-require-full-coverage (see ratelimit_harness.redis.RedisCluster)."""
     cluster = RedisCluster(
         directory, masters=3, replicas=1, node_timeout_ms=1000, full_coverage=full_coverage
     )

@@ -23,10 +23,10 @@ import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from ratelimit_harness.fleet import redis_server as redis_process
+from ratelimit_harness.redis import RedisServer, free_port
 from ratelimit_service.server.app import RateLimitService
 from ratelimit_service.server.settings import Settings
-from ratelimit_service.testing.fleet import redis_server as redis_process
-from ratelimit_service.testing.redis import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent.parent
 """The repository (this package is installed in editable mode from it)."""
@@ -214,9 +214,9 @@ def _tracing_sdk_or_skip() -> None:
 
 @pytest.fixture
 def grpc_receiver() -> Iterator[Any]:
-    """An OTLP trace receiver over gRPC (testing/otlp.py), running."""
+    """An OTLP trace receiver over gRPC (otlp.py), running."""
     _tracing_sdk_or_skip()
-    from ratelimit_service.testing.otlp import GrpcReceiver
+    from ratelimit_harness.otlp import GrpcReceiver
 
     receiver = GrpcReceiver().start()
     yield receiver
@@ -225,9 +225,9 @@ def grpc_receiver() -> Iterator[Any]:
 
 @pytest.fixture
 def http_receiver() -> Iterator[Any]:
-    """An OTLP trace receiver over HTTP (testing/otlp.py), running."""
+    """An OTLP trace receiver over HTTP (otlp.py), running."""
     _tracing_sdk_or_skip()
-    from ratelimit_service.testing.otlp import HttpReceiver
+    from ratelimit_harness.otlp import HttpReceiver
 
     receiver = HttpReceiver().start()
     yield receiver

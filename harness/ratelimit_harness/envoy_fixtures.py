@@ -1,4 +1,4 @@
-"""Pytest fixtures around a real Envoy (ratelimit_service.testing.envoy): the binary (or a
+"""Pytest fixtures around a real Envoy (ratelimit_harness.envoy): the binary (or a
 skip saying where it was looked for), Envoy processes, an upstream answering 200 on every
 path, and service processes. Everything started is stopped at teardown, and the logs of
 Envoy and of the services are printed there, so pytest shows them under a failing test
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ratelimit_service.testing.envoy import (
+from ratelimit_harness.envoy import (
     Address,
     Envoy,
     ServiceProcess,

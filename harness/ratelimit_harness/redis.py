@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ratelimit_service.testing.waiting import eventually
+from ratelimit_harness.waiting import eventually
 
 
 def free_port() -> int:

@@ -22,8 +22,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from ratelimit_service.core.histogram import Histogram
-
 log = logging.getLogger(__name__)
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -123,97 +121,3 @@ class LoopLoad:
         while True:
             self.sample()
             await asyncio.sleep(self.interval)
-
-
-LAG_INTERVAL = 0.01
-"""Seconds between two measurements of the event loop's lag: every pause of the loop
-longer than this is seen (a shorter one is seen when it covers a measurement)."""
-STALL_AFTER = 0.002
-"""Lag from which the loop counts as having been held (below: timer resolution)."""
-RATE_MEMORY = 0.25
-"""Seconds over which the call rate before a stall is averaged."""
-
-
-class LoopLag:
-    """How late the event loop runs a timer that is due: the wait of any callback that
-    is ready (the loop busy with other work, or the process not scheduled on a CPU).
-    Read beside the store's reply time: replies slow and lag low is a slow store;
-    both high is this process starved, its replies read late.
-
-    It also tells the latency histogram what a call waited before its handler ran
-    (:meth:`held`). A call that arrives while the loop is held (a collection, a long
-    task, the process descheduled) waits in gRPC's queue, and its handler starts only
-    once the loop is free: timed from there, the wait would not show. A pause is seen
-    by whichever comes first after it, the lag timer (due, and late) or a handler
-    starting past the timer's due time. The calls that then start, in order, are taken
-    to have arrived at the rate seen before the pause, the pause's share of them evenly
-    over it (the process cannot know each call's arrival): the first waited about the
-    whole pause; the catch-up ends with the first call that would have arrived after
-    its start (the queue has drained), or at the latest twice the pause after it."""
-
-    def __init__(self, interval: float = LAG_INTERVAL, calls: Callable[[], int] = int) -> None:
-        self.interval = interval
-        self.histogram = Histogram()
-        self._calls = calls
-        """Calls started so far (for the rate)."""
-        self.rate = 0.0
-        """Calls per second, smoothed over RATE_MEMORY (updated outside pauses)."""
-        self.calm_from = 0.0
-        self.calm_until = float("inf")
-        """A handler that starts within [calm_from, calm_until] (perf_counter) has no
-        pause in view: one comparison per call. Before calm_from: a catch-up is under
-        way; after calm_until: the timer is late, a pause is under way or just ended."""
-        self._due = 0.0
-        self._pause_start = self._pause_end = self._catch_up_end = 0.0
-        self._expected = 1
-        self._caught = 0
-
-    async def run(self) -> None:
-        clock = time.perf_counter
-        last_calls, last_at = self._calls(), clock()
-        while True:
-            self._due = clock() + self.interval
-            self.calm_until = self._due + STALL_AFTER
-            await asyncio.sleep(self.interval)
-            now = clock()
-            lag = max(0.0, now - self._due)
-            self.histogram.observe(lag)
-            calls = self._calls()
-            if lag > STALL_AFTER:
-                self._saw_pause(now)
-            else:
-                weight = min(1.0, (now - last_at) / RATE_MEMORY)
-                measured = (calls - last_calls) / max(now - last_at, 1e-6)
-                self.rate += weight * (measured - self.rate)
-            last_calls, last_at = calls, now
-
-    def _saw_pause(self, now: float) -> None:
-        """A pause from the timer's due time to ``now``, seen once."""
-        if self._pause_start == self._due:
-            return
-        self._pause_start, self._pause_end = self._due, now
-        pause = now - self._due
-        self._catch_up_end = now + 2 * pause + self.interval
-        self._expected = max(1, round(self.rate * pause))
-        self._caught = 0
-        self.calm_from = float("inf")  # every handler start is looked at until caught up
-
-    def held(self, started: float) -> float:
-        """Seconds a call whose handler started at ``started`` (perf_counter) waited
-        for the loop before it; called when ``started`` is outside the calm range."""
-        if started > self.calm_until:
-            self._saw_pause(started)
-        if started < self._pause_end:
-            return 0.0  # under way when the pause ended: its own time includes it
-        self._caught += 1
-        if self._caught <= self._expected:  # arrived during the pause
-            pause = self._pause_end - self._pause_start
-            arrived = self._pause_start + pause * (self._caught - 0.5) / self._expected
-        elif self.rate > 0:  # arrived since, queued behind those
-            arrived = self._pause_end + (self._caught - self._expected) / self.rate
-        else:
-            arrived = started
-        if arrived >= started or started > self._catch_up_end:  # caught up
-            self.calm_from, self.calm_until = 0.0, self._due + STALL_AFTER
-            return 0.0
-        return started - arrived

@@ -1,0 +1,295 @@
+"""``ratelimit-service``'s parser: every command's flags and ``--help``.
+
+``serve``'s flags are core/settings_table.py's declarations, in their groups. Every flag
+can also come from the environment as ``RATELIMIT_<FLAG_NAME>`` (``--redis-url`` ↔
+``RATELIMIT_REDIS_URL``); a flag given on the command line wins. ``serve`` also reads
+envoyproxy/ratelimit's own variables (``REDIS_URL``, ``PORT``, …, see cli/go_env.py),
+below ours: flag, then ``RATELIMIT_*``, then the Go name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import ratelimit_service
+from ratelimit_service.cli.envoy_plan import DEFAULT_OPTIONS
+from ratelimit_service.cli.go_env import GoEnvironment, GoValue
+from ratelimit_service.cli.tune import add_tune_parser
+from ratelimit_service.core.config_model import Mode
+from ratelimit_service.core.settings_table import (
+    BY_FLAG,
+    GROUPS,
+    SETTINGS,
+    Setting,
+    env_name,
+    positive,
+)
+
+MERGE_HELP = BY_FLAG["--merge-domain-config"].help
+
+
+def _env(flag: str, default: Any) -> Any:
+    return os.environ.get(env_name(flag), default)
+
+
+def _env_flag(flag: str, go: GoValue | None = None) -> bool:
+    value = _env(flag, None)
+    if value is None and go is not None:
+        value = go.value
+    return str(value or "").lower() in ("1", "true", "yes", "on")
+
+
+def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A parser of core/settings_table.py as argparse wants it: its ValueError's text is
+    the message (argparse would otherwise say only "invalid value")."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def _add_setting(
+    serve: argparse.ArgumentParser,
+    group: Any,
+    setting: Setting,
+    go: GoEnvironment | None,
+) -> None:
+    """One declared setting as a flag of ``serve``, in its group of ``--help``."""
+    if setting.hidden:
+        group.add_argument(setting.flag, action="store_true", help=argparse.SUPPRESS)
+        return
+    kwargs: dict[str, Any] = {"help": setting.help}
+    if setting.switch:
+        kwargs["action"] = "store_true"
+    else:
+        default = setting.default
+        if go is not None and go.go_mode and setting.go_default != "same":
+            default = setting.go_default
+        kwargs["type"] = _arg_type(setting.parse)
+        kwargs["default"] = default
+        if setting.choices is not None:
+            kwargs["choices"] = list(setting.choices)
+        else:
+            kwargs["metavar"] = setting.metavar
+    _add(serve, setting.flag, go, target=group, **kwargs)
+
+
+def _add(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    go: GoEnvironment | None = None,
+    target: Any = None,
+    **kwargs: Any,
+) -> None:
+    """Add a flag whose default comes from RATELIMIT_<FLAG>, else from the Go service's
+    setting for it (``go``); required flags become optional when the environment
+    supplies them. Values from the environment are checked like values on the command
+    line (argparse does not check defaults). The help text ends with the built-in
+    default and the environment name (and its value, when set)."""
+    go_value = go.get(flag) if go is not None else None
+    env_value, source = _env(flag, None), env_name(flag)
+    if env_value is None and go_value is not None:
+        env_value, source = go_value.value, go_value.source
+    kwargs["help"] = _help_with_sources(flag, kwargs)
+    if kwargs.get("action") == "store_true":
+        kwargs["default"] = _env_flag(flag, go_value)
+    elif env_value is not None:
+        convert = kwargs.get("type", str)
+        try:
+            value = convert(env_value)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            parser.error(f"{flag} from {source}={env_value!r}: {exc}")
+        choices = kwargs.get("choices")
+        if choices is not None and value not in choices:
+            parser.error(f"{flag} from {source}={env_value!r}: choose from {', '.join(choices)}")
+        kwargs["default"] = value
+        kwargs.pop("required", None)
+    (parser if target is None else target).add_argument(flag, **kwargs)
+
+
+def _help_with_sources(flag: str, kwargs: dict[str, Any]) -> str:
+    """``help`` followed by ``(default: X; env: RATELIMIT_FLAG)``, as ``--help`` shows it."""
+    name = env_name(flag)
+    sources = []
+    if kwargs.get("action") == "store_true":
+        sources.append(f"env: {name}=1")
+    else:
+        if kwargs.get("required"):
+            sources.append(f"required unless {name} is set")
+        elif kwargs.get("default") not in (None, ""):
+            sources.append(f"default: {kwargs['default']}")
+        sources.append(f"env: {name}")
+    env_value = os.environ.get(name)
+    if env_value is not None:
+        sources.append(f"now {env_value!r} from the environment")
+    text = f"{kwargs.get('help') or ''} ({'; '.join(sources)})".strip()
+    return text.replace("%", "%%")
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line: the wrong thing, and where the flags are listed (the
+    whole usage of ``serve`` would bury it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless it already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, "", False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
+    """``go``: envoyproxy/ratelimit's settings, read from the environment for ``serve``."""
+    parser = _Parser(
+        prog="ratelimit-service",
+        description="Envoy external rate-limit service",
+        formatter_class=_Formatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {ratelimit_service.__version__}"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve(commands, go)
+    _add_check_config(commands)
+    _add_envoy_config(commands)
+    _add_client(commands)
+    _add_explain(commands)
+    add_tune_parser(commands)
+    for command in commands.choices.values():
+        command.formatter_class = _Formatter
+    return parser
+
+
+def _add_serve(commands: Any, go: GoEnvironment | None) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run the service",
+        usage="%(prog)s [--config PATH | --xds-server HOST:PORT] [flags]",
+        description="Run the service. Every flag can also be set by its environment"
+        " variable (RATELIMIT_<FLAG>), or by envoyproxy/ratelimit's name for it.",
+    )
+    groups = {name: serve.add_argument_group(name) for name in GROUPS}
+    for setting in SETTINGS:
+        _add_setting(serve, groups[setting.group], setting, go)
+
+
+def _add_check_config(commands: Any) -> None:
+    check = commands.add_parser("check-config", help="validate rule files")
+    check.add_argument(
+        "path",
+        nargs="?",
+        default=_env("--config", None),
+        help="rule file, or directory of *.yaml/*.yml (env: RATELIMIT_CONFIG)",
+    )
+    _add(check, "--merge-domain-config", action="store_true", help=MERGE_HELP)
+
+
+def _add_envoy_config(commands: Any) -> None:
+    """envoy-config's flags; their defaults are EnvoyOptions' (cli/envoy_plan.py)."""
+    envoy = commands.add_parser(
+        "envoy-config",
+        help="print the Envoy filter, cluster and route rate_limits for the rules"
+        " (--bootstrap: a whole runnable Envoy bootstrap)",
+    )
+    _add(envoy, "--config", required=True, help="rule file, or directory of *.yaml/*.yml")
+    _add(envoy, "--domain", default=None, help="the domain to render (needed if several)")
+    envoy.add_argument("--cluster", default=DEFAULT_OPTIONS.cluster, help="Envoy cluster name")
+    envoy.add_argument("--timeout", default=DEFAULT_OPTIONS.timeout, help="the filter's timeout")
+    envoy.add_argument(
+        "--service-address", default=DEFAULT_OPTIONS.service_address, help="HOST:PORT"
+    )
+    _add(envoy, "--merge-domain-config", action="store_true", help=MERGE_HELP)
+    envoy.add_argument(
+        "--bootstrap",
+        action="store_true",
+        help="print a complete bootstrap (admin, listener, routes, clusters) for envoy -c",
+    )
+    envoy.add_argument(
+        "--listen",
+        default=DEFAULT_OPTIONS.listen,
+        help="with --bootstrap: the listener's HOST:PORT",
+    )
+    envoy.add_argument(
+        "--admin-address", default=DEFAULT_OPTIONS.admin, help="with --bootstrap: Envoy's admin"
+    )
+    envoy.add_argument(
+        "--upstream-address",
+        default=DEFAULT_OPTIONS.upstream_address,
+        help="with --bootstrap: HOST:PORT of the placeholder upstream cluster",
+    )
+    envoy.add_argument(
+        "--rlqs",
+        action="store_true",
+        help="the rate_limit_quota filter instead (RLQS: Envoy enforces token buckets the"
+        " service assigns; no call per request); --cluster defaults to rlqs",
+    )
+    envoy.add_argument(
+        "--node-id",
+        default=DEFAULT_OPTIONS.node_id,
+        help="with --rlqs: this Envoy's name to the service (x-envoy-node-id metadata)",
+    )
+
+
+def _add_client(commands: Any) -> None:
+    client = commands.add_parser("client", help="call ShouldRateLimit once")
+    _add(client, "--addr", default="127.0.0.1:8081", help="service address HOST:PORT")
+    _add(client, "--domain", required=True)
+    client.add_argument(
+        "--descriptor",
+        action="append",
+        required=True,
+        help="k=v[,k2=v2]; repeat for several descriptors",
+    )
+    _add(client, "--hits-addend", type=int, default=0)
+    _add(client, "--timeout", type=_arg_type(positive(float)), default=5.0)
+    _add(client, "--tls-ca", default=None, help="PEM CA bundle: connect over TLS")
+    _add(client, "--tls-cert", default=None, help="PEM client certificate (mTLS)")
+    _add(client, "--tls-key", default=None, help="PEM key of --tls-cert")
+
+
+def _add_explain(commands: Any) -> None:
+    explain = commands.add_parser(
+        "explain",
+        help="which rule each descriptor matches, its window, limit, mode and current count"
+        " (nothing recorded)",
+    )
+    _add(explain, "--domain", required=True)
+    explain.add_argument(
+        "--descriptor",
+        action="append",
+        required=True,
+        help="k=v[,k2=v2]; repeat for several descriptors",
+    )
+    explain.add_argument(
+        "--admin-addr",
+        default=BY_FLAG["--admin-addr"].default,
+        help="the running service's admin port HOST:PORT (its /explain page)",
+    )
+    explain.add_argument(
+        "--config",
+        default=None,
+        help="answer from this rule file or directory instead, without a service (no counts)",
+    )
+    explain.add_argument(
+        "--mode",
+        choices=[mode.value for mode in Mode],
+        default=BY_FLAG["--mode"].default,
+        help="with --config: the mode of rules that do not set one (serve's --mode)",
+    )
+    _add(explain, "--merge-domain-config", action="store_true", help=MERGE_HELP)
+    explain.add_argument("--json", action="store_true", help="print JSON")
