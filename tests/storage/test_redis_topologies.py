@@ -133,8 +133,8 @@ async def test_cluster_calendar_budgets_do_not_refill(cluster: RedisCluster) -> 
     try:
         budgets = [BucketReport(f"m{i}", 100, 60, 30, 20, ends_in=3_600.0) for i in range(8)]
         rolling = BucketReport("r", 100, 1, offered=30, admitted=20)
-        await stores[0].sync([*budgets, rolling], 0.25)
-        result = await stores[1].sync([*budgets, rolling], 0.25)
+        await stores[0].sync([*budgets, rolling])
+        result = await stores[1].sync([*budgets, rolling])
         assert [v.tokens for v in result.views[:-1]] == [60.0] * 8
         assert result.views[-1].tokens > 60.0  # 100 a second since the first sync
         client = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
@@ -304,7 +304,7 @@ async def test_cluster_as_the_global_store_of_a_zones_calendar_budgets(
     aggregator = ZoneAggregator(zone_store, global_store, interval=1.0, forget_after=15.0)
     budgets = [BucketReport(f"m{i}", 100, 60, 30, 20 + i, ends_in=3_600.0) for i in range(8)]
     try:
-        await store.sync(budgets, 0.25)
+        await store.sync(budgets)
         await aggregator.renew()
         await aggregator.aggregate()
         assert aggregator.passes == 1 and aggregator.global_errors == 0
@@ -319,7 +319,7 @@ async def test_cluster_as_the_global_store_of_a_zones_calendar_budgets(
         # (the zone's share of the demand is 1 to the thousandth a rate travels in)
         assert [float(allot) for allot in allotments] == pytest.approx([100.0] * 8)
         idle = [BucketReport(b.key, 100, 60, 0, 0, ends_in=3_599.0) for b in budgets]
-        result = await store.sync(idle, 0.25)
+        result = await store.sync(idle)
         tokens = [view.tokens for view in result.views]
         assert tokens == pytest.approx([80.0 - i for i in range(8)], abs=0.001)
     finally:
