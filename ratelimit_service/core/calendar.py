@@ -26,6 +26,12 @@ CALENDAR_UNITS = (Unit.DAY, Unit.WEEK, Unit.MONTH, Unit.YEAR)
 """The units a rule may count by the calendar."""
 
 
+KEPT_AFTER_END = 60.0
+"""Seconds a calendar budget's fleet bucket is kept past its period's end (fleet_sync.lua
+and the embedded store): hits of the period reported just after it still find it, and
+the next period counts under a key of its own from the end on."""
+
+
 class UnknownTimeZone(ValueError):
     """A time zone the IANA database does not have; the message suggests a close one."""
 

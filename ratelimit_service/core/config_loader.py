@@ -469,6 +469,13 @@ class _FileLoader:
         calendar = self.calendar(limit_fields.get("calendar"), unit, multiplier, unlimited)
         if "calendar" in limit_fields and calendar is None:
             return None
+        if calendar is not None and "burst" in limit_fields:
+            self.error(
+                limit_fields["burst"],
+                "burst has no place beside calendar: a calendar budget holds its whole"
+                " limit from the start of its period",
+            )
+            return None
         name = self.text(limit_fields.get("name"), "name") or ""
         replaces = self.replaces(limit_fields.get("replaces"), name)
         requests_per_unit = self.requests_per_unit(limit_fields.get("requests_per_unit"))
@@ -482,8 +489,7 @@ class _FileLoader:
             shadow_mode=flags.shadow_mode,
             quota_mode=flags.quota_mode,
             detailed_metric=flags.detailed_metric,
-            # A calendar budget is decided exactly, whatever the mode it inherits.
-            mode=Mode.EXACT if calendar is not None else inherited.mode,
+            mode=inherited.mode,
             failure_mode=inherited.failure_mode,
             burst=self.burst(limit_fields.get("burst"), requests_per_unit),
             calendar=calendar,

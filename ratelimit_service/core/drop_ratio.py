@@ -35,6 +35,10 @@ gives:
 * **Low-rate limits.** With 5 per minute the offered rate is too noisy to steer by;
   the credit makes such buckets behave like a token bucket with a resolution of one
   sync interval.
+* **Calendar budgets.** A budget counted by the calendar (core/calendar.py) has a
+  bucket per period that does not refill: the budget is half of what is stored (all
+  of it for a process alone), so a fleet spends what is left geometrically, and a
+  node whose view misses the others' last admissions grants from half of it.
 * **Fast attack, smooth decay.** The offered-rate estimate follows a rise at once
   (no lag on a spike) and falls with an exponential moving average (no oscillation
   after a dip). Each node also corrects the fleet's rate for the others' reports
@@ -171,6 +175,7 @@ def control(
     interval: float,
     nodes: int = 1,
     span: float | None = None,
+    refills: bool = True,
 ) -> Control:
     """Ratio and credit for the next ``interval`` seconds.
 
@@ -181,12 +186,15 @@ def control(
     node that sees a key now and then is granted its share of the refill over that
     span, as its share is measured over it, never more than the whole fleet could
     spend in the next interval (the stored tokens and an interval's refill).
+    ``refills``: False for a calendar budget, whose bucket does not refill within its
+    period: the budget is what is stored, spent as the stored tokens are.
     """
     span = interval if span is None else max(interval, span)
+    refilled = limit if refills else 0.0
     # A debt (negative tokens) is repaid at the same pace: repaid in full at once, the
     # debt a burst leaves after a step would starve the next interval.
-    refill = limit * interval / window_seconds
-    budget = max(0.0, spendable(tokens, refill, nodes) + limit * span / window_seconds)
+    refill = refilled * interval / window_seconds
+    budget = max(0.0, spendable(tokens, refill, nodes) + refilled * span / window_seconds)
     expected = fleet_rate * span
     aim = budget * (1.0 + RATIO_SLACK)
     ratio = 0.0 if expected <= aim else 1.0 - aim / expected

@@ -74,6 +74,7 @@ class ProbabilisticBucket:
         "burst",
         "capacity",
         "credit",
+        "ends_at",
         "epoch",
         "fleet_rate",
         "grant",
@@ -104,6 +105,7 @@ class ProbabilisticBucket:
         nodes: int,
         burst: int | None = None,
         period: SyncPeriod | None = None,
+        ends_at: float | None = None,
     ) -> None:
         self.key = key
         self.rule = ""
@@ -137,6 +139,11 @@ class ProbabilisticBucket:
         """Its table's sync period (a bucket made alone has one of its own)."""
         self.epoch = 0
         """The number of the last period it counted hits in."""
+        self.ends_at = ends_at
+        """A calendar budget's bucket (one per period, its key says which): when its
+        period ends, in epoch seconds. Its fleet bucket does not refill before then,
+        and its credit is not renewed while the store is away (a renewal is a refill).
+        None: a rolling bucket."""
 
     def next_draw(self) -> float:
         """The next number of this bucket's golden-ratio (Weyl) sequence, in [0, 1).
@@ -196,7 +203,11 @@ class ProbabilisticBucket:
         return max(0, int(self.capacity) - self.remaining())
 
     def reset_estimate(self, now: float) -> float:
-        """Seconds until the bucket would be full again with no more traffic."""
+        """Seconds until the bucket would be full again with no more traffic: for a
+        calendar budget, until its period ends (a budget of the next period starts
+        full then)."""
+        if self.ends_at is not None:
+            return max(0.0, self.ends_at - now)
         missing = self.capacity - self.tokens + self.admitted
         if missing <= 0 or self.limit == 0:
             return 0.0
@@ -217,6 +228,15 @@ class BucketReport:
     """Start of the period the counts cover."""
     burst: int | None = None
     """The rule's burst: what the fleet bucket holds when full (None: the limit)."""
+    ends_in: float | None = None
+    """A calendar budget's bucket: seconds from the report to its period's end. Its
+    fleet bucket starts full, does not refill, and is gone after the end (None: a
+    rolling bucket, refilled at the limit per window)."""
+
+    @property
+    def refills(self) -> bool:
+        """Whether the fleet bucket refills (a rolling bucket) or not (a calendar one)."""
+        return self.ends_in is None
 
 
 class LocalBuckets:
@@ -256,12 +276,15 @@ class LocalBuckets:
         now: float,
         rule: str = "",
         burst: int | None = None,
+        ends_at: float | None = None,
     ) -> ProbabilisticBucket:
+        """The bucket of ``key``, made if there is none; ``ends_at``: a calendar budget's
+        period end (its key is the period's, core/calendar.py counted_under)."""
         bucket = self._buckets.get(key)
         if bucket is None or bucket.window_seconds != window_seconds:
             # New, or a reload changed the unit: counts of another window mean nothing.
             bucket = ProbabilisticBucket(
-                key, limit, window_seconds, now, self.nodes, burst, self._period
+                key, limit, window_seconds, now, self.nodes, burst, self._period, ends_at
             )
             bucket.rule = rule
             bucket.renewed = self.renewals
@@ -274,8 +297,10 @@ class LocalBuckets:
             self._buckets.move_to_end(key)
             if bucket.renewed != self.renewals:
                 self._catch_up(bucket)
-            if now - bucket.last_used > bucket.window_seconds and (
-                bucket.ratio == 0.0 or self.nodes <= 1
+            if (
+                now - bucket.last_used > bucket.window_seconds
+                and (bucket.ratio == 0.0 or self.nodes <= 1)
+                and bucket.ends_at is None  # a calendar budget never refills
             ):
                 # Unused here for a whole window, and the fleet was not dropping (or is
                 # this process alone): its bucket has refilled; a fresh bucket's credit
@@ -338,6 +363,7 @@ class LocalBuckets:
                     bucket.admitted,
                     bucket.last_report,
                     bucket.burst,
+                    None if bucket.ends_at is None else max(0.0, bucket.ends_at - now),
                 )
             )
             bucket.offered = 0
@@ -348,10 +374,10 @@ class LocalBuckets:
 
     def _drop_idle(self, now: float, closed: int) -> None:
         """Drop idle buckets from the least recently used end, MAX_IDLE_EXAMINED at
-        most. A bucket is idle when unused for its window and IDLE_SECONDS, with nothing
-        left to report; the walk ends at the first bucket used within IDLE_SECONDS (the
-        rest were used later still). A bucket with a long window that is not idle yet is
-        stepped over."""
+        most. A bucket is idle when unused for its window (or past its calendar period)
+        and IDLE_SECONDS, with nothing left to report; the walk ends at the first bucket
+        used within IDLE_SECONDS (the rest were used later still). A bucket with a long
+        window that is not idle yet is stepped over."""
         idle: list[str] = []
         for examined, (key, bucket) in enumerate(self._buckets.items()):
             if examined >= MAX_IDLE_EXAMINED or now - bucket.last_used <= IDLE_SECONDS:
@@ -360,7 +386,10 @@ class LocalBuckets:
                 bucket.epoch != closed  # just reported: kept until the next sync at least
                 and bucket.offered == 0
                 and bucket.admitted == 0
-                and now - bucket.last_used > bucket.window_seconds
+                and (
+                    now - bucket.last_used > bucket.window_seconds
+                    or (bucket.ends_at is not None and now >= bucket.ends_at)
+                )
             ):
                 idle.append(key)
         for key in idle:
@@ -383,12 +412,14 @@ class LocalBuckets:
         Granted when each bucket is next touched (:meth:`_catch_up`), not by a pass over
         every bucket now: the same credit (renewals in between change nothing, as
         ``max`` with an unchanged grant is idempotent), at a cost that does not grow with
-        the buckets held."""
+        the buckets held. Not to a calendar budget's bucket: its budget does not come
+        back within the period, so it admits what it was granted, and every admission is
+        charged once the store answers (:meth:`restore`)."""
         self.renewals += 1
 
     def credit(self, bucket: ProbabilisticBucket) -> float:
         """``bucket``'s credit, the renewals it has not been touched since included."""
-        if bucket.renewed != self.renewals:
+        if bucket.renewed != self.renewals and bucket.ends_at is None:
             return max(bucket.credit, bucket.grant)
         return bucket.credit
 
@@ -404,10 +435,11 @@ class LocalBuckets:
 
     def forgive(self, reports: list[BucketReport]) -> None:
         """Drop the admitted counts gathered since ``reports`` were taken: they were made
-        on renewed credit while the store was away, which is never charged."""
+        on renewed credit while the store was away, which is never charged. A calendar
+        budget's bucket keeps them: it is never renewed, so they were granted."""
         for report in reports:
             bucket = self._buckets.get(report.key)
-            if bucket is not None:
+            if bucket is not None and bucket.ends_at is None:
                 bucket.admitted = 0
 
     def restore(self, reports: list[BucketReport]) -> None:
@@ -415,11 +447,15 @@ class LocalBuckets:
         them next time. Admitted counts are not carried over: while the store is away the
         buckets run on renewed credit at their last rate, and charging all of it at once
         when the store returns (its token bucket capped at the limit meanwhile) would
-        come back as a debt that starves the bucket right after the recovery."""
+        come back as a debt that starves the bucket right after the recovery. A
+        calendar budget's are: its bucket runs on no renewed credit, so what it
+        admitted was granted from the budget, and is charged at the next sync."""
         for report in reports:
             bucket = self._buckets.get(report.key)
             if bucket is not None:
                 bucket.offered += report.offered
+                if bucket.ends_at is not None:
+                    bucket.admitted += report.admitted
                 # The next rate covers the whole period since the last good report: the
                 # restored hits spread over an outage are not one interval's worth.
                 bucket.last_report = min(bucket.last_report, report.since)
@@ -452,6 +488,7 @@ class LocalBuckets:
         bucket.fleet_rate = smoothed_rate(bucket.fleet_rate, measured, self.decay)
         local_rate = bucket.local_rate or 0.0
         result = control(
+            refills=bucket.ends_at is None,
             limit=bucket.limit if view.limit is None else view.limit,
             window_seconds=bucket.window_seconds,
             tokens=view.tokens,

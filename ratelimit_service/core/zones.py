@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
+from ratelimit_service.core.drop_ratio import FleetView, control
+from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.tiers import MILLI, TierReport, TierTotals
 
 ZONE_FORGET_AFTER = 60.0
@@ -148,6 +150,9 @@ class ZoneBucket:
     """Of ``admitted``, what the aggregator already published to the global store."""
     created_us: int
     """When the zone's bucket was created (the store's clock, microseconds)."""
+    ends_us: int | None = None
+    """A calendar budget's: when its period ends (the store's clock, microseconds);
+    None: a rolling bucket."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +175,9 @@ class ZoneShare:
     global_used: int
     window: int
     forwarded: int
+    allot: float | None = None
+    """A calendar budget's bucket: the admitted total the zone may reach (see
+    :meth:`ZonePass.allot`); None: left as it is."""
 
 
 # -- the lease -------------------------------------------------------------------------
@@ -313,11 +321,16 @@ class ZonePass:
         return PassPlan(list(counters), measured, buckets.now_us, reports)
 
     def shares(
-        self, plan: PassPlan, answers: Sequence[TierTotals]
+        self,
+        plan: PassPlan,
+        answers: Sequence[TierTotals],
+        budgets: Sequence[FleetView] | None = None,
     ) -> tuple[list[tuple[str, ZoneShare]], int]:
         """Each counter's and bucket's share to write back (by its hash in the zone
         store), and the number of live zones. ``answers``: the global store's, in the
-        order of ``plan.reports``."""
+        order of ``plan.reports``; ``budgets``: its fleet buckets of the calendar
+        budgets, in the order of :meth:`calendar_reports` (None: not read this pass, the
+        zone keeps its allotments)."""
         present, *rest = answers
         zones = present.members  # every live zone, hot buckets or not
         count = len(plan.counters)
@@ -326,12 +339,64 @@ class ZonePass:
             for t, a in zip(plan.counters, rest[:count], strict=True)
         ]
         fresh_us = RESERVE_PASSES * self.interval * 1e6
+        views = iter(budgets) if budgets is not None else None
         for (report, bucket), a in zip(plan.buckets, rest[count:], strict=True):
             part = a.part
             if plan.now_us - bucket.created_us <= fresh_us:
                 part = reserved_part(part, report.limit, a.members, zones)
-            shares.append((bucket.store_key, ZoneShare(round(part * MILLI), 0, 0, bucket.admitted)))
+            allot, forwarded = None, bucket.admitted
+            if bucket.ends_us is not None:
+                if views is not None:
+                    allot = self.allot(report, bucket, a, next(views), zones)
+                else:  # not folded into the global budget: forwarded at the next pass
+                    forwarded = bucket.forwarded
+            share = ZoneShare(round(part * MILLI), 0, 0, forwarded, allot)
+            shares.append((bucket.store_key, share))
         return shares, zones
+
+    def calendar_reports(self, plan: PassPlan) -> list[BucketReport]:
+        """The zone's calendar budgets measured this pass, as a node's reports to the
+        global store's fleet buckets (the zones are their nodes): the hits the zone
+        admitted since the last pass, and the time to the period's end. No offered
+        count: a zone's share of a budget goes by its demand, published with the pass
+        (:meth:`allot`)."""
+        return [
+            BucketReport(
+                bucket.key,
+                bucket.limit,
+                bucket.window_seconds,
+                offered=0,
+                admitted=report.allowed,
+                ends_in=max(0, bucket.ends_us - plan.now_us) / 1e6,
+            )
+            for report, bucket in plan.buckets
+            if bucket.ends_us is not None
+        ]
+
+    def allot(
+        self, report: TierReport, bucket: ZoneBucket, fleet: TierTotals, budget: FleetView,
+        zones: int,
+    ) -> float:  # fmt: skip
+        """A calendar budget's allotment to the zone until the next pass: the admitted
+        total it may reach, what it admitted so far and its credit in the global fleet
+        bucket, which does not refill: drop_ratio.control with the zones as the nodes,
+        by the zone's demand against the fleet's. The zones' allotments together stay
+        within what the budget has left, as the nodes' credits do; the zone's replicas
+        divide its own (fleet_sync.lua). A zone that has not published the budget yet
+        may hold what a new bucket holds (the budget over the zones), unseen in the
+        global bucket: that much of it is not allotted until the zone is heard."""
+        unheard = max(0, zones - fleet.members)
+        credit = control(
+            limit=bucket.limit,
+            window_seconds=bucket.window_seconds,
+            tokens=budget.tokens - unheard * bucket.limit / zones,
+            fleet_rate=fleet.demand,
+            local_rate=report.demand,
+            interval=self.interval,
+            nodes=zones,
+            refills=False,
+        ).credit
+        return bucket.admitted + credit
 
     def presence(self) -> TierReport:
         """This zone's entry in the global store's count of zones (no demand)."""

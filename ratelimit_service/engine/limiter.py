@@ -88,6 +88,7 @@ class _Step:
     the same request comes back, read off once instead of per request."""
 
     __slots__ = (
+        "_period",
         "always_counted",
         "bucket_key",
         "burst",
@@ -127,7 +128,10 @@ class _Step:
         self.calendar = (
             CalendarPeriod(limit.unit, limit.calendar) if limit.calendar is not None else None
         )
-        """A calendar rule's current period (core/calendar.py; its rules are exact)."""
+        """A calendar rule's current period (core/calendar.py), in either mode."""
+        self._period: tuple[float, float, str, int] = (0.0, 0.0, "", 0)
+        """A calendar rule's bucket in probabilistic mode: its period's start and end,
+        key and window, worked out once a period (see :meth:`period_bucket`)."""
         self.zero = limit.requests_per_unit == 0
         """A limit of 0 denies every hit: decided in the process in every mode, with
         no bucket and no store (so a store that is away cannot turn it into an OK)."""
@@ -143,6 +147,17 @@ class _Step:
         self.near = near_threshold(limit.requests_per_unit, near_ratio)
         self.rule_stats: RuleStats | None = None
         """The rule's counters, once they are known to be its own (not _overflow)."""
+
+    def period_bucket(self, period: CalendarPeriod, now: float) -> tuple[str, int, float]:
+        """A calendar rule's probabilistic bucket at ``now``: the key and window its
+        hits count under (core/calendar.py counted_under, as exact mode counts them),
+        and when its period ends; kept until it ends, so a request makes no key."""
+        start, ends, key, window = self._period
+        if not start <= now < ends:
+            key, window = counted_under(self.bucket_key, self.window_seconds, period, now)
+            start, ends = period.at(now)
+            self._period = (start, ends, key, window)
+        return key, window, ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,16 +476,22 @@ class RateLimiter:
         stale = local.stale(now)
         enforce_over = quota_seen = quota_ok = False
         for step in steps:
+            period = step.calendar
             if step.zero:
                 window = step.window_seconds
-                status = DescriptorStatus(_OK, step.limit, 0, window - now % window)
+                reset = window - now % window if period is None else period.until_end(now)
+                status = DescriptorStatus(_OK, step.limit, 0, reset)
                 self._account(step, 0, admitted := False, status)
                 _put(statuses, step.index, status)
             else:
                 limit = step.requests_per_unit
-                bucket = local.get(
-                    step.bucket_key, limit, step.window_seconds, now, step.stats_key, step.burst
-                )
+                if period is None:
+                    bucket = local.get(
+                        step.bucket_key, limit, step.window_seconds, now, step.stats_key, step.burst
+                    )
+                else:  # a calendar budget: a bucket per period, which does not refill
+                    key, window, ends = step.period_bucket(period, now)
+                    bucket = local.get(key, limit, window, now, step.stats_key, step.burst, ends)
                 hits = step.hits
                 before = bucket.used()
                 if stale:

@@ -53,8 +53,9 @@ class Reconciler:
         sent_while_failing = self.failing
         if sent_while_failing:
             # Calls sent while the store is away may run late, all at once, when it
-            # returns; they must not charge the hits admitted on renewed credit.
-            reports = [replace(report, admitted=0) for report in reports]
+            # returns; they must not charge the hits admitted on renewed credit. A
+            # calendar budget's bucket is never renewed: its hits were granted, and count.
+            reports = [replace(r, admitted=0) if r.refills else r for r in reports]
         try:
             # With nothing to report, a sync still proves the store answers (freshness).
             result = await self._sync_keeping_rates(reports)

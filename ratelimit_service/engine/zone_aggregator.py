@@ -11,7 +11,9 @@ the server on the same event loop.
   can take the lease.
 - **The pass**, every interval, on the holder only, bounded by PASS_SHARE of the
   interval (each store call gets what is left): read the zone's sums, publish them to
-  the global store as the zone, write back the zone's parts (core/zones.py ZonePass).
+  the global store as the zone, fold the zone's calendar budgets into the global
+  store's buckets of them, write back the zone's parts and allotments (core/zones.py
+  ZonePass).
   Every write carries the term's fencing token; a store that has seen a later token
   refuses it, and this replica stops acting as the aggregator.
 
@@ -27,6 +29,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from ratelimit_service.core.drop_ratio import FleetView
+from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.tiers import Fenced, TierReport, TierTotals
 from ratelimit_service.core.zones import (
     LEASE_TTL_SHARE,
@@ -168,7 +172,8 @@ class ZoneAggregator:
         if isinstance(answers, Fenced):
             self._refused("global", token, answers.highest)
             return
-        shares, zones = self.arithmetic.shares(plan, answers)
+        budgets = await self._fold(self.arithmetic.calendar_reports(plan), deadline)
+        shares, zones = self.arithmetic.shares(plan, answers, budgets)
         if not self._still(token):
             return
         try:
@@ -221,6 +226,17 @@ class ZoneAggregator:
             log.info("zone %s: the global store answers again", self.zone)
             self.global_away = False
         return answers
+
+    async def _fold(self, reports: list[BucketReport], deadline: float) -> list[FleetView] | None:
+        """The zone's calendar budgets folded into the global store's buckets of them;
+        None while it is away (the zone keeps its allotments, as it keeps its parts)."""
+        if not reports:
+            return []
+        try:
+            return await self.global_store.fold(reports, deadline)
+        except StoreUnavailable:
+            self.global_errors += 1
+            return None
 
     # -- lifecycle -------------------------------------------------------------------
 

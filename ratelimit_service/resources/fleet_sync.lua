@@ -7,6 +7,13 @@
 -- hits. A sorted set of node ids scored by last sync time gives the number of live
 -- nodes.
 --
+-- A calendar budget's bucket (one key per period, core/calendar.py counted_under; its
+-- report says when the period ends) starts full and does not refill: it holds what
+-- is left of the period's budget, and expires a minute after the period's end
+-- (core/calendar.py KEPT_AFTER_END: from the end on, the service counts the next
+-- period under a key of its own; hits of the period reported just after it still
+-- find their bucket).
+--
 -- In a zone (serve --zone) this is the zone's store: the bucket then refills at the
 -- zone's part of the limit, 'Z' (thousandths of a hit per second, written by the
 -- zone's aggregator, engine/zone_aggregator.py), when it is below the limit, its
@@ -15,7 +22,11 @@
 -- the hash keeps for the aggregator 'K' the bucket's key, 'L' the limit per window,
 -- 'W' the window (microseconds), 'a' the monotonic count of admitted hits, 'c' when
 -- the bucket was created (microseconds), with an index of live buckets (a sorted set
--- scored by last sync).
+-- scored by last sync). A calendar budget's bucket in a zone holds what the zone may
+-- still admit of the fleet's budget: 'T', the admitted total the zone may reach,
+-- written by the aggregator from the global store's count of the period (at first,
+-- what a new bucket holds), less 'a'; 'E' keeps when its period ends (microseconds)
+-- for the aggregator.
 --
 -- ARGV[1]   this node's id, or '' for no heartbeat (Redis Cluster: the registry lives
 --           in another slot and gets its own call)
@@ -25,11 +36,13 @@
 -- ARGV[2]   node time-to-live in microseconds (a node silent longer is not counted)
 -- ARGV[3]   '1' in a zone (the last two keys are the index and the count of zones),
 --           '' otherwise
--- ARGV[4 + 6*(i-1) ...] for bucket i: window_us, limit, capacity, admitted delta,
---           offered delta, the bucket's key (in a zone; '' otherwise)
+-- ARGV[4 + 7*(i-1) ...] for bucket i: window_us, limit, capacity, admitted delta,
+--           offered delta, the bucket's key (in a zone; '' otherwise), a calendar
+--           budget's microseconds to its period's end ('' for a rolling bucket)
 -- Returns   {live nodes (-1 without heartbeat), then 3 integers per bucket:
 --            tokens in thousandths, offered total, the limit the bucket refilled at
---            in thousandths}
+--            in thousandths (a calendar budget's: the limit it holds, as a zone's
+--            part scales it; it does not refill)}
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
 local call, tonumber, format = redis.call, tonumber, string.format
@@ -62,12 +75,13 @@ end
 
 for i = 1, last - first + 1 do
   local key = KEYS[first + i - 1]
-  local base = 4 + 6 * (i - 1)
+  local base = 4 + 7 * (i - 1)
   local window = tonumber(ARGV[base])
   local limit = tonumber(ARGV[base + 1])
   local capacity = tonumber(ARGV[base + 2])
   local admitted = tonumber(ARGV[base + 3])
-  local state = call('HMGET', key, 'tk', 'ts', 'Z')
+  local ends = tonumber(ARGV[base + 6])
+  local state = call('HMGET', key, 'tk', 'ts', 'Z', 'T', 'a')
   local zone_part = tonumber(state[3])
   local zone_limit = nil
   if zone_part ~= nil then
@@ -84,11 +98,19 @@ for i = 1, last - first + 1 do
   if tokens == nil or stamp == nil then
     tokens = capacity
     if index_key then call('HSET', key, 'c', stamp_text) end
-  else
+  elseif ends == nil then
     local elapsed = now - stamp
     if elapsed < 0 then elapsed = 0 end
     tokens = tokens + elapsed * limit / window
     if tokens > capacity then tokens = capacity end
+  end
+  if ends ~= nil and index_key then
+    local allot = tonumber(state[4])
+    if allot == nil then
+      allot = capacity
+      call('HSET', key, 'T', tostring(allot), 'E', format('%d', now + ends))
+    end
+    tokens = allot - (tonumber(state[5]) or 0)
   end
   tokens = tokens - admitted
   if tokens < -limit then tokens = -limit end
@@ -99,8 +121,13 @@ for i = 1, last - first + 1 do
     call('HSET', key, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base])
     call('ZADD', index_key, stamp_text, key)
   end
-  -- Kept one window past full refill plus a minute: after that it is a full bucket.
-  call('PEXPIRE', key, format('%d', math.ceil(window / 1000) * 2 + 60000))
+  if ends ~= nil then
+    if ends < 0 then ends = 0 end
+    call('PEXPIRE', key, format('%d', math.ceil(ends / 1000) + 60000))
+  else
+    -- Kept one window past full refill plus a minute: after that it is a full bucket.
+    call('PEXPIRE', key, format('%d', math.ceil(window / 1000) * 2 + 60000))
+  end
   out[#out + 1] = math.floor(tokens * 1000)
   out[#out + 1] = offered_total
   out[#out + 1] = math.floor(limit * 1000)

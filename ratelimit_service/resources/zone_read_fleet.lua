@@ -10,7 +10,8 @@
 -- Returns   {now in microseconds, live replicas, then per bucket: hash key, bucket
 --           key, offered total, admitted total, limit per window, window
 --           (microseconds), admitted hits already forwarded to the global store, when
---           the bucket was created (microseconds)} flattened; a hash that has expired
+--           the bucket was created (microseconds), a calendar budget's period end
+--           (microseconds; 0 for a rolling bucket)} flattened; a hash that has expired
 --           is left out
 -- Time comes from the Redis server (TIME), as in fleet_sync.lua.
 
@@ -22,7 +23,7 @@ call('ZREMRANGEBYSCORE', KEYS[1], '-inf', format('(%d', since))
 local keys = call('ZRANGEBYSCORE', KEYS[1], format('%d', since), '+inf', 'LIMIT', '0', ARGV[2])
 local out = {now, call('ZCARD', KEYS[2])}
 for _, hash in ipairs(keys) do
-  local f = call('HMGET', hash, 'K', 'o', 'a', 'L', 'W', 'g', 'c')
+  local f = call('HMGET', hash, 'K', 'o', 'a', 'L', 'W', 'g', 'c', 'E')
   if f[1] and f[5] then
     out[#out + 1] = hash
     out[#out + 1] = f[1]
@@ -32,6 +33,7 @@ for _, hash in ipairs(keys) do
     out[#out + 1] = tonumber(f[5])
     out[#out + 1] = tonumber(f[6]) or 0
     out[#out + 1] = tonumber(f[7]) or now
+    out[#out + 1] = tonumber(f[8]) or 0
   end
 end
 return out

@@ -14,9 +14,10 @@
 -- ARGV[1]   the number of zones ('' to leave the count as it is)
 -- ARGV[2]   how long the count lives, in milliseconds
 -- ARGV[3]   the writer's fencing token
--- ARGV[4 + 4*(i-1) ...] for counter i: the zone's part of the limit ('Z', thousandths
+-- ARGV[4 + 5*(i-1) ...] for counter i: the zone's part of the limit ('Z', thousandths
 --           of a hit per second), the fleet's allowed hits ('G') in window 'gw', of
---           which 'g' came from this zone
+--           which 'g' came from this zone; for a calendar budget's bucket, the
+--           admitted total the zone may reach ('T', fleet_sync.lua; '' for any other)
 -- Returns   how many counters were written (a hash that has expired meanwhile is not
 --           written again: it would have no expiry); or, refused, {-1, the counter}
 
@@ -30,9 +31,10 @@ local written = 0
 for i = 3, #KEYS do
   local hash = KEYS[i]
   if call('EXISTS', hash) == 1 then
-    local base = 4 + 4 * (i - 3)
+    local base = 4 + 5 * (i - 3)
     call('HSET', hash, 'Z', ARGV[base], 'G', ARGV[base + 1], 'gw', ARGV[base + 2],
       'g', ARGV[base + 3])
+    if ARGV[base + 4] ~= '' then call('HSET', hash, 'T', ARGV[base + 4]) end
     written = written + 1
   end
 end

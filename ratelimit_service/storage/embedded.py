@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 
+from ratelimit_service.core.calendar import KEPT_AFTER_END
 from ratelimit_service.core.drop_ratio import (
     FleetView,
     SyncResult,
@@ -38,7 +39,16 @@ class _FleetBucket:
     """Fleet totals of one probabilistic bucket: its token bucket and offered count (the
     twin of fleet_sync.lua, held equal to it by tests/storage/test_fleet_sync_script.py)."""
 
-    __slots__ = ("offered_total", "tokens", "touched", "window_seconds", "zone_part")
+    __slots__ = (
+        "admitted_total",
+        "allot",
+        "ends_at",
+        "offered_total",
+        "tokens",
+        "touched",
+        "window_seconds",
+        "zone_part",
+    )
 
     def __init__(self, window_seconds: int, now: float) -> None:
         self.window_seconds = window_seconds
@@ -49,25 +59,48 @@ class _FleetBucket:
         self.zone_part: int | None = None
         """In a zone's store, the zone's part of the limit (thousandths of a hit per
         second) written by its aggregator; never set here (no zones in process)."""
+        self.ends_at: float | None = None
+        """A calendar budget's: when its period ends (it is forgotten then)."""
+        self.allot: float | None = None
+        """A calendar budget's in a zone's store: the admitted total the zone may reach
+        (fleet_sync.lua's 'T'), written by its aggregator; never set here."""
+        self.admitted_total = 0
+        """Hits admitted, a monotonic count (fleet_sync.lua's 'a', kept in a zone)."""
 
-    def update(self, report: BucketReport, now: float, zones: int | None = None) -> FleetView:
+    def update(
+        self, report: BucketReport, now: float, zones: int | None = None, zoned: bool = False
+    ) -> FleetView:
         """Refill since the last report at the limit the bucket refills at (the rule's;
         in a zone's store, see drop_ratio.zone_limit, with ``zones`` sharing the fleet),
-        take the admitted hits, count the offered ones."""
+        or not at all for a calendar budget; take the admitted hits, count the offered
+        ones. ``zoned``: as a zone's store keeps it (a calendar budget's tokens are then
+        the zone's allotment less what it admitted)."""
         window = report.window_seconds
         full = capacity(report.limit, report.burst)
         limit, full = zone_limit(report.limit, full, self.zone_part, window * 1_000_000, zones)
         if self.tokens is None:
             refilled = full
-        else:
+            if report.ends_in is not None:
+                self.ends_at = now + report.ends_in
+        elif report.refills:
             refilled = refill(self.tokens, now - self.touched, limit, window, burst=full)
+        else:
+            refilled = self.tokens
+        if zoned and not report.refills:
+            if self.allot is None:
+                self.allot = full
+            refilled = self.allot - self.admitted_total
         self.tokens = take(refilled, report.admitted, limit)
         self.offered_total += report.offered
+        self.admitted_total += report.admitted
         self.touched = now
         return FleetView(self.tokens, self.offered_total, limit)
 
     def idle(self, now: float) -> bool:
-        """Safe to forget: no report for a whole window, so the bucket is full again."""
+        """Safe to forget: no report for a whole window, so the bucket is full again; a
+        calendar budget's once its period is over (KEPT_AFTER_END)."""
+        if self.ends_at is not None:
+            return now >= self.ends_at + KEPT_AFTER_END
         return now - self.touched > self.window_seconds
 
 

@@ -43,7 +43,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ratelimit_service.core.drop_ratio import SyncResult, capacity
+from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity
 from ratelimit_service.core.exact import (
     CHECK,
     DECIDE,
@@ -95,6 +95,7 @@ def sync_args(
             report.admitted,
             report.offered,
             report.key if zoned else "",
+            "" if report.ends_in is None else round(report.ends_in * 1_000_000),
         )
     return args
 
@@ -444,8 +445,28 @@ class RedisStore:
             views=[view for r in results for view in r.views],
         )
 
+    async def fold(self, reports: Sequence[BucketReport], deadline: float) -> list[FleetView]:
+        """Fold ``reports`` into the fleet buckets with no heartbeat, by the event loop's
+        ``deadline``: a zone's aggregator's calendar budgets in the global store, where
+        the zones are the buckets' nodes (core/zones.py ZonePass.calendar_reports)."""
+        keys = [self._fleet_key(r.key, r.window_seconds) for r in reports]
+        groups = []
+        for whole in self._by_slot(keys, reports):  # calls of CALL_CHUNK buckets at most
+            for start in range(0, len(whole.keys), CALL_CHUNK):
+                part = slice(start, start + CALL_CHUNK)
+                groups.append(_Group(whole.indexes[part], whole.keys[part], whole.hits[part]))
+        timeout = self.time_left(deadline)
+        results = await asyncio.gather(
+            *(self._sync_call(g.keys, g.hits, heartbeat=False, timeout=timeout) for g in groups)
+        )
+        return _reorder(groups, [r.views for r in results], len(reports))
+
     async def _sync_call(
-        self, keys: list[str], reports: Sequence[BucketReport], heartbeat: bool
+        self,
+        keys: list[str],
+        reports: Sequence[BucketReport],
+        heartbeat: bool,
+        timeout: float | None = None,
     ) -> SyncResult:
         zone = self.zone_keys
         zoned = zone is not None
@@ -454,7 +475,8 @@ class RedisStore:
         call_keys = [self.prefix + "nodes", *keys] if heartbeat else list(keys)
         if zone is not None:
             call_keys += (zone.buckets, zone.zones)
-        raw = await self._call(self._sync, call_keys, args, self.sync_timeout)
+        wait = self.sync_timeout if timeout is None else timeout
+        raw = await self._call(self._sync, call_keys, args, wait)
         return sync_reply(raw)
 
     # -- RLQS --------------------------------------------------------------------

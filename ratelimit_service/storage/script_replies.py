@@ -34,7 +34,7 @@ SYNC_STRIDE = 3
 """Numbers per bucket in fleet_sync.lua's reply, after the live nodes."""
 ZONE_READ_STRIDE = 9
 """Fields per counter in zone_read.lua's reply."""
-ZONE_READ_FLEET_STRIDE = 8
+ZONE_READ_FLEET_STRIDE = 9
 """Fields per bucket in zone_read_fleet.lua's reply, after its time and replicas."""
 
 
@@ -122,6 +122,7 @@ def zone_read_fleet_reply(raw: Sequence[Any]) -> ZoneBuckets:
             window_seconds=int(raw[i + 5]) // 1_000_000,
             forwarded=int(raw[i + 6]),
             created_us=int(raw[i + 7]),
+            ends_us=int(raw[i + 8]) or None,
         )
         for i in range(2, len(raw), ZONE_READ_FLEET_STRIDE)
     ]

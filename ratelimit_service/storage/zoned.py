@@ -52,7 +52,8 @@ def write_args(
     lives, the writer's token, then each hash's share (see the script's header)."""
     args: list[Any] = ["" if zones is None else zones, keep_ms, token]
     for share in shares:
-        args += (share.part, share.global_used, share.window, share.forwarded)
+        allot = "" if share.allot is None else share.allot
+        args += (share.part, share.global_used, share.window, share.forwarded, allot)
     return args
 
 

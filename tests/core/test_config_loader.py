@@ -1609,14 +1609,16 @@ def test_calendar_rules_carry_their_time_zone() -> None:
               - {unit: minute, requests_per_unit: 6000}
               - {unit: month, requests_per_unit: 1000000, calendar: Europe/Paris}
           - key: team
+            mode: exact
             rate_limit: {unit: day, requests_per_unit: 50000, calendar: UTC}
         """
     )
     per_minute, per_month = domain.root.defaults["tenant"].limits
     assert (per_minute.calendar, per_month.calendar) == (None, "Europe/Paris")
-    # Decided exactly whatever the mode it inherits (probabilistic by default).
-    assert (per_minute.mode, per_month.mode) == (Mode.PROBABILISTIC, Mode.EXACT)
-    assert limit_at(domain, ("team", "t")).calendar == "UTC"
+    # A calendar budget keeps the mode it inherits (probabilistic by default) or declares.
+    assert (per_minute.mode, per_month.mode) == (Mode.PROBABILISTIC, Mode.PROBABILISTIC)
+    team = limit_at(domain, ("team", "t"))
+    assert (team.calendar, team.mode) == ("UTC", Mode.EXACT)
 
 
 @pytest.mark.parametrize(
@@ -1633,6 +1635,9 @@ def test_calendar_rules_carry_their_time_zone() -> None:
          "calendar needs a time zone (e.g. UTC or Europe/Paris)"),
         ("{unit: day, requests_per_unit: 5, calendar: [UTC]}",
          "'calendar' must be a string, found a list"),
+        ("{unit: day, requests_per_unit: 5, burst: 2, calendar: UTC}",
+         "burst has no place beside calendar: a calendar budget holds its whole limit"
+         " from the start of its period"),
     ],
 )  # fmt: skip
 def test_calendar_errors_name_the_line(rate_limit: str, message: str) -> None:

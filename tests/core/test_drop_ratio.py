@@ -603,6 +603,71 @@ def test_renewals_are_granted_as_each_bucket_is_touched_as_if_granted_at_once() 
     assert before == grant and answered.renewed == local.renewals
 
 
+# --------------------------------------------------------------------------- calendar
+
+
+def test_a_calendar_budgets_control_grants_no_refill() -> None:
+    """No refill: the budget is what is stored (a fleet spends half of it an interval,
+    a process alone all of it), and a debt or an empty bucket grants nothing, however
+    long since the last sync."""
+    common = {"limit": 3_000, "window_seconds": 2_678_400, "interval": 0.25}
+    alone = control(**common, tokens=120.0, fleet_rate=50.0, local_rate=50.0, refills=False)
+    assert alone.credit == 120.0
+    fleet = control(**common, tokens=120.0, fleet_rate=50.0, local_rate=25.0, nodes=2,
+                    refills=False)  # fmt: skip
+    assert fleet.credit == 120.0 / 2 / 2
+    for tokens in (0.0, -40.0):
+        late = control(**common, tokens=tokens, fleet_rate=5.0, local_rate=5.0, span=86_400.0,
+                       refills=False)  # fmt: skip
+        assert late.credit == 0.0 and late.ratio == 1.0
+    # A rolling bucket of the same limit a day after its last sync: a day's refill.
+    rolling = control(**common, tokens=0.0, fleet_rate=5.0, local_rate=5.0, span=86_400.0)
+    assert rolling.credit > 0.0
+
+
+def test_a_calendar_budgets_bucket_reports_its_end_and_resets_then() -> None:
+    local = LocalBuckets()
+    bucket = local.get("k@0", 3, 2_678_400, now=100.0, ends_at=2_678_400.0)
+    assert bucket.reset_estimate(100.0) == 2_678_300.0  # the period's end, not a refill
+    bucket.take(3, 0.9)
+    (report,) = local.take_reports(now=400.0, interval=0.25)
+    assert (report.admitted, report.ends_in, report.refills) == (3, 2_678_000.0, False)
+    rolling = local.get("r", 3, 60, now=400.0)
+    rolling.take(1, 0.9)
+    assert local.take_reports(now=401.0, interval=0.25)[0].refills
+    # Unused for longer than its window: a rolling bucket is full again; a calendar
+    # budget's is not.
+    local.apply("k@0", FleetView(tokens=0.0, offered_total=3), now=400.0, interval=0.25)
+    assert local.get("k@0", 3, 2_678_400, now=2_678_399.0).credit == 0.0
+    # Past its period's end (and idle), it is dropped.
+    local.take_reports(now=2_678_450.0, interval=0.25)
+    local.take_reports(now=2_678_451.0, interval=0.25)
+    assert local.peek("k@0") is None
+
+
+def test_a_calendar_budgets_bucket_is_not_renewed_and_its_admissions_are_charged() -> None:
+    """While the store is away a renewal would be a refill: a calendar budget's bucket
+    admits what it was granted, no more, and the admissions of a failed sync are put
+    back to be charged at the next one (a rolling bucket's are not)."""
+    local = LocalBuckets()
+    budget = local.get("k@0", 100, 86_400, now=0.0, ends_at=86_400.0)
+    rolling = local.get("r", 100, 1, now=0.0)
+    local.take_reports(now=0.25, interval=0.25)
+    for key in ("k@0", "r"):
+        local.apply(key, FleetView(tokens=20.0, offered_total=50), now=0.25, interval=0.25)
+    grant = budget.credit
+    assert grant == 20.0
+    for bucket in (budget, rolling):
+        bucket.take(int(bucket.credit), 0.9)
+    local.renew()
+    assert local.credit(budget) == 0.0 and local.credit(rolling) == rolling.grant
+    reports = local.take_reports(now=0.5, interval=0.25)
+    local.restore(reports)  # the sync failed
+    assert (budget.admitted, rolling.admitted) == (20, 0)
+    local.forgive(reports)  # a late answer to a sync sent while failing
+    assert budget.admitted == 20
+
+
 def test_stale_and_fail() -> None:
     local = LocalBuckets(stale_after=3.0)
     assert local.stale(1e9) is False  # no reconciler: never stale

@@ -7,12 +7,13 @@ store calls and reads them (lease_args, write_args, lease_reply, zone_write_repl
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import redis.asyncio as aioredis
 
 from ratelimit_harness.redis import script_on_test_clock, set_test_clock
+from ratelimit_service.core.drop_ratio import FleetView
 from ratelimit_service.core.tiers import Fenced, TierTotals
 from ratelimit_service.core.zones import (
     FRESH_US,
@@ -258,6 +259,45 @@ def test_a_new_bucket_is_measured_since_its_creation_and_reserves_the_others_par
     # at most a third of the limit.
     shares, _ = arithmetic.shares(plan, [TierTotals(0, 0, 3, 3, 0), TierTotals(300, 0, 1, 1, 0)])
     assert shares == [("f:p", ZoneShare(100_000, 0, 0, 100))]
+
+
+def test_a_calendar_budget_is_folded_into_the_global_bucket_and_allotted_by_demand() -> None:
+    """A calendar budget's bucket goes to the global store as a node's report (the hits
+    the zone admitted since the last forward, the time to the period's end); the zone is
+    allotted, on top of what it admitted, its share by demand of half of what the global
+    bucket has left (two zones), and nothing new while the global bucket was not read
+    (its admissions are then forwarded at the next pass)."""
+    arithmetic = ZonePass("a", interval=1.0)
+    now_us = 10**15
+    ends_us = now_us + 3_600 * 10**6
+    rolling = bucket("p", 1_000, 500, now_us - 2 * FRESH_US)
+    budget = ZoneBucket("f:m", "m", 1_000, 700, 10_000, 2_678_400, 100, now_us - 2 * FRESH_US,
+                        ends_us)  # fmt: skip
+    arithmetic.plan([], ZoneBuckets(now_us - 10**6, 2, [rolling, replace(budget, offered=900)]))
+    plan = arithmetic.plan([], ZoneBuckets(now_us, 2, [rolling, budget]))
+    assert plan.reports[2].demand == 100.0  # 100 offered in a second
+    (report,) = arithmetic.calendar_reports(plan)
+    assert (report.key, report.limit, report.window_seconds) == ("m", 10_000, 2_678_400)
+    assert (report.admitted, report.offered, report.ends_in) == (600, 0, 3_600.0)
+    assert not report.refills
+    presence = TierTotals(0.0, 0.0, 2, 2, 0)
+    # The fleet's demand not known yet: an even share; then this zone's quarter.
+    answers = [presence, TierTotals(1.0, 0, 0, 2, 0), TierTotals(0.001, 0.0, 0, 2, 0)]
+    shares, _ = arithmetic.shares(plan, answers, [FleetView(4_000.0, 0)])
+    assert shares[1] == ("f:m", ZoneShare(1, 0, 0, 700, 700 + 4_000 / 2 / 2))
+    answers[2] = TierTotals(0.001, 400.0, 0, 2, 0)
+    shares, _ = arithmetic.shares(plan, answers, [FleetView(4_000.0, 0)])
+    assert shares[1][1].allot == 700 + 4_000 / 2 / 4
+    # While the other zone has not published the budget, what it may hold of it (a new
+    # bucket's half) is not allotted.
+    answers[2] = TierTotals(0.001, 400.0, 0, 1, 0)
+    shares, _ = arithmetic.shares(plan, answers, [FleetView(9_000.0, 0)])
+    assert shares[1][1].allot == 700 + (9_000 - 5_000) / 2 / 4
+    shares, _ = arithmetic.shares(plan, answers, [FleetView(-50.0, 0)])  # overspent
+    assert shares[1][1].allot == 700
+    shares, _ = arithmetic.shares(plan, answers, None)
+    assert shares[1] == ("f:m", ZoneShare(1, 0, 0, 100, None))
+    assert shares[0] == ("f:p", ZoneShare(1_000, 0, 0, 500, None))
 
 
 def test_a_new_buckets_part_leaves_room_for_the_zones_not_heard_yet() -> None:

@@ -84,3 +84,27 @@ async def test_a_late_answer_to_a_failing_sync_does_not_charge_renewed_admission
     assert not reconciler.failing
     assert bucket.admitted == 0
     assert bucket.credit == bucket.grant  # not reduced by the forgiven admissions
+
+
+async def test_a_calendar_budgets_admissions_while_the_store_is_away_count_when_it_returns() -> (
+    None
+):
+    """A calendar budget's bucket is never renewed, so what it admitted while syncs
+    failed was granted from the budget: it reaches the fleet bucket once the store
+    answers (a rolling bucket's is forgiven)."""
+    local, store = LocalBuckets(), GatedStore()
+    reconciler = Reconciler(local, store, interval=0.2)
+    now = time.time()  # the reconciler's clock
+    budget = local.get("k@0", 100, 86_400, now=now, ends_at=now + 3_600)
+    rolling = local.get("r", 100, 86_400, now=now)
+    for bucket in (budget, rolling):
+        assert bucket.take(10, 0.99)
+    store.down = True
+    assert await reconciler.sync_once() == 0
+    for bucket in (budget, rolling):
+        assert bucket.take(5, 0.99)
+    assert await reconciler.sync_once() == 0  # sent while failing, failed again
+    store.down = False
+    assert await reconciler.sync_once() == 2
+    assert budget.tokens == 85.0  # all 15 counted
+    assert rolling.tokens == 100.0  # forgiven (and refilled)

@@ -1,9 +1,10 @@
 """fleet_sync.lua on a real redis-server, on a clock the test sets, against its Python
 twin, the embedded store's fleet bucket (storage/embedded.py _FleetBucket): random
-syncs of a few buckets, sent and read as the Redis store sends and reads them
-(sync_args, sync_reply). In a zone, the aggregator's writes between them go through
-zone_write.lua (the count of zones, a bucket's part), and its read of the buckets
-(zone_read_fleet.lua) is checked at the end."""
+syncs of a few buckets, rolling ones and a calendar budget's (which does not refill,
+and whose period ends during the run), sent and read as the Redis store sends and
+reads them (sync_args, sync_reply). In a zone, the aggregator's writes between them go
+through zone_write.lua (the count of zones, a bucket's part, a calendar budget's
+allotment), and its read of the buckets (zone_read_fleet.lua) is checked at the end."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from ratelimit_service.storage.script_replies import (
 )
 from ratelimit_service.storage.zoned import write_args
 
-BUCKETS = {"a": (1, 100, None), "b": (60, 600, 150), "c": (1, 40, 10)}
+BUCKETS = {"a": (1, 100, None), "b": (60, 600, 150), "c": (1, 40, 10), "d": (86_400, 500, None)}
 """Per bucket: window (seconds), limit, burst."""
+ENDS = {"d": 150}
+"""A calendar budget's bucket: when its period ends, in seconds from the run's start."""
 KEEP_MS = 600_000
 
 
@@ -57,7 +60,7 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
     twins = {name: _FleetBucket(window, 0.0) for name, (window, _, _) in BUCKETS.items()}
     written = {name: Written() for name in BUCKETS}
     start_us = now_us = 1_700_000_000_000_000
-    seen = {"parts": 0, "counts": 0}
+    seen = {"parts": 0, "counts": 0, "allotments": 0, "after the end": 0}
     zones: int | None = None
     await client.delete(*[f"f:{n}" for n in BUCKETS], "f:i", "f:nodes", "f:z", "f:fence")
     try:
@@ -73,18 +76,35 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
             if zoned and rng.random() < 0.1:  # the aggregator's part of one bucket
                 name = rng.choice(list(BUCKETS))
                 part = rng.choice([rng.randrange(0, 200_000), 10**9])
-                share = ZoneShare(part, 0, 0, rng.randrange(0, 50))
+                allot = None
+                if name in ENDS and rng.random() < 0.7:
+                    allot = written[name].admitted + rng.uniform(-50, 400)
+                share = ZoneShare(part, 0, 0, rng.randrange(0, 50), allot)
                 exists = twins[name].tokens is not None
                 assert await zone_write(client, write, None, {name: share}, 1) == exists
                 if exists:
                     twins[name].zone_part, written[name].forwarded = part, share.forwarded
+                    if allot is not None:
+                        twins[name].allot = allot
+                        seen["allotments"] += 1
                     seen["parts"] += 1
             chosen = rng.sample(list(BUCKETS), rng.randint(1, 3))
+            # The twin's clock starts with the test's: seconds since then are exact to
+            # the microsecond, as the script's are.
+            now = (now_us - start_us) / 1e6
             reports = []
             for name in chosen:
                 window, limit, burst = BUCKETS[name]
                 admitted, offered = rng.randrange(0, 2 * limit), rng.randrange(0, 3 * limit)
-                reports.append(BucketReport(name, limit, window, offered, admitted, burst=burst))
+                if name in ENDS:
+                    admitted //= 10  # spent over many syncs
+                    seen["after the end"] += now >= ENDS[name]
+                ends_in = max(0.0, ENDS[name] - now) if name in ENDS else None
+                reports.append(
+                    BucketReport(
+                        name, limit, window, offered, admitted, burst=burst, ends_in=ends_in
+                    )
+                )
             # Now and then no heartbeat (as a Cluster's bucket calls: the registry is
             # in another slot): the live nodes are not counted.
             heartbeat = rng.random() < 0.8
@@ -94,10 +114,7 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
             got = sync_reply(await client.eval(source, len(keys), *keys, *args))
             assert got.nodes == (1 if heartbeat else -1)
             for report, view in zip(reports, got.views, strict=True):
-                # The twin's clock starts with the test's: seconds since then are exact
-                # to the microsecond, as the script's are.
-                now = (now_us - start_us) / 1e6
-                want = twins[report.key].update(report, now, zones if zoned else None)
+                want = twins[report.key].update(report, now, zones if zoned else None, zoned)
                 # The script returns thousandths, floored.
                 assert abs(view.tokens - want.tokens) <= 0.001 + 1e-9, (report, view, want)
                 assert view.offered_total == want.offered_total
@@ -107,8 +124,12 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
                     mine = written[report.key]
                     mine.admitted += report.admitted
                     mine.created_us = mine.created_us or now_us
+        # The calendar budget's bucket never refilled (the twin says so) and lives a
+        # minute past its period's end, which came during the run.
+        assert seen["after the end"] > 5
+        assert 55_000 <= await client.pttl("f:d") <= 60_000
         if zoned:
-            assert seen["parts"] > 15 and seen["counts"] > 15
+            assert seen["parts"] > 15 and seen["counts"] > 15 and seen["allotments"] > 3
             assert await client.zcard("f:i") == len(BUCKETS)
             # The aggregator's read of the same buckets (zone_read_fleet.lua).
             read = script_on_test_clock("zone_read_fleet.lua")
@@ -123,6 +144,8 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
                     f"f:{name}", twin.offered_total, mine.admitted, limit)  # fmt: skip
                 assert (row.window_seconds, row.forwarded, row.created_us) == (
                     window, mine.forwarded, mine.created_us)  # fmt: skip
+                ends = start_us + ENDS[name] * 1_000_000 if name in ENDS else None
+                assert row.ends_us == ends
     finally:
         await client.aclose()
 

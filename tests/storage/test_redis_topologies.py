@@ -125,6 +125,30 @@ async def test_cluster_probabilistic_sync(cluster: RedisCluster) -> None:
 
 
 @needs_redis
+async def test_cluster_calendar_budgets_do_not_refill(cluster: RedisCluster) -> None:
+    """Calendar budgets' buckets over several slots: each holds its limit less what two
+    nodes admitted, whatever time passed (a rolling bucket beside them refills), and
+    lives until a minute after its period's end."""
+    stores = [RedisStore(cluster.url, request_timeout=1) for _ in range(2)]
+    try:
+        budgets = [BucketReport(f"m{i}", 100, 60, 30, 20, ends_in=3_600.0) for i in range(8)]
+        rolling = BucketReport("r", 100, 1, offered=30, admitted=20)
+        await stores[0].sync([*budgets, rolling])
+        result = await stores[1].sync([*budgets, rolling])
+        assert [v.tokens for v in result.views[:-1]] == [60.0] * 8
+        assert result.views[-1].tokens > 60.0  # 100 a second since the first sync
+        client = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+        keys = [stores[0]._fleet_key(budget.key, 60) for budget in budgets]
+        ttls = [client.pttl(key) for key in keys]
+        assert len({client.keyslot(key) for key in keys}) > 1
+        client.close()
+        assert all(3_655_000 < ttl <= 3_660_000 for ttl in ttls), ttls
+    finally:
+        for store in stores:
+            await store.close()
+
+
+@needs_redis
 async def test_sentinel_both_modes_and_failover(sentinel: RedisSentinelSetup) -> None:
     store = RedisStore(sentinel.url, request_timeout=1, sync_timeout=2)
     try:
@@ -262,5 +286,41 @@ async def test_cluster_as_the_global_store_of_a_zone(cluster: RedisCluster, redi
             masters_used += any(k.startswith(b"rl:qt{") for k in node.keys("*"))
             node.close()
         assert masters_used >= 2
+    finally:
+        await store.close()
+
+
+async def test_cluster_as_the_global_store_of_a_zones_calendar_budgets(
+    cluster: RedisCluster, redis_server
+) -> None:
+    """A zone's calendar budgets, over several slots of a Redis Cluster as the global
+    store: the aggregator folds what the zone admitted into each budget's global bucket
+    and allots the zone (alone: all that is left), which its replicas' next sync sees."""
+    from ratelimit_service.engine.zone_aggregator import ZoneAggregator
+    from ratelimit_service.storage.zoned import ZonedStore, ZoneRedisStore
+
+    zone_store, global_store = ZoneRedisStore(redis_server.url, "z"), RedisStore(cluster.url)
+    store = ZonedStore(zone_store, global_store)
+    aggregator = ZoneAggregator(zone_store, global_store, interval=1.0, forget_after=15.0)
+    budgets = [BucketReport(f"m{i}", 100, 60, 30, 20 + i, ends_in=3_600.0) for i in range(8)]
+    try:
+        await store.sync(budgets)
+        await aggregator.renew()
+        await aggregator.aggregate()
+        assert aggregator.passes == 1 and aggregator.global_errors == 0
+        fleet = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+        keys = [global_store._fleet_key(budget.key, 60) for budget in budgets]
+        assert len({fleet.keyslot(key) for key in keys}) > 1
+        assert [float(fleet.hget(key, "tk")) for key in keys] == [80.0 - i for i in range(8)]
+        fleet.close()
+        zone = redis.Redis(port=redis_server.port)
+        allotments = [zone.hget(zone_store._fleet_key(b.key, 60), "T") for b in budgets]
+        zone.close()
+        # (the zone's share of the demand is 1 to the thousandth a rate travels in)
+        assert [float(allot) for allot in allotments] == pytest.approx([100.0] * 8)
+        idle = [BucketReport(b.key, 100, 60, 0, 0, ends_in=3_599.0) for b in budgets]
+        result = await store.sync(idle)
+        tokens = [view.tokens for view in result.views]
+        assert tokens == pytest.approx([80.0 - i for i in range(8)], abs=0.001)
     finally:
         await store.close()

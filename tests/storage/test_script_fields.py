@@ -23,6 +23,8 @@ FIELDS = {
     "a": "hits the fleet admitted, a monotonic count",
     "c": "when the bucket was created (microseconds)",
     "L": "the bucket's limit per window",
+    "T": "a calendar budget's bucket in a zone: the admitted total the zone may reach",
+    "E": "a calendar budget's bucket in a zone: when its period ends (microseconds)",
     # quota_tier.lua: an RLQS counter's hash
     "D": "the live members' demands summed (thousandths of a hit per second)",
     "N": "the live members' instances summed",
@@ -49,12 +51,12 @@ FIELDS = {
 
 SCRIPTS = {
     "exact_window.lua": {"sum", "first", "last"},
-    "fleet_sync.lua": {"tk", "ts", "o", "a", "c", "K", "L", "W", "Z"},
+    "fleet_sync.lua": {"tk", "ts", "o", "a", "c", "K", "L", "W", "Z", "T", "E"},
     "quota_tier.lua": {"D", "N", "P", "d:*", "n:*", "p:*", "f:*", "w", "u"}
     | {"K", "R", "W", "Z", "G", "gw", "g"},
     "zone_read.lua": {"K", "D", "N", "R", "W", "w", "u", "gw", "g"},
-    "zone_read_fleet.lua": {"K", "o", "a", "L", "W", "g", "c"},
-    "zone_write.lua": {"Z", "G", "gw", "g"},
+    "zone_read_fleet.lua": {"K", "o", "a", "L", "W", "g", "c", "E"},
+    "zone_write.lua": {"Z", "G", "gw", "g", "T"},
     "lease.lua": {"h", "t", "e"},
 }
 
