@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -76,6 +77,34 @@ class Cell:
     driver) could not keep up, and the calls per second fall short of the model."""
 
 
+class Packed:
+    """A script's calls as RESP bytes packed once (EVALSHA), sent as they are: the
+    driver's work per call is the write and the read, not encoding 2,000 arguments, so
+    one Python process keeps up with the store (the arguments are those the services
+    send: storage/redis_store.py's encoders)."""
+
+    def __init__(self, client: aioredis.Redis, source: str) -> None:
+        self.client = client
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.source = source
+        self._packer = aioredis.Connection()
+
+    async def load(self) -> None:
+        await self.client.script_load(self.source)
+
+    def pack(self, keys: list[str], args: list[Any]) -> bytes:
+        return b"".join(self._packer.pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
+
+    async def __call__(self, packed: bytes) -> Any:
+        pool = self.client.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command(packed, check_health=False)
+            return await connection.read_response()
+        finally:
+            await pool.release(connection)
+
+
 class Driver:
     """Calls scripts at fixed rates, open loop."""
 
@@ -106,8 +135,10 @@ async def zone_store(
 ) -> int:  # fmt: skip
     """One zone: its replicas publishing and syncing, and the aggregator (without it,
     ``replicas`` on one store is the design without zones)."""
-    tier = client.register_script(_script("quota_tier.lua"))
-    sync = client.register_script(_script("fleet_sync.lua"))
+    tier = Packed(client, _script("quota_tier.lua"))
+    sync = Packed(client, _script("fleet_sync.lua"))
+    await tier.load()
+    await sync.load()
     lease = client.register_script(_script("lease.lua"))
     read = client.register_script(_script("zone_read.lua"))
     read_fleet = client.register_script(_script("zone_read_fleet.lua"))
@@ -119,28 +150,38 @@ async def zone_store(
     index, buckets = "rl:zone:z:counters", "rl:zone:z:buckets"
     zones_key, lease_key, fence_key = "rl:zone:z:zones", "rl:zone:z:lease", "rl:zone:z:fence"
 
+    # Each member's calls are the same every time: built once, so that the driver's
+    # own work per call is the sending, and it keeps up with the stores.
     def publish(member: str, demand: int) -> Any:
+        calls = []
+        for start in range(0, hot, BATCH):
+            chunk = keys[start : start + BATCH]
+            reports = [TierReport(key, member, demand / MILLI, ENVOYS // REPLICAS,
+                                  demand // 10, 1, LIMIT) for key in chunk]  # fmt: skip
+            call_keys: list[str] = []
+            for key in chunk:
+                call_keys += (f"rl:qt{{{key}}}", f"rl:qt{{{key}}}:m")
+            args = tier_args(reports, FORGET_US, None, zoned=True)
+            calls.append(tier.pack([*call_keys, index], args))
+
         async def call() -> None:
-            for start in range(0, hot, BATCH):
-                chunk = keys[start : start + BATCH]
-                reports = [TierReport(key, member, demand / MILLI, ENVOYS // REPLICAS,
-                                      demand // 10, 1, LIMIT) for key in chunk]  # fmt: skip
-                call_keys: list[str] = []
-                for key in chunk:
-                    call_keys += (f"rl:qt{{{key}}}", f"rl:qt{{{key}}}:m")
-                args = tier_args(reports, FORGET_US, None, zoned=True)
-                await tier(keys=[*call_keys, index], args=args)
+            for packed in calls:
+                await tier(packed)
 
         return call
 
     def synced(member: str, offered: int) -> Any:
+        calls = []
+        for start in range(0, hot, BATCH):
+            chunk = keys[start : start + BATCH]
+            reports = [BucketReport(key, LIMIT, 1, offered, offered // 2) for key in chunk]
+            bucket_keys = [f"rl:f:{k}" for k in chunk]
+            args = sync_args(reports, member, 5_000_000, zoned=True)
+            calls.append(sync.pack(["rl:nodes", *bucket_keys, buckets, zones_key], args))
+
         async def call() -> None:
-            for start in range(0, hot, BATCH):
-                chunk = keys[start : start + BATCH]
-                reports = [BucketReport(key, LIMIT, 1, offered, offered // 2) for key in chunk]
-                args = sync_args(reports, member, 5_000_000, zoned=True)
-                bucket_keys = [f"rl:f:{k}" for k in chunk]
-                await sync(keys=["rl:nodes", *bucket_keys, buckets, zones_key], args=args)
+            for packed in calls:
+                await sync(packed)
 
         return call
 
@@ -174,24 +215,29 @@ async def zone_store(
 
 async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
     """Ten zones, each publishing its RLQS counters and its probabilistic buckets."""
-    tier = client.register_script(_script("quota_tier.lua"))
+    tier = Packed(client, _script("quota_tier.lua"))
+    await tier.load()
     driver = Driver(client, {})
     keys = counters(hot)
     rng = random.Random(2)
 
     def publish(zone: str, demand: int) -> Any:
+        # and the zone's presence (every pass: the global store counts the zones)
+        reports = [(k, "q") for k in keys] + [(k, "f") for k in keys] + [("zones", "z")]
+        calls = []
+        for start in range(0, len(reports), BATCH):
+            chunk = reports[start : start + BATCH]
+            call_keys: list[str] = []
+            for key, kind in chunk:
+                call_keys += (f"rl:qt{{{kind}{key}}}", f"rl:qt{{{kind}{key}}}:m")
+            totals = [TierReport(key, zone, demand / MILLI, ENVOYS // ZONES, demand // 10,
+                                 1, LIMIT) for key, _ in chunk]  # fmt: skip
+            args = tier_args(totals, FORGET_US, 1, zoned=False)  # 1: its fencing token
+            calls.append(tier.pack(call_keys, args))
+
         async def call() -> None:
-            # and the zone's presence (every pass: the global store counts the zones)
-            reports = [(k, "q") for k in keys] + [(k, "f") for k in keys] + [("zones", "z")]
-            for start in range(0, len(reports), BATCH):
-                chunk = reports[start : start + BATCH]
-                call_keys: list[str] = []
-                for key, kind in chunk:
-                    call_keys += (f"rl:qt{{{kind}{key}}}", f"rl:qt{{{kind}{key}}}:m")
-                totals = [TierReport(key, zone, demand / MILLI, ENVOYS // ZONES, demand // 10,
-                                     1, LIMIT) for key, _ in chunk]  # fmt: skip
-                args = tier_args(totals, FORGET_US, 1, zoned=False)  # 1: its fencing token
-                await tier(keys=call_keys, args=args)
+            for packed in calls:
+                await tier(packed)
 
         return call
 
@@ -258,6 +304,52 @@ async def run_cell(hot: int, seconds: float, zone_port: int, global_port: int) -
     return cell
 
 
+async def update_cost(
+    port: int, hot: int = BATCH, members: int = REPLICAS // ZONES
+) -> dict[str, float]:
+    """Microseconds of the store's time per bucket update, per script and tier: each
+    member's calls of ``hot`` buckets (one call each), repeated, closed loop, timed by
+    the store itself (``INFO commandstats``: usec of EVALSHA over the buckets it carried)."""
+    client = connect(port)
+    costs: dict[str, float] = {}
+    try:
+        keys = counters(hot)
+        sync = Packed(client, _script("fleet_sync.lua"))
+        tier = Packed(client, _script("quota_tier.lua"))
+        await sync.load()
+        await tier.load()
+        zone_keys = ["rl:zone:z:buckets", "rl:zone:z:zones"]
+        cases: dict[str, list[bytes]] = {"fleet_sync.lua (zone store)": [], "quota_tier.lua (zone store)": [],
+                 "quota_tier.lua (global store)": []}  # fmt: skip
+        for n in range(members):
+            member = f"replica-{n}"
+            reports = [BucketReport(k, LIMIT, 1, 200, 100) for k in keys]
+            cases["fleet_sync.lua (zone store)"].append(sync.pack(
+                ["rl:nodes", *(f"rl:f:{k}" for k in keys), *zone_keys],
+                sync_args(reports, member, 5_000_000, zoned=True)))  # fmt: skip
+            totals = [TierReport(k, member, 100.0, 100, 10_000, 1, LIMIT) for k in keys]
+            qt_keys = [x for k in keys for x in (f"rl:qt{{{k}}}", f"rl:qt{{{k}}}:m")]
+            cases["quota_tier.lua (zone store)"].append(tier.pack(
+                [*qt_keys, "rl:zone:z:counters"], tier_args(totals, FORGET_US, None, zoned=True)))  # fmt: skip
+            gl_keys = [x for k in keys for x in (f"rl:qt{{g{k}}}", f"rl:qt{{g{k}}}:m")]
+            cases["quota_tier.lua (global store)"].append(tier.pack(
+                gl_keys, tier_args(totals, FORGET_US, 1, zoned=False)))  # fmt: skip
+        for name, calls in cases.items():
+            for packed in calls:  # every member heard once, keys created
+                await (sync if "fleet" in name else tier)(packed)
+            sync_client = redis.Redis(port=port)
+            sync_client.config_resetstat()
+            for _ in range(5):
+                for packed in calls:
+                    await (sync if "fleet" in name else tier)(packed)
+            stats = sync_client.info("commandstats")["cmdstat_evalsha"]
+            sync_client.close()
+            costs[name] = float(stats["usec"]) / (int(stats["calls"]) * hot)
+    finally:
+        await client.aclose()
+    return costs
+
+
 def model(
     hot: int, envoys: int = ENVOYS, replicas: int = REPLICAS, zones: int = ZONES
 ) -> dict[str, float]:
@@ -279,15 +371,25 @@ def main() -> None:
     parser.add_argument("--hot", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--out", type=Path, default=BENCH / "out")
+    parser.add_argument("--no-flat", action="store_true", help="skip the store without zones")
+    parser.add_argument("--update-cost", action="store_true",
+                        help="only the store's time per bucket update, per script")  # fmt: skip
     args = parser.parse_args()
+    if args.update_cost:
+        with lab() as (directory, _, redis_servers):
+            port = start_redis(directory, redis_servers).port
+            for name, cost in asyncio.run(update_cost(port)).items():
+                print(f"| {name} | {cost:.2f} µs |")
+        return
     cells = []
     for hot in args.hot:
         with lab() as (directory, _, redis_servers):
             zone = start_redis(directory, redis_servers)
             glob = start_redis(directory, redis_servers)
             cell = asyncio.run(run_cell(hot, args.seconds, zone.port, glob.port))
-            flat = start_redis(directory, redis_servers)
-            asyncio.run(run_flat(hot, args.seconds, flat.port, cell))
+            if not args.no_flat:
+                flat = start_redis(directory, redis_servers)
+                asyncio.run(run_flat(hot, args.seconds, flat.port, cell))
         print(json.dumps(cell.__dict__), flush=True)
         cells.append(cell)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,10 @@ if ARGV[3] == '1' then
   last = #KEYS - 2
 end
 
+-- One pass per bucket: one read (HMGET), one write of the counts (HSET), its expiry;
+-- the fields that only change with the bucket (its creation, key, limit, window) are
+-- written when they do, and the index gets one ZADD per call.
+local indexed = {}
 for i = 1, last - first + 1 do
   local key = KEYS[first + i - 1]
   local base = 4 + 7 * (i - 1)
@@ -81,7 +85,7 @@ for i = 1, last - first + 1 do
   local capacity = tonumber(ARGV[base + 2])
   local admitted = tonumber(ARGV[base + 3])
   local ends = tonumber(ARGV[base + 6])
-  local state = call('HMGET', key, 'tk', 'ts', 'Z', 'T', 'a')
+  local state = call('HMGET', key, 'tk', 'ts', 'Z', 'T', 'a', 'o', 'L', 'W')
   local zone_part = tonumber(state[3])
   local zone_limit = nil
   if zone_part ~= nil then
@@ -95,15 +99,16 @@ for i = 1, last - first + 1 do
   end
   local tokens = tonumber(state[1])
   local stamp = tonumber(state[2])
-  if tokens == nil or stamp == nil then
+  local created = tokens == nil or stamp == nil
+  if created then
     tokens = capacity
-    if index_key then call('HSET', key, 'c', stamp_text) end
   elseif ends == nil then
     local elapsed = now - stamp
     if elapsed < 0 then elapsed = 0 end
     tokens = tokens + elapsed * limit / window
     if tokens > capacity then tokens = capacity end
   end
+  local admitted_total = (tonumber(state[5]) or 0) + admitted
   if ends ~= nil and index_key then
     local allot = tonumber(state[4])
     if allot == nil then
@@ -114,12 +119,19 @@ for i = 1, last - first + 1 do
   end
   tokens = tokens - admitted
   if tokens < -limit then tokens = -limit end
-  call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text)
-  local offered_total = call('HINCRBY', key, 'o', ARGV[base + 4])
+  local offered_total = (tonumber(state[6]) or 0) + tonumber(ARGV[base + 4])
   if index_key then
-    call('HINCRBY', key, 'a', ARGV[base + 3])
-    call('HSET', key, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base])
-    call('ZADD', index_key, stamp_text, key)
+    call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text,
+      'o', format('%d', offered_total), 'a', format('%d', admitted_total))
+    if created then call('HSET', key, 'c', stamp_text) end
+    if created or state[7] ~= ARGV[base + 1] or state[8] ~= ARGV[base] then
+      call('HSET', key, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base])
+    end
+    indexed[#indexed + 1] = stamp_text
+    indexed[#indexed + 1] = key
+  else
+    call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text,
+      'o', format('%d', offered_total))
   end
   if ends ~= nil then
     if ends < 0 then ends = 0 end
@@ -131,5 +143,8 @@ for i = 1, last - first + 1 do
   out[#out + 1] = math.floor(tokens * 1000)
   out[#out + 1] = offered_total
   out[#out + 1] = math.floor(limit * 1000)
+end
+for i = 1, #indexed, 400 do
+  call('ZADD', index_key, unpack(indexed, i, math.min(i + 399, #indexed)))
 end
 return out
