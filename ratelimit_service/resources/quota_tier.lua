@@ -49,13 +49,13 @@ local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local me, forget = ARGV[1], tonumber(ARGV[2])
 
-local function leave(hash, who)
+-- A silent member leaves: its fields go, and what it added comes off the sums.
+local function leave(hash, who, sums)
   local gone = call('HMGET', hash, 'd:' .. who, 'n:' .. who, 'p:' .. who)
-  call('HINCRBY', hash, 'D', format('%d', -(tonumber(gone[1]) or 0)))
-  call('HINCRBY', hash, 'N', format('%d', -(tonumber(gone[2]) or 0)))
-  call('HINCRBY', hash, 'P', format('%d', -(tonumber(gone[3]) or 0)))
+  sums[1] = sums[1] - (tonumber(gone[1]) or 0)
+  sums[2] = sums[2] - (tonumber(gone[2]) or 0)
+  sums[3] = sums[3] - (tonumber(gone[3]) or 0)
   call('HDEL', hash, 'd:' .. who, 'n:' .. who, 'p:' .. who)
-  return gone[1] ~= false
 end
 
 local counters = math.floor(#KEYS / 2)
@@ -72,26 +72,46 @@ if token then
   end
   if refused then return {-1, refused} end
 end
+-- One pass per counter: one read of everything it needs (HMGET), the sums kept here,
+-- one write (HSET); the fields that only change with the rule are written when they
+-- do, and the index gets one ZADD per call.
 local out = {}
+local indexed = {}
 for i = 1, counters do
   local hash, members = KEYS[2 * i - 1], KEYS[2 * i]
   local base = 5 + 6 * (i - 1)
   local demand, instances = tonumber(ARGV[base]), tonumber(ARGV[base + 1])
   local allowed, window = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local limit = tonumber(ARGV[base + 4])
-  local zone = call('HMGET', hash, 'Z', 'G', 'gw', 'g')
-  local zone_part = tonumber(zone[1])
+  local state = call('HMGET', hash, 'Z', 'G', 'gw', 'g', 'D', 'N', 'P', 'w', 'u',
+    'd:' .. me, 'n:' .. me, 'p:' .. me, 'R', 'W')
+  local zone_part = tonumber(state[1])
   if zone_part ~= nil and zone_part < limit then limit = zone_part end
+  local sums = {tonumber(state[5]) or 0, tonumber(state[6]) or 0, tonumber(state[7]) or 0}
+  local heard = state[10] ~= false
   local stale = call('ZRANGEBYSCORE', members, '-inf', format('(%d', now - forget),
     'LIMIT', '0', ARGV[4])
   for _, who in ipairs(stale) do
-    leave(hash, who)
-    call('ZREM', members, who)
+    if who ~= me then
+      leave(hash, who, sums)
+      call('ZREM', members, who)
+    elseif heard then
+      -- this member itself was silent too long: it left, and is heard for the first time
+      sums[1] = sums[1] - (tonumber(state[10]) or 0)
+      sums[2] = sums[2] - (tonumber(state[11]) or 0)
+      sums[3] = sums[3] - (tonumber(state[12]) or 0)
+      heard = false
+    end
   end
-  local first = not leave(hash, me)
-  local fleet_demand = call('HINCRBY', hash, 'D', format('%d', demand))
-  local fleet_instances = call('HINCRBY', hash, 'N', format('%d', instances))
-  local others = tonumber(call('HGET', hash, 'P') or '0')
+  if heard then
+    sums[1] = sums[1] - (tonumber(state[10]) or 0)
+    sums[2] = sums[2] - (tonumber(state[11]) or 0)
+    sums[3] = sums[3] - (tonumber(state[12]) or 0)
+  end
+  local first = not heard
+  local fleet_demand = sums[1] + demand
+  local fleet_instances = sums[2] + instances
+  local others = sums[3]
   local everyone = math.max(fleet_instances, instances, 1)
   local d = math.max(fleet_demand, 0)
   local fair
@@ -110,23 +130,25 @@ for i = 1, counters do
     most = math.max(room, 0)
   end
   local part = math.floor(math.min(fair, most))
-  call('HINCRBY', hash, 'P', format('%d', part))
-  call('HSET', hash, 'd:' .. me, format('%d', demand), 'n:' .. me, format('%d', instances),
+  local index = format('%d', math.floor(now / window))
+  local used = 0
+  if state[8] == index then used = tonumber(state[9]) or 0 end
+  used = used + allowed
+  call('HSET', hash, 'D', format('%d', fleet_demand), 'N', format('%d', fleet_instances),
+    'P', format('%d', others + part), 'w', index, 'u', format('%d', used),
+    'd:' .. me, format('%d', demand), 'n:' .. me, format('%d', instances),
     'p:' .. me, format('%d', part))
   call('ZADD', members, format('%d', now), me)
   if token then call('HSET', hash, 'f:' .. me, ARGV[3]) end
-  local index = format('%d', math.floor(now / window))
-  local state = call('HMGET', hash, 'w', 'u')
-  local used = 0
-  if state[1] == index then used = tonumber(state[2]) or 0 end
-  used = used + allowed
-  call('HSET', hash, 'w', index, 'u', format('%d', used))
-  if zone[2] and zone[3] == index then
-    used = math.max(used, tonumber(zone[2]) + used - (tonumber(zone[4]) or 0))
+  if state[2] and state[3] == index then
+    used = math.max(used, tonumber(state[2]) + used - (tonumber(state[4]) or 0))
   end
   if index_key then
-    call('HSET', hash, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
-    call('ZADD', index_key, format('%d', now), hash)
+    if state[13] ~= ARGV[base + 4] or state[14] ~= ARGV[base + 3] then
+      call('HSET', hash, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
+    end
+    indexed[#indexed + 1] = format('%d', now)
+    indexed[#indexed + 1] = hash
   end
   local keep = window
   if forget > keep then keep = forget end
@@ -138,5 +160,8 @@ for i = 1, counters do
   out[#out + 1] = math.max(fleet_instances, 0)
   out[#out + 1] = call('ZCARD', members)
   out[#out + 1] = used
+end
+for i = 1, #indexed, 400 do
+  call('ZADD', index_key, unpack(indexed, i, math.min(i + 399, #indexed)))
 end
 return out
