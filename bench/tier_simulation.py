@@ -319,21 +319,23 @@ async def update_cost(
         await sync.load()
         await tier.load()
         zone_keys = ["rl:zone:z:buckets", "rl:zone:z:zones"]
-        cases: dict[str, list[bytes]] = {"fleet_sync.lua (zone store)": [], "quota_tier.lua (zone store)": [],
-                 "quota_tier.lua (global store)": []}  # fmt: skip
+        syncs, zone_publishes, global_publishes = [], [], []
         for n in range(members):
             member = f"replica-{n}"
             reports = [BucketReport(k, LIMIT, 1, 200, 100) for k in keys]
-            cases["fleet_sync.lua (zone store)"].append(sync.pack(
-                ["rl:nodes", *(f"rl:f:{k}" for k in keys), *zone_keys],
-                sync_args(reports, member, 5_000_000, zoned=True)))  # fmt: skip
+            args = sync_args(reports, member, 5_000_000, zoned=True)
+            syncs.append(sync.pack(["rl:nodes", *(f"rl:f:{k}" for k in keys), *zone_keys], args))
             totals = [TierReport(k, member, 100.0, 100, 10_000, 1, LIMIT) for k in keys]
-            qt_keys = [x for k in keys for x in (f"rl:qt{{{k}}}", f"rl:qt{{{k}}}:m")]
-            cases["quota_tier.lua (zone store)"].append(tier.pack(
-                [*qt_keys, "rl:zone:z:counters"], tier_args(totals, FORGET_US, None, zoned=True)))  # fmt: skip
-            gl_keys = [x for k in keys for x in (f"rl:qt{{g{k}}}", f"rl:qt{{g{k}}}:m")]
-            cases["quota_tier.lua (global store)"].append(tier.pack(
-                gl_keys, tier_args(totals, FORGET_US, 1, zoned=False)))  # fmt: skip
+            pair = [x for k in keys for x in (f"rl:qt{{{k}}}", f"rl:qt{{{k}}}:m")]
+            args = tier_args(totals, FORGET_US, None, zoned=True)
+            zone_publishes.append(tier.pack([*pair, "rl:zone:z:counters"], args))
+            pair = [x for k in keys for x in (f"rl:qt{{g{k}}}", f"rl:qt{{g{k}}}:m")]
+            global_publishes.append(tier.pack(pair, tier_args(totals, FORGET_US, 1, zoned=False)))
+        cases = {
+            "fleet_sync.lua (zone store)": syncs,
+            "quota_tier.lua (zone store)": zone_publishes,
+            "quota_tier.lua (global store, members fenced)": global_publishes,
+        }
         for name, calls in cases.items():
             for packed in calls:  # every member heard once, keys created
                 await (sync if "fleet" in name else tier)(packed)

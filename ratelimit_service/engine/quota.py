@@ -183,6 +183,10 @@ class QuotaCoordinator:
         self.malformed = 0
         """Buckets with an empty id (Envoy ignores any answer to them)."""
         self.publishes = 0
+        self.bucket_updates = 0
+        """Counter totals sent to the store, a monotonic count (docs/scale.md)."""
+        self.last_updates = 0
+        """Counter totals the last round's publish sent."""
         self.store_errors = 0
         """Publishes that failed: the replica kept its last part (fail-static)."""
         self.pushed = 0
@@ -337,6 +341,7 @@ class QuotaCoordinator:
         send the totals, take the new parts, and push grown shares."""
         self._forget_silent(self._clock())
         counters = [c for c in self._counters.values() if c.part is not None]
+        self.last_updates = len(counters)
         if counters and await self._publish(counters):  # the store splits it into calls
             for counter in counters:
                 self._grow(counter)
@@ -347,6 +352,7 @@ class QuotaCoordinator:
         published gets the whole limit, as RLS answers by failure_mode then)."""
         reports = [self._totals(counter) for counter in counters]
         sent = [report.allowed for report in reports]
+        self.bucket_updates += len(reports)
         try:
             answers = await self._store.publish(reports, FORGET_AFTER)
         except StoreUnavailable as exc:

@@ -39,6 +39,11 @@ class Reconciler:
         self.interval = interval
         self._clock = clock
         self.syncs = 0
+        self.bucket_updates = 0
+        """Bucket reports sent to the store, a monotonic count (the store's work grows
+        with them: docs/scale.md)."""
+        self.last_updates = 0
+        """Bucket reports the last round sent."""
         self.errors = 0
         self.failing = False
         self.last_duration = 0.0
@@ -56,6 +61,8 @@ class Reconciler:
             # returns; they must not charge the hits admitted on renewed credit. A
             # calendar budget's bucket is never renewed: its hits were granted, and count.
             reports = [replace(r, admitted=0) if r.refills else r for r in reports]
+        self.bucket_updates += len(reports)
+        self.last_updates = len(reports)
         try:
             # With nothing to report, a sync still proves the store answers (freshness).
             result = await self._sync_keeping_rates(reports)

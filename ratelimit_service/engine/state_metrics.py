@@ -130,6 +130,11 @@ def reconciler_metrics(reconciler: Reconciler) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "ratelimit_sync_errors", "Failed sync rounds", value=reconciler.errors
     )
+    yield CounterMetricFamily(
+        "ratelimit_sync_bucket_updates",
+        "Probabilistic bucket reports this replica sent to the store",
+        value=reconciler.bucket_updates,
+    )
     yield histogram_family(
         "ratelimit_sync_duration_seconds", "Duration of sync rounds", reconciler.durations
     )
@@ -152,6 +157,10 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric | None]:
         "abandons": ("RLQS buckets abandoned (idle)", quota.abandons),
         "malformed_buckets": ("RLQS buckets with an empty id (ignored)", quota.malformed),
         "publishes": ("RLQS publishes of this replica's totals to the store", quota.publishes),
+        "bucket_updates": (
+            "RLQS counter totals this replica sent to the store (one per counter per publish)",
+            quota.bucket_updates,
+        ),
         "store_errors": (
             "RLQS publishes that failed (the replica kept its last parts)",
             quota.store_errors,

@@ -514,6 +514,8 @@ def _rlqs_totals(quota: QuotaCoordinator) -> Json:
         "pushed": quota.pushed,
         "abandons": quota.abandons,
         "publishes": quota.publishes,
+        "bucket_updates": quota.bucket_updates,
+        "bucket_updates_per_second": _num(quota.last_updates / quota.interval),
         "store_errors": quota.store_errors,
     }
 
@@ -562,6 +564,8 @@ def _reconciler(reconciler: Reconciler, local: LocalBuckets, wall: float) -> Jso
         "last_round_seconds": _num(reconciler.last_duration, 4),
         "since_last_sync_seconds": None if last is None else _num(wall - last),
         "interval_seconds": reconciler.interval,
+        "bucket_updates": reconciler.bucket_updates,
+        "bucket_updates_per_second": _num(reconciler.last_updates / reconciler.interval),
         "buckets": len(local),
         "max_buckets": local.max_buckets,
         "evicted": local.evicted_overflow + local.evicted_idle,

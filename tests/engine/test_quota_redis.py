@@ -71,6 +71,8 @@ async def test_two_replicas_divide_one_limit_from_totals(redis_server) -> None:
         assert part_one + part_two == pytest.approx(100, abs=0.01)
         totals = view(one).totals
         assert totals is not None and (totals.instances, totals.members) == (2, 2)
+        # One counter: its first publish (at the first report), then two per round.
+        assert (one.bucket_updates, one.last_updates) == (3, 1)
         # Under it (20/s and 50/s): each its demand, and half the 30 spare.
         part_one, part_two = await round_of(100, 250)
         assert (part_one, part_two) == (pytest.approx(35, abs=0.01), pytest.approx(65, abs=0.01))

@@ -12,8 +12,11 @@ from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
 from ratelimit_service.engine.reconciler import Reconciler
+from ratelimit_service.engine.state_metrics import reconciler_metrics
+from ratelimit_service.engine.status import _reconciler
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.embedded import EmbeddedStore
+from ratelimit_service.storage.redis_store import RedisStore
 
 
 class GatedStore(EmbeddedStore):
@@ -108,3 +111,25 @@ async def test_a_calendar_budgets_admissions_while_the_store_is_away_count_when_
     assert await reconciler.sync_once() == 2
     assert budget.tokens == 85.0  # all 15 counted
     assert rolling.tokens == 100.0  # forgiven (and refilled)
+
+
+async def test_the_bucket_updates_sent_are_counted_and_shown(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """Only buckets hit since the last sync are sent: the count, /metrics' counter and
+    /status.json's figures move with them, and an idle round sends none (its
+    heartbeat still runs: the store hears this node)."""
+    local, store = LocalBuckets(), RedisStore(redis_server.url)
+    reconciler = Reconciler(local, store, interval=0.25)
+    try:
+        for key in ("a", "b", "c"):
+            local.decide(local.get(key, 100, 1, now=time.time()), 1, 0.5)
+        assert await reconciler.sync_once() == 3
+        assert await reconciler.sync_once() == 0  # nothing hit since
+        assert local.nodes == 1  # the idle round's heartbeat was heard
+        local.decide(local.get("a", 100, 1, now=time.time()), 1, 0.5)
+        assert await reconciler.sync_once() == 1
+        families = {f.name: f for f in reconciler_metrics(reconciler)}
+        assert families["ratelimit_sync_bucket_updates"].samples[0].value == 4
+        status = _reconciler(reconciler, local, time.time())
+        assert (status["bucket_updates"], status["bucket_updates_per_second"]) == (4, 4.0)
+    finally:
+        await store.close()
