@@ -46,9 +46,14 @@ from throughput import BENCH, lab, start_redis
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.tiers import MILLI, TierReport
 from ratelimit_service.core.zones import RENEW_SHARE, ZoneShare
-from ratelimit_service.storage.redis_store import CALL_CHUNK, _script, sync_args, tier_args
-from ratelimit_service.storage.script_replies import zone_read_fleet_reply, zone_read_reply
-from ratelimit_service.storage.zoned import write_args
+from ratelimit_service.storage.redis_store import CALL_CHUNK, _script
+from ratelimit_service.storage.script_calls import (
+    sync_args,
+    tier_args,
+    write_args,
+    zone_read_fleet_reply,
+    zone_read_reply,
+)
 
 ENVOYS, REPLICAS, ZONES = 100_000, 1_000, 10
 PUBLISH, SYNC, ZONE = 1.0, 0.25, 1.0

@@ -43,7 +43,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity
+from ratelimit_service.core.drop_ratio import FleetView, SyncResult
 from ratelimit_service.core.exact import (
     CHECK,
     DECIDE,
@@ -55,20 +55,25 @@ from ratelimit_service.core.exact import (
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.settings_table import default
-from ratelimit_service.core.tiers import EXPIRE_PER_CALL, MILLI, Fenced, TierReport, TierTotals
+from ratelimit_service.core.tiers import Fenced, TierReport, TierTotals
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.core.zones import ZoneKeys
 from ratelimit_service.storage.base import BreakerState, StoreMetrics, StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
-from ratelimit_service.storage.exact_batcher import (
-    ExactBatcher,
-    encode,
-    hit_args,
-)
+from ratelimit_service.storage.exact_batcher import ExactBatcher
 from ratelimit_service.storage.loop_load import LoopLoad
 from ratelimit_service.storage.redis_connect import connect
 from ratelimit_service.storage.redis_pipe import RedisPipe, supports
-from ratelimit_service.storage.script_replies import exact_reply, sync_reply, tier_reply
+from ratelimit_service.storage.script_calls import (
+    add_exact_request,
+    exact_batch_args,
+    exact_reply,
+    hit_args,
+    sync_args,
+    sync_reply,
+    tier_args,
+    tier_reply,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,43 +84,6 @@ CALL_CHUNK = 256
 """Items per script call of a batched store call: the store itself splits every batch
 (a sync's buckets, a publish's counters, a zone's write-back) into calls of at most
 this many, so each Lua call is short and Redis stays responsive."""
-
-
-def sync_args(
-    reports: Sequence[BucketReport], node: str, node_ttl_us: int, zoned: bool
-) -> list[Any]:
-    """fleet_sync.lua's ARGV: ``node`` ('' for no heartbeat), then each bucket's report
-    (see the script's header)."""
-    args: list[Any] = [node, node_ttl_us, "1" if zoned else ""]
-    for report in reports:
-        args += (
-            report.window_seconds * 1_000_000,
-            report.limit,
-            int(capacity(report.limit, report.burst)),
-            report.admitted,
-            report.offered,
-            report.key if zoned else "",
-            "" if report.ends_in is None else round(report.ends_in * 1_000_000),
-        )
-    return args
-
-
-def tier_args(
-    reports: Sequence[TierReport], forget_us: int, token: int | None, zoned: bool
-) -> list[Any]:
-    """quota_tier.lua's ARGV for one member's ``reports`` (see the script's header)."""
-    member = reports[0].member
-    args: list[Any] = [member, forget_us, "" if token is None else token, EXPIRE_PER_CALL]
-    for report in reports:
-        args += (
-            round(report.demand * MILLI),
-            report.instances,
-            report.allowed,
-            report.window_seconds * 1_000_000,
-            round(report.limit * MILLI),
-            report.key if zoned else "",
-        )
-    return args
 
 
 @dataclass(slots=True)
@@ -362,8 +330,8 @@ class RedisStore:
         return results
 
     async def _hit_group(self, group: _Group, commit: int, timeout: float) -> list[ExactResult]:
-        args: list[Any] = [self.slices, 1]
-        encode(group.hits, commit, args)
+        args = exact_batch_args(self.slices)
+        add_exact_request(args, commit, hit_args(group.hits))
         raw = await self._call(self._exact, group.keys, args, timeout)
         return exact_reply(raw, 0, len(group.hits))
 

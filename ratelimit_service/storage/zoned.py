@@ -33,8 +33,11 @@ from ratelimit_service.core.zones import (
 )
 from ratelimit_service.storage.base import StoreMetrics
 from ratelimit_service.storage.redis_store import CALL_CHUNK, RedisStore, _script
-from ratelimit_service.storage.script_replies import (
+from ratelimit_service.storage.script_calls import (
+    lease_args,
     lease_reply,
+    write_args,
+    zone_read_args,
     zone_read_fleet_reply,
     zone_read_reply,
     zone_write_reply,
@@ -43,24 +46,6 @@ from ratelimit_service.storage.script_replies import (
 MOST_COUNTERS = 10_000
 """Counters (and buckets) one aggregation pass reads from the zone store at most (the
 least recently published first)."""
-
-
-def write_args(
-    shares: Sequence[ZoneShare], zones: int | None, keep_ms: int, token: int
-) -> list[Any]:
-    """zone_write.lua's ARGV: the count of ``zones`` (None: left as it is), how long it
-    lives, the writer's token, then each hash's share (see the script's header)."""
-    args: list[Any] = ["" if zones is None else zones, keep_ms, token]
-    for share in shares:
-        allot = "" if share.allot is None else share.allot
-        args += (share.part, share.global_used, share.window, share.forwarded, allot)
-    return args
-
-
-def lease_args(holder: str, ttl_us: int, floor: int | None) -> list[Any]:
-    """lease.lua's ARGV: who asks, for how long, and a token a write of theirs was
-    refused against (None: none)."""
-    return [holder, ttl_us, "" if floor is None else floor]
 
 
 class ZoneRedisStore(RedisStore):
@@ -87,7 +72,7 @@ class ZoneRedisStore(RedisStore):
 
     async def zone_totals(self, forget_after: float, deadline: float) -> list[ZoneTotals]:
         """Every counter a replica of the zone published within ``forget_after``."""
-        args = [int(forget_after * 1_000_000), MOST_COUNTERS]
+        args = zone_read_args(int(forget_after * 1_000_000), MOST_COUNTERS)
         keys = [self.keys.counters]
         raw = await self._call(self._read, keys, args, self.time_left(deadline))
         return zone_read_reply(raw)
@@ -96,7 +81,7 @@ class ZoneRedisStore(RedisStore):
         """The store's time, the zone's live replicas, and every probabilistic bucket a
         replica of the zone synced within ``forget_after``."""
         keys = [self.keys.buckets, self.prefix + "nodes"]
-        args = [int(forget_after * 1_000_000), MOST_COUNTERS]
+        args = zone_read_args(int(forget_after * 1_000_000), MOST_COUNTERS)
         raw = await self._call(self._read_fleet, keys, args, self.time_left(deadline))
         return zone_read_fleet_reply(raw)
 

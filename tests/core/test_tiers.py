@@ -21,9 +21,14 @@ from ratelimit_service.core.tiers import (
     publish_fenced,
 )
 from ratelimit_service.core.zones import ZoneShare
-from ratelimit_service.storage.redis_store import RedisStore, _script, tier_args
-from ratelimit_service.storage.script_replies import tier_reply, zone_read_reply, zone_write_reply
-from ratelimit_service.storage.zoned import write_args
+from ratelimit_service.storage.redis_store import RedisStore, _script
+from ratelimit_service.storage.script_calls import (
+    tier_args,
+    tier_reply,
+    write_args,
+    zone_read_reply,
+    zone_write_reply,
+)
 
 FORGET_US = 15_000_000
 

@@ -32,8 +32,12 @@ from ratelimit_service.core.zones import (
     reserved_part,
 )
 from ratelimit_service.storage.redis_store import _script
-from ratelimit_service.storage.script_replies import lease_reply, zone_write_reply
-from ratelimit_service.storage.zoned import lease_args, write_args
+from ratelimit_service.storage.script_calls import (
+    lease_args,
+    lease_reply,
+    write_args,
+    zone_write_reply,
+)
 
 TTL, MARGIN = 1.0, 0.125
 

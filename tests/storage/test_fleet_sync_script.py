@@ -17,13 +17,14 @@ from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.zones import ZoneShare
 from ratelimit_service.storage.embedded import _FleetBucket
-from ratelimit_service.storage.redis_store import _script, sync_args
-from ratelimit_service.storage.script_replies import (
+from ratelimit_service.storage.redis_store import _script
+from ratelimit_service.storage.script_calls import (
+    sync_args,
     sync_reply,
+    write_args,
     zone_read_fleet_reply,
     zone_write_reply,
 )
-from ratelimit_service.storage.zoned import write_args
 
 BUCKETS = {"a": (1, 100, None), "b": (60, 600, 150), "c": (1, 40, 10), "d": (86_400, 500, None)}
 """Per bucket: window (seconds), limit, burst."""
