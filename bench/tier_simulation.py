@@ -46,7 +46,8 @@ from throughput import BENCH, lab, start_redis
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.tiers import MILLI, TierReport
 from ratelimit_service.core.zones import RENEW_SHARE, ZoneShare
-from ratelimit_service.storage.redis_store import CALL_CHUNK, _script
+from ratelimit_service.storage.redis_calls import script_text
+from ratelimit_service.storage.redis_store import CALL_CHUNK
 from ratelimit_service.storage.script_calls import (
     sync_args,
     tier_args,
@@ -111,12 +112,12 @@ async def zone_store(
 ) -> int:  # fmt: skip
     """One zone: its replicas publishing and syncing, and the aggregator (without it,
     ``replicas`` on one store is the design without zones)."""
-    tier = client.register_script(_script("quota_tier.lua"))
-    sync = client.register_script(_script("fleet_sync.lua"))
-    lease = client.register_script(_script("lease.lua"))
-    read = client.register_script(_script("zone_read.lua"))
-    read_fleet = client.register_script(_script("zone_read_fleet.lua"))
-    write = client.register_script(_script("zone_write.lua"))
+    tier = client.register_script(script_text("quota_tier.lua"))
+    sync = client.register_script(script_text("fleet_sync.lua"))
+    lease = client.register_script(script_text("lease.lua"))
+    read = client.register_script(script_text("zone_read.lua"))
+    read_fleet = client.register_script(script_text("zone_read_fleet.lua"))
+    write = client.register_script(script_text("zone_write.lua"))
     driver = Driver(client, {})
     keys = counters(hot)
     rng = random.Random(1)
@@ -179,7 +180,7 @@ async def zone_store(
 
 async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
     """Ten zones, each publishing its RLQS counters and its probabilistic buckets."""
-    tier = client.register_script(_script("quota_tier.lua"))
+    tier = client.register_script(script_text("quota_tier.lua"))
     driver = Driver(client, {})
     keys = counters(hot)
     rng = random.Random(2)

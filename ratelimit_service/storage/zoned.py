@@ -32,7 +32,7 @@ from ratelimit_service.core.zones import (
     ZoneTotals,
 )
 from ratelimit_service.storage.base import StoreMetrics
-from ratelimit_service.storage.redis_store import CALL_CHUNK, RedisStore, _script
+from ratelimit_service.storage.redis_store import CALL_CHUNK, RedisStore
 from ratelimit_service.storage.script_calls import (
     lease_args,
     lease_reply,
@@ -60,10 +60,10 @@ class ZoneRedisStore(RedisStore):
             raise ValueError("a zone store must be one Redis (or Sentinel), not Cluster")
         self.zone = zone
         self.keys = keys
-        self._read = self._client.register_script(_script("zone_read.lua"))
-        self._read_fleet = self._client.register_script(_script("zone_read_fleet.lua"))
-        self._write = self._client.register_script(_script("zone_write.lua"))
-        self._lease = self._client.register_script(_script("lease.lua"))
+        self._read = self.redis.register("zone_read.lua")
+        self._read_fleet = self.redis.register("zone_read_fleet.lua")
+        self._write = self.redis.register("zone_write.lua")
+        self._lease = self.redis.register("lease.lua")
 
     @property
     def wants_saturation(self) -> bool:
@@ -74,7 +74,7 @@ class ZoneRedisStore(RedisStore):
         """Every counter a replica of the zone published within ``forget_after``."""
         args = zone_read_args(int(forget_after * 1_000_000), MOST_COUNTERS)
         keys = [self.keys.counters]
-        raw = await self._call(self._read, keys, args, self.time_left(deadline))
+        raw = await self.redis.call(self._read, keys, args, self.redis.time_left(deadline))
         return zone_read_reply(raw)
 
     async def zone_buckets(self, forget_after: float, deadline: float) -> ZoneBuckets:
@@ -82,7 +82,7 @@ class ZoneRedisStore(RedisStore):
         replica of the zone synced within ``forget_after``."""
         keys = [self.keys.buckets, self.prefix + "nodes"]
         args = zone_read_args(int(forget_after * 1_000_000), MOST_COUNTERS)
-        raw = await self._call(self._read_fleet, keys, args, self.time_left(deadline))
+        raw = await self.redis.call(self._read_fleet, keys, args, self.redis.time_left(deadline))
         return zone_read_fleet_reply(raw)
 
     async def write_back(
@@ -99,7 +99,7 @@ class ZoneRedisStore(RedisStore):
             shares_now = [share for _, share in chunk]
             args = write_args(shares_now, None if start else zones, keep_ms, token)
             keys = [self.keys.zones, self.keys.fence, *(key for key, _ in chunk)]
-            raw = await self._call(self._write, keys, args, self.time_left(deadline))
+            raw = await self.redis.call(self._write, keys, args, self.redis.time_left(deadline))
             answer = zone_write_reply(raw)
             if isinstance(answer, Fenced):
                 return answer
@@ -111,7 +111,7 @@ class ZoneRedisStore(RedisStore):
         ``timeout``; ``floor``: a token a write of ``holder`` was refused against."""
         keys = [self.keys.lease, self.keys.fence]
         args = lease_args(holder, max(1, round(ttl * 1_000_000)), floor)
-        return lease_reply(await self._call(self._lease, keys, args, timeout))
+        return lease_reply(await self.redis.call(self._lease, keys, args, timeout))
 
 
 class ZonedStore:
