@@ -47,9 +47,15 @@ from throughput import BENCH, lab, start_redis
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.tiers import MILLI, TierReport
 from ratelimit_service.core.zones import RENEW_SHARE, ZoneShare
-from ratelimit_service.storage.redis_store import CALL_CHUNK, _script, sync_args, tier_args
-from ratelimit_service.storage.script_replies import zone_read_fleet_reply, zone_read_reply
-from ratelimit_service.storage.zoned import write_args
+from ratelimit_service.storage.redis_calls import script_text
+from ratelimit_service.storage.redis_store import CALL_CHUNK
+from ratelimit_service.storage.script_calls import (
+    sync_args,
+    tier_args,
+    write_args,
+    zone_read_fleet_reply,
+    zone_read_reply,
+)
 
 ENVOYS, REPLICAS, ZONES = 100_000, 1_000, 10
 PUBLISH, SYNC, ZONE = 1.0, 0.25, 1.0
@@ -135,14 +141,14 @@ async def zone_store(
 ) -> int:  # fmt: skip
     """One zone: its replicas publishing and syncing, and the aggregator (without it,
     ``replicas`` on one store is the design without zones)."""
-    tier = Packed(client, _script("quota_tier.lua"))
-    sync = Packed(client, _script("fleet_sync.lua"))
+    tier = Packed(client, script_text("quota_tier.lua"))
+    sync = Packed(client, script_text("fleet_sync.lua"))
     await tier.load()
     await sync.load()
-    lease = client.register_script(_script("lease.lua"))
-    read = client.register_script(_script("zone_read.lua"))
-    read_fleet = client.register_script(_script("zone_read_fleet.lua"))
-    write = client.register_script(_script("zone_write.lua"))
+    lease = client.registerscript_text(script_text("lease.lua"))
+    read = client.registerscript_text(script_text("zone_read.lua"))
+    read_fleet = client.registerscript_text(script_text("zone_read_fleet.lua"))
+    write = client.registerscript_text(script_text("zone_write.lua"))
     driver = Driver(client, {})
     keys = counters(hot)
     rng = random.Random(1)
@@ -215,7 +221,7 @@ async def zone_store(
 
 async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
     """Ten zones, each publishing its RLQS counters and its probabilistic buckets."""
-    tier = Packed(client, _script("quota_tier.lua"))
+    tier = Packed(client, script_text("quota_tier.lua"))
     await tier.load()
     driver = Driver(client, {})
     keys = counters(hot)
@@ -314,8 +320,8 @@ async def update_cost(
     costs: dict[str, float] = {}
     try:
         keys = counters(hot)
-        sync = Packed(client, _script("fleet_sync.lua"))
-        tier = Packed(client, _script("quota_tier.lua"))
+        sync = Packed(client, script_text("fleet_sync.lua"))
+        tier = Packed(client, script_text("quota_tier.lua"))
         await sync.load()
         await tier.load()
         zone_keys = ["rl:zone:z:buckets", "rl:zone:z:zones"]

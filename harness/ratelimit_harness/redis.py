@@ -282,9 +282,9 @@ with :func:`script_on_test_clock`."""
 def script_on_test_clock(name: str) -> str:
     """A resource script with Redis's TIME replaced by a read of TEST_CLOCK, so that a
     test sets the time it runs at and compares the script with its Python twin."""
-    from ratelimit_service.storage.redis_store import _script
+    from ratelimit_service.storage.redis_calls import script_text
 
-    source = _script(name)
+    source = script_text(name)
     time_call = "local t = call('TIME')"
     assert source.count(time_call) == 1, name
     return source.replace(time_call, f"local t = call('HMGET', '{TEST_CLOCK}', 's', 'us')")

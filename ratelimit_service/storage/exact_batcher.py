@@ -50,11 +50,17 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole, request_denied
+from ratelimit_service.core.exact import ExactResult, request_denied
 from ratelimit_service.core.settings_table import default
 from ratelimit_service.storage.base import StoreOverloaded, StoreUnavailable
 from ratelimit_service.storage.owed_hits import OwedHits
-from ratelimit_service.storage.script_replies import exact_reply
+from ratelimit_service.storage.script_calls import (
+    add_exact_request,
+    exact_batch_args,
+    exact_reply,
+    hit_roles,
+    without_costs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,26 +108,6 @@ class Channel(Protocol):
         ...
 
 
-def encode(hits: Sequence[ExactHit], commit: int, into: list[Any]) -> None:
-    """One request's part of the script's ARGV (see the header of exact_window.lua)."""
-    into += (int(commit), len(hits))
-    into += hit_args(hits)
-
-
-COST_FLAG = 4
-"""Added to a hit's role in ARGV when the hit is a cost (exact_window.lua COST)."""
-
-
-def hit_args(hits: Sequence[ExactHit]) -> tuple[Any, ...]:
-    """The per-descriptor part of a request's ARGV: the same for the same hits, so
-    callers may keep it (RedisStore does, per request plan)."""
-    args: list[Any] = []
-    for hit in hits:
-        role = int(hit.role) + COST_FLAG if hit.cost else int(hit.role)
-        args += (hit.limit, hit.window_seconds * 1_000_000, hit.hits, role)
-    return tuple(args)
-
-
 FORCE = 2
 """``commit`` of a request counted whatever the window holds (owed hits)."""
 
@@ -162,7 +148,7 @@ class _Batch:
         self.due = False
         """Not held (any more): it goes as soon as a call slot is free."""
         self.keys: list[str] = []
-        self.args: list[Any] = [slices, 0]
+        self.args: list[Any] = exact_batch_args(slices)
         self.waiters: list[_Waiter] = []
         self.done = False
         """Its call slot is free: answered, or every caller gave up (a reply may
@@ -175,9 +161,7 @@ class _Batch:
         if waiter.future is None:
             self.forced += 1
         self.keys += keys
-        self.args[1] += 1
-        self.args += (commit, len(keys))
-        self.args += args
+        add_exact_request(self.args, commit, args)
 
     def requests(self) -> list[tuple[_Waiter, list[str], list[Any]]]:
         """Each request with its keys and its per-descriptor ARGV part."""
@@ -396,13 +380,8 @@ class ExactBatcher:
         deciding it late, did not count them (its costs it counted: not owed)."""
         assert waiter.since is not None
         admitted = [r.admitted for r in exact_reply(raw, start, waiter.count)]
-        roles = [HitRole(role % COST_FLAG) for role in args[3::4]]
-        if request_denied(roles, admitted):
-            owed = list(args)
-            for role_at in range(3, len(owed), 4):
-                if owed[role_at] >= COST_FLAG:
-                    owed[role_at - 1] = 0
-            self.owed.add(keys, owed, waiter.since)
+        if request_denied(hit_roles(args), admitted):
+            self.owed.add(keys, without_costs(args), waiter.since)
 
     def _finish(self, waiter: _Waiter) -> None:
         if waiter.open:

@@ -32,9 +32,12 @@ from ratelimit_service.core.zones import (
     ZoneTotals,
 )
 from ratelimit_service.storage.base import StoreMetrics
-from ratelimit_service.storage.redis_store import CALL_CHUNK, RedisStore, _script
-from ratelimit_service.storage.script_replies import (
+from ratelimit_service.storage.redis_store import CALL_CHUNK, RedisStore
+from ratelimit_service.storage.script_calls import (
+    lease_args,
     lease_reply,
+    write_args,
+    zone_read_args,
     zone_read_fleet_reply,
     zone_read_reply,
     zone_write_reply,
@@ -43,24 +46,6 @@ from ratelimit_service.storage.script_replies import (
 MOST_COUNTERS = 10_000
 """Counters (and buckets) one aggregation pass reads from the zone store at most (the
 least recently published first)."""
-
-
-def write_args(
-    shares: Sequence[ZoneShare], zones: int | None, keep_ms: int, token: int
-) -> list[Any]:
-    """zone_write.lua's ARGV: the count of ``zones`` (None: left as it is), how long it
-    lives, the writer's token, then each hash's share (see the script's header)."""
-    args: list[Any] = ["" if zones is None else zones, keep_ms, token]
-    for share in shares:
-        allot = "" if share.allot is None else share.allot
-        args += (share.part, share.global_used, share.window, share.forwarded, allot)
-    return args
-
-
-def lease_args(holder: str, ttl_us: int, floor: int | None) -> list[Any]:
-    """lease.lua's ARGV: who asks, for how long, and a token a write of theirs was
-    refused against (None: none)."""
-    return [holder, ttl_us, "" if floor is None else floor]
 
 
 class ZoneRedisStore(RedisStore):
@@ -75,10 +60,10 @@ class ZoneRedisStore(RedisStore):
             raise ValueError("a zone store must be one Redis (or Sentinel), not Cluster")
         self.zone = zone
         self.keys = keys
-        self._read = self._client.register_script(_script("zone_read.lua"))
-        self._read_fleet = self._client.register_script(_script("zone_read_fleet.lua"))
-        self._write = self._client.register_script(_script("zone_write.lua"))
-        self._lease = self._client.register_script(_script("lease.lua"))
+        self._read = self.redis.register("zone_read.lua")
+        self._read_fleet = self.redis.register("zone_read_fleet.lua")
+        self._write = self.redis.register("zone_write.lua")
+        self._lease = self.redis.register("lease.lua")
 
     @property
     def wants_saturation(self) -> bool:
@@ -87,17 +72,17 @@ class ZoneRedisStore(RedisStore):
 
     async def zone_totals(self, forget_after: float, deadline: float) -> list[ZoneTotals]:
         """Every counter a replica of the zone published within ``forget_after``."""
-        args = [int(forget_after * 1_000_000), MOST_COUNTERS]
+        args = zone_read_args(int(forget_after * 1_000_000), MOST_COUNTERS)
         keys = [self.keys.counters]
-        raw = await self._call(self._read, keys, args, self.time_left(deadline))
+        raw = await self.redis.call(self._read, keys, args, self.redis.time_left(deadline))
         return zone_read_reply(raw)
 
     async def zone_buckets(self, forget_after: float, deadline: float) -> ZoneBuckets:
         """The store's time, the zone's live replicas, and every probabilistic bucket a
         replica of the zone synced within ``forget_after``."""
         keys = [self.keys.buckets, self.prefix + "nodes"]
-        args = [int(forget_after * 1_000_000), MOST_COUNTERS]
-        raw = await self._call(self._read_fleet, keys, args, self.time_left(deadline))
+        args = zone_read_args(int(forget_after * 1_000_000), MOST_COUNTERS)
+        raw = await self.redis.call(self._read_fleet, keys, args, self.redis.time_left(deadline))
         return zone_read_fleet_reply(raw)
 
     async def write_back(
@@ -114,7 +99,7 @@ class ZoneRedisStore(RedisStore):
             shares_now = [share for _, share in chunk]
             args = write_args(shares_now, None if start else zones, keep_ms, token)
             keys = [self.keys.zones, self.keys.fence, *(key for key, _ in chunk)]
-            raw = await self._call(self._write, keys, args, self.time_left(deadline))
+            raw = await self.redis.call(self._write, keys, args, self.redis.time_left(deadline))
             answer = zone_write_reply(raw)
             if isinstance(answer, Fenced):
                 return answer
@@ -126,7 +111,7 @@ class ZoneRedisStore(RedisStore):
         ``timeout``; ``floor``: a token a write of ``holder`` was refused against."""
         keys = [self.keys.lease, self.keys.fence]
         args = lease_args(holder, max(1, round(ttl * 1_000_000)), floor)
-        return lease_reply(await self._call(self._lease, keys, args, timeout))
+        return lease_reply(await self.redis.call(self._lease, keys, args, timeout))
 
 
 class ZonedStore:

@@ -21,9 +21,15 @@ from ratelimit_service.core.tiers import (
     publish_fenced,
 )
 from ratelimit_service.core.zones import ZoneShare
-from ratelimit_service.storage.redis_store import RedisStore, _script, tier_args
-from ratelimit_service.storage.script_replies import tier_reply, zone_read_reply, zone_write_reply
-from ratelimit_service.storage.zoned import write_args
+from ratelimit_service.storage.redis_calls import script_text
+from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.storage.script_calls import (
+    tier_args,
+    tier_reply,
+    write_args,
+    zone_read_reply,
+    zone_write_reply,
+)
 
 FORGET_US = 15_000_000
 
@@ -154,7 +160,7 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: 
     client = aioredis.Redis.from_url(redis_server.url)
     source = script_on_test_clock("quota_tier.lua")
     read = script_on_test_clock("zone_read.lua")
-    write = _script("zone_write.lua")
+    write = script_text("zone_write.lua")
     counters = {"q\x1ftenant\x1e{a}\x1f1": 1, "q\x1fday\x1eb\x1f60": 60}
     tables = {key: TierTable() for key in counters}
     limits: dict[str, float] = {}

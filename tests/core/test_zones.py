@@ -31,9 +31,13 @@ from ratelimit_service.core.zones import (
     ZoneTotals,
     reserved_part,
 )
-from ratelimit_service.storage.redis_store import _script
-from ratelimit_service.storage.script_replies import lease_reply, zone_write_reply
-from ratelimit_service.storage.zoned import lease_args, write_args
+from ratelimit_service.storage.redis_calls import script_text
+from ratelimit_service.storage.script_calls import (
+    lease_args,
+    lease_reply,
+    write_args,
+    zone_write_reply,
+)
 
 TTL, MARGIN = 1.0, 0.125
 
@@ -329,7 +333,7 @@ async def test_the_lease_script_and_the_zone_writes_fence_keep_what_their_model_
     rng = random.Random(3)
     client = aioredis.Redis.from_url(redis_server.url)
     lease = script_on_test_clock("lease.lua")
-    write = _script("zone_write.lua")
+    write = script_text("zone_write.lua")
     table, ttl_us = LeaseTable(), 10_000_000
     tokens: dict[str, int] = {}
     now_us = 1_700_000_000_000_000

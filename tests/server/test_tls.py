@@ -184,7 +184,7 @@ async def test_redis_over_tls(pki) -> None:
             await untrusted.sync([])
         with pytest.raises(StoreUnavailable):  # the request path's own connection, too
             await untrusted.hit([ExactHit("k", 2, 60, 1)], True)
-        assert untrusted._pipe is not None and untrusted._pipe.connects == 0
+        assert untrusted.redis.pipe is not None and untrusted.redis.pipe.connects == 0
         await untrusted.close()
     finally:
         process.kill()

@@ -39,9 +39,13 @@ from ratelimit_service.core.exact import (
 from ratelimit_service.core.window import SlidingWindow
 from ratelimit_service.storage import exact_batcher
 from ratelimit_service.storage.embedded import EmbeddedStore
-from ratelimit_service.storage.exact_batcher import encode
 from ratelimit_service.storage.redis_store import RedisStore
-from ratelimit_service.storage.script_replies import exact_reply
+from ratelimit_service.storage.script_calls import (
+    add_exact_request,
+    exact_batch_args,
+    exact_reply,
+    hit_args,
+)
 
 WINDOW = 3600
 ROLES = [HitRole.ENFORCE, HitRole.ENFORCE, HitRole.SHADOW, HitRole.QUOTA]
@@ -160,10 +164,10 @@ async def test_script_agrees_with_core_as_slices_expire(redis_server, slices: in
                 for _ in range(rng.randint(1, 5))
             ]  # fmt: skip
             keys: list[str] = []
-            args: list[object] = [slices, len(requests)]
+            args = exact_batch_args(slices)
             for hits, commit in requests:
                 keys += [f"w:{hit.window_seconds}:{hit.key}" for hit in hits]
-                encode(hits, commit, args)
+                add_exact_request(args, commit, hit_args(hits))
             live_before = sum(m.total for m in models.values())
             raw = await client.eval(source, len(keys), *keys, *args)
             set_at.update((key.encode(), time.monotonic()) for key in keys)
@@ -195,8 +199,8 @@ async def test_a_reset_is_never_longer_than_the_window(redis_server) -> None:
 
     async def call(at_us: int, hits: int) -> ExactResult:
         await set_test_clock(client, at_us)
-        args: list[object] = [60, 1]
-        encode([ExactHit("reset", 2, 60, hits)], True, args)
+        args = exact_batch_args(60)
+        add_exact_request(args, True, hit_args([ExactHit("reset", 2, 60, hits)]))
         (result,) = exact_reply(await client.eval(source, 1, key, *args), 0, 1)
         return result
 
@@ -223,9 +227,9 @@ async def test_bookkeeping_survives_a_clock_that_steps_back(redis_server) -> Non
     async def call(at: int, *requests: tuple[int, int, int]) -> None:
         """Each request: (limit, hits, commit), one descriptor on key w:60:k."""
         await set_test_clock(client, at * 10**6)
-        args: list[object] = [60, len(requests)]
+        args = exact_batch_args(60)
         for limit, hits, commit in requests:
-            encode([ExactHit("k", limit, 60, hits)], bool(commit), args)
+            add_exact_request(args, bool(commit), hit_args([ExactHit("k", limit, 60, hits)]))
         await client.eval(source, len(requests), *["w:60:k"] * len(requests), *args)
 
     try:
@@ -254,8 +258,8 @@ async def test_the_scripts_denial_rule_is_denies(redis_server) -> None:
             # A fitting descriptor has room for its hit; one over has a limit of 0.
             hits = [ExactHit(f"rule:{number}:{i}", int(fits), 60, 1, role)
                     for i, (role, fits) in enumerate(case)]  # fmt: skip
-            args: list[object] = [60, 1]
-            encode(hits, True, args)
+            args = exact_batch_args(60)
+            add_exact_request(args, True, hit_args(hits))
             keys = [f"w:60:{hit.key}" for hit in hits]
             results = exact_reply(await client.eval(source, len(keys), *keys, *args), 0, len(hits))
             assert [r.admitted for r in results] == [fits for _, fits in case]
@@ -282,8 +286,8 @@ async def test_fields_of_another_layout_are_dropped_at_the_recount(redis_server)
                                            "c": slice_index})  # fmt: skip
     try:
         await set_test_clock(client, now_us)
-        args: list[object] = [60, 1]
-        encode([ExactHit("old", 10, 60, 2)], True, args)
+        args = exact_batch_args(60)
+        add_exact_request(args, True, hit_args([ExactHit("old", 10, 60, 2)]))
         (result,) = exact_reply(await client.eval(source, 1, "w:60:old", *args), 0, 1)
         assert (result.admitted, result.before, result.remaining) == (True, 3, 5)
         assert window_slices(await client.hgetall("w:60:old")) == {slice_index: 5}
@@ -315,8 +319,8 @@ async def test_the_scripts_counting_rule_is_counts(redis_server) -> None:
                     await client.eval(source, 1, key, 60, 1, 2, 1, 5, 60_000_000, 4, 0)
             hits = [ExactHit(key[5:], 5, 60, 2, role, cost)
                     for key, (role, _, cost) in zip(keys, case, strict=True)]  # fmt: skip
-            args: list[object] = [60, 1]
-            encode(hits, commit, args)
+            args = exact_batch_args(60)
+            add_exact_request(args, commit, hit_args(hits))
             results = exact_reply(await client.eval(source, len(keys), *keys, *args), 0, len(hits))
             assert [r.admitted for r in results] == [fits for _, fits, _ in case]
             enforce_over = any(role is HitRole.ENFORCE and not fits for role, fits, _ in case)

@@ -17,13 +17,14 @@ from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.zones import ZoneShare
 from ratelimit_service.storage.embedded import _FleetBucket
-from ratelimit_service.storage.redis_store import _script, sync_args
-from ratelimit_service.storage.script_replies import (
+from ratelimit_service.storage.redis_calls import script_text
+from ratelimit_service.storage.script_calls import (
+    sync_args,
     sync_reply,
+    write_args,
     zone_read_fleet_reply,
     zone_write_reply,
 )
-from ratelimit_service.storage.zoned import write_args
 
 BUCKETS = {"a": (1, 100, None), "b": (60, 600, 150), "c": (1, 40, 10), "d": (86_400, 500, None)}
 """Per bucket: window (seconds), limit, burst."""
@@ -56,7 +57,7 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
     rng = random.Random(5)
     client = aioredis.Redis.from_url(redis_server.url)
     source = script_on_test_clock("fleet_sync.lua")
-    write = _script("zone_write.lua")
+    write = script_text("zone_write.lua")
     twins = {name: _FleetBucket(window, 0.0) for name, (window, _, _) in BUCKETS.items()}
     written = {name: Written() for name in BUCKETS}
     start_us = now_us = 1_700_000_000_000_000

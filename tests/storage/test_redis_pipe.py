@@ -41,7 +41,7 @@ async def test_selects_the_database_in_the_url(redis_server) -> None:
     store = RedisStore(redis_server.url.rsplit("/", 1)[0] + "/3", request_timeout=1)
     try:
         assert (await store.hit(HIT, True))[0].admitted
-        assert store._pipe is not None and store._pipe.connects == 1
+        assert store.redis.pipe is not None and store.redis.pipe.connects == 1
         for db, expected in ((0, 0), (3, 1)):
             raw = aioredis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + f"/{db}")
             assert await raw.exists(store._exact_key("k", 60)) == expected
@@ -74,7 +74,7 @@ async def test_waiters_hear_a_lost_connection_and_the_next_call_reconnects(
         await store.hit(HIT, True)
         redis_server.pause()
         pending = [asyncio.ensure_future(store.hit(HIT, True)) for _ in range(3)]
-        await eventually_async(lambda: store.calls >= 2, timeout=5, what="the hits sent")
+        await eventually_async(lambda: store.redis.calls >= 2, timeout=5, what="the hits sent")
         started = time.monotonic()
         redis_server.stop()  # killed while paused: the connection is reset
         outcomes = await asyncio.gather(*pending, return_exceptions=True)
@@ -83,7 +83,7 @@ async def test_waiters_hear_a_lost_connection_and_the_next_call_reconnects(
         redis_server.start()
         result = await hit_once_recovered(store)
         assert result[0].before == 0  # a fresh server
-        assert store._pipe is not None and store._pipe.connects == 2
+        assert store.redis.pipe is not None and store.redis.pipe.connects == 2
     finally:
         await store.close()
 
@@ -97,7 +97,7 @@ async def test_a_silent_connection_is_dropped_and_opens_the_breaker(redis_server
         redis_server.pause()  # a silent peer: no reset, no reply
         with pytest.raises(StoreUnavailable, match="no answer"):
             await store.hit(HIT, True)
-        assert not store.breaker.open and store.healthy()  # slow is not down
+        assert not store.redis.breaker.open and store.healthy()  # slow is not down
         assert store.metrics().figures["silences"] == 0
         with pytest.raises(StoreUnavailable, match="silent for longer"):
             await store.hit(HIT, True)  # 0.1 s of silence: it would wait in vain
@@ -106,10 +106,10 @@ async def test_a_silent_connection_is_dropped_and_opens_the_breaker(redis_server
         with pytest.raises(StoreUnavailable, match="circuit open"):
             await store.hit(HIT, True)  # its look finds 0.3 s: dropped, the breaker open
         assert store.metrics().figures["silences"] == 1
-        assert store.breaker.open and not store.healthy()
+        assert store.redis.breaker.open and not store.healthy()
         redis_server.resume()
         result = await hit_once_recovered(store)
-        assert store._pipe is not None and store._pipe.connects == 2  # dropped, reopened
+        assert store.redis.pipe is not None and store.redis.pipe.connects == 2  # dropped, reopened
         # The hit sent while it was paused waits in its socket and lands when it
         # resumes, though its caller gave up; nothing is doubled.
         assert result[0].before in (1, 2, 3)
@@ -182,7 +182,7 @@ async def test_an_answered_call_s_deadline_does_not_let_a_queued_call_past_the_c
         in_flight = asyncio.ensure_future(store.hit(HIT, True))  # stuck until 0.4 s
         queued = asyncio.ensure_future(store.hit(HIT, True))  # waits for the slot
         await asyncio.sleep(0.25)  # past the first call's deadline, not the second's
-        assert store.calls == 2  # the queued batch has not gone out
+        assert store.redis.calls == 2  # the queued batch has not gone out
         for pending in (in_flight, queued):
             with pytest.raises(StoreUnavailable):
                 await pending
@@ -224,8 +224,8 @@ async def test_a_reply_that_came_while_the_loop_was_blocked_is_used(redis_server
             assert results[0].admitted is not None
         stats = store.metrics().figures
         assert stats["timeouts"] == 0 and stats["exact_given_up"] == 0
-        assert store.healthy() and not store.breaker.open
-        assert store.reply_time.count == 6
-        assert store.reply_time.sum >= 5 * 0.2  # the time as the process saw it
+        assert store.healthy() and not store.redis.breaker.open
+        assert store.redis.reply_time.count == 6
+        assert store.redis.reply_time.sum >= 5 * 0.2  # the time as the process saw it
     finally:
         await store.close()

@@ -185,14 +185,14 @@ async def test_paused_redis_times_out_within_bound(redis_server) -> None:
             with pytest.raises(StoreUnavailable, match="silent for longer"):
                 await store.hit([ExactHit("k", 5, 60, 1)], True)
             assert time.monotonic() - started < 0.01
-        assert not store.breaker.open  # late replies are not evidence: still closed
+        assert not store.redis.breaker.open  # late replies are not evidence: still closed
         # Calls go on failing until nothing has come back for 0.2 s: then the
         # connection counts as dead, and the circuit opens.
 
         async def failed_until_open() -> bool:
             with pytest.raises(StoreUnavailable):
                 await store.hit([ExactHit("k", 5, 60, 1)], True)
-            return store.breaker.open
+            return store.redis.breaker.open
 
         await eventually_async(failed_until_open, timeout=2, what="the circuit open")
         assert store.metrics().figures["silences"] == 1

@@ -216,7 +216,7 @@ def test_bad_store_urls_say_why(given: str, cause: str) -> None:
 def test_store_errors_are_one_short_line() -> None:
     from redis.sentinel import MasterNotFoundError
 
-    from ratelimit_service.storage.redis_store import MAX_REASON, describe
+    from ratelimit_service.storage.redis_calls import MAX_REASON, describe
 
     dump = "No master found for 'main' : <redis.asyncio.client.Redis(<" + "x" * 1000 + ">)>"
     assert describe(MasterNotFoundError(dump)) == "No master found for 'main'"
@@ -321,6 +321,7 @@ async def test_cluster_as_the_global_store_of_a_zones_calendar_budgets(
         idle = [BucketReport(b.key, 100, 60, 0, 0, ends_in=3_599.0) for b in budgets]
         result = await store.sync(idle)
         tokens = [view.tokens for view in result.views]
-        assert tokens == pytest.approx([80.0 - i for i in range(8)], abs=0.001)
+        # The reply carries tokens in whole thousandths, truncated: one may be lost.
+        assert tokens == pytest.approx([80.0 - i for i in range(8)], abs=0.0015)
     finally:
         await store.close()

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from ratelimit_service.storage.redis_store import _script
+from ratelimit_service.storage.redis_calls import script_text
 
 FIELDS = {
     # exact_window.lua: a window's hash, besides its slices (slice index -> hits)
@@ -108,7 +108,7 @@ def fields_of(source: str) -> set[str]:
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_each_script_uses_only_fields_the_table_defines(script: str) -> None:
-    assert fields_of(_script(script)) == SCRIPTS[script]
+    assert fields_of(script_text(script)) == SCRIPTS[script]
     assert SCRIPTS[script] <= FIELDS.keys()
 
 

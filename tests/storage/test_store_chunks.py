@@ -26,13 +26,13 @@ async def test_sync_and_publish_go_in_chunks_in_order(redis_server) -> None:
     store = RedisStore(redis_server.url)
     try:
         buckets = [BucketReport(f"b{n}", 1000, 60, n, n) for n in range(ITEMS)]
-        before = store.calls
+        before = store.redis.calls
         result = await store.sync(buckets)
-        assert store.calls - before == 3 and result.nodes == 1
+        assert store.redis.calls - before == 3 and result.nodes == 1
         assert [view.tokens for view in result.views] == [1000.0 - n for n in range(ITEMS)]
-        before = store.calls
+        before = store.redis.calls
         answers = await store.publish(reports("r1"), 15.0)
-        assert store.calls - before == 3
+        assert store.redis.calls - before == 3
         assert [answer.used for answer in answers] == list(range(ITEMS))  # each its own
     finally:
         await store.close()
@@ -44,9 +44,9 @@ async def test_a_fenced_publish_stops_at_the_first_refused_chunk(redis_server) -
         # A later token reached the third chunk's counters only.
         later = reports("zone-a")[2 * CALL_CHUNK :]
         assert len(await store.publish_fenced(later, 15.0, 7, deadline=_far())) == 3
-        before = store.calls
+        before = store.redis.calls
         got = await store.publish_fenced(reports("zone-a"), 15.0, 5, deadline=_far())
-        assert got == Fenced(7) and store.calls - before == 3
+        assert got == Fenced(7) and store.redis.calls - before == 3
         # The first two chunks were written; the refused one was not.
         answers = await store.publish_fenced(reports("zone-a"), 15.0, 8, deadline=_far())
         assert [a.used for a in answers[:3]] == [0, 2, 4]  # published twice
@@ -63,9 +63,9 @@ async def test_a_zones_write_back_goes_in_chunks(redis_server) -> None:
         for key in keys[:-1]:  # the last has expired: not written
             await client.hset(key, "K", key)
         shares = [(key, ZoneShare(n, 0, 0, 0)) for n, key in enumerate(keys)]
-        before = store.calls
+        before = store.redis.calls
         assert await store.write_back(shares, 4, 1, deadline=_far()) == ITEMS - 1
-        assert store.calls - before == 3
+        assert store.redis.calls - before == 3
         assert int(await client.get(store.keys.zones) or 0) == 4
         assert [int(z) for z in await client.hmget(keys[-2], "Z")] == [ITEMS - 2]
         assert not await client.exists(keys[-1])

@@ -1,0 +1,557 @@
+"""The call plumbing of a Redis store: every script call bounded by its timeout and
+kept out of the way of the next (shielded, collected), a circuit breaker over the
+store and one per Cluster node, connections dropped when they reach the wrong server,
+and a Cluster's slot map followed off the request path after a failover.
+
+The breaker opens on evidence that Redis is down, never on a slow reply: errors,
+refused or reset connections, or no byte at all from Redis for ``silence`` seconds
+while calls are outstanding. A call given up at its deadline is only counted
+(``timeouts``): on a busy machine most late replies are late because this process
+was not running, and any reply proves Redis alive. The time each reply took, as this
+process saw it, goes to the ``reply_time`` histogram.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, TypeVar
+
+from redis.asyncio.cluster import ClusterNode
+from redis.cluster import PRIMARY, REPLICA, get_node_name
+from redis.crc import key_slot
+from redis.exceptions import AskError, MaxConnectionsError, NoScriptError, ResponseError
+
+from ratelimit_service.core.histogram import Histogram
+from ratelimit_service.storage.base import BreakerState, StoreUnavailable
+from ratelimit_service.storage.breaker import CircuitBreaker
+from ratelimit_service.storage.redis_connect import connect
+from ratelimit_service.storage.redis_pipe import RedisPipe, supports
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+def forget(task: asyncio.Future[Any]) -> None:
+    """Collect the outcome of a command nobody waits for any more."""
+    if not task.cancelled():
+        task.exception()
+
+
+LATE_TURNS = 3
+"""Loop turns (each polls the sockets, without waiting) that a redis-py call past its
+deadline gets to finish before it is given up: a reply that came while the loop was
+busy elsewhere needs a poll to be read and a turn or two for redis-py's task to parse
+it (redis-py's sockets are not ours to read directly, as the request path's pipe is).
+Turns, not milliseconds: the answer must still reach the caller within its deadline."""
+
+
+async def _answered_late(command: asyncio.Future[Any]) -> bool:
+    """Whether a call whose deadline has just passed had in fact been answered."""
+    for _ in range(LATE_TURNS):
+        await asyncio.sleep(0)
+        if command.done():
+            return True
+    return False
+
+
+def outcome(done: asyncio.Future[Any]) -> Any:
+    """A finished call's reply, or the exception it ended with."""
+    if done.cancelled():  # only at shutdown
+        return StoreUnavailable("redis: call cancelled")
+    return done.exception() or done.result()
+
+
+MAX_REASON = 200
+"""Characters of an error kept for a log line or a status message."""
+
+
+def describe(exc: BaseException) -> str:
+    """An error in one short line: redis-py appends the repr of its client (a kilobyte
+    of connection pools) to some messages, such as Sentinel's "No master found"."""
+    text = " ".join((str(exc) or type(exc).__name__).split())
+    text = text.split(" : <redis.", 1)[0]
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
+
+
+RECONNECT_ON = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "MOVED", "ASK", "TRYAGAIN")
+"""Error replies that say the connection reaches a server that cannot take the call: a
+replica (a failover moved the master elsewhere), one loading its data, a cluster node
+that no longer owns the slot. A fresh connection may reach the right one."""
+
+
+MAX_NODE_GATES = 1000
+"""Cluster nodes with a breaker of their own, at most (cleared when full)."""
+FOLLOW_EVERY = 0.1
+"""Seconds between two looks at a Cluster's slot ranges while a node fails (see
+ScriptCalls._follow_topology): a promotion is seen within this much of the node that
+answers knowing it."""
+WARM_CONNECTIONS = 4
+"""Connections opened to a promoted master before it gets its slots."""
+FOLLOW_FOR = 2.0
+"""Seconds the slot ranges are still looked at after the last failed call on a Cluster
+(an error reply such as CLUSTERDOWN says the topology is changing)."""
+REDIAL_EVERY = 0.25
+"""Seconds between two drops of redis-py's pool (and log lines) at most."""
+
+
+def wrong_server(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error reply of RECONNECT_ON, or a connection reset."""
+    if isinstance(exc, ConnectionResetError):
+        return True
+    if not isinstance(exc, ResponseError):
+        return False
+    return str(exc).split(" ", 1)[0].upper() in RECONNECT_ON
+
+
+def display(url: str) -> str:
+    """A URL fit for a log line: without its password."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return f"{scheme}{sep}{rest}"
+
+
+def script_text(name: str) -> str:
+    return resources.files("ratelimit_service.resources").joinpath(name).read_text()
+
+
+@dataclass(slots=True)
+class Group:
+    """Keys that one script call may touch together (one slot in a cluster), with the
+    indexes of their items in the whole call and the items."""
+
+    indexes: list[int]
+    keys: list[str]
+    items: list[Any]
+
+
+class ScriptCalls:
+    """Script calls to one Redis (single server, Sentinel or Cluster), each bounded and
+    accounted, through the store's breaker or, on a Cluster, the node's own."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        request_timeout: float,
+        silence: float,
+        sync_timeout: float,
+        connect_timeout: float,
+        max_connections: int,
+    ) -> None:
+        self.url = url
+        self.silence = silence
+        self.sync_timeout = sync_timeout
+        self.client, self.cluster = connect(
+            url,
+            socket_timeout=max(sync_timeout, request_timeout),
+            connect_timeout=connect_timeout,
+            max_connections=max_connections,
+        )
+        self.scripts: list[Any] = []
+        """Every script registered (see :meth:`register`): loaded on a promoted master."""
+        self.breaker = CircuitBreaker(name=f"redis at {display(url)}")
+        self._initialized = not self.cluster
+        self._node_gates: dict[str, CircuitBreaker] = {}
+        """A Cluster's nodes by name, each with its own breaker (see _node_gate)."""
+        self.node_failures = 0
+        """Calls to a Cluster node that failed while other nodes worked (see
+        _node_failed); the store's breaker counts the others."""
+        self._follower: asyncio.Future[None] | None = None
+        self._follow_until = 0.0
+        self._follows = 0
+        self._init_lock = asyncio.Lock()
+        self.calls = 0
+        self.timeouts = 0
+        self.dropped_connections = 0
+        """Times the connections were dropped for an error reply naming the wrong server
+        (see wrong_server)."""
+        self._redialed_at = -REDIAL_EVERY
+        self._redial_said = False
+        self.silences = 0
+        """Times Redis was found silent (see --redis-silence)."""
+        self.reply_time = Histogram()
+        """Seconds from writing a call to reading its reply, as this process saw them."""
+        self._last_reply = 0.0
+        """The loop's time of the last reply of any kind (redis-py calls)."""
+        # The request path's own connection (single server only): see redis_pipe.
+        self.pipe = (
+            RedisPipe(url, connect_timeout=connect_timeout, observe=self.reply_time.observe)
+            if supports(url)
+            else None
+        )
+
+    def register(self, name: str) -> Any:
+        """The script ``name`` of resources/, registered with the client."""
+        script = self.client.register_script(script_text(name))
+        self.scripts.append(script)
+        return script
+
+    def by_slot(self, keys: list[str], items: Sequence[_T]) -> list[Group]:
+        """One group per cluster slot (everything in one group on a single server)."""
+        if not self.cluster:
+            return [Group(list(range(len(keys))), keys, list(items))]
+        groups: dict[int, Group] = {}
+        for index, (key, item) in enumerate(zip(keys, items, strict=True)):
+            group = groups.setdefault(key_slot(key.encode()), Group([], [], []))
+            group.indexes.append(index)
+            group.keys.append(key)
+            group.items.append(item)
+        return list(groups.values())
+
+    async def call(self, script: Any, keys: list[str], args: list[Any], timeout: float) -> Any:
+        node = self._node_for(keys) if self.cluster else None
+        gate = self._node_gate(node.name) if node is not None else None
+        if gate is None:
+            if not self.breaker.allow():
+                raise StoreUnavailable("redis: circuit open after recent failures")
+        elif not gate.allow():  # a Cluster node: its own breaker, and no other
+            raise StoreUnavailable(f"redis: {gate.name} failing: circuit open")
+        self.calls += 1
+        # The command runs as its own task and is shielded from our deadline: when the
+        # deadline passes we answer without it, but the command finishes in the
+        # background and its connection goes back to the pool intact. Cancelling it
+        # instead would drop the connection, and the next call would pay a new
+        # connection's handshake (several round trips) inside its own deadline: under a
+        # slow Redis that spirals into every call timing out.
+        command = asyncio.ensure_future(
+            self.run_timed(script, keys, args)
+            if node is None
+            else self._run_on_node(node, script, keys, args)
+        )
+        # Its outcome is collected even if our caller is cancelled meanwhile (gRPC
+        # cancels a call past its deadline) and nobody awaits it any more.
+        command.add_done_callback(forget)
+        try:
+            try:
+                async with asyncio.timeout(timeout):
+                    raw = await asyncio.shield(command)
+            except TimeoutError:
+                if not await _answered_late(command):
+                    if gate is not None:
+                        self._watch_silence(command, gate)
+                    raise self.timed_out(timeout) from None
+                raw = command.result()
+        except StoreUnavailable:  # no answer in time: no verdict on Redis (see _timed_out)
+            raise
+        except Exception as exc:  # RedisError, OSError, and redis-py's own troubles in a
+            # failover (a RuntimeError on a transport it closed): the call failed
+            if node is not None and gate is not None:
+                raise self._node_failed(node, gate, exc) from exc
+            raise self.failed(exc) from exc
+        if gate is not None:
+            gate.success()
+        self.replied()
+        return raw
+
+    def _node_for(self, keys: list[str]) -> Any:
+        """The Cluster node that serves ``keys`` in the slot map now, or None (no key,
+        the map not loaded yet, the slot not covered): redis-py's client then routes
+        the call itself."""
+        if not keys or not self._initialized:
+            return None
+        try:
+            return self.client.get_node_from_key(keys[0])
+        except Exception:  # slots not loaded, or not covered: no node to call
+            return None
+
+    async def _run_on_node(self, node: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """A script call on one Cluster node's own connections, its reply time observed.
+
+        Not through redis-py's RedisCluster.execute_command: on CLUSTERDOWN (every
+        node's answer, by default, while a master is flagged failed and not yet
+        replaced) that sleeps 0.25 s and then rebuilds the whole slot map (16,384
+        slots, about 4 ms of this loop in one piece) before it raises, so every call
+        to a live master waits for its deadline; on a refused connection it asks for a
+        rebuild that the next command to any node runs. Here a failure is this node's
+        alone (see _node_failed), and the slot map is followed off the request path
+        (see _follow_topology). A redirect (MOVED, ASK: slots migrating) is left to
+        redis-py, which follows it."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            reply = await node.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:  # a node restarted or promoted without the script: load it
+            reply = await node.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        except AskError:  # MOVED too
+            return await self.run_timed(script, keys, args)
+        self.reply_time.observe(loop.time() - started)
+        return reply
+
+    def _watch_silence(self, command: asyncio.Future[Any], gate: CircuitBreaker) -> None:
+        """A Cluster call given up at its deadline: if it still has no reply ``silence``
+        seconds on, its node counts as down (a hung or cut-off node; --redis-silence), so the
+        calls to its slots fail fast on its breaker instead of each waiting for its
+        deadline. One timer per call given up, only then."""
+
+        def check() -> None:
+            if not command.done():
+                self.silences += 1
+                gate.down(f"no reply for {self.silence:.1f} s")
+                self._follow_topology_soon()
+
+        asyncio.get_running_loop().call_later(self.silence, check)
+
+    def _node_gate(self, name: str) -> CircuitBreaker:
+        """A Cluster node's own breaker: calls to a node that just failed fail at once
+        for a backoff, then one goes through, while the other nodes are called as
+        usual. Without it a master that is away until its replica is promoted costs
+        every call to its slots a connection attempt."""
+        gate = self._node_gates.get(name)
+        if gate is None:
+            if len(self._node_gates) >= MAX_NODE_GATES:
+                self._node_gates.clear()
+            gate = self._node_gates[name] = CircuitBreaker(
+                flip_after=1, open_after=1, max_backoff=0.5, name=f"redis node {name}"
+            )
+        return gate
+
+    def _node_failed(self, node: Any, gate: CircuitBreaker, exc: BaseException) -> StoreUnavailable:
+        """A call to a Cluster node failed. An error reply (CLUSTERDOWN, TRYAGAIN...)
+        came from a node that is there and answers at once: the call is answered by
+        failure_mode, and the node stays open to calls (it serves again the moment
+        the cluster does). A failed connection is the node's alone: its breaker opens,
+        its idle connections are dialled again on their next use. Either way the slot
+        ranges are followed for a while (a promotion moves them), and the store as a
+        whole counts a failure only when no node it calls works."""
+        reason = describe(exc)
+        self._follow_until = asyncio.get_running_loop().time() + FOLLOW_FOR
+        self._follow_topology_soon()
+        if isinstance(exc, MaxConnectionsError):  # this process's own pool: no verdict
+            return StoreUnavailable(f"redis: {reason}")
+        if not isinstance(exc, ResponseError):
+            gate.failure(reason, evidence=True)
+            redial = getattr(node, "_mark_free_connections_for_reconnect_on_error", None)
+            if redial is not None:  # redis-py 8: idle connections dialled on next use
+                redial(exc)
+        if isinstance(exc, ResponseError) or all(
+            not each.healthy for each in self._node_gates.values()
+        ):
+            self.breaker.failure(reason, evidence=True)
+        else:
+            self.node_failures += 1  # counted here, not by the store's breaker
+        return StoreUnavailable(f"redis: {node.name}: {reason}")
+
+    def _follow_topology_soon(self) -> None:
+        """Start following the slot ranges, unless that is under way already."""
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.ensure_future(self._follow_topology())
+            self._follower.add_done_callback(forget)
+
+    async def _follow_topology(self) -> None:
+        """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY:
+        the slot ranges as a node that answers sees them (CLUSTER SLOTS, a few
+        hundred bytes), and the slot map changed only when they name another master
+        than the map does: a promoted replica takes its ranges in place (see
+        _promote), anything else rebuilds the map. One look at a time, each within
+        ``sync_timeout``, off the request path; a look that fails is tried again with
+        the next node."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < self._follow_until or any(
+            not gate.healthy for gate in self._node_gates.values()
+        ):
+            await asyncio.sleep(FOLLOW_EVERY)
+            try:
+                async with asyncio.timeout(self.sync_timeout):
+                    moved = await self._moved_ranges()
+                    if moved is None or (moved and not await self._promote(moved)):
+                        await self.client.nodes_manager.initialize()
+                    if moved is None or moved:
+                        self._forget_gone_nodes()
+            except Exception:  # no answer from that node, or no node: next time
+                continue
+
+    async def _moved_ranges(self) -> list[tuple[int, int, str, int]] | None:
+        """The slot ranges (first, last, the master's host and port as announced) for
+        which a node that answers names another master than the slot map does; None
+        when no node is known to answer (the map is then rebuilt from the seeds)."""
+        nodes = self.client.nodes_manager
+        failing = {name for name, gate in self._node_gates.items() if not gate.healthy}
+        asked = [node for node in self.client.get_nodes() if node.name not in failing]
+        if not asked:
+            return None
+        self._follows += 1
+        node = asked[self._follows % len(asked)]
+        moved = []
+        for start, end, primary, *_ in await node.execute_command("CLUSTER SLOTS"):
+            host = primary[0].decode() if isinstance(primary[0], bytes) else primary[0]
+            host, port = host or node.host, int(primary[1])
+            name = get_node_name(*nodes.remap_host_port(host, port))
+            for slot in (start, end):
+                owners = nodes.slots_cache.get(slot)
+                if not owners or owners[0].name != name:
+                    moved.append((start, end, host, port))
+                    break
+        return moved
+
+    async def _promote(self, moved: list[tuple[int, int, str, int]]) -> bool:
+        """The ranges in ``moved`` given to their new masters in place, when each is a
+        failover: the new master serves no other slot (a promoted replica, known to
+        the map or not). Each new master is readied first (see _ready_master); then
+        its slots get a new node list, the new master first and the old one as a
+        replica, each slot assigned (5,461 of them for a third of the slots: a
+        fraction of a millisecond). The whole map's rebuild instead holds this loop
+        about 4 ms (16,384 slots, twice over), one more stall for every call in
+        flight. False, with nothing changed, when a range is no failover (slots
+        migrated to another master): the map is then rebuilt."""
+        nodes = self.client.nodes_manager
+        slots = nodes.slots_cache
+        targets = []
+        for start, end, host, port in moved:
+            owners = slots.get(start)
+            node = nodes.get_node(*nodes.remap_host_port(host, port))
+            if owners is None or slots.get(end) is not owners:
+                return False
+            if node is not None and node.server_type == PRIMARY:
+                return False  # a master already: slots migrated
+            if node is None:
+                node = ClusterNode(host, port, REPLICA, **nodes.connection_kwargs)
+                nodes.set_nodes(nodes.nodes_cache, {node.name: node})
+            targets.append((start, end, owners, node))
+        masters = {node.name: node for *_, node in targets}
+        await asyncio.gather(*(self._ready_master(node) for node in masters.values()))
+        for start, end, owners, node in targets:
+            old = owners[0]
+            old.server_type, node.server_type = REPLICA, PRIMARY
+            serving = [node, *(n for n in owners[1:] if n is not node), old]
+            for slot in range(start, end + 1):
+                slots[slot] = serving
+            if nodes.default_node is old:
+                nodes.default_node = node
+        return True
+
+    async def _ready_master(self, node: Any) -> None:
+        """A promoted master readied before it gets its slots: WARM_CONNECTIONS
+        connections opened, and the scripts loaded (a replica never ran them, and
+        SCRIPT LOAD is not replicated). Otherwise the calls in flight when its slots
+        arrive each dial a connection of their own and are refused NOSCRIPT, inside
+        their deadlines."""
+        await asyncio.gather(*(node.execute_command("PING") for _ in range(WARM_CONNECTIONS)))
+        for script in self.scripts:
+            await node.execute_command("SCRIPT", "LOAD", script.script)
+
+    def _forget_gone_nodes(self) -> None:
+        """After the slot map changed: the breakers of nodes that serve no slot any
+        more (a dead master whose replica was promoted) are dropped, so the store no
+        longer counts them unavailable."""
+        masters = {node.name for node in self.client.get_primaries()}
+        for name in [name for name in self._node_gates if name not in masters]:
+            del self._node_gates[name]
+
+    def failed(self, exc: BaseException) -> StoreUnavailable:
+        """A call failed: a breaker event, and a connection that answered that it is
+        the wrong server (or not ready) is dropped, so the next call dials again."""
+        reason = describe(exc)
+        self.breaker.failure(reason)
+        if wrong_server(exc):
+            self._redial(reason)
+        return StoreUnavailable(f"redis: {reason}")
+
+    def _redial(self, reason: str) -> None:
+        """Drop the connections that gave ``reason``: the request path's pipe at once
+        (its outstanding calls fail with it, so no later reply of that connection drops
+        the next one), redis-py's pool at most every REDIAL_EVERY seconds (every call
+        on it answers the same). After a failover that moved an address, a new
+        connection reaches the new master; the old ones would reach the demoted one for
+        ever."""
+        now = asyncio.get_running_loop().time()
+        if self.pipe is not None:
+            self.pipe.drop(f"redis connection dropped: {reason}")
+        if now - self._redialed_at < REDIAL_EVERY:
+            return
+        self._redialed_at = now
+        self.dropped_connections += 1
+        if not self._redial_said:  # once until Redis answers again
+            self._redial_said = True
+            log.warning("redis at %s: %s; reconnecting", display(self.url), reason)
+        pool = getattr(self.client, "connection_pool", None)
+        if pool is not None and not self.cluster:  # a Cluster client follows slots itself
+            task = asyncio.ensure_future(pool.disconnect())
+            task.add_done_callback(forget)
+
+    def time_left(self, deadline: float | None) -> float:
+        """A call's timeout: ``sync_timeout``, or less to end by ``deadline`` (the event
+        loop's time; None: no deadline). Raises StoreUnavailable when none is left."""
+        if deadline is None:
+            return self.sync_timeout
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            self.timeouts += 1
+            raise StoreUnavailable("redis: no time left for the call")
+        return min(self.sync_timeout, left)
+
+    def replied(self) -> None:
+        """A reply came: Redis is alive."""
+        self._last_reply = asyncio.get_running_loop().time()
+        self._redial_said = False
+        self.breaker.success()
+
+    def timed_out(self, timeout: float) -> StoreUnavailable:
+        """A redis-py call got no reply within ``timeout``: counted; evidence that
+        Redis is down only if no call at all has been answered for ``silence``."""
+        self.timeouts += 1
+        reason = f"no answer within {timeout * 1000:.0f} ms"
+        if asyncio.get_running_loop().time() - self._last_reply >= self.silence:
+            self.silent(f"{reason}, and none to any call for {self.silence:.1f} s")
+        return StoreUnavailable(f"redis: {reason}")
+
+    def silent(self, reason: str) -> None:
+        self.silences += 1
+        self.breaker.down(reason)
+
+    async def run_timed(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """A redis-py script call, its reply time observed."""
+        if not self._initialized:
+            await self.initialize()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        reply = await script(keys=keys, args=args)
+        self.reply_time.observe(loop.time() - started)
+        return reply
+
+    async def initialize(self) -> None:
+        """Discover the cluster once, before concurrent use: redis-py's lazy discovery
+        races when several first commands start together."""
+        async with self._init_lock:
+            if not self._initialized:
+                await self.client.initialize()
+                self._initialized = True
+
+    def breaker_state(self) -> BreakerState:
+        """The store's breaker as the status page shows it."""
+        return BreakerState(
+            "store",
+            self.breaker.open,
+            self.breaker.healthy,
+            float(self.breaker.total_failures + self.node_failures),
+            float(self.breaker.outages),
+            float(self.breaker.recoveries),
+        )
+
+    def figures(self) -> dict[str, float]:
+        """The calls' counters and the breakers' state, for the metrics page."""
+        return {
+            "calls": self.calls,
+            "errors": self.breaker.total_failures + self.node_failures,
+            "timeouts": self.timeouts,
+            "silences": self.silences,
+            "dropped_connections": self.dropped_connections,
+            "circuit_open": 1.0 if self.breaker.open else 0.0,
+            "nodes_unavailable": sum(not gate.healthy for gate in self._node_gates.values()),
+            "healthy": 1.0 if self.breaker.healthy else 0.0,
+            "outages": self.breaker.outages,
+            "recoveries": self.breaker.recoveries,
+        }
+
+    async def close(self) -> None:
+        """Stop following the slot map; close the pipe and the client's connections."""
+        if self._follower is not None:
+            self._follower.cancel()
+        if self.pipe is not None:
+            await self.pipe.close()
+        await self.client.aclose()
