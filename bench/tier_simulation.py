@@ -35,6 +35,8 @@ import hashlib
 import json
 import math
 import random
+import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,8 +312,23 @@ async def run_cell(hot: int, seconds: float, zone_port: int, global_port: int) -
     return cell
 
 
+def scripts_at(revision: str | None) -> dict[str, str]:
+    """fleet_sync.lua and quota_tier.lua as this tree has them, or as git ``revision``
+    had them (their arguments unchanged since, so the same encoders call both)."""
+    names = ("fleet_sync.lua", "quota_tier.lua")
+    if revision is None:
+        return {name: script_text(name) for name in names}
+    return {
+        name: subprocess.run(
+            ["git", "show", f"{revision}:ratelimit_service/resources/{name}"],
+            capture_output=True, text=True, check=True, cwd=BENCH,
+        ).stdout
+        for name in names
+    }  # fmt: skip
+
+
 async def update_cost(
-    port: int, hot: int = BATCH, members: int = REPLICAS // ZONES
+    port: int, sources: dict[str, str], hot: int = BATCH, members: int = REPLICAS // ZONES
 ) -> dict[str, float]:
     """Microseconds of the store's time per bucket update, per script and tier: each
     member's calls of ``hot`` buckets (one call each), repeated, closed loop, timed by
@@ -320,8 +337,8 @@ async def update_cost(
     costs: dict[str, float] = {}
     try:
         keys = counters(hot)
-        sync = Packed(client, script_text("fleet_sync.lua"))
-        tier = Packed(client, script_text("quota_tier.lua"))
+        sync = Packed(client, sources["fleet_sync.lua"])
+        tier = Packed(client, sources["quota_tier.lua"])
         await sync.load()
         await tier.load()
         zone_keys = ["rl:zone:z:buckets", "rl:zone:z:zones"]
@@ -374,20 +391,39 @@ def model(
     }
 
 
+def update_costs(baseline: str | None, rounds: int = 5) -> None:
+    """The store's time per bucket update, this tree's scripts and (when given) the
+    baseline's, in turns on fresh redis-servers (a busy machine slows both alike):
+    the median of ``rounds`` per script."""
+    trees = {"this tree": scripts_at(None)}
+    if baseline is not None:
+        trees[baseline] = scripts_at(baseline)
+    seen: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for tree, sources in trees.items():
+            with lab() as (directory, _, redis_servers):
+                port = start_redis(directory, redis_servers).port
+                for name, cost in asyncio.run(update_cost(port, sources)).items():
+                    seen.setdefault((name, tree), []).append(cost)
+    print("| script (store) | scripts of | µs per bucket update (median) | all rounds |")
+    print("|---|---|---|---|")
+    for (name, tree), costs in seen.items():
+        every = ", ".join(f"{c:.1f}" for c in costs)
+        print(f"| {name} | {tree} | {statistics.median(costs):.2f} | {every} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hot", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--out", type=Path, default=BENCH / "out")
     parser.add_argument("--no-flat", action="store_true", help="skip the store without zones")
+    parser.add_argument("--baseline", help="with --update-cost: also a git revision's scripts")
     parser.add_argument("--update-cost", action="store_true",
                         help="only the store's time per bucket update, per script")  # fmt: skip
     args = parser.parse_args()
     if args.update_cost:
-        with lab() as (directory, _, redis_servers):
-            port = start_redis(directory, redis_servers).port
-            for name, cost in asyncio.run(update_cost(port)).items():
-                print(f"| {name} | {cost:.2f} µs |")
+        update_costs(args.baseline)
         return
     cells = []
     for hot in args.hot:

@@ -72,41 +72,44 @@ if token then
   end
   if refused then return {-1, refused} end
 end
--- One pass per counter: one read of everything it needs (HMGET), the sums kept here,
--- one write (HSET); the fields that only change with the rule are written when they
--- do, and the index gets one ZADD per call.
+-- One pass per counter: one read of the sums and the member's entry (HMGET; in a zone
+-- one more, of the aggregator's fields), the sums kept here, one write (HSET); the
+-- fields that only change with the rule are written when they do, and the index gets
+-- one ZADD per call.
 local out = {}
 local indexed = {}
+local no_zone = {false, false, false, false, false, false}
 for i = 1, counters do
   local hash, members = KEYS[2 * i - 1], KEYS[2 * i]
   local base = 5 + 6 * (i - 1)
   local demand, instances = tonumber(ARGV[base]), tonumber(ARGV[base + 1])
   local allowed, window = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local limit = tonumber(ARGV[base + 4])
-  local state = call('HMGET', hash, 'Z', 'G', 'gw', 'g', 'D', 'N', 'P', 'w', 'u',
-    'd:' .. me, 'n:' .. me, 'p:' .. me, 'R', 'W')
-  local zone_part = tonumber(state[1])
+  local state = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u',
+    'd:' .. me, 'n:' .. me, 'p:' .. me)
+  -- Only a zone's store has the aggregator's fields: elsewhere they are not looked for
+  -- (a missing field costs a walk of the whole hash while it is small and packed).
+  local zone = no_zone
+  if index_key then zone = call('HMGET', hash, 'Z', 'G', 'gw', 'g', 'R', 'W') end
+  local zone_part = tonumber(zone[1])
   if zone_part ~= nil and zone_part < limit then limit = zone_part end
-  local sums = {tonumber(state[5]) or 0, tonumber(state[6]) or 0, tonumber(state[7]) or 0}
-  local heard = state[10] ~= false
+  local sums = {tonumber(state[1]) or 0, tonumber(state[2]) or 0, tonumber(state[3]) or 0}
+  local heard = state[6] ~= false
   local stale = call('ZRANGEBYSCORE', members, '-inf', format('(%d', now - forget),
     'LIMIT', '0', ARGV[4])
   for _, who in ipairs(stale) do
     if who ~= me then
       leave(hash, who, sums)
       call('ZREM', members, who)
-    elseif heard then
-      -- this member itself was silent too long: it left, and is heard for the first time
-      sums[1] = sums[1] - (tonumber(state[10]) or 0)
-      sums[2] = sums[2] - (tonumber(state[11]) or 0)
-      sums[3] = sums[3] - (tonumber(state[12]) or 0)
-      heard = false
+    else
+      heard = false -- silent too long itself: it left, and is heard for the first time
     end
   end
-  if heard then
-    sums[1] = sums[1] - (tonumber(state[10]) or 0)
-    sums[2] = sums[2] - (tonumber(state[11]) or 0)
-    sums[3] = sums[3] - (tonumber(state[12]) or 0)
+  if state[6] then
+    -- what this member added last time comes off the sums (it left, or is replaced)
+    sums[1] = sums[1] - (tonumber(state[6]) or 0)
+    sums[2] = sums[2] - (tonumber(state[7]) or 0)
+    sums[3] = sums[3] - (tonumber(state[8]) or 0)
   end
   local first = not heard
   local fleet_demand = sums[1] + demand
@@ -132,7 +135,7 @@ for i = 1, counters do
   local part = math.floor(math.min(fair, most))
   local index = format('%d', math.floor(now / window))
   local used = 0
-  if state[8] == index then used = tonumber(state[9]) or 0 end
+  if state[4] == index then used = tonumber(state[5]) or 0 end
   used = used + allowed
   call('HSET', hash, 'D', format('%d', fleet_demand), 'N', format('%d', fleet_instances),
     'P', format('%d', others + part), 'w', index, 'u', format('%d', used),
@@ -140,11 +143,11 @@ for i = 1, counters do
     'p:' .. me, format('%d', part))
   call('ZADD', members, format('%d', now), me)
   if token then call('HSET', hash, 'f:' .. me, ARGV[3]) end
-  if state[2] and state[3] == index then
-    used = math.max(used, tonumber(state[2]) + used - (tonumber(state[4]) or 0))
+  if zone[2] and zone[3] == index then
+    used = math.max(used, tonumber(zone[2]) + used - (tonumber(zone[4]) or 0))
   end
   if index_key then
-    if state[13] ~= ARGV[base + 4] or state[14] ~= ARGV[base + 3] then
+    if zone[5] ~= ARGV[base + 4] or zone[6] ~= ARGV[base + 3] then
       call('HSET', hash, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
     end
     indexed[#indexed + 1] = format('%d', now)
