@@ -3,7 +3,12 @@ scripts on real redis-servers, called at the rates a fleet of 100,000 Envoys beh
 1,000 replicas in 10 zones would call them.
 
     python bench/tier_simulation.py               # ~2 minutes
-    python bench/tier_simulation.py --hot 1 10    # fewer cells
+    python bench/tier_simulation.py --hot 100 1000 --seconds 5 --no-flat
+    python bench/tier_simulation.py --update-cost --baseline REV   # ~1 minute
+
+--update-cost measures the store's time per bucket update for each script (this
+tree's, and a git revision's in turns with it), which the table of calls below turns
+into each store's CPU at any size (docs/scale.md).
 
 Envoys never reach a store: their reports end at their replica (100 per replica
 here). What the stores see, per hot bucket:
@@ -20,7 +25,8 @@ here). What the stores see, per hot bucket:
 
 All ten zone stores do the same work, so one is simulated at one zone's rates; the
 global store gets all ten zones. Each cell runs --seconds on fresh redis-servers,
-open loop (calls leave on schedule, spread over the interval), and reads each
+open loop (calls leave on schedule, spread over the interval; each member's calls
+packed once, so the driver's work per call is a write and a read), and reads each
 server's CPU from ``INFO cpu`` (user + sys) and its script calls from
 ``INFO commandstats``. A replica's calls cover all its hot buckets at once (256 per
 call at most), so the calls per second do not grow with hot buckets; the work per
@@ -331,8 +337,9 @@ async def update_cost(
     port: int, sources: dict[str, str], hot: int = BATCH, members: int = REPLICAS // ZONES
 ) -> dict[str, float]:
     """Microseconds of the store's time per bucket update, per script and tier: each
-    member's calls of ``hot`` buckets (one call each), repeated, closed loop, timed by
-    the store itself (``INFO commandstats``: usec of EVALSHA over the buckets it carried)."""
+    member's calls of ``hot`` buckets (one call each; a zone store's members are its
+    100 replicas, the global store's its 10 zones), repeated, closed loop, timed by the
+    store itself (``INFO commandstats``: usec of EVALSHA over the buckets it carried)."""
     client = connect(port)
     costs: dict[str, float] = {}
     try:
@@ -352,12 +359,14 @@ async def update_cost(
             pair = [x for k in keys for x in (f"rl:qt{{{k}}}", f"rl:qt{{{k}}}:m")]
             args = tier_args(totals, FORGET_US, None, zoned=True)
             zone_publishes.append(tier.pack([*pair, "rl:zone:z:counters"], args))
-            pair = [x for k in keys for x in (f"rl:qt{{g{k}}}", f"rl:qt{{g{k}}}:m")]
-            global_publishes.append(tier.pack(pair, tier_args(totals, FORGET_US, 1, zoned=False)))
+            if n < ZONES:  # the global store's members are the zones, with their tokens
+                pair = [x for k in keys for x in (f"rl:qt{{g{k}}}", f"rl:qt{{g{k}}}:m")]
+                args = tier_args(totals, FORGET_US, 1, zoned=False)
+                global_publishes.append(tier.pack(pair, args))
         cases = {
             "fleet_sync.lua (zone store)": syncs,
             "quota_tier.lua (zone store)": zone_publishes,
-            "quota_tier.lua (global store, members fenced)": global_publishes,
+            "quota_tier.lua (global store)": global_publishes,
         }
         for name, calls in cases.items():
             for packed in calls:  # every member heard once, keys created
