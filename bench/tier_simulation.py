@@ -149,14 +149,14 @@ async def zone_store(
 ) -> int:  # fmt: skip
     """One zone: its replicas publishing and syncing, and the aggregator (without it,
     ``replicas`` on one store is the design without zones)."""
-    tier = Packed(client, script_text("quota_tier.lua"))
-    sync = Packed(client, script_text("fleet_sync.lua"))
+    tier = Packed(client, SCRIPTS["quota_tier.lua"])
+    sync = Packed(client, SCRIPTS["fleet_sync.lua"])
     await tier.load()
     await sync.load()
-    lease = client.registerscript_text(script_text("lease.lua"))
-    read = client.registerscript_text(script_text("zone_read.lua"))
-    read_fleet = client.registerscript_text(script_text("zone_read_fleet.lua"))
-    write = client.registerscript_text(script_text("zone_write.lua"))
+    lease = client.register_script(script_text("lease.lua"))
+    read = client.register_script(script_text("zone_read.lua"))
+    read_fleet = client.register_script(script_text("zone_read_fleet.lua"))
+    write = client.register_script(script_text("zone_write.lua"))
     driver = Driver(client, {})
     keys = counters(hot)
     rng = random.Random(1)
@@ -229,7 +229,7 @@ async def zone_store(
 
 async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
     """Ten zones, each publishing its RLQS counters and its probabilistic buckets."""
-    tier = Packed(client, script_text("quota_tier.lua"))
+    tier = Packed(client, SCRIPTS["quota_tier.lua"])
     await tier.load()
     driver = Driver(client, {})
     keys = counters(hot)
@@ -400,6 +400,10 @@ def model(
     }
 
 
+SCRIPTS: dict[str, str] = {}
+"""The replicas' scripts the cells call: this tree's, or --baseline's."""
+
+
 def update_costs(baseline: str | None, rounds: int = 5) -> None:
     """The store's time per bucket update, this tree's scripts and (when given) the
     baseline's, in turns on fresh redis-servers (a busy machine slows both alike):
@@ -427,13 +431,20 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--out", type=Path, default=BENCH / "out")
     parser.add_argument("--no-flat", action="store_true", help="skip the store without zones")
-    parser.add_argument("--baseline", help="with --update-cost: also a git revision's scripts")
+    parser.add_argument(
+        "--baseline",
+        help="a git revision whose fleet_sync.lua and quota_tier.lua the cells call (with"
+        " --update-cost: in turns with this tree's)",
+    )
     parser.add_argument("--update-cost", action="store_true",
                         help="only the store's time per bucket update, per script")  # fmt: skip
     args = parser.parse_args()
+    SCRIPTS.update(scripts_at(None))
     if args.update_cost:
         update_costs(args.baseline)
         return
+    if args.baseline is not None:
+        SCRIPTS.update(scripts_at(args.baseline))
     cells = []
     for hot in args.hot:
         with lab() as (directory, _, redis_servers):
