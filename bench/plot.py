@@ -204,8 +204,9 @@ def tier_simulation(data: list[dict[str, Any]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(hot, [c["zone_cpu"] for c in data], marker="o", label="each zone store")
     ax.plot(hot, [c["global_cpu"] for c in data], marker="o", label="the global store")
-    ax.plot(hot, [min(c["flat_cpu"], 100) for c in data], marker="o", linestyle="--",
-            label="one store, no zones (capped at 100 %)")  # fmt: skip
+    flat = [c for c in data if c["flat_calls"]]  # --no-flat cells have none
+    ax.plot([c["hot"] for c in flat], [min(c["flat_cpu"], 100) for c in flat], marker="o",
+            linestyle="--", label="one store, no zones (capped at 100 %)")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xticks(hot, [str(n) for n in hot])
     ax.minorticks_off()
