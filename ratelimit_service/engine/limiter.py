@@ -581,16 +581,22 @@ class RateLimiter:
 
 
 def _put(statuses: list[DescriptorStatus], index: int, status: DescriptorStatus) -> None:
-    """A descriptor's status: with several limits (rate_limits), the most restrictive
-    one's: an over-limit one first, then the one with the least remaining."""
+    """A descriptor's status: with several limits (rate_limits), the one that speaks for
+    them all (see :func:`_tighter`)."""
     current = statuses[index]
     if current is _PLACEHOLDER or _tighter(status, current):
         statuses[index] = status
 
 
 def _tighter(a: DescriptorStatus, b: DescriptorStatus) -> bool:
+    """Whether ``a`` speaks for a descriptor's limits rather than ``b``: the most
+    restrictive, an over-limit one first, then the one with the least remaining; but
+    for quota limits, which deny only when every one is over (core/exact.py denies),
+    one that still admits first, so the verdict over the descriptors' statuses is the
+    one the limiter reached over every limit."""
     if (a.code is _OVER) != (b.code is _OVER):
-        return a.code is _OVER
+        quota = a.limit is not None and a.limit.quota_mode and not a.limit.shadow_mode
+        return (a.code is _OVER) != quota
     return _left(a) < _left(b)
 
 

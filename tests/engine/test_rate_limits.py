@@ -240,3 +240,33 @@ descriptors:
     both = Request("d", [Descriptor((("old", "o"),)), Descriptor((("new", "n"),))])
     admitted = [(await rate.should_rate_limit(both)).overall for _ in range(4)]
     assert admitted == [Code.OK] * 3 + [Code.OVER_LIMIT]  # old (1 a minute) replaced by wide
+
+
+QUOTA_RULES = """\
+domain: d
+descriptors:
+  - key: user
+    mode: {mode}
+    quota_mode: true
+    rate_limits:
+      - {{unit: minute, requests_per_unit: 2, name: small}}
+      - {{unit: hour, requests_per_unit: 5, name: large}}
+"""
+
+
+@pytest.mark.parametrize("mode", ["exact", "probabilistic"])
+async def test_quota_limits_deny_only_when_every_one_is_over(mode: str) -> None:
+    """quota_mode: a request is denied only when every quota limit is over, so while the
+    hour's quota remains the minute's being spent does not deny: the answer is OK in
+    both modes (not a shadow-mode OK), the descriptor's status is the quota that still
+    admits, and the request counts where it fits."""
+    clock = Clock()
+    config = load_config([ConfigFile("q.yaml", QUOTA_RULES.format(mode=mode))])
+    rate = RateLimiter(config, EmbeddedStore(clock=clock), clock=clock, draw=lambda: 0.999)
+    request = Request("d", [Descriptor((("user", "u"),))])
+    answers = [await rate.should_rate_limit(request) for _ in range(6)]
+    assert [a.overall for a in answers] == [Code.OK] * 5 + [Code.OVER_LIMIT]
+    assert not any(a.shadowed for a in answers)
+    third = answers[2].statuses[0]
+    assert third.limit is not None and third.limit.name == "large"
+    assert (third.code, third.remaining) == (Code.OK, 2)
