@@ -59,13 +59,13 @@ log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 32
 """Script calls outstanding at once; further requests queue into the next batch."""
-LONE_BATCHES = 2
-"""Held batches in a row that left with one request each, after which holding stops
-until the load sensor next finds the loop saturated: nobody came to share the call, so
-the hold only delayed it (as when the load has just dropped)."""
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis. A full
 batch goes out at once, even while another call is in flight."""
+PROMPT_RISE = 1 / 16
+"""How far ExactBatcher.prompt moves towards a slower reply (a quicker one it takes at
+once): it follows a Redis that has become slower within a few dozen calls, and one
+slow reply barely moves it."""
 MAX_PENDING = 2048
 """Requests submitted and not yet answered (queued or in a call) at most, by default;
 one more is refused with StoreOverloaded. At the few thousand exact decisions a
@@ -158,7 +158,7 @@ class _Waiter:
 
 
 class _Batch:
-    __slots__ = ("args", "done", "due", "forced", "keys", "release", "waiters")
+    __slots__ = ("args", "done", "due", "forced", "keys", "release", "sent_at", "waiters")
 
     def __init__(self, slices: int) -> None:
         self.release: asyncio.TimerHandle | None = None
@@ -173,6 +173,7 @@ class _Batch:
         still come and tell what Redis did with owed hits)."""
         self.forced = 0
         """Owed requests in it (nobody waits for them)."""
+        self.sent_at = 0.0
 
     def add(self, waiter: _Waiter, keys: Sequence[str], commit: int, args: Sequence[Any]) -> None:
         self.waiters.append(waiter)
@@ -201,10 +202,15 @@ class _Batch:
 
 class ExactBatcher:
     def __init__(
-        self, channel: Channel, slices: int, timeout: float, max_pending: int = MAX_PENDING
+        self,
+        channel: Channel,
+        slices: int,
+        timeout: float,
+        max_pending: int = MAX_PENDING,
+        gap: float = 0.0,
     ) -> None:
         """``timeout``: how long a request without a deadline of its own waits, and the
-        longest any request waits."""
+        longest any request waits. ``gap``: see :attr:`gap`."""
         self._channel = channel
         self._slices = slices
         self._timeout = timeout
@@ -218,6 +224,15 @@ class ExactBatcher:
         self.hopeless = 0
         """Requests answered with StoreUnavailable at once: Redis had been silent for
         longer than they could wait."""
+        self.late = 0
+        """Requests answered with StoreUnavailable at once: they had less time left
+        than Redis's prompt answers take lately (see :attr:`prompt`)."""
+        self.prompt = 0.0
+        """Seconds from sending a call to its reply being read, at the quick end of
+        what is seen lately: falls at once to a quicker reply, rises by PROMPT_RISE of
+        the way to a slower one. It includes this process's own delays (a busy loop
+        reads replies late)."""
+        self._replies = 0
         self.owed = OwedHits()
         self._open: _Batch | None = None
         self._in_flight = 0
@@ -228,14 +243,16 @@ class ExactBatcher:
         self._timer: asyncio.Handle | None = None
         self._timer_at = 0.0
         """When the timer fires (uvloop's handles for a time already past do not say)."""
-        self.hold = 0.0
-        """Seconds a batch waits for company before it leaves; 0: send at once (see
-        set_hold)."""
-        self._lone = 0
+        self.gap = gap
+        """Seconds from one script call to the next at least: a batch that opens sooner
+        after the last call left waits for the rest of the gap, gathering the requests
+        that come meanwhile (0: every batch leaves at once)."""
+        self._last_sent = -gap
+        """When the last script call left (the loop's clock)."""
         self.batches = 0
         self.requests = 0
         self.held = 0
-        """Batches that opened with a hold (sent when it ended, or when full)."""
+        """Batches that opened within the gap and waited for its end (or to be full)."""
 
     def submit(
         self,
@@ -258,7 +275,19 @@ class ExactBatcher:
         latest = now + self._timeout
         if deadline is None or deadline > latest:
             deadline = latest
-        if self._channel.silent_longer_than(deadline - now):
+        left = deadline - now
+        if left <= 0 or (self._in_flight and left < self.prompt):
+            # Not even a call sent now would be answered in time: failure_mode at once,
+            # not at the deadline (the call would cost Redis and this process for
+            # nothing). With nothing in flight a call goes, so `prompt` stays current.
+            self.late += 1
+            if owe and commit:
+                self.owed.add(keys, args, now)
+            raise StoreUnavailable(
+                f"redis: answers take {self.prompt * 1000:.1f} ms lately,"
+                f" {max(left, 0.0) * 1000:.1f} ms left"
+            )
+        if self._channel.silent_longer_than(left):
             self.hopeless += 1
             if owe and commit:
                 self.owed.add(keys, args, now)
@@ -266,8 +295,9 @@ class ExactBatcher:
         batch = self._open
         if batch is None:
             batch = self._open = _Batch(self._slices)
-            if self.hold:
-                batch.release = loop.call_later(self.hold, self._release, batch)
+            due_at = self._last_sent + self.gap
+            if due_at > now:  # a call left less than `gap` ago: gather company until then
+                batch.release = loop.call_at(due_at, self._release, batch)
                 self.held += 1
             else:
                 batch.due = True
@@ -300,16 +330,10 @@ class ExactBatcher:
         self._add_owed(batch, now, now + self._timeout)
         self._send(loop)
 
-    def set_hold(self, seconds: float) -> None:
-        """Hold new batches this long from now on (0: not at all); the count of lone
-        held batches starts again."""
-        self.hold = seconds
-        self._lone = 0
-
     def close(self) -> None:
         """Fail the batch not sent yet and stop holding: nothing goes out after the
         store has closed its connection (a held batch would reopen it)."""
-        self.hold = 0.0
+        self.gap = 0.0
         batch, self._open = self._open, None
         if batch is not None:
             if batch.release is not None:
@@ -322,9 +346,6 @@ class ExactBatcher:
         if self._open is not batch:  # it left full, or the store closed
             return
         batch.due = True
-        self._lone = 0 if _callers(batch) > 1 else self._lone + 1
-        if self._lone >= LONE_BATCHES:
-            self.hold = 0.0
         if self._in_flight < MAX_IN_FLIGHT:
             self._send(asyncio.get_running_loop())
 
@@ -345,6 +366,7 @@ class ExactBatcher:
         if not batch.waited_for():  # every caller gave up before it left: not sent
             return
         self._in_flight += 1
+        self._last_sent = batch.sent_at = loop.time()
         self.batches += 1
         self.requests += _callers(batch)
         self._flying.append(batch)
@@ -362,7 +384,14 @@ class ExactBatcher:
             self._settle(batch, None, f"redis: unexpected {type(exc).__name__}")
         else:
             self._settle(batch, raw, "")
-            self._repay(asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            took, prompt = loop.time() - batch.sent_at, self.prompt
+            if took < prompt or not self._replies:
+                self.prompt = took
+            else:
+                self.prompt = prompt + (took - prompt) * PROMPT_RISE
+            self._replies += 1
+            self._repay(loop)
         self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
 
     def _settle(self, batch: _Batch, raw: Any, error: str) -> None:

@@ -296,9 +296,11 @@ class RedisStore:
         """Seconds from writing a call to reading its reply, as this process saw them."""
         self._last_reply = 0.0
         """The loop's time of the last reply of any kind (redis-py calls)."""
-        self._batcher = ExactBatcher(self, slices, request_timeout, max_pending)
-        # Held batches count against the timeout: keep the hold well inside it.
+        # Held batches count against the timeout: keep the gap well inside it.
         self.batch_hold = min(batch_hold, request_timeout / 4)
+        self._batcher = ExactBatcher(
+            self, slices, request_timeout, max_pending, gap=0.0 if self.cluster else self.batch_hold
+        )
         self._prepared: dict[int, _Prepared] = {}
         # The request path's own connection (single server only): see redis_pipe.
         self._pipe = (
@@ -911,15 +913,11 @@ class RedisStore:
 
     @property
     def wants_saturation(self) -> bool:
-        """Whether loop_saturated does anything: exact calls are batched on a single
-        server only (a Cluster spreads keys over nodes), and a hold of 0 turns it off."""
-        return not self.cluster and self.batch_hold > 0
+        """Exact calls are paced whatever the load (exact_batcher): no sensor needed."""
+        return False
 
     def loop_saturated(self, saturated: bool) -> None:
-        """While the event loop is saturated, exact calls are held to batch requests
-        (see exact_batcher and loop_load)."""
-        if self.wants_saturation:
-            self._batcher.set_hold(self.batch_hold if saturated else 0.0)
+        pass
 
     def histograms(self) -> dict[str, Histogram]:
         return {"reply": self.reply_time}
@@ -938,6 +936,8 @@ class RedisStore:
             "recoveries": self.breaker.recoveries,
             "exact_given_up": self._batcher.given_up,
             "exact_hopeless": self._batcher.hopeless,
+            "exact_late": self._batcher.late,
+            "exact_prompt_seconds": self._batcher.prompt,
             "exact_batches": self._batcher.batches,
             "exact_batched_requests": self._batcher.requests,
             "exact_held_batches": self._batcher.held,
@@ -946,7 +946,7 @@ class RedisStore:
             "exact_owed_entries": len(self._batcher.owed),
             "exact_owed_sent": self._batcher.owed.sent,
             "exact_owed_dropped": self._batcher.owed.dropped,
-            "exact_batch_hold_seconds": self._batcher.hold,
+            "exact_batch_gap_seconds": self._batcher.gap,
         }
 
     async def close(self) -> None:
