@@ -63,7 +63,7 @@ from ratelimit_service.core.local_buckets import LocalBuckets
 from ratelimit_service.core.request import RequestBounds
 from ratelimit_service.engine.background import BackgroundTask
 from ratelimit_service.engine.limiter import RateLimiter
-from ratelimit_service.engine.loop_load import LoopLag, LoopLoad
+from ratelimit_service.engine.loop_load import LoopLag
 from ratelimit_service.engine.quota import FORGET_AFTER, QuotaCoordinator
 from ratelimit_service.engine.reconciler import Reconciler
 from ratelimit_service.engine.state_metrics import (
@@ -299,14 +299,9 @@ class RateLimitService:
                 stats=self.stats,
                 interval=settings.watch_interval or 1.0,
             )
-        # Exact batching on Redis follows the event loop's load (see loop_load).
-        self._loop_load_task: BackgroundTask | None = None
         self.loop_lag = LoopLag(calls=lambda: self.stats.total_requests)
         self._loop_lag_task = BackgroundTask("loop-lag", self.loop_lag.run)
         self.tenuring = Tenuring()
-        if self.store.wants_saturation:
-            sensor = LoopLoad(self.store.loop_saturated)
-            self._loop_load_task = BackgroundTask("loop-load", sensor.run)
         self.health = health.aio.HealthServicer()
         self.status = StatusBoard(
             StatusSources(
@@ -411,8 +406,6 @@ class RateLimitService:
             self.zone_aggregator.start()
         self.reconciler.start()
         self.quota.start()
-        if self._loop_load_task is not None:
-            self._loop_load_task.start()
         self._loop_lag_task.start()
         if self.watcher is not None and self.settings.watch_interval > 0:
             self.watcher.start()
@@ -513,8 +506,6 @@ class RateLimitService:
             await self._server.stop(self.settings.shutdown_grace)
         await self.reconciler.stop()
         await self.quota.stop()
-        if self._loop_load_task is not None:
-            await self._loop_load_task.stop()
         await self._loop_lag_task.stop()
         if self.watcher is not None:
             await self.watcher.stop()

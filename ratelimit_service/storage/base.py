@@ -78,16 +78,6 @@ class Store(Protocol):
         pieces; a store that expires its keys itself yields nothing."""
         ...
 
-    @property
-    def wants_saturation(self) -> bool:
-        """Whether the store acts on :meth:`loop_saturated` (the service then runs a
-        sensor of the event loop's load for it)."""
-        ...
-
-    def loop_saturated(self, saturated: bool) -> None:
-        """The event loop's thread is saturated (True) or no longer (False)."""
-        ...
-
     def healthy(self) -> bool: ...
 
     def stats(self) -> dict[str, float]:

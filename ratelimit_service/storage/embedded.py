@@ -142,13 +142,6 @@ class EmbeddedStore:
     async def start(self) -> None:
         """Nothing to connect to."""
 
-    @property
-    def wants_saturation(self) -> bool:
-        return False  # decisions never wait: nothing to batch
-
-    def loop_saturated(self, saturated: bool) -> None:
-        """Nothing is batched here."""
-
     def healthy(self) -> bool:
         return True
 

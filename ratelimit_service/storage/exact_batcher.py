@@ -1,21 +1,20 @@
 """Group commit for exact mode: concurrent requests share one script call.
 
-Each script call costs a write and a read system call and a Lua start-up, whatever
-it carries. So only a few calls are in flight at a time (MAX_IN_FLIGHT, on one
-pipelined connection): a request that finds a free slot goes out at once (no added
-latency), and requests that arrive while every slot is busy wait for the first to
-come back and then all go together, as one EVALSHA of exact_window.lua. The script
-decides them one after the other, so the outcome is the same as separate calls;
-under load the batches grow instead of the number of calls. Many slots keep a slow
-Redis (milliseconds away) from adding a round trip of queueing to requests.
-
-While the event loop is saturated (``hold`` > 0, set by the store from
-loop_load.LoopLoad) the batcher works the other way: a batch opens with the first
-request and leaves ``hold`` seconds later, or sooner if it is full. Saturated, grpc.aio
-starts about one RPC per loop turn and Redis answers before the next one starts, so
-sending at once would mean one request per call however high the load; held for a
-millisecond, calls carry several requests and each costs the process and Redis far
-less per request. Not saturated, nothing is held: no added latency.
+Each script call costs a write and a read system call, a wake-up of this process and of
+Redis, and a Lua start-up, whatever it carries. So calls are paced: one leaves at most
+every ``gap`` seconds (``--exact-batch-hold``, 1 ms). A request that comes when the
+last call left a gap ago or more goes out at once (no added latency at a low rate);
+one that comes sooner opens a batch that leaves when the gap is over, and the requests
+that come meanwhile join it, as one EVALSHA of exact_window.lua. The script decides
+them one after the other, so the outcome is the same as separate calls. Batches grow
+with the load by themselves, with no sensor to switch: about rate x gap requests a call
+(one at 1,000 req/s, eight at 8,000), and no request waits longer than the gap for
+company. Sending at once instead would mean one request per call however high the
+load: grpc.aio starts about one RPC per turn of the event loop and Redis answers
+within a turn, so a request never finds another to travel with. Calls are pipelined
+on one connection, up to MAX_IN_FLIGHT at a time: a slow Redis (milliseconds away)
+adds its round trip, not a queue of round trips; past that, a batch waits for a call
+to come back. A full batch (MAX_BATCH_DESCRIPTORS) leaves at once.
 
 Each request waits for its reply until its own deadline: the caller's (the gRPC
 deadline less a margin, which the limiter passes down) or, without one, ``timeout``
@@ -23,10 +22,14 @@ after it was submitted. One timer serves every request. When it fires, the chann
 first reads what is already on the socket (Channel.poll): a reply that arrived while
 the process was descheduled or its loop busy is used, not taken for a Redis failure.
 Only then are the requests past their deadline answered with StoreUnavailable (their
-rules' failure_mode applies). A request that arrives while Redis has already been
-silent for longer than it can wait is answered so at once: during the second before a
-silent Redis counts as down, callers do not each wait out their whole deadline (an
-answer given at the last moment often reaches its caller too late). Giving up on a
+rules' failure_mode applies). A request that could only be given up is answered so at
+once, not at its deadline (an answer given at the last moment often reaches its caller
+too late, and the call would cost Redis and this process for nothing): one that has
+less time left than Redis's prompt answers take lately (``late``: a slow Redis, or a
+request that waited long for this process before it got here), and one that arrives
+while Redis has already been silent for longer than it can wait (``hopeless``: during
+the second before a silent Redis counts as down, callers do not each wait out their
+whole deadline). Giving up on a
 request says nothing about Redis, so it is no breaker event; the channel decides from
 evidence (errors, a silent connection) when Redis is down. The number of requests
 waiting is bounded too (``max_pending``): past it, :meth:`ExactBatcher.submit` refuses

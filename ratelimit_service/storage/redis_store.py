@@ -911,14 +911,6 @@ class RedisStore:
         """Redis expires every key itself."""
         return iter(())
 
-    @property
-    def wants_saturation(self) -> bool:
-        """Exact calls are paced whatever the load (exact_batcher): no sensor needed."""
-        return False
-
-    def loop_saturated(self, saturated: bool) -> None:
-        pass
-
     def histograms(self) -> dict[str, Histogram]:
         return {"reply": self.reply_time}
 

@@ -154,13 +154,6 @@ class ZonedStore:
         """Both stores are Redis, which expires every key itself."""
         return iter(())
 
-    @property
-    def wants_saturation(self) -> bool:
-        return self.global_store.wants_saturation
-
-    def loop_saturated(self, saturated: bool) -> None:
-        self.global_store.loop_saturated(saturated)
-
     def healthy(self) -> bool:
         """The zone store answers: RLQS goes on (fail-static without the global one)."""
         return self.zone_store.healthy()
