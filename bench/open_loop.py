@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,9 @@ from ratelimit_service.testing.redis import free_port
 
 CLOSED = "closed"
 CLOSED_LOAD = ["-c", "8", "-m", "16", "-t", "1"]
+MAX_FOREIGN = 0.1
+"""CPUs other processes may use during a run before it is taken again (up to TRIES)."""
+TRIES = 4
 OVER_MS = 20.0
 """Envoy's ratelimit filter gives up after 20 ms by default."""
 DEFAULT_RATES = "500,1000,1500,2000,2500,3000,0.8x"
@@ -75,8 +79,12 @@ class Point:
     """Calls refused as overload (RESOURCE_EXHAUSTED, or denied by a closed rule)."""
     by_failure_mode: int = 0
     """Calls answered by failure_mode: Redis failed them, or their deadline came first."""
-    shed: int = 0
-    """Calls answered at once, undecided, because they could no longer be decided in time."""
+    foreign_cpu: float = 0.0
+    """CPUs used meanwhile by processes other than the target, its Redis, h2load and this
+    script: other jobs on the machine (a run that met more than MAX_FOREIGN is run again)."""
+    late: int = 0
+    """Of those, answered at once: too little time left to ask Redis (exact_late)."""
+    round: int = 0
     server_cpu_us: float = 0.0
     redis_cpu_us: float = 0.0
     requests_per_call: float = 0.0
@@ -101,6 +109,20 @@ def process_tree_cpu(pid: int) -> float:
     return total + sum(process_tree_cpu(int(child)) for child in children)
 
 
+def machine_busy() -> float:
+    """CPU seconds the whole machine has spent busy (every core; /proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ticks = [int(value) for value in fields]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu() -> float:
+    """CPU seconds of this script and the children it waited for (h2load)."""
+    mine = os.times()
+    return mine.user + mine.system + mine.children_user + mine.children_system
+
+
 def latencies_ms(log: Path) -> list[float]:
     return sorted(
         int(cols[2]) / 1000
@@ -115,7 +137,9 @@ def measure(
 ) -> Point:  # fmt: skip
     before = tp.scrape(server.admin_port) if server.admin_port else {}
     cpu0, redis0 = process_tree_cpu(server.pid), tp.RedisSample.take(redis_server)
+    busy0, ours0, wall0 = machine_busy(), own_cpu(), time.monotonic()
     h2 = tp.run_h2load(server.port, body, load, seconds, log, deadline=deadline)
+    busy1, ours1, wall1 = machine_busy(), own_cpu(), time.monotonic()
     cpu1, redis1 = process_tree_cpu(server.pid), tp.RedisSample.take(redis_server)
     values = latencies_ms(log)
     point = Point(
@@ -125,6 +149,8 @@ def measure(
     )  # fmt: skip
     done = max(1, h2.done)
     point.server_cpu_us = 1e6 * (cpu1 - cpu0) / done
+    ours = (cpu1 - cpu0) + (redis1.cpu - redis0.cpu) + (ours1 - ours0)
+    point.foreign_cpu = max(0.0, (busy1 - busy0) - ours) / (wall1 - wall0)
     if server.admin_port:
         point.redis_cpu_us = 1e6 * (redis1.cpu - redis0.cpu) / done
         after = tp.scrape(server.admin_port)
@@ -135,7 +161,7 @@ def measure(
 
         point.refused = delta("ratelimit_service_call_should_rate_limit_store_overloaded_total")
         point.by_failure_mode = delta("ratelimit_service_call_should_rate_limit_store_error_total")
-        point.shed = delta("ratelimit_store", name="exact_late")
+        point.late = delta("ratelimit_store", name="exact_late")
         calls = delta("ratelimit_store", name="exact_batches")
         if calls:
             batched = delta("ratelimit_store", name="exact_batched_requests")
@@ -145,6 +171,21 @@ def measure(
     if h2.failed or h2.errored:
         point.problems.append(f"h2load: {h2.failed} failed, {h2.errored} errored")
     return point
+
+
+def measure_alone(
+    server: tp.Server, body: Path, load: str, offered: float, seconds: float,
+    log: Path, redis_server: Any, deadline: str | None, progress: tp.Progress,
+) -> Point:  # fmt: skip
+    """:func:`measure`, again while other jobs took more than MAX_FOREIGN of the CPUs
+    (at most TRIES times; the last is kept, its foreign_cpu says so)."""
+    for attempt in range(1, TRIES + 1):
+        point = measure(server, body, load, offered, seconds, log, redis_server, deadline)
+        if point.foreign_cpu <= MAX_FOREIGN or attempt == TRIES:
+            return point
+        progress(f"    other jobs used {point.foreign_cpu:.2f} CPU meanwhile: again")
+        time.sleep(2.0)
+    raise AssertionError("unreachable")
 
 
 def start_targets(
@@ -172,28 +213,102 @@ def start_targets(
         else:
             extra = [*flags[name], "--redis-url", redis_url, *args.service_flags]
             servers.append(tp.start_service(processes, name, config, extra))
-    if args.tree is not None:
-        tp.check_tree(args.tree)
+    for tree in args.tree:
+        tp.check_tree(tree)
         for name in args.tree_targets:
-            extra = [*flags[name], "--redis-url", redis_url]
-            label = f"{name} @{args.tree.name}"
-            servers.append(tp.start_service(processes, label, config, extra, tree=args.tree))
+            extra = [*flags[name], "--redis-url", redis_url, *args.service_flags]
+            label = f"{name} @{tree.name}"
+            servers.append(tp.start_service(processes, label, config, extra, tree=tree))
     return servers
 
 
-def markdown(points: list[Point]) -> str:
+def sweep(
+    args: argparse.Namespace, servers: list[tp.Server], body: Path, log: Path,
+    redis_server: Any, rates: list[str], round_: int, progress: tp.Progress,
+) -> list[Point]:  # fmt: skip
+    """One round: every target's capacity (closed loop), then each rate on every target
+    in turn, one target further on per rate and round."""
+    points: list[Point] = []
+    capacity: dict[str, float] = {}
+    shift = round_ - 1
+    for server in servers[shift % len(servers) :] + servers[: shift % len(servers)]:
+        progress(f"round {round_}, {server.name}: closed loop, {args.seconds:g} s")
+        point = measure_alone(
+            server, body, CLOSED, 0, args.seconds, log, redis_server, None, progress
+        )
+        point.round = round_
+        capacity[server.name] = point.rps
+        points.append(point)
+        progress(f"    {point.rps:,.0f} req/s, p99 {point.p99_ms:.2f} ms")
+    for index, rate in enumerate(rates):
+        at = (shift + index + 1) % len(servers)
+        for server in servers[at:] + servers[:at]:
+            offered = (
+                float(rate[:-1]) * capacity[server.name] if rate.endswith("x") else float(rate)
+            )
+            load = rate_load(round(offered))
+            progress(f"round {round_}, {server.name}: {rate} = {offered:,.0f} req/s")
+            point = measure_alone(server, body, load, offered, args.seconds, log,
+                                  redis_server, tp.ENVOY_DEADLINE, progress)  # fmt: skip
+            point.load, point.round = rate if rate.endswith("x") else point.load, round_
+            points.append(point)
+            progress(
+                f"    {point.rps:,.0f} req/s, p50 {point.p50_ms:.2f} ms, p99 {point.p99_ms:.2f}"
+                f" ms, over 20 ms {point.over_20ms}, refused {point.refused}, failure_mode"
+                f" {point.by_failure_mode} (late {point.late}), other jobs"
+                f" {point.foreign_cpu:.2f} CPU"
+            )
+            time.sleep(0.5)  # a pause between runs
+    return points
+
+
+def summarize(points: list[Point]) -> list[dict[str, Any]]:
+    """Per target and load: medians over the rounds, with the spread of p99 and of the
+    share over 20 ms."""
+    groups: dict[tuple[str, str], list[Point]] = {}
+    for point in points:
+        groups.setdefault((point.target, point.load), []).append(point)
+    rows = []
+    for (target, load), members in groups.items():
+
+        def median(name: str, members: list[Point] = members) -> float:
+            return float(statistics.median(getattr(m, name) for m in members))
+
+        shares = [m.over_20ms / max(1, m.done) for m in members]
+        rows.append({
+            "target": target, "load": load, "rounds": len(members),
+            "offered": median("offered"), "rps": median("rps"),
+            "p50_ms": median("p50_ms"), "p99_ms": median("p99_ms"),
+            "p99_min": min(m.p99_ms for m in members), "p99_max": max(m.p99_ms for m in members),
+            "over_share": statistics.median(shares), "over_min": min(shares),
+            "over_max": max(shares),
+            "refused_share": statistics.median(m.refused / max(1, m.done) for m in members),
+            "failure_mode_share": statistics.median(
+                m.by_failure_mode / max(1, m.done) for m in members),
+            "requests_per_call": median("requests_per_call"),
+            "server_cpu_us": median("server_cpu_us"), "redis_cpu_us": median("redis_cpu_us"),
+            "late_share": statistics.median(m.late / max(1, m.done) for m in members),
+            "foreign_cpu_max": max(m.foreign_cpu for m in members),
+        })  # fmt: skip
+    rows.sort(key=lambda r: (r["target"], r["load"] != CLOSED, r["offered"]))
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| target | load | req/s | p50 ms | p99 ms | max ms | over 20 ms | refused | "
-        "by failure_mode | shed | requests per call | service CPU µs/req | Redis CPU µs/req |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| target | load | req/s | p50 ms | p99 ms (min-max) | over 20 ms (min-max) | "
+        "by failure_mode | refused | requests per call | service CPU µs/req | "
+        "Redis CPU µs/req |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for p in points:
-        share = p.over_20ms / max(1, p.done)
+    for r in rows:
+        load = r["load"] if not r["load"].endswith("x") else f"{r['load']} ({r['offered']:,.0f}/s)"
         lines.append(
-            f"| {p.target} | {p.load} | {p.rps:,.0f} | {p.p50_ms:.2f} | {p.p99_ms:.2f} | "
-            f"{p.max_ms:.1f} | {p.over_20ms} ({share:.2%}) | {p.refused} | {p.by_failure_mode} | "
-            f"{p.shed} | {p.requests_per_call:.2f} | {p.server_cpu_us:.0f} | "
-            f"{p.redis_cpu_us:.0f} |"
+            f"| {r['target']} | {load} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | "
+            f"{r['p99_ms']:.2f} ({r['p99_min']:.1f}-{r['p99_max']:.1f}) | "
+            f"{r['over_share']:.2%} ({r['over_min']:.2%}-{r['over_max']:.2%}) | "
+            f"{r['failure_mode_share']:.2%} | {r['refused_share']:.2%} | "
+            f"{r['requests_per_call']:.2f} | {r['server_cpu_us']:.0f} | {r['redis_cpu_us']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -206,6 +321,7 @@ def main() -> None:
         help="offered rates: req/s, or Nx for N times the target's capacity",
     )
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each run")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--descriptors", type=int, default=1)
     parser.add_argument(
         "--only", default=",".join(TARGETS), help=f"targets, from: {', '.join(TARGETS)}"
@@ -214,8 +330,9 @@ def main() -> None:
     parser.add_argument(
         "--tree",
         type=Path,
-        default=None,
-        help="also serve --tree-targets from this checkout, side by side",
+        action="append",
+        default=[],
+        help="also serve --tree-targets from this checkout, side by side (repeatable)",
     )
     parser.add_argument("--tree-targets", default="exact,exact x2")
     parser.add_argument("--out", type=Path, default=tp.BENCH / "out")
@@ -244,40 +361,18 @@ def main() -> None:
         progress("warming up (1 s each, not measured)")
         for server in servers:
             tp.run_h2load(server.port, body, CLOSED, 1, log)
-        capacity: dict[str, float] = {}
-        for server in servers:
-            progress(f"{server.name}: closed loop, {args.seconds:g} s")
-            point = measure(server, body, CLOSED, 0, args.seconds, log, redis_server, None)
-            capacity[server.name] = point.rps
-            points.append(point)
-            progress(f"    {point.rps:,.0f} req/s, p99 {point.p99_ms:.2f} ms")
-        for index, rate in enumerate(r.strip() for r in args.rates.split(",") if r.strip()):
-            shift = index % len(servers)
-            for server in servers[shift:] + servers[:shift]:
-                offered = (
-                    float(rate[:-1]) * capacity[server.name] if rate.endswith("x") else float(rate)
-                )
-                load = rate_load(round(offered))
-                progress(f"{server.name}: {rate} = {offered:,.0f} req/s, {args.seconds:g} s")
-                point = measure(server, body, load, offered, args.seconds, log, redis_server,
-                                tp.ENVOY_DEADLINE)  # fmt: skip
-                point.load = f"{rate} ({offered:,.0f}/s)" if rate.endswith("x") else point.load
-                points.append(point)
-                progress(
-                    f"    {point.rps:,.0f} req/s, p50 {point.p50_ms:.2f} ms, p99 "
-                    f"{point.p99_ms:.2f} ms, over 20 ms {point.over_20ms}, refused "
-                    f"{point.refused}, failure_mode {point.by_failure_mode}"
-                )
-                time.sleep(0.5)  # the service's load sensor sees the load go
-    points.sort(key=lambda p: (p.target, p.load != CLOSED, p.offered))
+        rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+        for round_ in range(1, args.rounds + 1):
+            points += sweep(args, servers, body, log, redis_server, rates, round_, progress)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "open_loop.json"
     out.write_text(json.dumps(
         {"machine": info, "argv": sys.argv[1:], "loadavg_after": os.getloadavg(),
-         "points": [asdict(p) for p in points]}, indent=1) + "\n")  # fmt: skip
+         "summary": summarize(points), "points": [asdict(p) for p in points]},
+        indent=1) + "\n")  # fmt: skip
     progress(f"done; wrote {out}")
     print()
-    print(markdown(points))
+    print(markdown(summarize(points)))
     problems = [f"{p.target} {p.load}: {q}" for p in points for q in p.problems]
     if problems:
         print(f"\n{len(problems)} problem(s): {problems[:5]}")
