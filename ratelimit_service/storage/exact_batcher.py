@@ -65,10 +65,11 @@ MAX_IN_FLIGHT = 32
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis. A full
 batch goes out at once, even while another call is in flight."""
-PROMPT_RISE = 1 / 16
-"""How far ExactBatcher.prompt moves towards a slower reply (a quicker one it takes at
-once): it follows a Redis that has become slower within a few dozen calls, and one
-slow reply barely moves it."""
+PROMPT_WINDOW = 1.0
+"""Seconds of replies over which ExactBatcher.prompt takes the quickest (this window and
+the one before): the quick end of what Redis and this process manage lately, not a
+typical reply, so that only requests that could not be answered in time are turned
+away at once."""
 MAX_PENDING = 2048
 """Requests submitted and not yet answered (queued or in a call) at most, by default;
 one more is refused with StoreOverloaded. At the few thousand exact decisions a
@@ -231,11 +232,14 @@ class ExactBatcher:
         """Requests answered with StoreUnavailable at once: they had less time left
         than Redis's prompt answers take lately (see :attr:`prompt`)."""
         self.prompt = 0.0
-        """Seconds from sending a call to its reply being read, at the quick end of
-        what is seen lately: falls at once to a quicker reply, rises by PROMPT_RISE of
-        the way to a slower one. It includes this process's own delays (a busy loop
-        reads replies late)."""
-        self._replies = 0
+        """Seconds from sending a call to its reply being read, the quickest seen in the
+        last PROMPT_WINDOW or two (0 before the first reply): a request with less time
+        left could only be given up. It includes this process's own delays (a busy loop
+        reads replies late), and follows a Redis that has become slower within two
+        windows, one that has become quicker at once."""
+        self._quickest = -1.0
+        self._previous_quickest = 0.0
+        self._window_end = 0.0
         self.owed = OwedHits()
         self._open: _Batch | None = None
         self._in_flight = 0
@@ -388,14 +392,20 @@ class ExactBatcher:
         else:
             self._settle(batch, raw, "")
             loop = asyncio.get_running_loop()
-            took, prompt = loop.time() - batch.sent_at, self.prompt
-            if took < prompt or not self._replies:
-                self.prompt = took
-            else:
-                self.prompt = prompt + (took - prompt) * PROMPT_RISE
-            self._replies += 1
+            self._timed(loop.time(), loop.time() - batch.sent_at)
             self._repay(loop)
         self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
+
+    def _timed(self, now: float, took: float) -> None:
+        """A reply read ``took`` seconds after its call was sent: :attr:`prompt` is the
+        quickest of this window and the one before."""
+        if now >= self._window_end:
+            self._window_end = now + PROMPT_WINDOW
+            self._previous_quickest = self._quickest if self._quickest >= 0 else took
+            self._quickest = took
+        elif took < self._quickest:
+            self._quickest = took
+        self.prompt = min(self._previous_quickest, self._quickest)
 
     def _settle(self, batch: _Batch, raw: Any, error: str) -> None:
         """Hand each request its results (or ``error`` when ``raw`` is None). Hits of
