@@ -79,6 +79,9 @@ class Point:
     """Calls refused as overload (RESOURCE_EXHAUSTED, or denied by a closed rule)."""
     by_failure_mode: int = 0
     """Calls answered by failure_mode: Redis failed them, or their deadline came first."""
+    unseen: int = 0
+    """Calls answered without reaching the service's handler: refused by gRPC itself
+    (its bound on calls waiting to be started) or past their deadline while waiting."""
     foreign_cpu: float = 0.0
     """CPUs used meanwhile by processes other than the target, its Redis, h2load and this
     script: other jobs on the machine (a run that met more than MAX_FOREIGN is run again)."""
@@ -159,6 +162,9 @@ def measure(
             return round(tp.metric_sum(after, metric, **labels)
                          - tp.metric_sum(before, metric, **labels))  # fmt: skip
 
+        point.unseen = max(
+            0, h2.done - delta("ratelimit_server_should_rate_limit_total_requests_total")
+        )
         point.refused = delta("ratelimit_service_call_should_rate_limit_store_overloaded_total")
         point.by_failure_mode = delta("ratelimit_service_call_should_rate_limit_store_error_total")
         point.late = delta("ratelimit_store", name="exact_late")
@@ -255,8 +261,8 @@ def sweep(
             progress(
                 f"    {point.rps:,.0f} req/s, p50 {point.p50_ms:.2f} ms, p99 {point.p99_ms:.2f}"
                 f" ms, over 20 ms {point.over_20ms}, refused {point.refused}, failure_mode"
-                f" {point.by_failure_mode} (late {point.late}), other jobs"
-                f" {point.foreign_cpu:.2f} CPU"
+                f" {point.by_failure_mode} (late {point.late}), not started {point.unseen},"
+                f" other jobs {point.foreign_cpu:.2f} CPU"
             )
             time.sleep(0.5)  # a pause between runs
     return points
@@ -283,6 +289,7 @@ def summarize(points: list[Point]) -> list[dict[str, Any]]:
             "over_share": statistics.median(shares), "over_min": min(shares),
             "over_max": max(shares),
             "refused_share": statistics.median(m.refused / max(1, m.done) for m in members),
+            "unseen_share": statistics.median(m.unseen / max(1, m.done) for m in members),
             "failure_mode_share": statistics.median(
                 m.by_failure_mode / max(1, m.done) for m in members),
             "requests_per_call": median("requests_per_call"),
@@ -297,9 +304,9 @@ def summarize(points: list[Point]) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| target | load | req/s | p50 ms | p99 ms (min-max) | over 20 ms (min-max) | "
-        "by failure_mode | refused | requests per call | service CPU µs/req | "
+        "by failure_mode | refused | not started | requests per call | service CPU µs/req | "
         "Redis CPU µs/req |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         load = r["load"] if not r["load"].endswith("x") else f"{r['load']} ({r['offered']:,.0f}/s)"
@@ -307,7 +314,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['target']} | {load} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | "
             f"{r['p99_ms']:.2f} ({r['p99_min']:.1f}-{r['p99_max']:.1f}) | "
             f"{r['over_share']:.2%} ({r['over_min']:.2%}-{r['over_max']:.2%}) | "
-            f"{r['failure_mode_share']:.2%} | {r['refused_share']:.2%} | "
+            f"{r['failure_mode_share']:.2%} | {r['refused_share']:.2%} | {r['unseen_share']:.2%} | "
             f"{r['requests_per_call']:.2f} | {r['server_cpu_us']:.0f} | {r['redis_cpu_us']:.0f} |"
         )
     return "\n".join(lines)

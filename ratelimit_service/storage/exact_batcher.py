@@ -65,6 +65,12 @@ MAX_IN_FLIGHT = 32
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis. A full
 batch goes out at once, even while another call is in flight."""
+LONE_BATCHES = 2
+"""Held batches in a row that left with one request each, after which a request within
+the gap goes at once all the same while no call is out: nobody came to share the wait
+(a client that sends its calls one after the other, whose next call comes only once
+this one is answered). The next held batch that finds company, or a request that comes
+while a call is out, brings the wait back."""
 PROMPT_WINDOW = 1.0
 """Seconds of replies over which ExactBatcher.prompt takes the quickest (this window and
 the one before): the quick end of what Redis and this process manage lately, not a
@@ -256,6 +262,8 @@ class ExactBatcher:
         that come meanwhile (0: every batch leaves at once)."""
         self._last_sent = -gap
         """When the last script call left (the loop's clock)."""
+        self._lone = 0
+        """Held batches in a row that left with one request (see LONE_BATCHES)."""
         self.batches = 0
         self.requests = 0
         self.held = 0
@@ -303,7 +311,9 @@ class ExactBatcher:
         if batch is None:
             batch = self._open = _Batch(self._slices)
             due_at = self._last_sent + self.gap
-            if due_at > now:  # a call left less than `gap` ago: gather company until then
+            if due_at > now and (self._lone < LONE_BATCHES or self._in_flight):
+                # A call left less than `gap` ago: gather company until the gap is over
+                # (unless the last held batches found none, and no call is out).
                 batch.release = loop.call_at(due_at, self._release, batch)
                 self.held += 1
             else:
@@ -353,6 +363,7 @@ class ExactBatcher:
         if self._open is not batch:  # it left full, or the store closed
             return
         batch.due = True
+        self._lone = self._lone + 1 if _callers(batch) <= 1 else 0
         if self._in_flight < MAX_IN_FLIGHT:
             self._send(asyncio.get_running_loop())
 
