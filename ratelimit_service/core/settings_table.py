@@ -299,8 +299,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--redis-key-prefix", "store", "prefix of every key this service writes to Redis",
             "rl:", fills="redis_key_prefix"),
     Setting("--exact-batch-hold", "store",
-            "while the event loop is saturated, seconds exact decisions wait to share one"
-            " Redis call (0: never wait)", 0.001, not_negative, fills="exact_batch_hold"),
+            "seconds from one exact Redis call to the next at least: decisions that come"
+            " sooner wait to share one call (0: never wait)", 0.001, not_negative,
+            fills="exact_batch_hold"),
     # At the few thousand exact decisions a second one process makes, 2048 is several
     # hundred milliseconds of queue: far past any caller's deadline, so nothing useful
     # is refused.

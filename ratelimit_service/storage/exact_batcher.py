@@ -1,21 +1,20 @@
 """Group commit for exact mode: concurrent requests share one script call.
 
-Each script call costs a write and a read system call and a Lua start-up, whatever
-it carries. So only a few calls are in flight at a time (MAX_IN_FLIGHT, on one
-pipelined connection): a request that finds a free slot goes out at once (no added
-latency), and requests that arrive while every slot is busy wait for the first to
-come back and then all go together, as one EVALSHA of exact_window.lua. The script
-decides them one after the other, so the outcome is the same as separate calls;
-under load the batches grow instead of the number of calls. Many slots keep a slow
-Redis (milliseconds away) from adding a round trip of queueing to requests.
-
-While the event loop is saturated (``hold`` > 0, set by the store from
-loop_load.LoopLoad) the batcher works the other way: a batch opens with the first
-request and leaves ``hold`` seconds later, or sooner if it is full. Saturated, grpc.aio
-starts about one RPC per loop turn and Redis answers before the next one starts, so
-sending at once would mean one request per call however high the load; held for a
-millisecond, calls carry several requests and each costs the process and Redis far
-less per request. Not saturated, nothing is held: no added latency.
+Each script call costs a write and a read system call, a wake-up of this process and of
+Redis, and a Lua start-up, whatever it carries. So calls are paced: one leaves at most
+every ``gap`` seconds (``--exact-batch-hold``, 1 ms). A request that comes when the
+last call left a gap ago or more goes out at once (no added latency at a low rate);
+one that comes sooner opens a batch that leaves when the gap is over, and the requests
+that come meanwhile join it, as one EVALSHA of exact_window.lua. The script decides
+them one after the other, so the outcome is the same as separate calls. Batches grow
+with the load by themselves, with no sensor to switch: about rate x gap requests a call
+(one at 1,000 req/s, eight at 8,000), and no request waits longer than the gap for
+company. Sending at once instead would mean one request per call however high the
+load: grpc.aio starts about one RPC per turn of the event loop and Redis answers
+within a turn, so a request never finds another to travel with. Calls are pipelined
+on one connection, up to MAX_IN_FLIGHT at a time: a slow Redis (milliseconds away)
+adds its round trip, not a queue of round trips; past that, a batch waits for a call
+to come back. A full batch (MAX_BATCH_DESCRIPTORS) leaves at once.
 
 Each request waits for its reply until its own deadline: the caller's (the gRPC
 deadline less a margin, which the limiter passes down) or, without one, ``timeout``
@@ -23,10 +22,14 @@ after it was submitted. One timer serves every request. When it fires, the chann
 first reads what is already on the socket (Channel.poll): a reply that arrived while
 the process was descheduled or its loop busy is used, not taken for a Redis failure.
 Only then are the requests past their deadline answered with StoreUnavailable (their
-rules' failure_mode applies). A request that arrives while Redis has already been
-silent for longer than it can wait is answered so at once: during the second before a
-silent Redis counts as down, callers do not each wait out their whole deadline (an
-answer given at the last moment often reaches its caller too late). Giving up on a
+rules' failure_mode applies). A request that could only be given up is answered so at
+once, not at its deadline (an answer given at the last moment often reaches its caller
+too late, and the call would cost Redis and this process for nothing): one that has
+less time left than Redis's prompt answers take lately (``late``: a slow Redis, or a
+request that waited long for this process before it got here), and one that arrives
+while Redis has already been silent for longer than it can wait (``hopeless``: during
+the second before a silent Redis counts as down, callers do not each wait out their
+whole deadline). Giving up on a
 request says nothing about Redis, so it is no breaker event; the channel decides from
 evidence (errors, a silent connection) when Redis is down. The number of requests
 waiting is bounded too (``max_pending``): past it, :meth:`ExactBatcher.submit` refuses
@@ -66,17 +69,24 @@ log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 32
 """Script calls outstanding at once; further requests queue into the next batch."""
-LONE_BATCHES = 2
-"""Held batches in a row that left with one request each, after which holding stops
-until the load sensor next finds the loop saturated: nobody came to share the call, so
-the hold only delayed it (as when the load has just dropped)."""
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis. A full
 batch goes out at once, even while another call is in flight."""
+LONE_BATCHES = 2
+"""Held batches in a row that left with one request each, after which a request within
+the gap goes at once all the same while no call is out: nobody came to share the wait
+(a client that sends its calls one after the other, whose next call comes only once
+this one is answered). The next held batch that finds company, or a request that comes
+while a call is out, brings the wait back."""
+PROMPT_WINDOW = 1.0
+"""Seconds of replies over which ExactBatcher.prompt takes the quickest (this window and
+the one before): the quick end of what Redis and this process manage lately, not a
+typical reply, so that only requests that could not be answered in time are turned
+away at once."""
 
 
 class Channel(Protocol):
-    """How the batcher reaches Redis (implemented by the Redis store)."""
+    """How the batcher reaches Redis (exact_channel.ExactChannel)."""
 
     def send(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
         """Send one script call now; ``deliver`` gets its flat reply, or the exception
@@ -140,7 +150,7 @@ class _Waiter:
 
 
 class _Batch:
-    __slots__ = ("args", "done", "due", "forced", "keys", "release", "waiters")
+    __slots__ = ("args", "done", "due", "forced", "keys", "release", "sent_at", "waiters")
 
     def __init__(self, slices: int) -> None:
         self.release: asyncio.TimerHandle | None = None
@@ -155,6 +165,7 @@ class _Batch:
         still come and tell what Redis did with owed hits)."""
         self.forced = 0
         """Owed requests in it (nobody waits for them)."""
+        self.sent_at = 0.0
 
     def add(self, waiter: _Waiter, keys: Sequence[str], commit: int, args: Sequence[Any]) -> None:
         self.waiters.append(waiter)
@@ -186,9 +197,10 @@ class ExactBatcher:
         slices: int,
         timeout: float,
         max_pending: int = default("--exact-max-pending"),
+        gap: float = 0.0,
     ) -> None:
         """``timeout``: how long a request without a deadline of its own waits, and the
-        longest any request waits."""
+        longest any request waits. ``gap``: see :attr:`gap`."""
         self._channel = channel
         self._slices = slices
         self._timeout = timeout
@@ -202,6 +214,18 @@ class ExactBatcher:
         self.hopeless = 0
         """Requests answered with StoreUnavailable at once: Redis had been silent for
         longer than they could wait."""
+        self.late = 0
+        """Requests answered with StoreUnavailable at once: they had less time left
+        than Redis's prompt answers take lately (see :attr:`prompt`)."""
+        self.prompt = 0.0
+        """Seconds from sending a call to its reply being read, the quickest seen in the
+        last PROMPT_WINDOW or two (0 before the first reply): a request with less time
+        left could only be given up. It includes this process's own delays (a busy loop
+        reads replies late), and follows a Redis that has become slower within two
+        windows, one that has become quicker at once."""
+        self._quickest = -1.0
+        self._previous_quickest = 0.0
+        self._window_end = 0.0
         self.owed = OwedHits()
         self._open: _Batch | None = None
         self._in_flight = 0
@@ -212,14 +236,18 @@ class ExactBatcher:
         self._timer: asyncio.Handle | None = None
         self._timer_at = 0.0
         """When the timer fires (uvloop's handles for a time already past do not say)."""
-        self.hold = 0.0
-        """Seconds a batch waits for company before it leaves; 0: send at once (see
-        set_hold)."""
+        self.gap = gap
+        """Seconds from one script call to the next at least: a batch that opens sooner
+        after the last call left waits for the rest of the gap, gathering the requests
+        that come meanwhile (0: every batch leaves at once)."""
+        self._last_sent = -gap
+        """When the last script call left (the loop's clock)."""
         self._lone = 0
+        """Held batches in a row that left with one request (see LONE_BATCHES)."""
         self.batches = 0
         self.requests = 0
         self.held = 0
-        """Batches that opened with a hold (sent when it ended, or when full)."""
+        """Batches that opened within the gap and waited for its end (or to be full)."""
 
     def submit(
         self,
@@ -242,7 +270,19 @@ class ExactBatcher:
         latest = now + self._timeout
         if deadline is None or deadline > latest:
             deadline = latest
-        if self._channel.silent_longer_than(deadline - now):
+        left = deadline - now
+        if left <= 0 or (self._in_flight and left < self.prompt):
+            # Not even a call sent now would be answered in time: failure_mode at once,
+            # not at the deadline (the call would cost Redis and this process for
+            # nothing). With nothing in flight a call goes, so `prompt` stays current.
+            self.late += 1
+            if owe and commit:
+                self.owed.add(keys, args, now)
+            raise StoreUnavailable(
+                f"redis: answers take {self.prompt * 1000:.1f} ms lately,"
+                f" {max(left, 0.0) * 1000:.1f} ms left"
+            )
+        if self._channel.silent_longer_than(left):
             self.hopeless += 1
             if owe and commit:
                 self.owed.add(keys, args, now)
@@ -250,8 +290,11 @@ class ExactBatcher:
         batch = self._open
         if batch is None:
             batch = self._open = _Batch(self._slices)
-            if self.hold:
-                batch.release = loop.call_later(self.hold, self._release, batch)
+            due_at = self._last_sent + self.gap
+            if due_at > now and (self._lone < LONE_BATCHES or self._in_flight):
+                # A call left less than `gap` ago: gather company until the gap is over
+                # (unless the last held batches found none, and no call is out).
+                batch.release = loop.call_at(due_at, self._release, batch)
                 self.held += 1
             else:
                 batch.due = True
@@ -284,16 +327,10 @@ class ExactBatcher:
         self._add_owed(batch, now, now + self._timeout)
         self._send(loop)
 
-    def set_hold(self, seconds: float) -> None:
-        """Hold new batches this long from now on (0: not at all); the count of lone
-        held batches starts again."""
-        self.hold = seconds
-        self._lone = 0
-
     def close(self) -> None:
         """Fail the batch not sent yet and stop holding: nothing goes out after the
         store has closed its connection (a held batch would reopen it)."""
-        self.hold = 0.0
+        self.gap = 0.0
         batch, self._open = self._open, None
         if batch is not None:
             if batch.release is not None:
@@ -306,9 +343,7 @@ class ExactBatcher:
         if self._open is not batch:  # it left full, or the store closed
             return
         batch.due = True
-        self._lone = 0 if _callers(batch) > 1 else self._lone + 1
-        if self._lone >= LONE_BATCHES:
-            self.hold = 0.0
+        self._lone = self._lone + 1 if _callers(batch) <= 1 else 0
         if self._in_flight < MAX_IN_FLIGHT:
             self._send(asyncio.get_running_loop())
 
@@ -329,6 +364,7 @@ class ExactBatcher:
         if not batch.waited_for():  # every caller gave up before it left: not sent
             return
         self._in_flight += 1
+        self._last_sent = batch.sent_at = loop.time()
         self.batches += 1
         self.requests += _callers(batch)
         self._flying.append(batch)
@@ -346,8 +382,21 @@ class ExactBatcher:
             self._settle(batch, None, f"redis: unexpected {type(exc).__name__}")
         else:
             self._settle(batch, raw, "")
-            self._repay(asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            self._timed(loop.time(), loop.time() - batch.sent_at)
+            self._repay(loop)
         self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
+
+    def _timed(self, now: float, took: float) -> None:
+        """A reply read ``took`` seconds after its call was sent: :attr:`prompt` is the
+        quickest of this window and the one before."""
+        if now >= self._window_end:
+            self._window_end = now + PROMPT_WINDOW
+            self._previous_quickest = self._quickest if self._quickest >= 0 else took
+            self._quickest = took
+        elif took < self._quickest:
+            self._quickest = took
+        self.prompt = min(self._previous_quickest, self._quickest)
 
     def _settle(self, batch: _Batch, raw: Any, error: str) -> None:
         """Hand each request its results (or ``error`` when ``raw`` is None). Hits of

@@ -41,7 +41,6 @@ from ratelimit_service.core.zones import ZoneKeys
 from ratelimit_service.storage.base import StoreMetrics
 from ratelimit_service.storage.exact_batcher import ExactBatcher
 from ratelimit_service.storage.exact_channel import ExactChannel
-from ratelimit_service.storage.loop_load import LoopLoad
 from ratelimit_service.storage.redis_calls import Group, ScriptCalls, describe, display
 from ratelimit_service.storage.script_calls import (
     add_exact_request,
@@ -121,13 +120,15 @@ class RedisStore:
         self.zone_keys = zone_keys
         """In a zone (a zone's store): the indexes fleet_sync.lua and quota_tier.lua
         keep for the zone's aggregator, and the count of zones; None: no zone."""
-        self._load_sensor: asyncio.Future[None] | None = None
-        """Samples the event loop's load while exact calls are batched by it (start)."""
-        self._batcher = ExactBatcher(
-            ExactChannel(self.redis, self._exact), slices, request_timeout, max_pending
-        )
-        # Held batches count against the timeout: keep the hold well inside it.
+        # Held batches count against the timeout: keep the gap well inside it.
         self.batch_hold = min(batch_hold, request_timeout / 4)
+        self._batcher = ExactBatcher(
+            ExactChannel(self.redis, self._exact),
+            slices,
+            request_timeout,
+            max_pending,
+            gap=0.0 if self.cluster else self.batch_hold,
+        )
         self._prepared: dict[int, _Prepared] = {}
 
     # -- request path ------------------------------------------------------------
@@ -334,9 +335,7 @@ class RedisStore:
         request deadline. A Redis that refuses or errs is marked down (the breaker says
         so once) and tried again by the calls that follow; one that is only slow to
         answer is no evidence of an outage: said once, and left to the request path.
-        Starts the event loop's load sensor where exact batching follows it."""
-        if self.wants_saturation and self._load_sensor is None:
-            self._load_sensor = asyncio.ensure_future(LoopLoad(self.loop_saturated).run())
+        """
         try:
             async with asyncio.timeout(self.sync_timeout * 2):
                 await self.redis.initialize()
@@ -367,23 +366,14 @@ class RedisStore:
     def healthy(self) -> bool:
         return self.redis.breaker.healthy
 
-    @property
-    def wants_saturation(self) -> bool:
-        """Whether exact calls are held while the event loop is saturated: on a single
-        server only (a Cluster spreads keys over nodes), and a hold of 0 turns it off."""
-        return not self.cluster and self.batch_hold > 0
-
-    def loop_saturated(self, saturated: bool) -> None:
-        """While the event loop is saturated, exact calls are held to batch requests
-        (see exact_batcher and loop_load)."""
-        self._batcher.set_hold(self.batch_hold if saturated else 0.0)
-
     def metrics(self) -> StoreMetrics:
         batcher = self._batcher
         figures = {
             **self.redis.figures(),
             "exact_given_up": batcher.given_up,
             "exact_hopeless": batcher.hopeless,
+            "exact_late": batcher.late,
+            "exact_prompt_seconds": batcher.prompt,
             "exact_batches": batcher.batches,
             "exact_batched_requests": batcher.requests,
             "exact_held_batches": batcher.held,
@@ -392,13 +382,11 @@ class RedisStore:
             "exact_owed_entries": len(batcher.owed),
             "exact_owed_sent": batcher.owed.sent,
             "exact_owed_dropped": batcher.owed.dropped,
-            "exact_batch_hold_seconds": batcher.hold,
+            "exact_batch_gap_seconds": batcher.gap,
         }
         reply = {"reply": self.redis.reply_time}
         return StoreMetrics("redis", figures, reply, (self.redis.breaker_state(),))
 
     async def close(self) -> None:
         self._batcher.close()
-        if self._load_sensor is not None:
-            self._load_sensor.cancel()
         await self.redis.close()

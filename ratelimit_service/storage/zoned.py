@@ -65,11 +65,6 @@ class ZoneRedisStore(RedisStore):
         self._write = self.redis.register("zone_write.lua")
         self._lease = self.redis.register("lease.lua")
 
-    @property
-    def wants_saturation(self) -> bool:
-        """No exact call comes here (the global store decides them): no load sensor."""
-        return False
-
     async def zone_totals(self, forget_after: float, deadline: float) -> list[ZoneTotals]:
         """Every counter a replica of the zone published within ``forget_after``."""
         args = zone_read_args(int(forget_after * 1_000_000), MOST_COUNTERS)

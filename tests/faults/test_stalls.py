@@ -133,7 +133,7 @@ async def test_the_latency_histogram_sees_a_pause_as_the_callers_do(tmp_path: Pa
     slow_counted = (after[count] - before[count]) - (after[bucket] - before[bucket])
     assert slow_seen >= 50, seen.failures
     # The histogram estimates each call's wait from the rate before the pause
-    # (engine/loop_load.py LoopLag): on a machine busy beside the service the catch-up
+    # (engine/loop_lag.py LoopLag): on a machine busy beside the service the catch-up
     # after the pause is slower, and calls that came during it count as held too.
     assert 0.6 * slow_seen <= slow_counted <= 2.0 * slow_seen, (slow_seen, slow_counted)
 

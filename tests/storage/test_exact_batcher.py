@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ratelimit_harness.fixtures import window_slices
+from ratelimit_harness.forwarder import Forwarder
 from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
 from ratelimit_service.storage import exact_batcher
@@ -22,23 +23,32 @@ pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
 @pytest.fixture
 async def store(redis_server, monkeypatch):
-    """One call in flight at a time, so every test knows which requests share a call."""
+    """One call in flight at a time and no gap between calls, so every test knows which
+    requests share a call."""
     monkeypatch.setattr(exact_batcher, "MAX_IN_FLIGHT", 1)
-    store = RedisStore(redis_server.url, request_timeout=0.5)
+    store = RedisStore(redis_server.url, request_timeout=0.5, batch_hold=0.0)
     yield store
     await store.close()
 
 
-async def test_a_few_calls_go_out_at_once_then_requests_queue(redis_server) -> None:
-    store = RedisStore(redis_server.url, request_timeout=0.5)
+async def test_the_first_call_goes_at_once_then_requests_gather_for_the_gap(
+    redis_server,
+) -> None:
+    store = RedisStore(redis_server.url, request_timeout=0.5, batch_hold=0.05)
     try:
-        slots = exact_batcher.MAX_IN_FLIGHT
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        first = store.hit([ExactHit("k", 100, 60, 1)], True)
+        assert store.metrics().figures["exact_batches"] == 1  # sent before hit() returned
         results = await asyncio.gather(
-            *(store.hit([ExactHit("k", 100, 60, 1)], True) for _ in range(slots + 10))
+            first, *(store.hit([ExactHit("k", 100, 60, 1)], True) for _ in range(10))
         )
-        # One call per free slot, then the ten that queued behind them share one.
-        assert store.metrics().figures["exact_batches"] == slots + 1
-        assert sorted(r[0].before for r in results) == list(range(slots + 10))
+        # The ten that came within the gap after the first call left shared one call,
+        # sent when the gap was over.
+        assert store.metrics().figures["exact_batches"] == 2
+        assert store.metrics().figures["exact_held_batches"] == 1
+        assert loop.time() - started >= 0.04
+        assert sorted(r[0].before for r in results) == list(range(11))
     finally:
         await store.close()
 
@@ -158,7 +168,7 @@ async def test_hits_held_back_in_a_call_count_when_slices_are_read(
         await raw.aclose()
 
 
-# -- holding while the event loop is saturated ------------------------------------
+# -- the gap between calls ------------------------------------------------------------
 
 
 async def spread_over_turns(
@@ -186,134 +196,86 @@ async def make_store(redis_server) -> AsyncIterator[Callable[..., RedisStore]]:
         await store.close()
 
 
-async def test_requests_in_separate_turns_go_alone_when_not_held(make_store) -> None:
-    store = make_store(request_timeout=0.5)
+async def test_without_a_gap_requests_in_separate_turns_go_alone(make_store) -> None:
+    store = make_store(request_timeout=0.5, batch_hold=0.0)
+    assert store.metrics().figures["exact_batch_gap_seconds"] == 0
     results = await spread_over_turns(store, [ExactHit("t", 9, 60, 1)], 6)
-    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
     # A call slot was free each time: every request went at once, in its own call.
     assert store.metrics().figures["exact_batches"] == 6
     assert store.metrics().figures["exact_held_batches"] == 0
     assert sorted(r[0].before for r in results) == list(range(6))
 
 
-async def test_saturated_loop_holds_calls_so_requests_share_them(make_store) -> None:
+async def test_requests_in_separate_turns_within_the_gap_share_a_call(make_store) -> None:
+    """grpc.aio starts about one RPC per loop turn, and Redis answers within a turn:
+    without the gap each would have a call of its own however high the load."""
     store = make_store(request_timeout=1.0, batch_hold=0.2)
-    store.loop_saturated(True)
-    assert store.metrics().figures["exact_batch_hold_seconds"] == 0.2
     loop = asyncio.get_running_loop()
     started = loop.time()
-    results = await spread_over_turns(store, [ExactHit("h", 3, 60, 1)], 5)
+    results = await spread_over_turns(store, [ExactHit("h", 3, 60, 1)], 6)
     waited = loop.time() - started
-    assert store.metrics().figures["exact_batches"] == 1  # one call for the five
+    # The first went at once; the five after it, within the gap, left together.
+    assert store.metrics().figures["exact_batches"] == 2
     assert store.metrics().figures["exact_held_batches"] == 1
-    assert [r[0].admitted for r in results] == [True] * 3 + [False] * 2
-    assert [r[0].before for r in results] == [0, 1, 2, 3, 3]
-    assert waited >= 0.19  # the batch left when its hold was over, not before
-
-    store.loop_saturated(False)
-    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
-    started = loop.time()
-    again = await store.hit([ExactHit("h", 3, 60, 0)], True)
-    assert loop.time() - started < 0.1  # not held any more
-    assert again[0].before == 3
+    assert store.metrics().figures["exact_batched_requests"] == 6
+    assert [r[0].admitted for r in results] == [True] * 3 + [False] * 3
+    assert [r[0].before for r in results] == [0, 1, 2, 3, 3, 3]
+    assert waited >= 0.19  # the batch left when the gap was over, not before
 
 
-async def test_the_hold_stays_well_inside_the_timeout(make_store) -> None:
+async def test_a_request_after_a_quiet_gap_goes_at_once(make_store) -> None:
+    """At a low rate nothing waits: a request that comes when the last call left a gap
+    ago or more is sent before hit() returns."""
+    store = make_store(request_timeout=1.0, batch_hold=0.05)
+    hit = [ExactHit("q", 100, 60, 1)]
+    loop = asyncio.get_running_loop()
+    await store.hit(hit, True)
+    sent_at = loop.time()
+    await eventually_async(lambda: loop.time() - sent_at > 0.05, timeout=1, what="gap over")
+    calls = store.metrics().figures["exact_batches"]
+    answer = store.hit(hit, True)
+    assert store.metrics().figures["exact_batches"] == calls + 1  # sent at once, not held
+    assert (await answer)[0].before == 1
+    assert store.metrics().figures["exact_held_batches"] == 0
+
+
+async def test_the_gap_stays_well_inside_the_timeout(make_store) -> None:
     store = make_store(request_timeout=0.02, batch_hold=1.0)
     assert store.batch_hold == 0.005
-    store.loop_saturated(True)
+    assert store.metrics().figures["exact_batch_gap_seconds"] == 0.005
     results = await spread_over_turns(store, [ExactHit("q", 10, 60, 1)], 3)
     assert [r[0].before for r in results] == [0, 1, 2]  # answered, not timed out
 
 
-async def test_a_full_batch_does_not_wait_for_its_hold(make_store) -> None:
+async def test_a_full_batch_does_not_wait_for_the_gap(make_store) -> None:
     store = make_store(request_timeout=5.0, batch_hold=2.0)
-    store.loop_saturated(True)
     size = exact_batcher.MAX_BATCH_DESCRIPTORS
     started = asyncio.get_running_loop().time()
     results = await asyncio.gather(
-        *(store.hit([ExactHit("f", 10 * size, 60, 1)], True) for _ in range(size))
+        *(store.hit([ExactHit("f", 10 * size, 60, 1)], True) for _ in range(size + 1))
     )
     assert asyncio.get_running_loop().time() - started < 1.0
-    assert store.metrics().figures["exact_batches"] == 1
-    assert sorted(r[0].before for r in results) == list(range(size))
-
-
-async def test_a_batch_queued_for_a_free_slot_is_not_held_when_holding_starts(
-    store: RedisStore,
-) -> None:
-    """A batch that opened while nothing was held waits only for a call slot, even if
-    holding is switched on before the slot frees."""
-    store.batch_hold = 2.0
-    first = asyncio.ensure_future(store.hit([ExactHit("s", 10, 60, 1)], True))
-    await asyncio.sleep(0)  # sent: the only slot is busy
-    queued = asyncio.ensure_future(store.hit([ExactHit("s", 10, 60, 1)], True))
-    await asyncio.sleep(0)
-    store.loop_saturated(True)
-    joined = asyncio.ensure_future(store.hit([ExactHit("s", 10, 60, 1)], True))
-    done, _ = await asyncio.wait([first, queued, joined], timeout=1.0)
-    assert len(done) == 3  # not held for 2 s behind the first call
+    # The first at once, then the next `size` as soon as they filled a batch.
     assert store.metrics().figures["exact_batches"] == 2
-    assert sorted(t.result()[0].before for t in (first, queued, joined)) == [0, 1, 2]
-
-
-async def test_holding_stops_when_held_calls_leave_alone(make_store) -> None:
-    """Saturated in the sensor's last sample, but requests now come one at a time
-    (the load has just dropped): after LONE_BATCHES held calls with nobody to share
-    them, calls go at once again, until the sensor reports saturation again."""
-    store = make_store(request_timeout=1.0, batch_hold=0.2)
-    hit = [ExactHit("l", 100, 60, 1)]
-    loop = asyncio.get_running_loop()
-
-    async def timed() -> float:
-        started = loop.time()
-        await store.hit(hit, True)
-        return loop.time() - started
-
-    lone = exact_batcher.LONE_BATCHES
-    store.loop_saturated(True)
-    waits = [await timed() for _ in range(lone + 2)]
-    assert all(wait >= 0.19 for wait in waits[:lone]), waits
-    assert all(wait < 0.1 for wait in waits[lone:]), waits
-    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
-    # The next report brings the hold back, with a fresh count of lone calls.
-    store.loop_saturated(True)
-    assert store.metrics().figures["exact_batch_hold_seconds"] == 0.2
-    for _ in range(lone - 1):
-        assert await timed() >= 0.19
-    assert store.metrics().figures["exact_batch_hold_seconds"] == 0.2
-    # A shared held call starts the count again too.
-    await spread_over_turns(store, hit, 3)
-    for _ in range(lone - 1):
-        await timed()
-    assert store.metrics().figures["exact_batch_hold_seconds"] == 0.2
-    await timed()
-    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
+    assert sorted(r[0].before for r in results) == list(range(size + 1))
 
 
 async def test_closing_the_store_fails_a_held_batch_instead_of_sending_it(
     make_store, redis_server
 ) -> None:
     store = make_store(request_timeout=1.0, batch_hold=0.1)
-    store.loop_saturated(True)
+    await store.hit([ExactHit("first", 5, 60, 1)], True)  # the gap starts
     held = store.hit([ExactHit("gone", 5, 60, 1)], True)
+    assert store.metrics().figures["exact_held_batches"] == 1
     await store.close()
     with pytest.raises(StoreUnavailable, match="closed"):
         await held
-    await asyncio.sleep(0.2)  # past the hold (an absence: no condition to await)
+    await asyncio.sleep(0.2)  # past the gap (an absence: no condition to await)
     raw = aioredis.Redis.from_url(redis_server.url)
     try:
         assert await raw.exists(store._exact_key("gone", 60)) == 0
     finally:
         await raw.aclose()
-
-
-async def test_no_hold_without_a_single_server_or_with_a_hold_of_zero(make_store) -> None:
-    assert make_store().wants_saturation
-    store = make_store(batch_hold=0.0)
-    assert not store.wants_saturation
-    store.loop_saturated(True)
-    assert store.metrics().figures["exact_batch_hold_seconds"] == 0
 
 
 def test_a_deadline_already_past_arms_the_timer_under_uvloop() -> None:
@@ -333,3 +295,55 @@ def test_a_deadline_already_past_arms_the_timer_under_uvloop() -> None:
         return len(fired)
 
     assert uvloop.run(arm_twice()) == 1
+
+
+# -- too late to ask Redis -------------------------------------------------------------
+
+
+async def test_a_request_with_less_time_left_than_redis_takes_is_answered_at_once(
+    redis_server,
+) -> None:
+    """Behind a Redis that takes 0.1 s, a request that can wait 20 ms would only be given
+    up at its deadline: it is answered StoreUnavailable before hit() returns, counted,
+    and its hits owed (its rules fail open). Only while a call is in flight: with none,
+    a request goes and its reply keeps the figure current."""
+    with Forwarder(redis_server.port) as forwarder:
+        store = RedisStore(forwarder.url, request_timeout=1.0, batch_hold=0.0)
+        try:
+            hit = [ExactHit("slow", 100, 60, 1)]
+            forwarder.delay(0.1)
+            await store.hit(hit, True)  # the first reply sets the figure
+            assert store.metrics().figures["exact_prompt_seconds"] >= 0.1
+            loop = asyncio.get_running_loop()
+            out = store.hit(hit, True)  # in flight for 0.1 s
+            with pytest.raises(StoreUnavailable, match="lately"):
+                store.hit(hit, True, owe=True, deadline=loop.time() + 0.02)
+            assert store.metrics().figures["exact_late"] == 1
+            assert store.metrics().figures["exact_owed_entries"] == 1
+            assert (await out)[0].before == 1  # the one in flight is decided by Redis
+            # Its reply sent the owed hit; the next call lands after it.
+            assert (await store.hit(hit, True))[0].before == 3
+            # Nothing in flight: the next request goes, though it cannot be answered in
+            # time; given up at its deadline.
+            with pytest.raises(StoreUnavailable, match="no answer"):
+                await store.hit(hit, True, deadline=loop.time() + 0.02)
+            assert store.metrics().figures["exact_late"] == 1
+            # Redis quick again: the first quick reply brings the figure down at once.
+            forwarder.delay(0.0)
+            await store.hit(hit, True)  # its reply comes after the given-up one's
+            await store.hit(hit, True)
+            assert store.metrics().figures["exact_prompt_seconds"] < 0.05
+            out = store.hit(hit, True)
+            quick = store.hit(hit, True, deadline=loop.time() + 0.02)
+            assert [r[0].admitted for r in await asyncio.gather(out, quick)] == [True, True]
+        finally:
+            await store.close()
+
+
+async def test_a_request_past_its_deadline_is_answered_at_once(make_store) -> None:
+    store = make_store(request_timeout=1.0)
+    loop = asyncio.get_running_loop()
+    with pytest.raises(StoreUnavailable, match=r"0\.0 ms left"):
+        store.hit([ExactHit("past", 5, 60, 1)], True, deadline=loop.time() - 0.001)
+    assert store.metrics().figures["exact_late"] == 1
+    assert store.metrics().figures["exact_batches"] == 0

@@ -90,8 +90,10 @@ async def test_waiters_hear_a_lost_connection_and_the_next_call_reconnects(
 
 async def test_a_silent_connection_is_dropped_and_opens_the_breaker(redis_server) -> None:
     """A call given up at its deadline is no evidence; no byte for ``silence`` with
-    calls outstanding is: the connection is dropped and the breaker opens at once."""
-    store = RedisStore(redis_server.url, request_timeout=0.1, silence=0.25)
+    calls outstanding is: the connection is dropped and the breaker opens at once. (No
+    gap between calls: each is written when it is made, so the silence a request finds
+    is the time since the one before it was made.)"""
+    store = RedisStore(redis_server.url, request_timeout=0.1, silence=0.25, batch_hold=0.0)
     try:
         await store.hit(HIT, True)
         redis_server.pause()  # a silent peer: no reset, no reply
@@ -213,7 +215,7 @@ async def test_a_reply_that_came_while_the_loop_was_blocked_is_used(redis_server
     is written until well past the deadline; Redis answered meanwhile. The reply is on
     the socket, and it is used, whichever runs first on waking: the deadline timer
     (uvloop runs due timers before polling for I/O) or the read."""
-    store = RedisStore(redis_server.url, request_timeout=0.05, silence=10)
+    store = RedisStore(redis_server.url, request_timeout=0.05, silence=10, batch_hold=0.0)
     try:
         await store.hit(HIT, True)  # connected
         for _ in range(5):
