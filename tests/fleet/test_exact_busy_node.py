@@ -133,9 +133,14 @@ def test_really_slow_redis_gets_failure_mode_at_the_caller_s_deadline(tmp_path: 
     assert metrics['ratelimit_service_rate_limit_within_limit_total{key="load.slow"}'] == 8
     assert metrics['ratelimit_store{name="timeouts",store="redis"}'] == 5
     assert metrics['ratelimit_store{name="outages",store="redis"}'] == 0
-    assert metrics["ratelimit_store_reply_seconds_count"] >= 8  # late replies were read
+    # Every call's reply was read, the late ones included (the exact calls, however the
+    # batcher shared them out, and each sync round, one call each): 0.4 s each.
+    calls = metrics['ratelimit_store{name="exact_batches",store="redis"}']
+    calls += metrics["ratelimit_sync_rounds_total"]
+    assert calls >= 2  # a hurried call given up, a patient one answered
+    assert metrics["ratelimit_store_reply_seconds_count"] >= calls
     assert metrics['ratelimit_store_reply_seconds_bucket{le="0.25"}'] <= 1  # (the warm-up)
-    assert metrics['ratelimit_store_reply_seconds_bucket{le="1.0"}'] >= 8  # 0.4 s each
+    assert metrics['ratelimit_store_reply_seconds_bucket{le="1.0"}'] >= calls
 
 
 def test_killed_redis_opens_the_breaker_and_a_zero_limit_still_denies(tmp_path: Path) -> None:
