@@ -60,6 +60,7 @@ from ratelimit_service.storage.redis_store import CALL_CHUNK
 from ratelimit_service.storage.script_calls import (
     sync_args,
     tier_args,
+    tier_keys,
     write_args,
     zone_read_fleet_reply,
     zone_read_reply,
@@ -108,6 +109,12 @@ class Packed:
 
     def pack(self, keys: list[str], args: list[Any]) -> bytes:
         return b"".join(self._packer.pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
+
+    def counter_keys(self, key: str) -> tuple[str, ...]:
+        """quota_tier.lua's KEYS for a counter: three (storage/script_calls.py
+        tier_keys), or the two of a revision before the members' hash."""
+        keys = tier_keys(key)
+        return keys if "KEYS[3 * i" in self.source else keys[:2]
 
     async def __call__(self, packed: bytes) -> Any:
         pool = self.client.connection_pool
@@ -174,7 +181,7 @@ async def zone_store(
                                   demand // 10, 1, LIMIT) for key in chunk]  # fmt: skip
             call_keys: list[str] = []
             for key in chunk:
-                call_keys += (f"rl:qt{{{key}}}", f"rl:qt{{{key}}}:m")
+                call_keys += tier.counter_keys(f"rl:qt{{{key}}}")
             args = tier_args(reports, FORGET_US, None, zoned=True)
             calls.append(tier.pack([*call_keys, index], args))
 
@@ -243,7 +250,7 @@ async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
             chunk = reports[start : start + BATCH]
             call_keys: list[str] = []
             for key, kind in chunk:
-                call_keys += (f"rl:qt{{{kind}{key}}}", f"rl:qt{{{kind}{key}}}:m")
+                call_keys += tier.counter_keys(f"rl:qt{{{kind}{key}}}")
             totals = [TierReport(key, zone, demand / MILLI, ENVOYS // ZONES, demand // 10,
                                  1, LIMIT) for key, _ in chunk]  # fmt: skip
             args = tier_args(totals, FORGET_US, 1, zoned=False)  # 1: its fencing token
@@ -356,11 +363,11 @@ async def update_cost(
             args = sync_args(reports, member, 5_000_000, zoned=True)
             syncs.append(sync.pack(["rl:nodes", *(f"rl:f:{k}" for k in keys), *zone_keys], args))
             totals = [TierReport(k, member, 100.0, 100, 10_000, 1, LIMIT) for k in keys]
-            pair = [x for k in keys for x in (f"rl:qt{{{k}}}", f"rl:qt{{{k}}}:m")]
+            pair = [x for k in keys for x in tier.counter_keys(f"rl:qt{{{k}}}")]
             args = tier_args(totals, FORGET_US, None, zoned=True)
             zone_publishes.append(tier.pack([*pair, "rl:zone:z:counters"], args))
             if n < ZONES:  # the global store's members are the zones, with their tokens
-                pair = [x for k in keys for x in (f"rl:qt{{g{k}}}", f"rl:qt{{g{k}}}:m")]
+                pair = [x for k in keys for x in tier.counter_keys(f"rl:qt{{g{k}}}")]
                 args = tier_args(totals, FORGET_US, 1, zoned=False)
                 global_publishes.append(tier.pack(pair, args))
         cases = {

@@ -5,7 +5,9 @@
 -- comes from drop_ratio.capacity: the limit, or the rule's burst): 'tk' tokens, 'ts'
 -- when they were last updated (microseconds), 'o' the monotonic count of offered
 -- hits. A sorted set of node ids scored by last sync time gives the number of live
--- nodes.
+-- nodes. 'x' is when a rolling bucket's hash expires (microseconds): its expiry is
+-- pushed back (a minute past what it must outlive) only when it comes within that,
+-- not on every sync.
 --
 -- A calendar budget's bucket (one key per period, core/calendar.py counted_under; its
 -- report says when the period ends) starts full and does not refill: it holds what
@@ -53,6 +55,7 @@ local node_ttl = tonumber(ARGV[2])
 -- number costs more than the command, and tostring() keeps only 14 digits (the
 -- microsecond clock has 16).
 local stamp_text = format('%d', now)
+local REFRESH_MS = 60000 -- a key's expiry is pushed back this far past what it must outlive
 
 local first = 1
 local out = {-1}
@@ -85,7 +88,7 @@ for i = 1, last - first + 1 do
   local capacity = tonumber(ARGV[base + 2])
   local admitted = tonumber(ARGV[base + 3])
   local ends = tonumber(ARGV[base + 6])
-  local state = call('HMGET', key, 'tk', 'ts', 'Z', 'T', 'a', 'o', 'L', 'W')
+  local state = call('HMGET', key, 'tk', 'ts', 'Z', 'T', 'a', 'o', 'L', 'W', 'x')
   local zone_part = tonumber(state[3])
   local zone_limit = nil
   if zone_part ~= nil then
@@ -134,11 +137,18 @@ for i = 1, last - first + 1 do
       'o', format('%d', offered_total))
   end
   if ends ~= nil then
-    if ends < 0 then ends = 0 end
-    call('PEXPIRE', key, format('%d', math.ceil(ends / 1000) + 60000))
+    -- a calendar budget's: a minute past its period's end (or past this report, when
+    -- it comes after the end)
+    call('PEXPIRE', key, format('%d', math.ceil(math.max(ends, 0) / 1000) + 60000))
   else
-    -- Kept one window past full refill plus a minute: after that it is a full bucket.
-    call('PEXPIRE', key, format('%d', math.ceil(window / 1000) * 2 + 60000))
+    -- Kept one window past full refill plus a minute (after that it is a full bucket);
+    -- the expiry pushed back only when it comes within that.
+    local keep_ms = math.ceil(window / 1000) * 2 + 60000
+    local expires = tonumber(state[9])
+    if expires == nil or expires - now < keep_ms * 1000 then
+      call('PEXPIRE', key, format('%d', keep_ms + REFRESH_MS))
+      call('HSET', key, 'x', format('%d', now + (keep_ms + REFRESH_MS) * 1000))
+    end
   end
   out[#out + 1] = math.floor(tokens * 1000)
   out[#out + 1] = offered_total

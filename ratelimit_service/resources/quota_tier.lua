@@ -2,14 +2,20 @@
 -- the limit out. Arithmetic twin: core/tiers.py (TierTable.publish, fair_part,
 -- capped_part); rates are integer thousandths of a hit per second.
 --
--- Each counter is a hash and a sorted set that share a hash tag (one Cluster slot).
--- The hash: 'D', 'N', 'P' the sums of the live members' demands, instances and parts,
--- 'w' the current fixed window's index and 'u' the hits allowed in it (windows
--- aligned to the epoch); per member 'd:<name>', 'n:<name>', 'p:<name>' its last
--- demand, instance count and part. The sorted set scores each member by when it last
--- published (microseconds). Members silent longer than the forget time leave the sums,
--- at most ARGV[4] per call (oldest first), so the work per call does not grow with the
--- fleet.
+-- Each counter is two hashes and a sorted set that share a hash tag (one Cluster
+-- slot). The counter's hash: 'D', 'N', 'P' the sums of the live members' demands,
+-- instances and parts, 'w' the current fixed window's index and 'u' the hits allowed
+-- in it (windows aligned to the epoch). The members' hash: per member (field: its
+-- name) its last demand, instance count and part, packed as 'demand instances part'.
+-- The sorted set scores each member by when it last published (microseconds). Members
+-- silent longer than the forget time leave the sums, at most ARGV[4] per call (oldest
+-- first), so the work per call does not grow with the fleet.
+--
+-- The members' entries live apart from the sums because Redis keeps a small hash
+-- packed and finds a field by walking it: behind a hundred replicas the sums' hash
+-- stays a dozen fields, and each call walks the members' hash once (docs/scale.md).
+-- A member's entry in the counter's hash ('d:<name>', 'n:<name>', 'p:<name>', an
+-- earlier layout) is read when the members' hash has none, and moved there.
 --
 -- The part: the fair one (demand plus the spare by instances under the limit, the
 -- limit by demand over it, by instances with no demand yet), grown only into what the
@@ -30,7 +36,8 @@
 -- token is lower than that on any of its counters is refused whole, before anything is
 -- written (a deposed aggregator's late publish; twin: core/tiers.py publish_fenced).
 --
--- KEYS      per counter: its hash, then its sorted set; then, in a zone, the index
+-- KEYS      per counter: its hash, its sorted set, its members' hash; then, in a zone,
+--           the index
 -- ARGV[1]   this member's name
 -- ARGV[2]   forget time in microseconds
 -- ARGV[3]   the member's fencing token, or '' (a replica: no fencing)
@@ -48,68 +55,87 @@ local call, tonumber, format = redis.call, tonumber, string.format
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local me, forget = ARGV[1], tonumber(ARGV[2])
+local REFRESH_MS = 60000 -- the keys' expiry is pushed back this far past what they must outlive
 
--- A silent member leaves: its fields go, and what it added comes off the sums.
-local function leave(hash, who, sums)
-  local gone = call('HMGET', hash, 'd:' .. who, 'n:' .. who, 'p:' .. who)
-  sums[1] = sums[1] - (tonumber(gone[1]) or 0)
-  sums[2] = sums[2] - (tonumber(gone[2]) or 0)
-  sums[3] = sums[3] - (tonumber(gone[3]) or 0)
+-- A member's last entry, {demand, instances, part} or nil: from the members' hash, or
+-- (an earlier layout) the counter's hash, which it then leaves for the members' hash.
+local function entry(hash, entries, who)
+  local packed = call('HGET', entries, who)
+  if packed then
+    local d, n, p = string.match(packed, '^(%S+) (%S+) (%S+)$')
+    return {tonumber(d), tonumber(n), tonumber(p)}
+  end
+  local old = call('HMGET', hash, 'd:' .. who, 'n:' .. who, 'p:' .. who)
+  if not old[1] then return nil end
   call('HDEL', hash, 'd:' .. who, 'n:' .. who, 'p:' .. who)
+  return {tonumber(old[1]) or 0, tonumber(old[2]) or 0, tonumber(old[3]) or 0}
 end
 
-local counters = math.floor(#KEYS / 2)
+-- A silent member leaves: its entry goes, and what it added comes off the sums.
+local function leave(hash, entries, who, sums)
+  local gone = entry(hash, entries, who)
+  if gone then
+    sums[1] = sums[1] - gone[1]
+    sums[2] = sums[2] - gone[2]
+    sums[3] = sums[3] - gone[3]
+    call('HDEL', entries, who)
+  end
+end
+
+local counters = math.floor(#KEYS / 3)
 local index_key = nil
-if #KEYS > 2 * counters then index_key = KEYS[#KEYS] end
+if #KEYS > 3 * counters then index_key = KEYS[#KEYS] end
 local token = tonumber(ARGV[3])
 if token then
   local refused = nil
   for i = 1, counters do
-    local seen = tonumber(call('HGET', KEYS[2 * i - 1], 'f:' .. me))
+    local seen = tonumber(call('HGET', KEYS[3 * i - 2], 'f:' .. me))
     if seen and seen > token and (refused == nil or seen > refused) then
       refused = seen
     end
   end
   if refused then return {-1, refused} end
 end
--- One pass per counter: one read of the sums and the member's entry (HMGET; in a zone
--- one more, of the aggregator's fields), the sums kept here, one write (HSET); the
+-- One pass per counter: one read of the sums (HMGET, in a zone with the aggregator's
+-- fields) and one of the member's entry, the sums kept here, one write of each; the
 -- fields that only change with the rule are written when they do, and the index gets
 -- one ZADD per call.
 local out = {}
 local indexed = {}
-local no_zone = {false, false, false, false, false, false}
 for i = 1, counters do
-  local hash, members = KEYS[2 * i - 1], KEYS[2 * i]
+  local hash, members, entries = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   local base = 5 + 6 * (i - 1)
   local demand, instances = tonumber(ARGV[base]), tonumber(ARGV[base + 1])
   local allowed, window = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local limit = tonumber(ARGV[base + 4])
-  local state = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u',
-    'd:' .. me, 'n:' .. me, 'p:' .. me)
-  -- Only a zone's store has the aggregator's fields: elsewhere they are not looked for
-  -- (a missing field costs a walk of the whole hash while it is small and packed).
-  local zone = no_zone
-  if index_key then zone = call('HMGET', hash, 'Z', 'G', 'gw', 'g', 'R', 'W') end
-  local zone_part = tonumber(zone[1])
+  -- Only a zone's store has the aggregator's fields (6 to 11): elsewhere they are not
+  -- looked for. The last is when the keys expire (microseconds).
+  local state
+  if index_key then
+    state = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u', 'Z', 'G', 'gw', 'g', 'R', 'W', 'x')
+  else
+    state = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u', 'x')
+  end
+  local zone_part = tonumber(state[6])
   if zone_part ~= nil and zone_part < limit then limit = zone_part end
   local sums = {tonumber(state[1]) or 0, tonumber(state[2]) or 0, tonumber(state[3]) or 0}
-  local heard = state[6] ~= false
+  local mine = entry(hash, entries, me)
+  local heard = mine ~= nil
   local stale = call('ZRANGEBYSCORE', members, '-inf', format('(%d', now - forget),
     'LIMIT', '0', ARGV[4])
   for _, who in ipairs(stale) do
     if who ~= me then
-      leave(hash, who, sums)
+      leave(hash, entries, who, sums)
       call('ZREM', members, who)
     else
       heard = false -- silent too long itself: it left, and is heard for the first time
     end
   end
-  if state[6] then
+  if mine then
     -- what this member added last time comes off the sums (it left, or is replaced)
-    sums[1] = sums[1] - (tonumber(state[6]) or 0)
-    sums[2] = sums[2] - (tonumber(state[7]) or 0)
-    sums[3] = sums[3] - (tonumber(state[8]) or 0)
+    sums[1] = sums[1] - mine[1]
+    sums[2] = sums[2] - mine[2]
+    sums[3] = sums[3] - mine[3]
   end
   local first = not heard
   local fleet_demand = sums[1] + demand
@@ -138,26 +164,32 @@ for i = 1, counters do
   if state[4] == index then used = tonumber(state[5]) or 0 end
   used = used + allowed
   call('HSET', hash, 'D', format('%d', fleet_demand), 'N', format('%d', fleet_instances),
-    'P', format('%d', others + part), 'w', index, 'u', format('%d', used),
-    'd:' .. me, format('%d', demand), 'n:' .. me, format('%d', instances),
-    'p:' .. me, format('%d', part))
+    'P', format('%d', others + part), 'w', index, 'u', format('%d', used))
+  call('HSET', entries, me, format('%d %d %d', demand, instances, part))
   call('ZADD', members, format('%d', now), me)
   if token then call('HSET', hash, 'f:' .. me, ARGV[3]) end
-  if zone[2] and zone[3] == index then
-    used = math.max(used, tonumber(zone[2]) + used - (tonumber(zone[4]) or 0))
+  if state[7] and state[8] == index then
+    used = math.max(used, tonumber(state[7]) + used - (tonumber(state[9]) or 0))
   end
   if index_key then
-    if zone[5] ~= ARGV[base + 4] or zone[6] ~= ARGV[base + 3] then
+    if state[10] ~= ARGV[base + 4] or state[11] ~= ARGV[base + 3] then
       call('HSET', hash, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
     end
     indexed[#indexed + 1] = format('%d', now)
     indexed[#indexed + 1] = hash
   end
-  local keep = window
-  if forget > keep then keep = forget end
-  local keep_ms = format('%d', math.ceil(keep * 2 / 1000))
-  call('PEXPIRE', hash, keep_ms)
-  call('PEXPIRE', members, keep_ms)
+  -- The three keys outlive twice the window or forget time; their expiry is pushed
+  -- back (a minute past that) when it comes within it, or when a member new to the
+  -- counter may have made its sorted set and members' hash anew.
+  local keep_ms = math.ceil(math.max(window, forget) * 2 / 1000)
+  local expires = tonumber(state[#state])
+  if first or expires == nil or expires - now < keep_ms * 1000 then
+    local ttl = format('%d', keep_ms + REFRESH_MS)
+    call('PEXPIRE', hash, ttl)
+    call('PEXPIRE', members, ttl)
+    call('PEXPIRE', entries, ttl)
+    call('HSET', hash, 'x', format('%d', now + (keep_ms + REFRESH_MS) * 1000))
+  end
   out[#out + 1] = part
   out[#out + 1] = d
   out[#out + 1] = math.max(fleet_instances, 0)

@@ -50,6 +50,7 @@ from ratelimit_service.storage.script_calls import (
     sync_args,
     sync_reply,
     tier_args,
+    tier_keys,
     tier_reply,
 )
 
@@ -306,9 +307,9 @@ class RedisStore:
         return _reorder(groups, [a for a in answers if not isinstance(a, Fenced)], len(reports))
 
     def _tier_key(self, counter: str) -> str:
-        """A counter's hash; its sorted set is the same name with ``:m``. Both carry a
-        hash tag made from the counter (whose own text may hold braces), so a Cluster
-        keeps them in one slot."""
+        """A counter's hash; its sorted set and its members' hash are the same name with
+        ``:m`` and ``:e`` (:func:`tier_keys`). All carry a hash tag made from the counter
+        (whose own text may hold braces), so a Cluster keeps them in one slot."""
         digest = hashlib.blake2b(counter.encode(), digest_size=8).hexdigest()
         return f"{self.prefix}qt{{{digest}}}"
 
@@ -323,7 +324,7 @@ class RedisStore:
         index = self.zone_keys.counters if self.zone_keys is not None else None
         call_keys: list[str] = []
         for key in keys:
-            call_keys += (key, key + ":m")
+            call_keys += tier_keys(key)
         if index is not None:
             call_keys.append(index)
         args = tier_args(reports, int(forget_after * 1_000_000), token, index is not None)

@@ -149,6 +149,12 @@ def sync_reply(raw: Sequence[Any]) -> SyncResult:
 # quota_tier.lua
 
 
+def tier_keys(hash_key: str) -> tuple[str, str, str]:
+    """quota_tier.lua's KEYS for one counter: its hash, its members' sorted set and its
+    members' hash."""
+    return hash_key, hash_key + ":m", hash_key + ":e"
+
+
 def tier_args(
     reports: Sequence[TierReport], forget_us: int, token: int | None, zoned: bool
 ) -> list[Any]:

@@ -25,6 +25,7 @@ from ratelimit_service.storage.redis_calls import script_text
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.storage.script_calls import (
     tier_args,
+    tier_keys,
     tier_reply,
     write_args,
     zone_read_reply,
@@ -168,8 +169,7 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: 
     tokens = {name: rng.randint(1, 5) for name in names}
     now_us = 1_700_000_000_000_000
     seen = {"expired": 0, "windows": 0, "zone": 0, "refused": 0, "accepted": 0}
-    await client.delete(*[f"t:{k}" for k in counters], *[f"t:{k}:m" for k in counters], "t:i",
-                        "t:fence")  # fmt: skip
+    await client.delete(*[n for k in counters for n in tier_keys(f"t:{k}")], "t:i", "t:fence")
     try:
         for step in range(400):
             # Mostly quick steps, now and then a silence longer than the forget time.
@@ -191,7 +191,7 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: 
                 )  # fmt: skip
                 reports.append(report)
                 limits[key] = report.limit
-                keys += (f"t:{key}", f"t:{key}:m")
+                keys += tier_keys(f"t:{key}")
             if zoned:
                 keys.append("t:i")
             args = tier_args(reports, FORGET_US, token, zoned)
@@ -266,7 +266,7 @@ async def test_silent_members_leave_the_sums_a_bounded_number_per_call(redis_ser
         await set_test_clock(client, now_us)
         report = TierReport("x", member, demand, 1, 0, 1, 100.0)
         args = tier_args([report], FORGET_US, None, zoned=False)
-        raw = await client.eval(source, 2, "t:x", "t:x:m", *args)
+        raw = await client.eval(source, 3, *tier_keys("t:x"), *args)
         want = table.publish(report, now_us, FORGET_US)
         (got,) = tier_reply(raw)
         assert got == want
@@ -286,13 +286,84 @@ async def test_silent_members_leave_the_sums_a_bounded_number_per_call(redis_ser
         await client.aclose()
 
 
-async def test_the_store_keeps_a_counters_two_keys_in_one_cluster_slot(redis_server) -> None:
+async def test_members_entries_of_the_earlier_layout_are_read_and_moved(redis_server) -> None:
+    """A counter written before the members' hash (each member's 'd:', 'n:', 'p:' in
+    the counter's hash, as a replica of an earlier version leaves it): a member that
+    publishes replaces its own entry, one that went silent leaves the sums, and both
+    entries end in the members' hash or nowhere."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock("quota_tier.lua")
+    now_us = 1_800_000_000_000_000
+    hash_key, members, entries = tier_keys("t:old")
+    await client.delete(hash_key, members, entries)
+    try:
+        await client.hset(hash_key, mapping={
+            "D": 3_000, "N": 3, "P": 60_000, "d:a": 1_000, "n:a": 1, "p:a": 20_000,
+            "d:b": 2_000, "n:b": 2, "p:b": 40_000,
+        })  # fmt: skip
+        await client.zadd(members, {"a": now_us - FORGET_US - 1, "b": now_us})
+        await set_test_clock(client, now_us)
+        report = TierReport("old", "b", 5.0, 2, 0, 1, 100.0)
+        raw = await client.eval(source, 3, hash_key, members, entries, *tier_args(
+            [report], FORGET_US, None, zoned=False))  # fmt: skip
+        (got,) = tier_reply(raw)
+        # a (silent) left and b's old entry came off: the sums are b's new report alone
+        assert (got.demand, got.instances, got.members) == (5.0, 2, 1)
+        assert got.part == 100.0
+        assert set(await client.hkeys(hash_key)) == {b"D", b"N", b"P", b"w", b"u", b"x"}
+        assert await client.hgetall(entries) == {b"b": b"5000 2 100000"}
+        for key in (hash_key, members, entries):  # each expires, a minute past 2 x forget
+            assert 0 < await client.pttl(key) <= 2 * FORGET_US // 1000 + 60_000
+    finally:
+        await client.aclose()
+
+
+async def test_a_counters_keys_expire_even_when_a_new_member_makes_them_anew(
+    redis_server,
+) -> None:
+    """The three keys' expiry is pushed back when it comes within what they must outlive
+    ('x' notes it), not on every publish; and when a member new to the counter publishes
+    after the only other one left (its sorted set and members' hash emptied, so made
+    anew), they get an expiry again."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock("quota_tier.lua")
+    now_us = 1_800_000_000_000_000
+    keys = tier_keys("t:y")
+    keep_us = 2 * FORGET_US + 60_000_000
+    await client.delete(*keys)
+
+    async def publish(member: str) -> int:
+        await set_test_clock(client, now_us)
+        args = tier_args([TierReport("y", member, 1.0, 1, 0, 1, 100.0)], FORGET_US, None, False)
+        await client.eval(source, 3, *keys, *args)
+        return int(await client.hget(keys[0], "x") or 0)
+
+    try:
+        first = await publish("a")
+        assert first == now_us + keep_us
+        for _ in range(6):  # while it is further off than 2 x forget: left as it is
+            now_us += 10_000_000
+            assert await publish("a") == first
+        now_us += 2_000_000  # within it now: pushed back
+        assert await publish("a") == now_us + keep_us
+        now_us += FORGET_US + 1  # a goes silent; b is new, and a leaves as b publishes
+        await client.persist(keys[1])  # as if made anew without an expiry
+        await client.persist(keys[2])
+        assert await publish("b") == now_us + keep_us
+        for key in keys:
+            assert 0 < await client.pttl(key) <= keep_us // 1000
+        assert await client.zrange(keys[1], 0, -1) == [b"b"]
+    finally:
+        await client.aclose()
+
+
+async def test_the_store_keeps_a_counters_keys_in_one_cluster_slot(redis_server) -> None:
     store = RedisStore(redis_server.url)
     try:
         from redis.crc import key_slot
 
         key = store._tier_key("q\x1ft\x1e{x}y\x1f1")
-        assert key_slot(key.encode()) == key_slot((key + ":m").encode())
+        assert {key_slot(k.encode()) for k in tier_keys(key)} == {key_slot(key.encode())}
         report = TierReport("q\x1ft\x1e{x}y\x1f1", "r1", 12.5, 3, 7, 1, 100.0)
         (answer,) = await store.publish([report], 15.0)
         assert answer == TierTotals(100.0, 12.5, 3, 1, 7)

@@ -235,7 +235,7 @@ def global_fences(zones: Zones, zone: str) -> set[int]:
     (its RLQS counter and the zones' presence)."""
     client = redis.Redis(port=zones.servers["global"].port)
     try:
-        keys = [k for k in client.keys("rl:qt*") if not k.endswith(b":m")]
+        keys = [k for k in client.keys("rl:qt*") if not k.endswith((b":m", b":e"))]
         return {int(client.hget(k, f"f:{zone}") or 0) for k in keys}
     finally:
         client.close()

@@ -174,3 +174,33 @@ async def test_the_aggregators_read_leaves_out_what_is_gone(redis_server) -> Non
         assert await client.zrange("g:i", 0, -1) == [b"g:bare", b"g:gone"]  # old: forgotten
     finally:
         await client.aclose()
+
+
+async def test_a_rolling_buckets_expiry_is_pushed_back_only_when_it_comes_near(
+    redis_server,
+) -> None:
+    """A sync sets a new bucket's expiry a minute past what it must outlive (two windows
+    and a minute) and notes when that is ('x'); the syncs after leave it while it is
+    further off than that, and push it back once it comes within it."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock("fleet_sync.lua")
+    now_us = 1_700_000_000_000_000
+    keep_us = (2 * 1 + 60) * 1_000_000  # a 1 s window: two windows and a minute
+    await client.delete("f:e")
+
+    async def sync() -> int:
+        await set_test_clock(client, now_us)
+        args = sync_args([BucketReport("e", 100, 1, 3, 2)], "", 10**6, zoned=False)
+        await client.eval(source, 1, "f:e", *args)
+        return int(await client.hget("f:e", "x") or 0)
+
+    try:
+        first = await sync()
+        assert first == now_us + keep_us + 60_000_000
+        assert keep_us // 1000 < await client.pttl("f:e") <= keep_us // 1000 + 60_000
+        now_us += 59_000_000  # still more than keep_us off: left as it is
+        assert await sync() == first
+        now_us += 2_000_000  # now within keep_us of it: pushed back
+        assert await sync() == now_us + keep_us + 60_000_000
+    finally:
+        await client.aclose()

@@ -29,13 +29,15 @@ FIELDS = {
     "D": "the live members' demands summed (thousandths of a hit per second)",
     "N": "the live members' instances summed",
     "P": "the live members' parts summed (thousandths of a hit per second)",
-    "d:*": "a member's demand (thousandths of a hit per second)",
-    "n:*": "a member's instances",
-    "p:*": "a member's part (thousandths of a hit per second)",
+    "d:*": "a member's demand (thousandths of a hit per second), in an earlier layout",
+    "n:*": "a member's instances, in an earlier layout",
+    "p:*": "a member's part (thousandths of a hit per second), in an earlier layout",
     "f:*": "the highest fencing token seen from a member",
     "w": "the index of the current fixed window",
     "u": "the hits allowed in window w",
     "R": "the rule's limit (thousandths of a hit per second)",
+    # fleet_sync.lua's buckets and quota_tier.lua's counters alike
+    "x": "when the key expires (microseconds), pushed back when it comes near",
     # a zone's counters and buckets alike
     "K": "the counter's or bucket's key",
     "W": "the window (microseconds)",
@@ -51,8 +53,8 @@ FIELDS = {
 
 SCRIPTS = {
     "exact_window.lua": {"sum", "first", "last"},
-    "fleet_sync.lua": {"tk", "ts", "o", "a", "c", "K", "L", "W", "Z", "T", "E"},
-    "quota_tier.lua": {"D", "N", "P", "d:*", "n:*", "p:*", "f:*", "w", "u"}
+    "fleet_sync.lua": {"tk", "ts", "o", "a", "c", "K", "L", "W", "Z", "T", "E", "x"},
+    "quota_tier.lua": {"D", "N", "P", "d:*", "n:*", "p:*", "f:*", "w", "u", "x"}
     | {"K", "R", "W", "Z", "G", "gw", "g"},
     "zone_read.lua": {"K", "D", "N", "R", "W", "w", "u", "gw", "g"},
     "zone_read_fleet.lua": {"K", "o", "a", "L", "W", "g", "c", "E"},
