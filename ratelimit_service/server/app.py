@@ -51,6 +51,7 @@ from ratelimit_service.rls.servicer import RLS_SERVICE, RateLimitServicer
 from ratelimit_service.server.explain_page import explain_page
 from ratelimit_service.server.gc_policy import Tenuring
 from ratelimit_service.server.go_http import GoEndpoints
+from ratelimit_service.server.grpc_calls import grpc_call_metrics
 from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
 from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.status_page import status_routes
@@ -545,6 +546,7 @@ class RateLimitService:
         yield from reconciler_metrics(self.reconciler)
         yield from quota_metrics(self.quota)
         yield from self.tenuring.metrics()
+        yield from grpc_call_metrics()
 
 
 def _bind_error(addr: str, reuse_port: bool) -> str:

@@ -57,7 +57,7 @@ class StoreMetrics:
 
 class Store(Protocol):
     """Seven members, each one a reason in every backend. What only one backend needs
-    (an in-process store's sweeping, the Redis batcher's load sensor) it does itself."""
+    (an in-process store's sweeping, the Redis store's batching) it does itself."""
 
     def hit(
         self,
