@@ -28,12 +28,7 @@ def hits_for(descriptor: Descriptor, request_hits: int) -> int:
 
 def drop_replaced(limits: list[RateLimit | None]) -> None:
     """Remove (set to None) every limit named in the ``replaces`` of a matched limit."""
-    replaced: set[str] = set()
-    for limit in limits:
-        if limit is not None and limit.replaces:
-            replaced.update(limit.replaces)
-    if not replaced:
-        return
+    replaced = {name for limit in limits if limit is not None for name in limit.replaces}
     for index, limit in enumerate(limits):
         if limit is not None and limit.name and limit.name in replaced:
             limits[index] = None
@@ -66,13 +61,11 @@ def role_of(limit: RateLimit) -> HitRole:
 
 
 def verdict(statuses: Sequence[DescriptorStatus]) -> tuple[Code, DescriptorStatus | None]:
-    """The answer's overall code and the status of the rule that decided it, in one
-    pass. OVER_LIMIT when the statuses deny the request (core/exact.py :func:`denies`:
-    an enforcing descriptor over, or every quota descriptor over; a shadow descriptor's
-    status is always OK). The deciding rule: on a denial, the last enforcing descriptor
-    over, else the last quota descriptor over; otherwise the limited descriptor with the
-    least remaining, the first of equals (the rule nearest to denying, as
-    envoyproxy/ratelimit picks the descriptor its rate-limit headers report). None when
+    """The answer's overall code (OVER_LIMIT when core/exact.py :func:`denies` says so)
+    and the status of the rule that decided it, in one pass. On a denial, the last
+    enforcing descriptor over, else the last quota descriptor over; otherwise the limited
+    descriptor with the least remaining, the first of equals (the rule nearest to denying,
+    as envoyproxy/ratelimit picks the descriptor its rate-limit headers report). None when
     no descriptor has a limit."""
     nearest = enforce_over = quota_over = None
     quota_admitted = False
@@ -96,11 +89,9 @@ def verdict(statuses: Sequence[DescriptorStatus]) -> tuple[Code, DescriptorStatu
 
 
 def answer(statuses: list[DescriptorStatus], admit: bool = False) -> Response:
-    """The response for ``statuses``: its code and deciding status by :func:`verdict`,
-    worked out once per answer (the metadata, the headers and the over_limit body
-    read them from the response). With ``admit`` (global shadow mode, or the limiter
-    admitted the request already) the answer is OK, marked ``shadowed`` where the
-    statuses deny."""
+    """The response for ``statuses`` (:func:`verdict`, worked out once per answer). With
+    ``admit`` (global shadow mode, or the limiter admitted the request already) the
+    answer is OK, marked ``shadowed`` where the statuses deny."""
     code, decided = verdict(statuses)
     if code is _OVER and admit:
         return Response(_OK, statuses, decided, True)
@@ -127,17 +118,14 @@ SHADOW_OVER = "OVER_LIMIT"
 def decision_metadata(
     domain: str, response: Response, go_request: Request | None = None
 ) -> dict[str, Any]:
-    """The response's ``dynamic_metadata``, which Envoy's ratelimit filter puts under
-    its namespace for access logs: the domain, the deciding rule (Response.decided's
-    :func:`rule_name`; absent when no descriptor has a finite limit), ``shadow:
-    OVER_LIMIT`` when the answer is OK where its statuses deny (Response.shadowed:
-    global shadow mode), and, per descriptor in request order, its rule's
-    :func:`limit_facts` and ``remaining``, with ``shadow: OVER_LIMIT`` for a shadow
-    rule over its limit, or None when it has no finite limit, under ``descriptors``.
-    With ``go_request`` (``--go-dynamic-metadata``), envoyproxy/ratelimit's keys too
-    (:func:`go_metadata`): its ``descriptors`` take that name, and the per-descriptor
-    list above is under ``limits``. rls/wire.py writes the same content straight to
-    bytes."""
+    """The response's ``dynamic_metadata`` (Envoy's ratelimit filter puts it under its
+    namespace for access logs): the domain, the deciding rule (absent when no descriptor
+    has a finite limit), ``shadow: OVER_LIMIT`` when the answer is Response.shadowed, and
+    under ``descriptors``, per descriptor in request order, its rule's :func:`limit_facts`
+    and ``remaining`` (with ``shadow: OVER_LIMIT`` for a shadow rule over its limit), or
+    None without a finite limit. With ``go_request`` (``--go-dynamic-metadata``),
+    :func:`go_metadata` too, whose ``descriptors`` move ours to ``limits``. rls/wire.py
+    writes the same content straight to bytes."""
     metadata: dict[str, Any] = {"domain": domain}
     statuses, decided = response.statuses, response.decided
     if decided is not None and decided.limit is not None:
@@ -153,23 +141,19 @@ def decision_metadata(
         if status.shadow_over:
             item[SHADOW] = SHADOW_OVER
         items.append(item)
-    if go_request is None:
-        metadata["descriptors"] = items
-        return metadata
-    metadata.update(go_metadata(go_request, statuses))
-    metadata["limits"] = items
+    if go_request is not None:
+        metadata.update(go_metadata(go_request, statuses))
+    metadata["descriptors" if go_request is None else "limits"] = items
     return metadata
 
 
 def go_metadata(request: Request, statuses: Sequence[DescriptorStatus]) -> dict[str, Any]:
     """What envoyproxy/ratelimit puts in an answer's dynamic metadata with
     RESPONSE_DYNAMIC_METADATA=true (its src/service/ratelimit.go, ratelimitToMetadata),
-    but ``domain``, which :func:`decision_metadata` writes: ``descriptors``, each
-    request descriptor's entries as ``key=value`` strings with its ``limit`` override
-    and its own ``hitsAddend`` when it has them; the request's ``hitsAddend`` when not
-    0; and ``metadata``, the ``metadata`` maps of the rules whose descriptors passed
-    (a finite limit answered OK, shadow rules included), merged (:func:`merge_metadata`),
-    when there is any. Envoy routes a request to the backend whose quota passed by it."""
+    but ``domain``: ``descriptors`` (:func:`go_descriptor`), the request's ``hitsAddend``
+    when not 0, and ``metadata``: the ``metadata`` maps of the rules whose descriptors
+    passed (a finite limit answered OK, shadow rules included) merged, when there is any.
+    Envoy routes a request to the backend whose quota passed by it."""
     result: dict[str, Any] = {"descriptors": [go_descriptor(d) for d in request.descriptors]}
     if request.hits_addend:
         result["hitsAddend"] = request.hits_addend
@@ -184,8 +168,9 @@ def go_metadata(request: Request, statuses: Sequence[DescriptorStatus]) -> dict[
 
 
 def go_descriptor(descriptor: Descriptor) -> dict[str, Any]:
-    """One request descriptor as envoyproxy/ratelimit's metadata lists it; its
-    ``limit`` is the override's protobuf text (``requests_per_unit:N unit:NAME``)."""
+    """One request descriptor as envoyproxy/ratelimit's metadata lists it: its entries as
+    ``key=value``, its ``limit`` override as protobuf text (``requests_per_unit:N
+    unit:NAME``) and its own ``hitsAddend``, when it has them."""
     item: dict[str, Any] = {"entries": [f"{key}={value}" for key, value in descriptor.entries]}
     if descriptor.override is not None:
         per_unit, unit = descriptor.override

@@ -120,19 +120,10 @@ def evaluate(
     for hit, window, count, ok in zip(hits, windows, before, admitted, strict=True):
         if commit and counts(ok and consume, hit.cost):
             window.add(now, hit.hits)
-        after = window.total
         if ok:
             reset = window.next_drop(now)
         else:
             reset = window.wait_for_room(now, max(hit.hits, 1), hit.limit)
-        if reset > hit.window_seconds:
-            reset = hit.window_seconds
-        results.append(
-            ExactResult(
-                admitted=ok,
-                before=count,
-                remaining=max(0, hit.limit - after),
-                reset_after=reset,
-            )
-        )
+        remaining = max(0, hit.limit - window.total)
+        results.append(ExactResult(ok, count, remaining, min(reset, hit.window_seconds)))
     return results

@@ -111,17 +111,12 @@ def find_limit(domain: DomainConfig, entries: Entries) -> Match | None:
 def stats_key(domain: str, path: list[DescriptorNode], entries: Entries, limit: RateLimit) -> str:
     """The stats key: the config path, the request path (detailed_metric), or a mix of both
     (value_to_metric); share_threshold nodes always show their pattern."""
-    if limit.detailed_metric:
-        parts = [
-            node.stats_element() if node.share_threshold else _element(key, value)
-            for node, (key, value) in zip(path, entries, strict=True)
-        ]
-        return ".".join([domain, *parts, *([limit.label] if limit.label else [])])
-    if not any(node.value_to_metric for node in path):
+    detailed = limit.detailed_metric
+    if not detailed and not any(node.value_to_metric for node in path):
         return limit.stats_key
     parts = [
         _element(key, value)
-        if node.value_to_metric and not node.share_threshold
+        if (detailed or node.value_to_metric) and not node.share_threshold
         else node.stats_element()
         for node, (key, value) in zip(path, entries, strict=True)
     ]

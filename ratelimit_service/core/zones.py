@@ -3,30 +3,24 @@
 storage/zoned.py talks to the stores.
 
 The replicas of a zone publish their totals to the zone's store; one replica per zone,
-elected by a lease there, is the zone's aggregator. Every interval it reads the zone's
-sums (:class:`ZoneTotals` per RLQS counter, :class:`ZoneBucket` per probabilistic
-bucket), publishes them to the global store as the zone (:meth:`ZonePass.plan`: the
-zones are the global store's members, core/tiers.py), and writes back what came back
-(:meth:`ZonePass.shares`: a :class:`ZoneShare` per counter and bucket, the zone's part
-of the limit that its replicas then divide).
-
-**One aggregator per zone.** The lease is kept by its own work on the zone store, apart
-from the pass: a renewal every RENEW_SHARE of the interval, each bounded by that much,
-so a global store that hangs, answers late or is cut off cannot make the lease lapse.
-:class:`Leadership` is what a replica believes: it aggregates only until the time it
-sent its last successful renewal plus the lease's time to live, less MARGIN_SHARE of
-the interval, on its own clock. The lease in the store was renewed no earlier than
-that call was sent, so the replica stops before another can take the lease.
+elected by a lease there (:class:`Leadership`), is the zone's aggregator. Every interval
+it reads the zone's sums (:class:`ZoneTotals` per RLQS counter, :class:`ZoneBucket` per
+probabilistic bucket), publishes them to the global store as the zone (:meth:`ZonePass.plan`:
+the zones are the global store's members, core/tiers.py), and writes back what came back
+(:meth:`ZonePass.shares`: a :class:`ZoneShare` per counter and bucket, the zone's part of
+the limit that its replicas then divide). The lease is renewed by its own work on the zone
+store, apart from the pass (RENEW_SHARE), so a global store that hangs, answers late or is
+cut off cannot make it lapse.
 
 **Fencing.** A write can still arrive after its sender stopped (a process paused past
 its lease, a request held in the network). Each time the lease changes hands the zone
-store hands out a higher fencing token (lease.lua);
-the aggregator sends its token with every write, to the global store (quota_tier.lua,
-per counter and zone) and to the zone store (zone_write.lua), and both refuse a token
-lower than the highest they have seen for the zone (:class:`~ratelimit_service.core.
-tiers.Fenced`). A refused aggregator stops acting as one; its next renewal names the
-token it was refused against, so that a holder whose zone store lost its counter (a
-restart) gets a token above it, and a deposed one learns who holds the lease.
+store hands out a higher fencing token (lease.lua); the aggregator sends its token with
+every write, to the global store (quota_tier.lua, per counter and zone) and to the zone
+store (zone_write.lua), and both refuse a token lower than the highest they have seen for
+the zone (:class:`~ratelimit_service.core.tiers.Fenced`). A refused aggregator stops
+acting as one; its next renewal names the token it was refused against, so that a holder
+whose zone store lost its counter (a restart) gets a token above it, and a deposed one
+learns who holds the lease.
 """
 
 from __future__ import annotations
@@ -98,16 +92,14 @@ class ZoneKeys:
     @classmethod
     def of(cls, prefix: str, zone: str) -> ZoneKeys:
         base = f"{prefix}zone:{zone}:"
-        return cls(base + "counters", base + "buckets", base + "zones", base + "lease",
-                   base + "fence")  # fmt: skip
+        return cls(*(base + name for name in ("counters", "buckets", "zones", "lease", "fence")))
 
 
 def reserved_part(part: float, limit: float, members: int, zones: int) -> float:
-    """A new bucket's part in one zone while fewer of the ``zones`` than all have
-    published it (``members``): at most the even parts of those heard. The zones not
-    heard from yet refill their own new bucket at the limit over the zones meanwhile
-    (zone_limit); the first zone heard would otherwise get the whole limit beside
-    them."""
+    """A new bucket's part in one zone while only ``members`` of the ``zones`` have
+    published it: at most the even parts of those heard. The zones not heard from yet
+    refill their own new bucket at the limit over the zones meanwhile (zone_limit); the
+    first zone heard would otherwise get the whole limit beside them."""
     if members >= zones or zones <= 0:
         return part
     return min(part, limit * members / zones)
@@ -303,10 +295,9 @@ class PassPlan:
 
 @dataclass(slots=True)
 class ZonePass:
-    """The aggregator's arithmetic, pass after pass: the zone's sums in, its reports to
-    the global store out (:meth:`plan`); the global store's answers in, the shares to
-    write back out (:meth:`shares`). It keeps each probabilistic bucket's offered count
-    between passes (a bucket's demand is the rate between two passes)."""
+    """The aggregator's arithmetic, pass after pass (:meth:`plan`, :meth:`shares`). It
+    keeps each probabilistic bucket's offered count between passes (a bucket's demand is
+    the rate between two passes)."""
 
     zone: str
     interval: float
@@ -331,9 +322,8 @@ class ZonePass:
         order of ``plan.reports``; ``budgets``: its fleet buckets of the calendar
         budgets, in the order of :meth:`calendar_reports` (None: not read this pass, the
         zone keeps its allotments)."""
-        present, *rest = answers
-        zones = present.members  # every live zone, hot buckets or not
-        count = len(plan.counters)
+        zones = answers[0].members  # the presence key: every live zone, hot buckets or not
+        rest, count = answers[1:], len(plan.counters)
         shares = [
             (t.store_key, ZoneShare(round(a.part * MILLI), a.used, t.window, t.used))
             for t, a in zip(plan.counters, rest[:count], strict=True)
