@@ -8,8 +8,7 @@ or 25 hours across a daylight-saving change). The time until the period ends is 
 an answer's ``duration_until_reset`` says.
 
 Time zones are the IANA database's (``zoneinfo``; the ``tzdata`` package carries it
-where the system has none). A period is worked out once and kept until it ends, so a
-request reads two floats.
+where the system has none).
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ from datetime import datetime, timedelta
 from ratelimit_service.core.units import Unit
 
 CALENDAR_UNITS = (Unit.DAY, Unit.WEEK, Unit.MONTH, Unit.YEAR)
-"""The units a rule may count by the calendar."""
-
 
 KEPT_AFTER_END = 60.0
 """Seconds a calendar budget's fleet bucket is kept past its period's end (fleet_sync.lua
@@ -53,38 +50,26 @@ def time_zone(name: str) -> zoneinfo.ZoneInfo:
     raise UnknownTimeZone(f"unknown time zone '{name}'{hint}")
 
 
-def period_start(unit: Unit, local: datetime) -> datetime:
-    """Local midnight that starts the calendar ``unit`` holding ``local``."""
+def _period_bounds(unit: Unit, local: datetime) -> tuple[datetime, datetime]:
+    """The local midnights that start the calendar ``unit`` holding ``local`` and the
+    next one."""
     day = local.replace(hour=0, minute=0, second=0, microsecond=0, fold=0)
     if unit is Unit.DAY:
-        return day
+        return day, day + timedelta(days=1)
     if unit is Unit.WEEK:
-        return day - timedelta(days=day.weekday())
+        start = day - timedelta(days=day.weekday())
+        return start, start + timedelta(days=7)
     if unit is Unit.MONTH:
-        return day.replace(day=1)
-    if unit is Unit.YEAR:
-        return day.replace(month=1, day=1)
-    raise ValueError(f"{unit.name.lower()} is not a calendar unit")
-
-
-def next_start(unit: Unit, start: datetime) -> datetime:
-    """Local midnight that starts the period after the one starting at ``start``."""
-    if unit is Unit.DAY:
-        return start + timedelta(days=1)
-    if unit is Unit.WEEK:
-        return start + timedelta(days=7)
-    if unit is Unit.MONTH:
-        if start.month == 12:
-            return start.replace(year=start.year + 1, month=1)
-        return start.replace(month=start.month + 1)
-    if unit is Unit.YEAR:
-        return start.replace(year=start.year + 1)
-    raise ValueError(f"{unit.name.lower()} is not a calendar unit")
+        start = day.replace(day=1)
+        return start, start.replace(year=start.year + start.month // 12, month=start.month % 12 + 1)
+    start = day.replace(month=1, day=1)
+    return start, start.replace(year=start.year + 1)
 
 
 class CalendarPeriod:
     """The current period of one calendar unit in one time zone, as epoch seconds
-    [start, end), worked out again only once ``now`` leaves it."""
+    [start, end), worked out again only once ``now`` leaves it (a request reads two
+    floats)."""
 
     __slots__ = ("end", "start", "unit", "zone")
 
@@ -99,10 +84,8 @@ class CalendarPeriod:
     def at(self, now: float) -> tuple[float, float]:
         """The period holding ``now``: its start and end in epoch seconds."""
         if not self.start <= now < self.end:
-            local = datetime.fromtimestamp(now, self.zone)
-            start = period_start(self.unit, local)
-            self.start = start.timestamp()
-            self.end = next_start(self.unit, start).timestamp()
+            start, end = _period_bounds(self.unit, datetime.fromtimestamp(now, self.zone))
+            self.start, self.end = start.timestamp(), end.timestamp()
         return self.start, self.end
 
     def until_end(self, now: float) -> float:

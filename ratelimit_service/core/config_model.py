@@ -118,7 +118,6 @@ class RateLimit:
 
     @property
     def period(self) -> str:
-        """The period in words: ``minute``, or ``10 minutes``."""
         return period_text(self.unit, self.unit_multiplier)
 
 
@@ -145,14 +144,12 @@ class WildcardPattern:
 
     def __init__(self, text: str) -> None:
         self.text = text
-        star = text.find("*")
-        if star == len(text) - 1:
-            self._prefix: str | None = text[:-1]
-            self._regex: re.Pattern[str] | None = None
+        self._prefix: str | None = None
+        self._regex: re.Pattern[str] | None = None
+        if text.find("*") == len(text) - 1:
+            self._prefix = text[:-1]
         else:
-            self._prefix = None
-            parts = (re.escape(part) for part in text.split("*"))
-            self._regex = re.compile(".*".join(parts), re.DOTALL)
+            self._regex = re.compile(".*".join(map(re.escape, text.split("*"))), re.DOTALL)
 
     def matches(self, value: str) -> bool:
         if self._prefix is not None:

@@ -40,13 +40,12 @@ class LruMap(Generic[V]):
 
     def remove_if(self, predicate: Callable[[V], bool], piece: int = SWEEP_PIECE) -> Iterator[int]:
         """Drop the entries for which ``predicate`` holds, ``piece`` entries at a time:
-        yields how many each piece removed, so a caller can leave the event loop to
-        other work between pieces (a whole pass over 100,000 entries holds it for tens
-        of milliseconds). The keys are listed first: the map may change between pieces
-        (a key added since waits for the next pass), and each entry is judged as it is
-        when its piece comes."""
-        keys = list(self._data)
+        yields how many each piece removed, so a caller can leave the event loop to other
+        work between pieces. The keys are listed first: the map may change between pieces
+        (a key added since waits for the next pass); an entry is judged as its piece finds
+        it."""
         data = self._data
+        keys = list(data)
         for start in range(0, len(keys), piece):
             removed = 0
             for key in keys[start : start + piece]:

@@ -1,12 +1,10 @@
 """RLQS: one counter's share bookkeeping on one replica (pure: engine/quota.py keeps a
 :class:`QuotaCounter` per counter reported to it and feeds it reports and publishes).
 
-A counter (a rule's bucket key) is reported by some Envoy instances. The replica holds
-a part of the counter's limit (core/tiers.py) and divides it among them max-min by
-demand (core/shares.py :func:`water_level`). Each instance holds the share last
-assigned to it until its next report, so a new share may only take what the others
-do not hold now (:meth:`QuotaCounter.room`); an instance whose demand is not measured
-yet counts for at most an even share there (core/shares.py :func:`counted_share`).
+The replica holds a part of the counter's limit (core/tiers.py) and divides it among
+the Envoy instances that report the counter (core/shares.py). Each instance holds the
+share last assigned to it until its next report, so a new share may only take what the
+others do not hold now (:meth:`QuotaCounter.room`).
 """
 
 from __future__ import annotations

@@ -3,23 +3,17 @@ enforces itself (pure: the coordinator in engine/quota.py feeds it).
 
 Each Envoy instance reports, per bucket, what it allowed and denied since its last
 report; the service turns that into a demand (requests per second, on its own clock)
-and gives every instance a share of the limit:
+and gives every instance a max-min fair share of the limit by demand (:func:`water_level`;
+what no one asks for is spread on top, so every instance has room to grow until its next
+report). An instance just seen (no demand measured yet) asks for an equal part.
 
-* **Max-min fair, by demand.** Instances asking for less than an equal share get what
-  they ask for; the rest is split evenly among the others (water filling). What no
-  one asks for is spread evenly on top, so that every instance has room to grow
-  until the next report.
-* **An even share for an instance just seen** (no demand measured yet): it counts as
-  asking for an equal part of the limit.
-
-A share becomes a token bucket (Envoy 1.40 enforces only whole-second fill
-intervals, and ignores ``requests_per_time_unit``): ``fill_interval`` is fixed per rule
-(:func:`fill_seconds`, so that a new share changes only the token counts, which Envoy
-compares; it does not see a change of the seconds), ``tokens_per_fill`` the share of
-one interval (at least 1: a share below one token per interval rounds up, so a fleet
-of n may exceed a tiny limit by up to n tokens per interval), ``max_tokens`` what the
-instance has earned and not used, up to its part of the rule's burst (the limit, or
-``burst``; at least 1): :func:`stored` and :func:`next_bucket` say why.
+A share becomes a token bucket (Envoy 1.40 enforces only whole-second fill intervals,
+and ignores ``requests_per_time_unit``): ``fill_interval`` is fixed per rule
+(:func:`fill_seconds`: a new share then changes only the token counts, which Envoy
+compares; it does not see a change of the seconds), ``tokens_per_fill`` the share of one
+interval (at least 1: a fleet of n may exceed a tiny limit by up to n tokens per
+interval), ``max_tokens`` what the instance has earned and not used, up to its part of
+the rule's burst (at least 1): :func:`stored` and :func:`next_bucket` say why.
 """
 
 from __future__ import annotations
@@ -48,7 +42,7 @@ class Split:
 def water_level(limit: float, asked: Mapping[str, float]) -> Split:
     """The max-min split of ``limit`` among instances asking for ``asked`` (water
     filling): those asking for less than an equal part of what is left get what they
-    ask; the rest share it evenly; what no one asks for is spread evenly on top."""
+    ask; the rest share it evenly."""
     if not asked:
         return Split(math.inf, limit)
     left, waiting = limit, sorted(max(0.0, a) for a in asked.values())
@@ -97,11 +91,9 @@ def token_bucket(
 ) -> TokenBucket:
     """The token bucket of an instance whose share is ``share`` hits per window. Envoy's
     bucket refills continuously at tokens_per_fill / fill_interval and holds at most
-    max_tokens, so max_tokens is only the burst: the instance's part of the rule's
-    (the limit, or a smaller ``burst``, which then also shortens the overshoot after
-    a step in load: a bucket full at the step holds less), or less: what it has
-    ``stored`` (Envoy starts a changed bucket full, so a new bucket's max_tokens is
-    what the instance is handed at once)."""
+    max_tokens, so max_tokens is only the burst: :func:`burst_part` (a smaller ``burst``
+    also shortens the overshoot after a step in load), or what it has ``stored``, if less
+    (Envoy starts a changed bucket full: max_tokens is what the instance gets at once)."""
     fill = fill_seconds(limit, window_seconds)
     per_fill = max(1, round(share * fill / window_seconds))
     most = burst_part(share, limit, burst)
@@ -153,10 +145,8 @@ def next_bucket(
     starts full). The held bucket when the rate is the same and max_tokens need not
     grow (Envoy then keeps its tokens), else a new one holding ``worth``."""
     new = token_bucket(share, limit, window_seconds, burst, worth)
-    if held is None or (held.tokens_per_fill, held.fill_seconds) != (
-        new.tokens_per_fill,
-        new.fill_seconds,
-    ):
+    rate = (new.tokens_per_fill, new.fill_seconds)
+    if held is None or (held.tokens_per_fill, held.fill_seconds) != rate:
         return new
     most = max(1, round(burst_part(share, limit, burst)))
     if held.max_tokens > most or new.max_tokens >= RAISE_AT * held.max_tokens:
