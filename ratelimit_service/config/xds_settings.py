@@ -1,9 +1,8 @@
 """Settings of the xDS rule client, and the reconnect backoff it waits by.
 
-The defaults are the Go service's (CONFIG_GRPC_XDS_* and XDS_CLIENT_*), so a
-deployment written for envoyproxy/ratelimit, Envoy Gateway's in particular, behaves
-the same: those with a flag are the --xds-* flags' (core/settings_table.py), the
-backoff's random factor is 0.5.
+The defaults are the Go service's (CONFIG_GRPC_XDS_* and XDS_CLIENT_*, those with a flag
+through the --xds-* flags of core/settings_table.py), so a deployment written for
+envoyproxy/ratelimit, Envoy Gateway's in particular, behaves the same.
 """
 
 from __future__ import annotations
@@ -81,10 +80,9 @@ def parse_key_values(text: str, separator: str = "=") -> dict[str, str]:
 
 
 class Backoff:
-    """Exponential backoff with the Go service's shape (cenkalti/backoff's defaults):
-    each wait is 1.5 times the last, capped at ``maximum``, then spread by
-    ±``random_factor`` when ``jitter`` is on, so a fleet of replicas that lost the
-    same control plane does not come back at the same instant."""
+    """cenkalti/backoff's exponential backoff: each wait 1.5 times the last, capped at
+    ``maximum``, then spread by ±``random_factor`` when ``jitter`` is on, so a fleet of
+    replicas that lost the same control plane does not come back at the same instant."""
 
     MULTIPLIER = 1.5
 

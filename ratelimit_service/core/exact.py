@@ -1,14 +1,9 @@
 """Exact-mode decision for all of one request's exact descriptors, taken together.
 
-Every hit is checked against its sliding window first; the request is denied by
-:func:`denies` (the one statement of the rule, which every path calls). Which hits
-are then counted in their windows is :func:`counts`, stated once too: the admitted
-hits of a request that goes through, so a denied request never eats quota of its
-other descriptors (envoyproxy/ratelimit increments every counter, denied or not; see
-its issues #185 and #440); and a cost (:func:`is_cost`: a usage already spent, which
-Envoy reports once the response is done) always, admitted or not.
-resources/exact_window.lua states the same rules for Redis, held to these functions by
-tests/storage/test_exact_script_vs_core.py.
+Every hit is checked against its sliding window first; whether the request is denied
+is :func:`denies`, which hits are then counted :func:`counts`: each rule stated once,
+for every path. resources/exact_window.lua states the same rules for Redis, held to
+these functions by tests/storage/test_exact_script_vs_core.py.
 """
 
 from __future__ import annotations
@@ -49,10 +44,12 @@ def is_cost(hits_addend: int | None, count_denied_costs: bool) -> bool:
 
 
 def counts(admitted: bool, cost: bool) -> bool:
-    """Whether a decided hit is counted in its window: when ``admitted`` (it fits and
-    its request goes through), or when it is a ``cost`` (:func:`is_cost`), admitted or
-    not, whatever the request's other descriptors decided. A cost may so take its
-    window past the limit; checks of that budget are denied until it has room again."""
+    """Whether a decided hit is counted in its window: when ``admitted`` (it fits and its
+    request goes through, so a denied request never eats quota of its other descriptors,
+    unlike envoyproxy/ratelimit: its issues #185 and #440), or when it is a ``cost``
+    (:func:`is_cost`: usage already spent), whatever the request's other descriptors
+    decided. A cost may so take its window past the limit; checks of that budget are
+    denied until it has room again."""
     return admitted or cost
 
 
@@ -110,9 +107,8 @@ def request_denied(roles: Sequence[HitRole], admitted: Sequence[bool]) -> bool:
 def evaluate(
     hits: Sequence[ExactHit], windows: Sequence[SlidingWindow], now: float, commit: int
 ) -> list[ExactResult]:
-    """Decide ``hits`` against ``windows`` (index-aligned) and count what :func:`counts`
-    says, unless ``commit`` is CHECK (DECIDE, or True: decided here; DENIED: denied
-    already, only costs count)."""
+    """Decide ``hits`` against ``windows`` (index-aligned) and count what ``commit`` says
+    (CHECK, DECIDE or True, DENIED)."""
     before = [window.count(now) for window in windows]
     admitted = [fits(count, hit.hits, hit.limit) for count, hit in zip(before, hits, strict=True)]
     consume = commit == DECIDE and not request_denied([hit.role for hit in hits], admitted)

@@ -104,18 +104,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # -- the declarations ------------------------------------------------------------------
 
-GROUPS = (
-    "listening",
-    "rules",
-    "store",
-    "modes and limits",
-    "Envoy compatibility",
-    "TLS",
-    "operations",
-    "observability",
-)
-"""``serve --help`` shows the flags in these groups, in this order."""
-
 
 @dataclass(frozen=True)
 class Setting:
@@ -201,7 +189,6 @@ def _none_if_empty(value: Any) -> Any:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    # listening
     Setting("--grpc-addr", "listening", "gRPC listen address (HOST:PORT or unix:PATH)",
             "0.0.0.0:8081", listen_addr, fills="grpc_addr"),
     Setting("--admin-addr", "listening", "admin HTTP listen address: /healthcheck, /metrics,"
@@ -222,7 +209,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--grpc-max-connection-age-grace", "listening", "seconds calls may take to finish on a"
             " connection asked to go away", None, not_negative,
             fills="grpc_max_connection_age_grace", go="GRPC_MAX_CONNECTION_AGE_GRACE"),
-    # rules
     Setting("--config", "rules", "rule file, or directory of *.yaml/*.yml (unset:"
             " envoyproxy/ratelimit's RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY; with"
             " --xds-server, rules come from xDS instead)", None, fills="config_path",
@@ -236,8 +222,6 @@ SETTINGS: tuple[Setting, ...] = (
             fills="force_start_without_initial_config", go="FORCE_START_WITHOUT_INITIAL_CONFIG"),
     Setting("--xds-server", "rules", "HOST:PORT of an xDS (ADS) server: rules from it, as"
             " RateLimitConfig resources, instead of --config", None, host_port),
-    # The xDS client's defaults are the Go service's (CONFIG_GRPC_XDS_*, XDS_CLIENT_*), so
-    # a deployment written for it (Envoy Gateway's) behaves the same.
     Setting("--xds-node-id", "rules", "this service's node id to the xDS server", "default",
             go="CONFIG_GRPC_XDS_NODE_ID"),
     Setting("--xds-node-metadata", "rules", "k=v,k2=v2: node metadata for the xDS server", "",
@@ -263,7 +247,6 @@ SETTINGS: tuple[Setting, ...] = (
     # every route comes in one response).
     Setting("--xds-max-message-size", "rules", "largest xDS response accepted, in bytes", 4 << 20,
             positive(int)),
-    # store
     Setting("--redis-url", "store", "Redis: redis://, rediss://, unix://, redis+sentinel://,"
             " redis+cluster:// URL, or HOST:PORT as the Go service writes it; without it, the"
             " embedded store", None, redis_url, fills="redis_url", to_field=_none_if_empty),
@@ -308,7 +291,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--rlqs-publish-interval", "store", "seconds between two publishes of this replica's"
             " RLQS totals to the store (how soon a replica learns the others' demand)", 1.0,
             positive(float), fills="rlqs_publish_interval"),
-    # modes and limits
     Setting("--mode", "modes and limits", "mode of rules that declare none", "probabilistic",
             choices=tuple(m.value for m in Mode), fills="mode", to_field=Mode),
     Setting("--shadow-mode", "modes and limits", "global shadow mode: report OVER_LIMIT per"
@@ -326,7 +308,6 @@ SETTINGS: tuple[Setting, ...] = (
             " INVALID_ARGUMENT)", 64, positive(int), fills="max_descriptors"),
     Setting("--max-entries", "modes and limits", "most entries one descriptor may carry (more:"
             " INVALID_ARGUMENT)", 32, positive(int), fills="max_entries"),
-    # Envoy compatibility
     Setting("--response-headers", "Envoy compatibility", "add rate-limit headers to responses:"
             " RateLimit-* or draft-03 X-RateLimit-*", "off",
             choices=tuple(s.value for s in HeaderStyle), fills="response_headers",
@@ -354,18 +335,15 @@ SETTINGS: tuple[Setting, ...] = (
             " until rules with at least one domain are loaded", switch=True,
             fills="healthy_with_at_least_one_config_loaded",
             go="HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED"),
-    # TLS
     Setting("--tls-cert", "TLS", "PEM certificate: serve gRPC over TLS", fills="tls_cert"),
     Setting("--tls-key", "TLS", "PEM private key of --tls-cert", fills="tls_key"),
     Setting("--tls-client-ca", "TLS", "PEM CA bundle: require client certificates signed by it"
             " (mTLS)", fills="tls_client_ca"),
-    # operations
     Setting("--drain-timeout", "operations", "on SIGTERM, seconds the service keeps answering while"
             " its health reports NOT_SERVING, so a health-checking Envoy moves away first (0: stop"
             " at once; SIGINT always stops at once)", 15.0, not_negative, fills="drain_timeout"),
     Setting("--drain-quiet", "operations", "draining ends once no call came for this many seconds",
             1.0, positive(float), fills="drain_quiet"),
-    # observability
     Setting("--log-level", "observability", "log level", "INFO", log_level, choices=LOG_LEVELS),
     Setting("--log-format", "observability", "log format", "text", choices=("text", "json"),
             fills="log_format", go="LOG_FORMAT"),
@@ -401,6 +379,8 @@ SETTINGS: tuple[Setting, ...] = (
 )  # fmt: skip
 
 BY_FLAG = {setting.flag: setting for setting in SETTINGS}
+GROUPS = tuple(dict.fromkeys(setting.group for setting in SETTINGS))
+"""``serve --help`` shows the flags in these groups, in this order (the table's)."""
 
 
 def default(flag: str) -> Any:

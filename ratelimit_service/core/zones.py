@@ -35,31 +35,26 @@ from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.tiers import MILLI, TierReport, TierTotals
 
 ZONE_FORGET_AFTER = 60.0
-"""Seconds after which the global store no longer counts a zone that stopped
-publishing. Longer than a replica's forget time: a zone cut off from the global store
-goes on using its last part, and until then the other zones stay within theirs
-instead of taking it over; a zone that is really gone frees its part after this."""
+"""Seconds after which the global store no longer counts a zone that stopped publishing:
+longer than a replica's forget time, so the others stay within their parts while a zone
+cut off goes on using its last one; a zone really gone frees its part after this."""
 RESERVE_PASSES = 2
-"""For this many passes after a zone's bucket is created, its part leaves the even
-parts of the zones that have not published the bucket yet (:func:`reserved_part`):
-long enough for every zone that has it to be heard, short for a bucket only one zone
-has."""
+"""Passes after a zone's bucket is created during which :func:`reserved_part` applies:
+long enough for every zone that has it to be heard, short for a bucket only one has."""
 FRESH_US = 10_000_000
-"""A zone bucket created within this many microseconds is measured since its creation
-at the first pass that sees it (before its first part, a zone's bucket refills at the
-whole limit)."""
+"""A zone bucket created within this many microseconds is measured since its creation at
+the first pass that sees it (before its first part, it refills at the whole limit)."""
 PROBABILISTIC = "p\x1f"
 """Prefixes a probabilistic bucket's key in the global store, apart from an RLQS
 counter of the same rule (each is limited on its own, as without zones)."""
 PRESENCE = "\x1fzones"
-"""A key every zone publishes to the global store at each pass, with or without
-counters: its members are the live zones, so a zone knows how many share the fleet
-(and a bucket new to it starts at the limit over that many) from its first pass on,
-before any bucket is hot."""
+"""A key every zone publishes to the global store at each pass: its members are the live
+zones, so a zone knows how many share the fleet (a bucket new to it starts at the limit
+over that many) from its first pass on, before any bucket is hot."""
 
 LEASE_TTL_SHARE = 1.0
 """The lease lives this many intervals: a dead aggregator's zone gets another within
-about that long (plus one renewal period)."""
+about that long plus one renewal period."""
 RENEW_SHARE = 0.25
 """Every replica asks for the lease every this many intervals (the holder renews it,
 the others try to take it), each call bounded by as long: a holder keeps its term
@@ -74,8 +69,8 @@ pass stuck on the global store ends before the next is due."""
 
 @dataclass(frozen=True, slots=True)
 class ZoneKeys:
-    """A zone's keys in its store: what a RedisStore is given to keep the aggregator's
-    indexes (storage/redis_store.py), and the lease."""
+    """A zone's keys in its store: the aggregator's indexes (kept by a RedisStore,
+    storage/redis_store.py) and the lease."""
 
     counters: str
     """The index of live RLQS counters (a sorted set; quota_tier.lua keeps it)."""
@@ -229,8 +224,8 @@ class Leadership:
     holder: str = ""
     """Who held the lease at the last answer."""
     acting: bool = False
-    """Whether it counted itself as the aggregator at the last look (each transition
-    is reported once)."""
+    """Whether it counted itself as the aggregator at the last look (each transition is
+    reported once)."""
 
     def leading(self, now: float) -> bool:
         return self.token is not None and now < self.until
@@ -317,11 +312,10 @@ class ZonePass:
         answers: Sequence[TierTotals],
         budgets: Sequence[FleetView] | None = None,
     ) -> tuple[list[tuple[str, ZoneShare]], int]:
-        """Each counter's and bucket's share to write back (by its hash in the zone
-        store), and the number of live zones. ``answers``: the global store's, in the
-        order of ``plan.reports``; ``budgets``: its fleet buckets of the calendar
-        budgets, in the order of :meth:`calendar_reports` (None: not read this pass, the
-        zone keeps its allotments)."""
+        """Each counter's and bucket's share to write back (by its hash in the zone store),
+        and the number of live zones. ``answers``: the global store's, in the order of
+        ``plan.reports``; ``budgets``: its calendar budgets' fleet buckets, in the order
+        of :meth:`calendar_reports` (None: not read this pass; allotments are kept)."""
         zones = answers[0].members  # the presence key: every live zone, hot buckets or not
         rest, count = answers[1:], len(plan.counters)
         shares = [
@@ -345,11 +339,10 @@ class ZonePass:
         return shares, zones
 
     def calendar_reports(self, plan: PassPlan) -> list[BucketReport]:
-        """The zone's calendar budgets measured this pass, as a node's reports to the
-        global store's fleet buckets (the zones are their nodes): the hits the zone
-        admitted since the last pass, and the time to the period's end. No offered
-        count: a zone's share of a budget goes by its demand, published with the pass
-        (:meth:`allot`)."""
+        """The zone's calendar budgets measured this pass, as a node's reports to the global
+        store's fleet buckets (the zones are their nodes): the hits admitted since the last
+        pass and the time to the period's end. No offered count: a zone's share of a budget
+        goes by its demand, published with the pass (:meth:`allot`)."""
         return [
             BucketReport(
                 bucket.key,
@@ -367,14 +360,13 @@ class ZonePass:
         self, report: TierReport, bucket: ZoneBucket, fleet: TierTotals, budget: FleetView,
         zones: int,
     ) -> float:  # fmt: skip
-        """A calendar budget's allotment to the zone until the next pass: the admitted
-        total it may reach, what it admitted so far and its credit in the global fleet
-        bucket, which does not refill: drop_ratio.control with the zones as the nodes,
-        by the zone's demand against the fleet's. The zones' allotments together stay
-        within what the budget has left, as the nodes' credits do; the zone's replicas
-        divide its own (fleet_sync.lua). A zone that has not published the budget yet
-        may hold what a new bucket holds (the budget over the zones), unseen in the
-        global bucket: that much of it is not allotted until the zone is heard."""
+        """A calendar budget's allotment to the zone until the next pass: the admitted total
+        it may reach, what it admitted so far and its credit in the global fleet bucket
+        (drop_ratio.control without refill, the zones as the nodes, by the zone's demand
+        against the fleet's), so the allotments together stay within what the budget has
+        left; the zone's replicas divide its own (fleet_sync.lua). A zone not heard yet may
+        hold what a new bucket holds (the budget over the zones), unseen in the global
+        bucket: that much is not allotted until it is heard."""
         unheard = max(0, zones - fleet.members)
         credit = control(
             limit=bucket.limit,
@@ -404,10 +396,9 @@ class ZonePass:
         )
 
     def _bucket_reports(self, read: ZoneBuckets) -> list[tuple[TierReport, ZoneBucket]]:
-        """The zone's probabilistic buckets as reports to the global store: demand is
-        the rate of offered hits since the previous pass, or since its creation for a
-        bucket created lately (else, seen first by an aggregator that just took over,
-        it is only measured this pass and keeps its part meanwhile)."""
+        """The zone's probabilistic buckets as reports to the global store: demand is the
+        rate of offered hits since the previous pass, or since its creation for a bucket
+        created lately (FRESH_US); others seen first are measured from this pass on."""
         now_us = read.now_us
         reports = []
         seen: dict[str, tuple[int, int]] = {}
