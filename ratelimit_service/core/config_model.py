@@ -1,8 +1,6 @@
-"""The immutable rule tree that a loaded configuration becomes.
-
-The loader builds it once per (re)load; the request path only reads it, so a
-reload is an atomic swap of one reference and needs no locks.
-"""
+"""The immutable rule tree that a loaded configuration becomes: the loader builds it once
+per (re)load and the request path only reads it, so a reload is an atomic swap of one
+reference and needs no locks."""
 
 from __future__ import annotations
 
@@ -134,11 +132,9 @@ def list_label(name: str, unit: Unit, multiplier: int = 1) -> str:
 
 
 class WildcardPattern:
-    """A value pattern where each ``*`` matches zero or more characters.
-
-    A lone trailing ``*`` (the common case, e.g. ``/api/*``) is checked with
-    ``startswith``; anything else compiles to an anchored regular expression.
-    """
+    """A value pattern where each ``*`` matches zero or more characters: a lone trailing
+    ``*`` (the common case, e.g. ``/api/*``) is checked with ``startswith``; anything
+    else compiles to an anchored regular expression."""
 
     __slots__ = ("_prefix", "_regex", "text")
 

@@ -104,8 +104,8 @@ def rule_name(limit: RateLimit) -> str:
 
 
 def limit_facts(limit: RateLimit) -> dict[str, Any]:
-    """What the decision metadata says of a descriptor's rule: the same for every
-    request it matches (the wire encoder serializes it once per config)."""
+    """What the decision metadata says of a descriptor's rule, the same for every request
+    (the wire encoder serializes it once per config)."""
     return {"rule": rule_name(limit), "limit": limit.requests_per_unit, "unit": limit.period}
 
 

@@ -119,10 +119,8 @@ class Explanation:
 
     def text(self) -> str:
         """Lines for people: the domain, then each descriptor and its rules."""
-        if not self.domain_found:
-            lines = [f"domain {self.domain}: not in the loaded rules (every descriptor is OK)"]
-        else:
-            lines = [f"domain {self.domain}"]
+        missing = "" if self.domain_found else ": not in the loaded rules (every descriptor is OK)"
+        lines = [f"domain {self.domain}{missing}"]
         for report in self.descriptors:
             if not report.rules:
                 lines.append(f"  {report.label}: no rule matches")

@@ -1,8 +1,6 @@
-"""A size-bounded mapping that forgets the least recently used entry first.
-
-High-cardinality descriptor values (client addresses, user ids) would otherwise
-grow every per-key table without bound.
-"""
+"""A size-bounded mapping that forgets the least recently used entry first, so that
+high-cardinality descriptor values (client addresses, user ids) cannot grow a per-key
+table without bound."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Request and response types of the core, and the checks a request must pass.
-
-The gRPC adapter converts protobuf messages into these plain types; nothing here
-knows about protobuf.
-"""
+"""Request and response types of the core, and the checks a request must pass (plain
+types: the gRPC adapter converts protobuf messages into them)."""
 
 from __future__ import annotations
 
@@ -55,9 +52,8 @@ class DescriptorStatus:
 
 @dataclass(slots=True)
 class Response:
-    """An answer; core.decision.answer makes one from its statuses, with the verdict
-    over them worked out once for everything that reads it (the metadata, the
-    headers, the over_limit body)."""
+    """An answer (core.decision.answer makes it), its verdict worked out once for all
+    that read it (the metadata, the headers, the over_limit body)."""
 
     overall: Code
     statuses: list[DescriptorStatus] = field(default_factory=list)

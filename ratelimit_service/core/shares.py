@@ -13,7 +13,8 @@ and ignores ``requests_per_time_unit``): ``fill_interval`` is fixed per rule
 compares; it does not see a change of the seconds), ``tokens_per_fill`` the share of one
 interval (at least 1: a fleet of n may exceed a tiny limit by up to n tokens per
 interval), ``max_tokens`` what the instance has earned and not used, up to its part of
-the rule's burst (at least 1): :func:`stored` and :func:`next_bucket` say why.
+the rule's burst (at least 1): :func:`stored` and :func:`next_bucket` say why. Envoy
+keeps the tokens of a bucket sent again unchanged, and starts a changed one full.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def token_bucket(
     bucket refills continuously at tokens_per_fill / fill_interval and holds at most
     max_tokens, so max_tokens is only the burst: :func:`burst_part` (a smaller ``burst``
     also shortens the overshoot after a step in load), or what it has ``stored``, if less
-    (Envoy starts a changed bucket full: max_tokens is what the instance gets at once)."""
+    (what the instance gets at once)."""
     fill = fill_seconds(limit, window_seconds)
     per_fill = max(1, round(share * fill / window_seconds))
     most = burst_part(share, limit, burst)
@@ -113,12 +114,11 @@ def stored(
     order of its hits is not reported, and a bucket counted fuller than it is would
     be handed tokens it never had.
 
-    Envoy starts a changed bucket full, so every new share would otherwise hand each
-    instance its whole part of the burst again: after a step in load, when every
-    instance has spent its bucket and every share changes, the fleet would admit a
-    whole burst more per round of reports. A new bucket holds what the instance has
-    stored instead, and what it lost to a small bucket (bursty traffic, or less
-    demand than its share) comes back as a larger one, up to its part of the burst.
+    Every new share, a bucket that starts full, would otherwise hand each instance its
+    whole part of the burst again: after a step in load the fleet would admit a whole
+    burst more per round of reports. A new bucket holds what the instance has stored
+    instead, and what it lost to a small bucket (bursty traffic, or less demand than its
+    share) comes back as a larger one, up to its part of the burst.
     """
     left = before + rate * max(0.0, elapsed) - allowed
     held = 0.0 if denied else min(max_tokens, max(0.0, left))
@@ -126,9 +126,8 @@ def stored(
 
 
 RAISE_AT = 1.25
-"""A bucket whose rate is unchanged is sent again as it is (Envoy keeps its tokens)
-until what the instance stored and lost calls for a max_tokens this many times
-larger; then it gets the larger bucket (Envoy starts it full)."""
+"""A bucket whose rate is unchanged is sent again as it is until what the instance stored
+and lost calls for a max_tokens this many times larger."""
 
 
 def next_bucket(
@@ -143,7 +142,7 @@ def next_bucket(
     blanket rule) and whose share is now ``share``; ``worth``: what it has stored
     plus what it lost to a full bucket (None: a new instance, whose first bucket
     starts full). The held bucket when the rate is the same and max_tokens need not
-    grow (Envoy then keeps its tokens), else a new one holding ``worth``."""
+    grow (RAISE_AT), else a new one holding ``worth``."""
     new = token_bucket(share, limit, window_seconds, burst, worth)
     rate = (new.tokens_per_fill, new.fill_seconds)
     if held is None or (held.tokens_per_fill, held.fill_seconds) != rate:
@@ -161,9 +160,8 @@ def window_reset(now: float, window_seconds: int) -> float:
 
 
 KEEP_WITHIN = 0.1
-"""A new share up to this much above the one an instance holds keeps the old one:
-Envoy then keeps its bucket's tokens (an identical bucket is kept; a changed one is
-refilled), so small changes of demand do not hand out fresh bursts."""
+"""A new share up to this much above the one an instance holds keeps the old one, so
+small changes of demand do not hand out fresh bursts."""
 
 
 def window_index(wall: float, window_seconds: int) -> int:
@@ -172,12 +170,10 @@ def window_index(wall: float, window_seconds: int) -> int:
 
 
 def settle_share(fair: float, held: float | None, room: float) -> float:
-    """The share to assign. An instance just seen gets its fair (even) share. One that
-    holds a share gets the fair one, but never more than the limit less what the
-    others hold now (``room``: they keep their buckets until their own next report, so
-    handing out more would let the fleet admit beyond the limit meanwhile; see
-    counted_share for the first shares of a fleet starting together), and keeps
-    the one it holds while the fair one is at most KEEP_WITHIN above it."""
+    """The share to assign: an instance just seen gets its fair (even) share; one that
+    holds a share gets the fair one, but at most ``room``: the limit less what the others
+    hold now (they keep their buckets until their own next report; see counted_share),
+    and keeps the one it holds while the fair one is at most KEEP_WITHIN above it."""
     if held is None:
         return fair
     share = max(0.0, min(fair, room))
@@ -187,12 +183,11 @@ def settle_share(fair: float, held: float | None, room: float) -> float:
 
 
 def counted_share(share: float, demand: float | None, even: float) -> float:
-    """What an instance's share counts for in the others' room: in full once its
-    demand is measured, else at most an even share (``even``: the limit over the
-    instances seen now). An instance whose demand is not measured yet holds its first
-    share, given before anyone knew how many would come (the first of a fleet starting
-    together gets the whole limit, the second half of it ...); counted in full, those
-    first shares would add up to several times the limit and leave no room for
-    anyone. The price: until such an instance reports, it may use its larger first
-    bucket beside the others' grown ones (docs/benchmarks.md measures both sides)."""
+    """What an instance's share counts for in the others' room: in full once its demand
+    is measured, else at most ``even`` (the limit over the instances seen now). A first
+    share is given before anyone knows how many will come (the first of a fleet starting
+    together gets the whole limit, the second half of it ...): counted in full, they would
+    add up to several times the limit and leave no room for anyone. The price: until such
+    an instance reports, it may use its larger first bucket beside the others' grown ones
+    (docs/benchmarks.md measures both sides)."""
     return min(share, even) if demand is None else share

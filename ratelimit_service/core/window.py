@@ -69,11 +69,8 @@ class SlidingWindow:
         return self._leave_time(now, self._slices[0][0])
 
     def wait_for_room(self, now: float, hits: int, limit: int) -> float:
-        """Seconds until ``hits`` more would fit under ``limit``; 0 if they fit now.
-
-        When they can never fit (``hits > limit``) this is the time until the window
-        is empty, the best a client can do.
-        """
+        """Seconds until ``hits`` more would fit under ``limit``; 0 if they fit now. When
+        they never can (``hits > limit``): until the window is empty, the best there is."""
         self._expire(now)
         excess = self.total + hits - limit
         if excess <= 0:
