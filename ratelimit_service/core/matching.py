@@ -1,10 +1,8 @@
 """Find the limit that applies to one request descriptor, the way envoyproxy/ratelimit does.
 
-For each entry in order we pick, among the current node's children: the exact
-``key``/``value`` child, else the first wildcard child (config order) whose pattern
-matches, else the valueless default child for the key. A limit applies only on
-the node reached by the *last* entry; a request that ends early, goes deeper than
-the config, or ends on a node without a limit gets none.
+Each entry in order picks a child of the current node (:func:`_child`). A limit applies
+only on the node reached by the *last* entry; a request that ends early, goes deeper
+than the config, or ends on a node without a limit gets none.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ def match_nodes(domain: DomainConfig, entries: Entries) -> list[DescriptorNode] 
 
 
 def _child(children: NodeChildren, key: str, value: str) -> DescriptorNode | None:
-    """The child an entry matches: exact, else the first matching wildcard, else the
-    key's default."""
+    """The child an entry matches: the exact ``key``/``value`` one, else the first wildcard
+    (config order) whose pattern matches, else the key's valueless default."""
     node = children.exact.get((key, value))
     if node is not None:
         return node
