@@ -170,8 +170,7 @@ class _Plan:
     exact_costs: bool
     """Whether some exact step is a cost (counted even when the request is denied)."""
     exact_calendar: bool
-    """Whether some exact step counts by the calendar: its store key changes with the
-    period, so exact hits are made per request."""
+    """Whether some exact step counts by the calendar (exact hits then made per request)."""
     unlimited: tuple[int, ...]
     unmatched: tuple[int, ...]
     """Descriptors no rule matches (or replaced by another's)."""
@@ -273,11 +272,9 @@ class RateLimiter:
 
     def _by_failure_mode(self, exact: tuple[_Step, ...]) -> list[ExactResult]:
         """Each exact step decided by its rule's failure_mode (the store failed)."""
-        results = []
-        for step in exact:
-            result = _failure_result(step.limit)
+        results = [_failure_result(step.limit) for step in exact]
+        for step, result in zip(exact, results, strict=True):
             self._count_failure_mode(step, result.admitted)
-            results.append(result)
         return results
 
     def _count_failure_mode(self, step: _Step, admitted: bool) -> None:
@@ -409,9 +406,8 @@ class RateLimiter:
         return kept
 
     def _match(self, domain: DomainConfig, descriptor: Descriptor) -> tuple[Match, ...]:
-        """The descriptor's limits: none, one, or each of a ``rate_limits`` list; a
-        limit the request carries replaces them, and is enforced as the rule it matches
-        is (its mode and failure_mode), or in the default mode if it matches none."""
+        """The descriptor's limits (none, one, or a ``rate_limits`` list); a limit the request
+        carries replaces them, in its rule's mode and failure_mode, or the default mode."""
         # Remembered per config (cleared when full): most traffic repeats a few descriptors.
         cache_key = (domain.name, descriptor.entries)
         cache = self._matches
@@ -563,11 +559,9 @@ def _put(statuses: list[DescriptorStatus], index: int, status: DescriptorStatus)
 
 
 def _tighter(a: DescriptorStatus, b: DescriptorStatus) -> bool:
-    """Whether ``a`` speaks for a descriptor's limits rather than ``b``: the most
-    restrictive, an over-limit one first, then the one with the least remaining; but
-    for quota limits, which deny only when every one is over (core/exact.py denies),
-    one that still admits first, so the verdict over the descriptors' statuses is the
-    one the limiter reached over every limit."""
+    """Whether ``a`` speaks for a descriptor's limits rather than ``b``: an over-limit one
+    first, then the least remaining; but among quota limits, which deny only when all are
+    over (core/exact.py denies), one that still admits, as the limiter's verdict did."""
     if (a.code is _OVER) != (b.code is _OVER):
         quota = a.limit is not None and a.limit.quota_mode and not a.limit.shadow_mode
         return (a.code is _OVER) != quota
@@ -579,10 +573,8 @@ def _left(status: DescriptorStatus) -> int:
 
 
 def _exact_hits(exact: tuple[_Step, ...], quota_met: bool, now: float = 0.0) -> list[ExactHit]:
-    """``quota_met``: a probabilistic quota descriptor already lets the request
-    through, so exact quota hits can no longer deny it (they still consume). A
-    calendar step is counted under its period at ``now`` (core/calendar.py
-    counted_under)."""
+    """``quota_met``: a probabilistic quota descriptor lets the request through, so exact
+    quota hits only consume. A calendar step counts under its period at ``now``."""
     hits = []
     for step in exact:
         key, window = counted_under(step.bucket_key, step.window_seconds, step.calendar, now)

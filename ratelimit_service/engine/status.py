@@ -242,14 +242,14 @@ class StatusBoard:
         return limits
 
 
+@dataclass(slots=True)
 class _Timing:
     """How long the pieces of some work held the loop, in the thread's CPU time: the work
     itself, not moments the core ran another process (the snapshot's wall time shows those)."""
 
-    def __init__(self) -> None:
-        self.work = 0.0
-        self.longest = 0.0
-        self.pieces = 0
+    work: float = 0.0
+    longest: float = 0.0
+    pieces: int = 0
 
     def timed(self, work: Work[_T]) -> Work[_T]:
         clock = time.thread_time
@@ -343,8 +343,8 @@ def _closest_keys(
             used = 1.0 - bucket.remaining() / bucket.capacity
             rank = (used, bucket.fleet_rate or 0.0)
             if top.wants(rank):
-                row = _key_row(bucket.key, bucket.rule, "probabilistic", rank)
-                row["limit"] = f"{bucket.limit}/{_period(bucket.window_seconds)}"
+                limit = f"{bucket.limit}/{_period(bucket.window_seconds)}"
+                row = _key_row(bucket.key, bucket.rule, "probabilistic", rank, limit)
                 row["drop_ratio"] = _num(local.drop_ratio(bucket))
                 top.keep(rank, row)
         if count % SLICE == 0:
@@ -353,8 +353,8 @@ def _closest_keys(
         if now - near.seen < near.window_seconds:  # its count has not drained away yet
             rank = (near.used / near.limit, 0.0)
             if top.wants(rank):
-                row = _key_row(key, near.rule, "exact", rank)
-                row["limit"] = f"{near.limit}/{_period(near.window_seconds)}"
+                limit = f"{near.limit}/{_period(near.window_seconds)}"
+                row = _key_row(key, near.rule, "exact", rank, limit)
                 row["rate"] = None  # counted in the store: no rate in the process
                 top.keep(rank, row)
     for count, view in enumerate(views, 1):
@@ -369,20 +369,18 @@ def _closest_keys(
         else:
             rank = (demand / limit.requests_per_unit, demand)
         if top.wants(rank):
-            row = _key_row(view.key, view.stats_key, "rlqs", rank)
-            row["limit"] = limit_text(limit)
-            top.keep(rank, row)
+            top.keep(rank, _key_row(view.key, view.stats_key, "rlqs", rank, limit_text(limit)))
     return top.table(top.best())
 
 
-def _key_row(key: str, rule: str, kind: str, rank: tuple[float, float]) -> Json:
+def _key_row(key: str, rule: str, kind: str, rank: tuple[float, float], limit: str) -> Json:
     return {
         "key": readable_bucket(key),
         "rule": rule,
         "kind": kind,
         "used": _num(rank[0]),
         "rate": _num(rank[1]),
-        "limit": None,
+        "limit": limit,
         "drop_ratio": None,
     }
 
@@ -429,7 +427,8 @@ class _Envoy:
     buckets: int = 0
     """Counters it holds a token bucket for (the others: a blanket rule)."""
     busiest: tuple[float, CounterView, float | None] | None = None
-    """Its counter of highest demand, that demand and the share it holds of it."""
+    """Its counter of highest demand, that demand and the share it holds of it (set by the
+    first :meth:`add`)."""
 
     def add(
         self, view: CounterView, demand: float | None, share: float | None, bucket: float | None
@@ -447,22 +446,18 @@ class _Envoy:
             self.busiest = (demand or 0.0, view, share)
 
     def row(self) -> Json:
-        row: Json = {
+        assert self.busiest is not None
+        _, view, share = self.busiest
+        return {
             "name": self.name,
             "counters": self.counters,
             "demand": _num(self.demand) if self.measured else None,
             "share": _num(self.share),
             "assigned": _num(self.assigned) if self.buckets else None,
-            "busiest": None,
-            "busiest_share": None,
-            "busiest_limit": None,
+            "busiest": readable_bucket(view.key),
+            "busiest_share": _num(share),
+            "busiest_limit": limit_text(view.limit),
         }
-        if self.busiest is not None:
-            _, view, share = self.busiest
-            row["busiest"] = readable_bucket(view.key)
-            row["busiest_share"] = _num(share)
-            row["busiest_limit"] = limit_text(view.limit)
-        return row
 
 
 def _counters(views: list[CounterView]) -> Work[Json]:
