@@ -235,8 +235,7 @@ class QuotaCoordinator:
 
     @staticmethod
     def _spent(seen: Seen, usage: Usage, now: float) -> None:
-        """What the instance's bucket holds now and lost to being full: it earned at its
-        rate since the last count and spent what it allowed."""
+        """What the instance's bucket holds now and lost to being full (earned less allowed)."""
         if seen.saved is None or seen.sent is None:
             return
         rate = seen.sent.tokens_per_fill / seen.sent.fill_seconds
@@ -246,8 +245,7 @@ class QuotaCoordinator:
 
     @staticmethod
     def _follow_rule(counter: QuotaCounter, match: Match) -> None:
-        """A reloaded limit applies at once, the replica keeping its fraction until the next
-        publish."""
+        """A reloaded limit applies at once; the replica keeps its fraction until a publish."""
         before, now = counter.match.limit, match.limit
         counter.match = match
         if counter.part is None or before.requests_per_unit == now.requests_per_unit:
@@ -322,8 +320,7 @@ class QuotaCoordinator:
     # -- the replica's tier: publish totals, divide the part -----------------------------
 
     async def tick(self) -> None:
-        """One publish round: forget silent instances, send totals, take the new parts, and
-        push grown shares."""
+        """One publish round: forget silent instances, publish, push grown shares."""
         self._forget_silent(self._clock())
         counters = [c for c in self._counters.values() if c.part is not None]
         self.last_updates = len(counters)
@@ -466,8 +463,7 @@ class QuotaCoordinator:
         self.closing.set()
 
     def forget(self, instance: str) -> None:
-        """A stream ended: drop what this process kept of it (the store forgets it at the
-        next publish, or after FORGET_AFTER)."""
+        """A stream ended: drop what this process kept of it (the store forgets it later)."""
         self.streams -= 1
         self._pushers.pop(instance, None)
         for key in list(self._of.get(instance, ())):
@@ -476,8 +472,7 @@ class QuotaCoordinator:
     # -- the read-out: the status page and /metrics ------------------------------------
 
     def view(self) -> Iterator[CounterView | None]:
-        """Each counter reported here, copied; a None after every SLICE instances copied,
-        where the reader may return to the event loop."""
+        """Each counter reported here, copied; a None every SLICE instances, a point to yield."""
         wall, copied = self._wall(), 0
         for counter in list(self._counters.values()):
             shares = counter.shares

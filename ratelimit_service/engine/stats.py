@@ -139,8 +139,7 @@ class Stats:
 
 
 GaugeSource = Callable[[], Iterator[Metric | None]]
-"""Metric families read from live state at scrape time; a None marks a point where the
-scrape may return to the event loop."""
+"""Metric families read from live state at scrape time; a None marks a point to yield."""
 
 
 class StatsCollector(Collector):
@@ -166,8 +165,7 @@ class StatsCollector(Collector):
             yield from (family for family in source() if family is not None)
 
     def exposition(self) -> Iterator[bytes]:
-        """The text exposition of :meth:`collect` in pieces of bounded work; an empty piece
-        is a point to return to the event loop (a scrape is not a snapshot)."""
+        """:meth:`collect` as text, in pieces of bounded work; an empty one is a point to yield."""
         stats = self._stats
         rules = list(stats.rules.items())
         for counter in CATALOGUE:

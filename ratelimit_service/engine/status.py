@@ -386,16 +386,14 @@ def _key_row(key: str, rule: str, kind: str, rank: tuple[float, float], limit: s
 
 
 def _fleet_demand(view: CounterView) -> float:
-    """Hits per second the whole fleet offers the counter: the store's sum at the last
-    publish, else what this replica's instances report."""
+    """Hits per second the fleet offers the counter: the store's sum, else this replica's."""
     if view.totals is not None:
         return view.totals.demand
     return sum(demand for _, demand, _, _ in view.instances if demand is not None)
 
 
 def _envoys(views: list[CounterView]) -> Work[Json]:
-    """The TOP RLQS Envoys reporting here by demand, each with its counters, demand, shares
-    and token buckets (per second, summed over its counters)."""
+    """The TOP RLQS Envoys reporting here by demand, with their counters, shares and buckets."""
     envoys: dict[str, _Envoy] = {}
     for count, view in enumerate(views, 1):
         for name, demand, share, bucket in view.instances:

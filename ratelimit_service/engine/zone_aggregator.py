@@ -219,8 +219,7 @@ class ZoneAggregator:
         return answers
 
     async def _fold(self, reports: list[BucketReport], deadline: float) -> list[FleetView] | None:
-        """The zone's calendar budgets folded into the global store's; None while it is away
-        (the zone keeps its allotments)."""
+        """The zone's calendar budgets folded into the global store's; None while it is away."""
         if not reports:
             return []
         try:
