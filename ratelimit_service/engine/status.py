@@ -343,8 +343,8 @@ def _closest_keys(
             used = 1.0 - bucket.remaining() / bucket.capacity
             rank = (used, bucket.fleet_rate or 0.0)
             if top.wants(rank):
-                limit = f"{bucket.limit}/{_period(bucket.window_seconds)}"
-                row = _key_row(bucket.key, bucket.rule, "probabilistic", rank, limit)
+                text = f"{bucket.limit}/{_period(bucket.window_seconds)}"
+                row = _key_row(bucket.key, bucket.rule, "probabilistic", rank, text)
                 row["drop_ratio"] = _num(local.drop_ratio(bucket))
                 top.keep(rank, row)
         if count % SLICE == 0:
@@ -353,8 +353,8 @@ def _closest_keys(
         if now - near.seen < near.window_seconds:  # its count has not drained away yet
             rank = (near.used / near.limit, 0.0)
             if top.wants(rank):
-                limit = f"{near.limit}/{_period(near.window_seconds)}"
-                row = _key_row(key, near.rule, "exact", rank, limit)
+                text = f"{near.limit}/{_period(near.window_seconds)}"
+                row = _key_row(key, near.rule, "exact", rank, text)
                 row["rate"] = None  # counted in the store: no rate in the process
                 top.keep(rank, row)
     for count, view in enumerate(views, 1):
