@@ -15,18 +15,14 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 WORK = 0.001
-"""Seconds long work (a large /metrics page, a statsd flush over every stats key) holds
-the event loop at a time."""
+"""Seconds long work (a large /metrics page, a statsd flush) holds the event loop at a time."""
 REST = 0.001
-"""Seconds the loop is then left to other work. A call needs several turns of the loop
-(its arrival, its message, its answer): returning for a single turn between two pieces
-of work would add a piece to each of them, and calls behind a 7.7 MB scrape missed a
-20 ms deadline although no piece took 2 ms."""
+"""Seconds the loop is then left to other work: a call needs several turns of the loop
+(arrival, message, answer), so a single turn between pieces would add a piece to each."""
 
 
 async def in_stretches(pieces: Iterable[_T]) -> AsyncIterator[_T]:
-    """``pieces``, taken WORK seconds at a time with REST seconds between (each piece
-    is short: the iterator produces it when asked)."""
+    """``pieces`` (each short), taken WORK seconds at a time with REST seconds between."""
     clock = time.perf_counter
     until = clock() + WORK
     for piece in pieces:
@@ -37,8 +33,7 @@ async def in_stretches(pieces: Iterable[_T]) -> AsyncIterator[_T]:
 
 
 async def result_in_stretches(work: Generator[None, None, _T]) -> _T:
-    """What ``work`` returns: a generator that yields (None) at points where it may
-    return to the loop, run in stretches as :func:`in_stretches` takes pieces."""
+    """What ``work`` returns, run in stretches; it yields None where it may leave the loop."""
     returned: list[_T] = []
 
     def pieces() -> Iterable[None]:
@@ -55,10 +50,9 @@ async def every(
     what: str,
     failed: Callable[[], None] = lambda: None,
 ) -> None:
-    """Run ``step`` every ``interval`` seconds on the event loop's clock, for ever. A
-    step that raises is logged (``what`` names it) and counted by ``failed``, and the
-    next one runs on time; a step longer than the interval is followed by the next at
-    once, without catching up on the ones missed."""
+    """Run ``step`` every ``interval`` seconds on the loop's clock, for ever. A step that
+    raises is logged (``what`` names it) and counted by ``failed``; a step longer than the
+    interval is followed by the next at once, the missed ones skipped."""
     loop = asyncio.get_running_loop()
     next_at = loop.time()
     while True:

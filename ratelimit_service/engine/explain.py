@@ -1,10 +1,7 @@
-"""Explain a request: the rules its descriptors match under the loaded config, with
-their current counts, read without recording a hit (core/explain.py holds the result).
-
-The matching is the limiter's own (RateLimiter.matches), so explain says what a
-ShouldRateLimit call would be decided against. Counts: an exact rule asks the store
-for its window with a check-only hit (nothing committed); a probabilistic rule reads
-this process's bucket, if it has one, without creating or touching it.
+"""Explain a request: the rules its descriptors match under the loaded config (the
+limiter's own matching), with their current counts, recording no hit (core/explain.py
+holds the result). An exact rule's count is a check-only store hit; a probabilistic
+rule's is this process's bucket, if any, read without touching it.
 """
 
 from __future__ import annotations
@@ -22,14 +19,12 @@ from ratelimit_service.engine.limiter import RateLimiter
 from ratelimit_service.storage.base import StoreOverloaded, StoreUnavailable
 
 EXPLAIN_BUDGET = 1.0
-"""Seconds the store may take to answer an explanation's checks (a store that hangs
-costs the page that long, not a store timeout per rule)."""
+"""Seconds the store may take to answer an explanation's checks, all rules together."""
 
 
 async def explain(limiter: RateLimiter, request: Request, counts: bool = True) -> Explanation:
-    """``request``'s explanation; ``counts``: False when no count is meaningful (rules
-    read from files by the command line, no service behind them). Raises
-    InvalidRequest as ShouldRateLimit would for the same request."""
+    """``request``'s explanation; ``counts``: False without a service behind the rules (the
+    command line's). Raises InvalidRequest as ShouldRateLimit would."""
     validate(request, limiter.bounds)
     domain = limiter.config.domains.get(request.domain)
     if domain is None:
@@ -50,9 +45,8 @@ async def explain(limiter: RateLimiter, request: Request, counts: bool = True) -
 async def _exact_counts(
     limiter: RateLimiter, matched: Sequence[Sequence[tuple[RateLimit, Match]]]
 ) -> dict[str, int]:
-    """Hits in the window of every exact rule matched, by bucket key: one check-only
-    call to the store (nothing committed), within EXPLAIN_BUDGET; empty when the store
-    does not answer."""
+    """Hits in the window of every exact rule matched, by bucket key, in one check-only store
+    call within EXPLAIN_BUDGET; empty when the store does not answer."""
     now = limiter.now()
     checks: dict[str, ExactHit] = {}
     for kept in matched:

@@ -68,8 +68,7 @@ from ratelimit_service.storage.base import Store, StoreOverloaded, StoreUnavaila
 log = logging.getLogger(__name__)
 
 MATCH_CACHE_SIZE = 10_000
-# An Enum member read through its class is a lookup through the enum's metaclass each
-# time; the request path reads these module constants instead.
+# An Enum member read through its class costs a metaclass lookup: the request path reads these.
 _OK = Code.OK
 _OVER = Code.OVER_LIMIT
 _PLACEHOLDER = DescriptorStatus(_OK)
@@ -77,15 +76,13 @@ _PLACEHOLDER = DescriptorStatus(_OK)
 
 
 class Overloaded(Exception):
-    """The request has exact descriptors that only the store can decide, and too many
-    requests are already waiting for it: the caller gets an error (the servicer sends
-    RESOURCE_EXHAUSTED), so that the client's own failure policy decides. Never
-    answered as admitted: that would break exactness without the store failing."""
+    """Exact descriptors only the store can decide, and too many requests wait for it: an
+    error (the servicer sends RESOURCE_EXHAUSTED) lets the client's failure policy decide;
+    admitting would break exactness without the store failing."""
 
 
 class _Step:
-    """A descriptor with a finite limit, as planned: what stays the same each time
-    the same request comes back, read off once instead of per request."""
+    """A descriptor with a finite limit: what a repeated request reuses, read off once."""
 
     __slots__ = (
         "_period",
@@ -122,19 +119,17 @@ class _Step:
         self.limit = limit
         self.hits = hits
         self.always_counted = counts(False, cost)
-        """Its hits count even when the request is denied (core/exact.py counts): a
-        cost. Worked out once here, so a plain admission pays nothing for it."""
+        """A cost: its hits count even when the request is denied (core/exact.py counts)."""
         self.exact = limit.mode is Mode.EXACT
         self.calendar = (
             CalendarPeriod(limit.unit, limit.calendar) if limit.calendar is not None else None
         )
         """A calendar rule's current period (core/calendar.py), in either mode."""
         self._period: tuple[float, float, str, int] = (0.0, 0.0, "", 0)
-        """A calendar rule's bucket in probabilistic mode: its period's start and end,
-        key and window, worked out once a period (see :meth:`period_bucket`)."""
+        """A probabilistic calendar rule's period start, end, key and window (period_bucket)."""
         self.zero = limit.requests_per_unit == 0
-        """A limit of 0 denies every hit: decided in the process in every mode, with
-        no bucket and no store (so a store that is away cannot turn it into an OK)."""
+        """A limit of 0 denies every hit, in the process in every mode (no bucket, no store:
+        a store that is away cannot turn it into an OK)."""
         self.role = role_of(limit)
         self.enforce = self.role is HitRole.ENFORCE
         self.quota = self.role is HitRole.QUOTA
@@ -149,9 +144,8 @@ class _Step:
         """The rule's counters, once they are known to be its own (not _overflow)."""
 
     def period_bucket(self, period: CalendarPeriod, now: float) -> tuple[str, int, float]:
-        """A calendar rule's probabilistic bucket at ``now``: the key and window its
-        hits count under (core/calendar.py counted_under, as exact mode counts them),
-        and when its period ends; kept until it ends, so a request makes no key."""
+        """A calendar rule's probabilistic key and window at ``now`` (counted_under, as exact
+        mode counts) and its period's end; kept until then, so a request makes no key."""
         start, ends, key, window = self._period
         if not start <= now < ends:
             key, window = counted_under(self.bucket_key, self.window_seconds, period, now)
@@ -162,8 +156,7 @@ class _Step:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """A validated request's matches under one config: what stays the same each time
-    the same request comes back (see Request.plan)."""
+    """A validated request's matches under one config, reused by a repeat (Request.plan)."""
 
     limiter: RateLimiter
     config: RateLimitConfig
@@ -177,17 +170,14 @@ class _Plan:
     exact_costs: bool
     """Whether some exact step is a cost (counted even when the request is denied)."""
     exact_calendar: bool
-    """Whether some exact step counts by the calendar: its store key changes with the
-    period, so the request's exact hits are made per request, not kept here."""
+    """Whether some exact step counts by the calendar (exact hits then made per request)."""
     unlimited: tuple[int, ...]
     unmatched: tuple[int, ...]
     """Descriptors no rule matches (or replaced by another's)."""
     exact_hits: tuple[ExactHit, ...]
-    """What the store gets for the exact steps, in order, when no probabilistic quota
-    descriptor has let the request through (see _exact_hits)."""
+    """The exact steps' hits when no probabilistic quota descriptor let the request through."""
     exact_owe: bool
-    """Whether failure_mode admits the request when the store fails (then the store
-    is asked to count its hits later: Store.hit's ``owe``)."""
+    """Whether failure_mode admits the request when the store fails (Store.hit's ``owe``)."""
     all_local: bool
     """Every descriptor is a probabilistic step (see RateLimiter.decide_locally)."""
 
@@ -208,18 +198,15 @@ class RateLimiter:
         draw: Callable[[], float] | None = None,
         count_denied_costs: bool = default("--count-denied-costs"),
     ) -> None:
-        """``draw``: numbers in [0, 1) to compare with drop ratios. None (the default):
-        each bucket's own evenly spread sequence (ProbabilisticBucket.next_draw), which
-        scatters far less than random numbers; tests inject fixed values.
-        ``count_denied_costs``: whether a cost is counted when denied too (see
-        core/exact.py is_cost; off: the Go service's
-        STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=true)."""
+        """``draw``: numbers in [0, 1) to compare with drop ratios; None: each bucket's evenly
+        spread sequence (ProbabilisticBucket.next_draw), which scatters far less than random.
+        ``count_denied_costs``: whether a cost counts when denied too (core/exact.py is_cost;
+        off: the Go service's STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=true)."""
         self.config = config
         self.count_denied_costs = count_denied_costs
         self.store = store
         self.hit_store = store.hit
-        """The exact decisions' call to the store: ``store.hit``, or tracing's wrapper
-        of it (engine/tracing.py), installed only when tracing is on."""
+        """``store.hit``, or tracing's wrapper of it (engine/tracing.py) when tracing is on."""
         self.near_ratio = near_ratio
         """Share of a limit past which admitted hits count as near_limit."""
         self.stats = stats if stats is not None else Stats()
@@ -239,9 +226,7 @@ class RateLimiter:
     async def should_rate_limit(self, request: Request, deadline: float | None = None) -> Response:
         """``deadline``: the event loop's time after which the caller cannot use the
         answer; exact rules wait for the store until then (None: the store's bound)."""
-        plan = request.plan
-        if not (isinstance(plan, _Plan) and plan.config is self.config and plan.limiter is self):
-            plan = self._plan(request)
+        plan = self._plan(request)
         if plan.all_local:  # the servicer calls decide_locally() first; tests come here
             response = self.decide_locally(request)
             assert response is not None  # all_local
@@ -249,7 +234,6 @@ class RateLimiter:
         if not plan.domain_found:
             self.stats.count_domain_not_found(request.domain)
             return Response(Code.OK, [DescriptorStatus(Code.OK) for _ in request.descriptors])
-        # Each descriptor with a finite limit gets its status below.
         statuses: list[DescriptorStatus] = [_PLACEHOLDER] * len(request.descriptors)
         for index in plan.unlimited:
             statuses[index] = DescriptorStatus(_OK, None, UINT32_MAX)
@@ -283,17 +267,14 @@ class RateLimiter:
         return self._finish(statuses, taken)
 
     def now(self) -> float:
-        """The limiter's clock: what calendar periods and probabilistic buckets are
-        read at."""
+        """The limiter's clock, which calendar periods and probabilistic buckets read."""
         return self._clock()
 
     def _by_failure_mode(self, exact: tuple[_Step, ...]) -> list[ExactResult]:
         """Each exact step decided by its rule's failure_mode (the store failed)."""
-        results = []
-        for step in exact:
-            result = _failure_result(step.limit)
+        results = [_failure_result(step.limit) for step in exact]
+        for step, result in zip(exact, results, strict=True):
             self._count_failure_mode(step, result.admitted)
-            results.append(result)
         return results
 
     def _count_failure_mode(self, step: _Step, admitted: bool) -> None:
@@ -331,13 +312,9 @@ class RateLimiter:
         return results
 
     def decide_locally(self, request: Request) -> Response | None:
-        """The response, when every descriptor is decided in the process (probabilistic
-        rules only, none unmatched or unlimited: the common case); None when the
-        request needs :meth:`should_rate_limit`. Not a coroutine: the servicer skips a
-        coroutine layer for most requests."""
-        plan = request.plan
-        if not (isinstance(plan, _Plan) and plan.config is self.config and plan.limiter is self):
-            plan = self._plan(request)
+        """The response when every descriptor is probabilistic (the common case), else None
+        (:meth:`should_rate_limit`). Not a coroutine: most requests skip that layer."""
+        plan = self._plan(request)
         if not plan.all_local:
             return None
         statuses: list[DescriptorStatus] = [_PLACEHOLDER] * len(request.descriptors)
@@ -348,10 +325,9 @@ class RateLimiter:
         return self._finish(statuses, taken)
 
     def rules_of(self, request: Request) -> list[tuple[int, str]]:
-        """(descriptor index, stats key) of every rule the request matches, in
-        descriptor order (tracing names them): from its plan when it was decided with
-        one, else matched now (a request parsed again: too large to be kept, or the
-        config reloaded)."""
+        """(descriptor index, stats key) of every rule the request matches, in descriptor
+        order, for tracing: from its plan, else matched now (the config reloaded, or a
+        request too large to be kept)."""
         plan = request.plan
         if not isinstance(plan, _Plan) or plan.config is not self.config:
             try:
@@ -362,6 +338,10 @@ class RateLimiter:
         return sorted((step.index, step.stats_key) for step in plan.local + plan.exact)
 
     def _plan(self, request: Request) -> _Plan:
+        """The plan the request carries for this limiter and config, else a new one."""
+        plan = request.plan
+        if isinstance(plan, _Plan) and plan.config is self.config and plan.limiter is self:
+            return plan
         try:
             validate(request, self.bounds)
         except ValueError:
@@ -409,9 +389,8 @@ class RateLimiter:
     def matches(
         self, domain: DomainConfig, descriptors: list[Descriptor]
     ) -> list[list[tuple[RateLimit, Match]]]:
-        """Each descriptor's limits and their keys, those a ``replaces`` of another
-        matched limit removes left out: what the request is decided against (explain
-        shows it without deciding)."""
+        """Each descriptor's limits and keys, less those another matched limit ``replaces``:
+        what the request is decided against (explain shows it)."""
         found = [self._match(domain, d) for d in descriptors]
         limits: list[RateLimit | None] = [m.limit for matches in found for m in matches]
         drop_replaced(limits)
@@ -427,11 +406,9 @@ class RateLimiter:
         return kept
 
     def _match(self, domain: DomainConfig, descriptor: Descriptor) -> tuple[Match, ...]:
-        """The descriptor's limits: none, one, or each of a ``rate_limits`` list; a
-        limit the request carries replaces them, and is enforced as the rule it matches
-        is (its mode and failure_mode), or in the default mode if it matches none."""
-        # Matching builds key strings; most traffic repeats a few descriptors, so the
-        # result is remembered (per config, bounded: cleared when full).
+        """The descriptor's limits (none, one, or a ``rate_limits`` list); a limit the request
+        carries replaces them, in its rule's mode and failure_mode, or the default mode."""
+        # Remembered per config (cleared when full): most traffic repeats a few descriptors.
         cache_key = (domain.name, descriptor.entries)
         cache = self._matches
         matches = cache.get(cache_key)
@@ -464,12 +441,10 @@ class RateLimiter:
         statuses: list[DescriptorStatus],
         taken: list[tuple[ProbabilisticBucket, int]],
     ) -> tuple[bool, bool]:
-        """Decide and account the probabilistic descriptors; note in ``taken`` the
-        hits they admitted (given back if the request is denied), costs excepted: a
-        cost counts whatever the answer (charged to its bucket when denied). Returns
-        whether exact descriptors may consume (nothing denied so far) and whether a
-        probabilistic quota descriptor already lets the request through. ``steps`` is
-        never empty (both callers check)."""
+        """Decide and account the probabilistic descriptors; note in ``taken`` the hits they
+        admitted (given back if the request is denied), except costs, which count whatever
+        the answer. Returns whether exact descriptors may consume (nothing denied so far)
+        and whether a probabilistic quota descriptor already lets the request through."""
         now = self._clock()
         local = self.local
         draw = self._draw
@@ -503,7 +478,7 @@ class RateLimiter:
                         if not admitted:
                             bucket.charge(hits)
                     elif admitted and hits:
-                        taken.append((bucket, hits))  # given back if the request is denied
+                        taken.append((bucket, hits))
                 status = DescriptorStatus(
                     _OK, step.limit, bucket.remaining(), bucket.reset_estimate(now)
                 )
@@ -524,12 +499,10 @@ class RateLimiter:
         statuses: list[DescriptorStatus],
         now: float,
     ) -> None:
-        """Each exact step's status from its result; a calendar rule's reset is its
-        period's end, when its count starts again (``now``: the clock read for it)."""
+        """Each exact step's status; a calendar rule resets at its period's end after ``now``."""
         for step, result in zip(steps, results, strict=True):
-            reset = result.reset_after
-            if step.calendar is not None:
-                reset = step.calendar.until_end(now)
+            calendar = step.calendar
+            reset = result.reset_after if calendar is None else calendar.until_end(now)
             status = DescriptorStatus(_OK, step.limit, result.remaining, reset)
             self._account(step, result.before, result.admitted, status)
             _put(statuses, step.index, status)
@@ -561,8 +534,7 @@ class RateLimiter:
             status.remaining = 0
 
     def _near_key(self, step: _Step, used: int) -> None:
-        """An exact key near or over its limit, for the status page (probabilistic
-        buckets are in the process already)."""
+        """An exact key near or over its limit, for the status page."""
         self.stats.near_key(
             step.bucket_key, step.stats_key, used, step.requests_per_unit, step.window_seconds
         )
@@ -570,8 +542,7 @@ class RateLimiter:
     def _finish(
         self, statuses: list[DescriptorStatus], taken: list[tuple[ProbabilisticBucket, int]]
     ) -> Response:
-        """The answer (its verdict worked out once, core.decision.answer); a denied
-        request's probabilistic hits given back."""
+        """The answer (core.decision.answer); a denied request's probabilistic hits given back."""
         response = answer(statuses, self.global_shadow)
         if response.overall is _OVER or response.shadowed:
             self.local.give_back(taken)  # a denied request consumes no quota
@@ -581,19 +552,16 @@ class RateLimiter:
 
 
 def _put(statuses: list[DescriptorStatus], index: int, status: DescriptorStatus) -> None:
-    """A descriptor's status: with several limits (rate_limits), the one that speaks for
-    them all (see :func:`_tighter`)."""
+    """A descriptor's status: of several limits (rate_limits), the :func:`_tighter`."""
     current = statuses[index]
     if current is _PLACEHOLDER or _tighter(status, current):
         statuses[index] = status
 
 
 def _tighter(a: DescriptorStatus, b: DescriptorStatus) -> bool:
-    """Whether ``a`` speaks for a descriptor's limits rather than ``b``: the most
-    restrictive, an over-limit one first, then the one with the least remaining; but
-    for quota limits, which deny only when every one is over (core/exact.py denies),
-    one that still admits first, so the verdict over the descriptors' statuses is the
-    one the limiter reached over every limit."""
+    """Whether ``a`` speaks for a descriptor's limits rather than ``b``: an over-limit one
+    first, then the least remaining; but among quota limits, which deny only when all are
+    over (core/exact.py denies), one that still admits, as the limiter's verdict did."""
     if (a.code is _OVER) != (b.code is _OVER):
         quota = a.limit is not None and a.limit.quota_mode and not a.limit.shadow_mode
         return (a.code is _OVER) != quota
@@ -605,22 +573,14 @@ def _left(status: DescriptorStatus) -> int:
 
 
 def _exact_hits(exact: tuple[_Step, ...], quota_met: bool, now: float = 0.0) -> list[ExactHit]:
-    """``quota_met``: a probabilistic quota descriptor already lets the request
-    through, so exact quota hits can no longer deny it (they still consume). A
-    calendar step is counted under its period at ``now`` (core/calendar.py
-    counted_under)."""
+    """``quota_met``: a probabilistic quota descriptor lets the request through, so exact
+    quota hits only consume. A calendar step counts under its period at ``now``."""
     hits = []
     for step in exact:
         key, window = counted_under(step.bucket_key, step.window_seconds, step.calendar, now)
+        role = HitRole.SHADOW if quota_met and step.quota else step.role
         hits.append(
-            ExactHit(
-                key=key,
-                limit=step.requests_per_unit,
-                window_seconds=window,
-                hits=step.hits,
-                role=HitRole.SHADOW if quota_met and step.role is HitRole.QUOTA else step.role,
-                cost=step.always_counted,
-            )
+            ExactHit(key, step.requests_per_unit, window, step.hits, role, step.always_counted)
         )
     return hits
 

@@ -10,8 +10,7 @@ from collections.abc import Callable
 from ratelimit_service.core.histogram import Histogram
 
 LAG_INTERVAL = 0.01
-"""Seconds between two measurements of the event loop's lag: every pause of the loop
-longer than this is seen (a shorter one is seen when it covers a measurement)."""
+"""Seconds between two measurements of the event loop's lag: every longer pause is seen."""
 STALL_AFTER = 0.002
 """Lag from which the loop counts as having been held (below: timer resolution)."""
 RATE_MEMORY = 0.25
@@ -19,21 +18,16 @@ RATE_MEMORY = 0.25
 
 
 class LoopLag:
-    """How late the event loop runs a timer that is due: the wait of any callback that
-    is ready (the loop busy with other work, or the process not scheduled on a CPU).
-    Read beside the store's reply time: replies slow and lag low is a slow store;
-    both high is this process starved, its replies read late.
+    """How late the event loop runs a due timer: the wait of any ready callback (the loop
+    busy, or the process not on a CPU). Beside the store's reply time: replies slow and lag
+    low is a slow store; both high is this process starved.
 
-    It also tells the latency histogram what a call waited before its handler ran
-    (:meth:`held`). A call that arrives while the loop is held (a collection, a long
-    task, the process descheduled) waits in gRPC's queue, and its handler starts only
-    once the loop is free: timed from there, the wait would not show. A pause is seen
-    by whichever comes first after it, the lag timer (due, and late) or a handler
-    starting past the timer's due time. The calls that then start, in order, are taken
-    to have arrived at the rate seen before the pause, the pause's share of them evenly
-    over it (the process cannot know each call's arrival): the first waited about the
-    whole pause; the catch-up ends with the first call that would have arrived after
-    its start (the queue has drained), or at the latest twice the pause after it."""
+    :meth:`held` tells the latency histogram what a call waited before its handler ran: a
+    call arriving while the loop is held waits in gRPC's queue, unseen from its handler.
+    A pause is seen by the lag timer (late) or a handler starting past the timer's due
+    time, whichever comes first. The calls then starting are taken to have arrived at the
+    rate seen before the pause, evenly over it (arrivals are unknown); the catch-up ends
+    with the first call that would have arrived after its start, or twice the pause after."""
 
     def __init__(self, interval: float = LAG_INTERVAL, calls: Callable[[], int] = int) -> None:
         self.interval = interval
@@ -44,9 +38,8 @@ class LoopLag:
         """Calls per second, smoothed over RATE_MEMORY (updated outside pauses)."""
         self.calm_from = 0.0
         self.calm_until = float("inf")
-        """A handler that starts within [calm_from, calm_until] (perf_counter) has no
-        pause in view: one comparison per call. Before calm_from: a catch-up is under
-        way; after calm_until: the timer is late, a pause is under way or just ended."""
+        """A handler starting within [calm_from, calm_until] (perf_counter) has no pause in
+        view. Before calm_from: a catch-up is under way; after calm_until: a pause."""
         self._due = 0.0
         self._pause_start = self._pause_end = self._catch_up_end = 0.0
         self._expected = 1
@@ -83,8 +76,8 @@ class LoopLag:
         self.calm_from = float("inf")  # every handler start is looked at until caught up
 
     def held(self, started: float) -> float:
-        """Seconds a call whose handler started at ``started`` (perf_counter) waited
-        for the loop before it; called when ``started`` is outside the calm range."""
+        """Seconds a call whose handler started at ``started`` (perf_counter, outside the
+        calm range) waited for the loop."""
         if started > self.calm_until:
             self._saw_pause(started)
         if started < self._pause_end:

@@ -1,29 +1,25 @@
 """RLQS: the coordinator that divides each limit among the Envoys that report usage.
 
 Envoy's rate_limit_quota filter enforces token buckets itself and reports, per bucket,
-what it allowed and denied, every 5 s (Envoy 1.40's fixed interval) and once at once
-for a bucket it has just created. For every report the coordinator
+what it allowed and denied, every 5 s (Envoy 1.40's fixed interval), and at once for a
+new bucket. For every report the coordinator
 
-1. maps each bucket id to the same YAML rule an RLS descriptor would meet
-   (core.matching.bucket_entries, then find_limit): same limits, shadow mode, live
-   reload;
+1. maps each bucket id to the YAML rule an RLS descriptor would meet
+   (core.matching.bucket_entries, then find_limits): same limits, shadow mode, reload;
 2. measures each instance's demand per bucket, (allowed + denied) per second on the
-   service's own clock (Envoy's ``time_elapsed`` is whole seconds, and 0 on a first
-   report);
-3. divides the limit among the instances that report that bucket by demand, and
-   answers each bucket with the instance's token bucket, with a TTL of a few report
-   intervals; rules of a minute or longer also count the fleet's allowed hits per
-   fixed window and answer DENY_ALL until the window resets once it is used up.
-   Buckets no rule limits get ALLOW_ALL; shadow rules ALLOW_ALL and count what the
-   limit would have denied.
+   service's clock (Envoy's ``time_elapsed`` is whole seconds, and 0 on a first report);
+3. divides the limit among the instances reporting the bucket by demand, and answers
+   with the instance's token bucket, with a TTL of a few report intervals; rules of a
+   minute or longer also count the fleet's allowed hits per fixed window and answer
+   DENY_ALL once it is used up, until it resets. Buckets no rule limits get ALLOW_ALL;
+   shadow rules ALLOW_ALL and count what the limit would have denied.
 
-The division has two tiers (core/tiers.py). Every ``interval`` (1 s) this replica
-publishes, per counter, its own totals to the store (its instances' demand and count,
-the hits they allowed) and reads back the fleet's sums: its part of the limit comes
-from those totals, in work that does not grow with the fleet. Between publishes a
-report is answered from the replica's part, divided among its own instances max-min
-by demand (core/shares.py), without a store call; a counter's first report waits for
-one publish, so a replica that restarts does not hand out the whole limit again.
+The division has two tiers (core/tiers.py). Every ``interval`` this replica publishes
+per counter its totals to the store (its instances' demand and count, the hits they
+allowed) and reads back the fleet's sums, which set its part of the limit. Between
+publishes a report is answered from that part, divided among the replica's instances
+max-min by demand (core/shares.py), without a store call; a counter's first report
+waits for one publish, so a restarted replica does not hand out the whole limit again.
 With the store away each replica keeps its last part (fail-static). On the embedded
 store the one process is the whole fleet.
 """
@@ -63,18 +59,15 @@ log = logging.getLogger(__name__)
 REPORT_INTERVAL = 5.0
 """Seconds between Envoy 1.40's reports (hard-coded there)."""
 TTL_SECONDS = 15
-"""assignment_time_to_live: three report intervals, so an assignment outlives a lost
-report or a restarting service; whole seconds (Envoy 1.40 drops the nanos, and a TTL
-under a second expires at once)."""
+"""assignment_time_to_live: three report intervals, outliving a lost report or a restart;
+whole seconds (Envoy 1.40 drops the nanos: a TTL under a second expires at once)."""
 ABANDON_AFTER = 3
-"""Reports in a row with nothing allowed or denied after which an instance is told to
-abandon the bucket (it subscribes again with its next request)."""
+"""Idle reports in a row after which an instance is told to abandon the bucket."""
 FORGET_AFTER = 3 * REPORT_INTERVAL
-"""Seconds after which an instance that stopped reporting a bucket no longer takes a
-share of it."""
+"""Seconds after which an instance that stopped reporting a bucket loses its share."""
 MIN_ELAPSED = 0.5
-"""A report sooner than this after the previous one measures no demand (Envoy's first
-report of a bucket comes at once, then the periodic ones)."""
+"""Seconds since the previous report under which a report measures no demand (Envoy's
+first report of a bucket comes at once)."""
 
 
 class Kind(enum.Enum):
@@ -103,8 +96,7 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """What one bucket of a report is answered with: a blanket rule, a token bucket,
-    or ABANDON."""
+    """One bucket's answer: a blanket rule, a token bucket, or ABANDON."""
 
     bucket: Mapping[str, str]
     kind: Kind
@@ -114,8 +106,7 @@ class Action:
 
 @dataclass(frozen=True, slots=True)
 class CounterView:
-    """One counter as the status page and /metrics read it (engine/status.py,
-    engine/state_metrics.py): a copy, taken between two reports."""
+    """A copy of one counter for the status page and /metrics, taken between two reports."""
 
     key: str
     stats_key: str
@@ -126,9 +117,8 @@ class CounterView:
     used: int
     """The fleet's allowed hits in the current window (0 once a new one began)."""
     instances: tuple[tuple[str, float | None, float | None, float | None], ...]
-    """Each instance reporting it here: (name, demand per second or None while
-    unmeasured, share in hits per window or None before any, tokens per second of the
-    token bucket it holds or None: none, or a blanket rule)."""
+    """Each instance reporting it here: (name, demand per second, share in hits per window,
+    tokens per second of its token bucket), each None while unknown or absent."""
 
 
 @dataclass(slots=True)
@@ -153,9 +143,8 @@ class QuotaCoordinator:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        """``config``: the rules in force now (the limiter's, so reloads apply at the
-        next report). ``interval``: seconds between two publishes of this replica's
-        totals. ``member``: this replica's name in the store (unique per process)."""
+        """``config``: the rules in force (the limiter's: reloads apply at the next report).
+        ``interval``: seconds between publishes. ``member``: this replica's unique name."""
         self._config = config
         self._stats = stats
         self._store = store
@@ -167,11 +156,10 @@ class QuotaCoordinator:
         self._of: dict[str, set[str]] = {}
         """Instance → the counters it reports here."""
         self._pushers: dict[str, Callable[[list[Action]], bool]] = {}
-        """Each connected instance's way to receive assignments between its reports
-        (its stream's outbox; False when it is full)."""
+        """Each instance's stream outbox for assignments between reports (False: full)."""
         self._first: dict[int, asyncio.Future[None]] = {}
-        """Counters whose first publish is in flight, by id() (each one held alive by
-        the publishing report meanwhile): reports that meet one wait on it."""
+        """Counters whose first publish is in flight, by id() (the publishing report holds
+        each alive): reports that meet one wait on it."""
         self._background = BackgroundTask("rlqs-publish", self.run)
 
         self.closing = asyncio.Event()
@@ -188,7 +176,6 @@ class QuotaCoordinator:
         self.last_updates = 0
         """Counter totals the last round's publish sent."""
         self.store_errors = 0
-        """Publishes that failed: the replica kept its last part (fail-static)."""
         self.pushed = 0
         self.pushes_dropped = 0
 
@@ -248,8 +235,7 @@ class QuotaCoordinator:
 
     @staticmethod
     def _spent(seen: Seen, usage: Usage, now: float) -> None:
-        """What the instance's bucket holds now and what it lost to being full: it
-        earned at the rate it holds since the last count, and spent what it allowed."""
+        """What the instance's bucket holds now and lost to being full (earned less allowed)."""
         if seen.saved is None or seen.sent is None:
             return
         rate = seen.sent.tokens_per_fill / seen.sent.fill_seconds
@@ -259,8 +245,7 @@ class QuotaCoordinator:
 
     @staticmethod
     def _follow_rule(counter: QuotaCounter, match: Match) -> None:
-        """The rule in force now: a reload that changed the limit applies at once, the
-        replica keeping its fraction of it until the next publish."""
+        """A reloaded limit applies at once; the replica keeps its fraction until a publish."""
         before, now = counter.match.limit, match.limit
         counter.match = match
         if counter.part is None or before.requests_per_unit == now.requests_per_unit:
@@ -279,10 +264,8 @@ class QuotaCoordinator:
         counter.unpublished += allowed
 
     async def _first_parts(self, counters: list[QuotaCounter]) -> None:
-        """Counters this replica has never published get their part from the store
-        before they are answered (a restarted replica must not hand out the whole
-        limit again): one call for all of them; a report that meets one whose first
-        publish is in flight waits for it."""
+        """Counters never published get their part from the store, in one call, before
+        they are answered; a report meeting one whose first publish is in flight waits."""
         first = self._first
         fresh = list({id(c): c for c in counters if c.part is None and id(c) not in first}.values())
         waiting = {id(f): f for c in counters if (f := first.get(id(c))) is not None}
@@ -322,8 +305,8 @@ class QuotaCoordinator:
         return Action(usage.bucket, TOKEN_BUCKET, self._bucket(counter, seen, share))
 
     def _bucket(self, counter: QuotaCounter, seen: Seen, share: float) -> TokenBucket:
-        """The bucket to send for ``share``: the one the instance holds when that will
-        do, else a new one, which Envoy starts full with what the instance has stored."""
+        """The bucket to send for ``share``: the one the instance holds if it will do, else a
+        new one (Envoy starts it full with what the instance has stored)."""
         limit = counter.match.limit
         worth = None if seen.saved is None else seen.saved + seen.lost
         bucket = next_bucket(
@@ -337,8 +320,7 @@ class QuotaCoordinator:
     # -- the replica's tier: publish totals, divide the part -----------------------------
 
     async def tick(self) -> None:
-        """One publish of every counter reported here: forget instances gone silent,
-        send the totals, take the new parts, and push grown shares."""
+        """One publish round: forget silent instances, publish, push grown shares."""
         self._forget_silent(self._clock())
         counters = [c for c in self._counters.values() if c.part is not None]
         self.last_updates = len(counters)
@@ -347,9 +329,8 @@ class QuotaCoordinator:
                 self._grow(counter)
 
     async def _publish(self, counters: list[QuotaCounter]) -> bool:
-        """Publish this replica's totals of ``counters`` and take its new parts; False
-        when the store is away (each counter keeps its part: fail-static; one never
-        published gets the whole limit, as RLS answers by failure_mode then)."""
+        """Publish ``counters``' totals and take the new parts; False when the store is away
+        (parts kept; one never published gets the whole limit, as RLS's failure_mode)."""
         reports = [self._totals(counter) for counter in counters]
         sent = [report.allowed for report in reports]
         self.bucket_updates += len(reports)
@@ -377,8 +358,8 @@ class QuotaCoordinator:
         return True
 
     def _totals(self, counter: QuotaCounter) -> TierReport:
-        """This replica's totals of one counter: its instances' demand (per second; an
-        unmeasured one as an even share of the fleet's instances) and allowed hits."""
+        """This replica's totals of a counter: its instances' demand per second (unmeasured:
+        an even share of the fleet's) and allowed hits."""
         window = counter.window_seconds
         rate = counter.match.limit.requests_per_unit / window
         everyone = counter.totals.instances if counter.totals else len(counter.seen)
@@ -390,12 +371,9 @@ class QuotaCoordinator:
         )
 
     def _grow(self, counter: QuotaCounter) -> None:
-        """Push, now, a larger bucket to every instance of this replica whose fair share
-        grew into room nobody holds (the part grew, or another instance's report freed
-        room). Without it a share grows only at the instance's own next report, up to
-        a report interval later. Shares only grow here, so the instances never hold
-        more than the part; shrinking waits for each instance's own report, which
-        measures its demand."""
+        """Push now a larger bucket to each instance whose fair share grew into room nobody
+        holds, rather than at its next report. Shares only grow here, so the instances never
+        hold more than the part; shrinking waits for the instance's report."""
         limit = counter.match.limit
         if limit.shadow_mode or counter.part is None:
             return
@@ -425,15 +403,13 @@ class QuotaCoordinator:
                 seen.sent, seen.saved, seen.lost, seen.saved_at = before
 
     def _forget_silent(self, now: float) -> None:
-        """Instances that stopped reporting a counter (their stream still open) no
-        longer take a share of it."""
+        """Instances that stopped reporting a counter (stream still open) lose their share."""
         for counter in list(self._counters.values()):
             for name in [n for n, s in counter.seen.items() if now - s.last_report > FORGET_AFTER]:
                 self._drop(name, counter)
 
     def _drop(self, instance: str, counter: QuotaCounter) -> None:
-        """``instance`` no longer reports ``counter`` here; a counter no instance
-        reports goes (memory follows the buckets in use)."""
+        """``instance`` no longer reports ``counter``; a counter nobody reports goes."""
         counter.remove(instance)
         counters = self._of.get(instance)
         if counters is not None:
@@ -465,9 +441,8 @@ class QuotaCoordinator:
         self._pushers[instance] = push
 
     def _count(self, stats_key: str, usage: Usage, shadow: bool, allowance: float) -> None:
-        """Envoy's decisions, counted as the RLS path counts its own; for a shadow
-        rule, the hits beyond the instance's share (``allowance``: hits it may admit
-        in the period reported) are what the limit would have denied."""
+        """Envoy's decisions, counted as RLS counts its own; for a shadow rule, the hits
+        beyond ``allowance`` (the instance's share of the period) would have been denied."""
         rule = self._stats.rule(stats_key)
         rule.total_hits += usage.allowed + usage.denied
         over = usage.denied
@@ -481,19 +456,14 @@ class QuotaCoordinator:
         self.streams += 1
 
     def close_streams(self) -> None:
-        """The service is stopping: end every stream now, with a status (the servicer
-        answers UNAVAILABLE), instead of leaving them open until the server's grace
-        runs out and gRPC cancels them. An Envoy's stream never ends by itself, so
-        otherwise every stop waits out the whole grace. Envoy keeps the assignments it
-        holds until their TTL and opens a new stream at its next report (to another
-        replica, or to this one restarted). Call it once the service no longer needs
-        to answer reports (after draining), before the gRPC server stops."""
+        """End every stream now (the servicer answers UNAVAILABLE): an Envoy's stream never
+        ends by itself, so each stop would wait out the server's grace. Envoy keeps its
+        assignments until their TTL and opens a new stream at its next report. Call it
+        after draining, before the gRPC server stops."""
         self.closing.set()
 
     def forget(self, instance: str) -> None:
-        """A stream ended: drop what this process kept of it (the store forgets this
-        replica's part of its counters at the next publish, or once the replica is
-        silent for FORGET_AFTER)."""
+        """A stream ended: drop what this process kept of it (the store forgets it later)."""
         self.streams -= 1
         self._pushers.pop(instance, None)
         for key in list(self._of.get(instance, ())):
@@ -502,10 +472,7 @@ class QuotaCoordinator:
     # -- the read-out: the status page and /metrics ------------------------------------
 
     def view(self) -> Iterator[CounterView | None]:
-        """Each counter reported here, copied for the status page and /metrics (the one
-        read-out of the coordinator's state); a None after every SLICE instances
-        copied: a point where the reader may return to the event loop (1,000 Envoys on
-        one counter are read in pieces)."""
+        """Each counter reported here, copied; a None every SLICE instances, a point to yield."""
         wall, copied = self._wall(), 0
         for counter in list(self._counters.values()):
             shares = counter.shares
@@ -535,9 +502,8 @@ def _per_second(bucket: TokenBucket | None) -> float | None:
 
 
 def tightest(matches: tuple[Match, ...]) -> Match | None:
-    """The limit an RLQS bucket is held to when its rule has several (rate_limits):
-    Envoy enforces one token bucket per bucket, so the one of the lowest rate (limit
-    per second of its period) wins; the others are not enforced separately."""
+    """The limit of lowest rate an RLQS bucket is held to when its rule has several
+    (rate_limits): Envoy enforces one token bucket per bucket."""
     if not matches:
         return None
     return min(matches, key=lambda m: m.limit.requests_per_unit / m.limit.window_seconds)

@@ -1,8 +1,7 @@
 """Metrics read from live state at scrape time: probabilistic buckets, store, reconciler.
 
-Nothing here runs on the request path; each function walks its state once per
-scrape and yields Prometheus metric families, and a None every SLICE items of a long
-walk (up to 100,000 buckets): a point where the scrape returns to the event loop.
+Off the request path: each function walks its state once per scrape, yielding metric
+families and a None every SLICE items of a long walk, where the scrape returns to the loop.
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ def bucket_metrics(local: LocalBuckets) -> Iterator[Metric | None]:
 
 
 def _by_rule(name: str, help_text: str, values: dict[str, float]) -> Iterator[Metric | None]:
-    """One gauge per rule (a rule per stats key: with detailed_metric, one per value)."""
+    """One gauge per rule (per stats key: with detailed_metric, one per value)."""
     family = GaugeMetricFamily(name, help_text, labels=["key"])
     for count, (rule, value) in enumerate(values.items(), 1):
         family.add_metric([rule], value)
@@ -88,9 +87,8 @@ def _by_rule(name: str, help_text: str, values: dict[str, float]) -> Iterator[Me
 
 
 def rule_limit_metrics(config: RateLimitConfig) -> Iterator[Metric | None]:
-    """Every finite rule's configured limit, by the ``key`` its hit counters carry, with
-    its period (``unit``: ``minute``, ``10 minutes``) and its length in seconds: a
-    utilisation alert divides the hits of a window by it without a copy of the rules."""
+    """Every finite rule's limit by its hit counters' ``key``, with its period (``unit``:
+    ``10 minutes``) and length in seconds: what a utilisation alert divides by."""
     family = GaugeMetricFamily(
         "ratelimit_rule_limit",
         "A rule's configured limit: hits allowed per period",
@@ -98,16 +96,15 @@ def rule_limit_metrics(config: RateLimitConfig) -> Iterator[Metric | None]:
     )
     for count, limit in enumerate(config.limits(), 1):
         if not limit.unlimited:
-            period = [limit.stats_key, limit.period, str(limit.window_seconds)]
-            family.add_metric(period, limit.requests_per_unit)
+            labels = [limit.stats_key, limit.period, str(limit.window_seconds)]
+            family.add_metric(labels, limit.requests_per_unit)
         if count % SLICE == 0:
             yield None
     yield family
 
 
 def store_metrics(store: Store, beside: Mapping[str, float] | None = None) -> Iterator[Metric]:
-    """The store's figures; ``beside``: more under the store's name (with --zone, the
-    zone's aggregator)."""
+    """The store's figures; ``beside``: more under its name (with --zone, the aggregator's)."""
     family = GaugeMetricFamily("ratelimit_store", "Store state", labels=["store", "name"])
     # A store whose figures say "healthy" already (Redis; with --zone, the global store)
     # keeps its own: one sample per name, or Prometheus drops the second of the scrape.
@@ -228,8 +225,8 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric | None]:
 
 
 def zone_metrics(aggregator: ZoneAggregator) -> Iterator[Metric]:
-    """``--zone``: whether this replica acts as its zone's aggregator, labelled by zone
-    (one series per process), so that a rule can see a zone whose replicas all say 0."""
+    """``--zone``: whether this replica aggregates, labelled by zone, so that a rule can see
+    a zone whose replicas all say 0."""
     family = GaugeMetricFamily(
         "ratelimit_zone_aggregating",
         "1 while this replica acts as its zone's aggregator (holds the zone's lease), else 0",

@@ -1,19 +1,15 @@
 """Counters kept as plain attributes on the request path and exported at scrape time.
 
-prometheus_client's labelled counters take a lock and a dict lookup per ``inc``;
-we instead bump slot attributes of small objects and let a custom collector turn
-them into metric families when ``/metrics`` is read. Metric names follow
-envoyproxy/ratelimit's stats (``ratelimit.service.rate_limit.<key>.total_hits`` and
-so on) as the Prometheus statsd exporter would name them.
+prometheus_client's labelled counters take a lock and a dict lookup per ``inc``; the
+request path instead bumps slot attributes, and a collector makes metric families when
+``/metrics`` is read. Names follow envoyproxy/ratelimit's stats as the Prometheus statsd
+exporter would name them.
 
-A scrape runs on the event loop that answers calls, so the text is made in pieces of
-bounded work (:meth:`StatsCollector.exposition`, :data:`SLICE` samples at most each)
-and the HTTP server returns to the loop between two. The per-key families, eight lines
-per stats key, are written straight from the counters (a tenth of the cost of building
-prometheus_client samples and rendering them); the output is what
-``prometheus_client.generate_latest`` prints for :meth:`StatsCollector.collect`, byte
-for byte. At the 10,000 stats keys' cap that page is 7.7 MB: rendered in one go it held
-the loop 1.2 s, and every call arriving meanwhile waited as long.
+A scrape runs on the event loop that answers calls, so the text is made in pieces of at
+most :data:`SLICE` samples (:meth:`StatsCollector.exposition`), the server returning to
+the loop between two. The per-key families are written straight from the counters (far
+cheaper than prometheus_client's samples), byte for byte what ``generate_latest`` prints
+for :meth:`StatsCollector.collect`.
 """
 
 from __future__ import annotations
@@ -25,11 +21,7 @@ from operator import attrgetter
 from typing import cast
 
 from prometheus_client import generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString as _untyped_go_float
 
@@ -45,13 +37,11 @@ _go_float = cast(Callable[[float], str], _untyped_go_float)
 
 OVERFLOW_KEY = "_overflow"
 SLICE = 250
-"""Samples per piece of the exposition at most: under 0.1 ms of work for the per-key
-families on an idle core (see the module docstring)."""
+"""Samples per piece of the exposition (and items per piece of other long walks) at most."""
 
 
 class RuleStats:
-    """Per stats-key counters, named as in envoyproxy/ratelimit (engine/counters.py
-    KEY_COUNTERS declares them: its entries are the slots)."""
+    """Per stats-key counters: the slots are engine/counters.py's KEY_COUNTERS."""
 
     __slots__ = tuple(counter.attr for counter in KEY_COUNTERS)
 
@@ -61,10 +51,10 @@ class RuleStats:
     within_limit: int
     shadow_mode: int
     failure_mode_allowed: int
-    """Hits admitted by failure_mode: open because the store failed (exact) or the
-    last sync is too old (probabilistic)."""
+    """Hits admitted by failure_mode open: the store failed (exact) or the last sync is too
+    old (probabilistic)."""
     failure_mode_denied: int
-    """Hits denied by failure_mode: closed, for the same reasons."""
+    """Hits denied by failure_mode closed, for the same reasons."""
     overloaded: int
     """Exact hits of requests that found too many others waiting for the store
     (refused with RESOURCE_EXHAUSTED, or denied by failure_mode: closed)."""
@@ -95,10 +85,8 @@ class NearKey:
 
 
 class Stats:
-    """All service counters (engine/counters.py names them for each output). The
-    number of distinct stats keys is bounded: keys past ``max_keys`` (per-request
-    overrides or detailed_metric on high-cardinality values) are added up under
-    ``_overflow``."""
+    """All service counters (engine/counters.py names them). Stats keys past ``max_keys``
+    (overrides, detailed_metric on many values) are added up under ``_overflow``."""
 
     def __init__(self, max_keys: int = default("--max-stats-keys")) -> None:
         self.max_keys = max_keys
@@ -116,8 +104,7 @@ class Stats:
         self.near_keys: LruMap[NearKey] = LruMap(NEAR_KEYS)
 
     def near_key(self, key: str, rule: str, used: int, limit: int, window_seconds: int) -> None:
-        """Remember an exact-mode key seen near or over its limit (only such calls pay
-        for it: a map update, no allocation once the key is known)."""
+        """Remember an exact-mode key seen near or over its limit (only such calls pay)."""
         entry = self.near_keys.get_or_create(key, NearKey)
         entry.rule = rule
         entry.used = used if used < limit else limit
@@ -137,8 +124,7 @@ class Stats:
         return stats
 
     def count_domain_not_found(self, domain: str) -> None:
-        """Count a request for a domain no rule file declares; say so once per domain
-        (the first time), not per request."""
+        """Count a request for a domain no rule declares; log it once per domain."""
         if domain in self.domain_not_found:
             self.domain_not_found[domain] += 1
         elif len(self.domain_not_found) < self.max_keys:
@@ -153,13 +139,11 @@ class Stats:
 
 
 GaugeSource = Callable[[], Iterator[Metric | None]]
-"""Metric families read from live state at scrape time; a None between them marks a
-point where the scrape may return to the event loop (a long walk over the state)."""
+"""Metric families read from live state at scrape time; a None marks a point to yield."""
 
 
 class StatsCollector(Collector):
-    """Exposes :class:`Stats` (as engine/counters.py's catalogue names its counters)
-    plus any extra gauge sources (buckets, store) to Prometheus."""
+    """Exposes :class:`Stats` and any gauge sources (buckets, store) to Prometheus."""
 
     def __init__(self, stats: Stats, *sources: GaugeSource) -> None:
         self._stats = stats
@@ -181,10 +165,7 @@ class StatsCollector(Collector):
             yield from (family for family in source() if family is not None)
 
     def exposition(self) -> Iterator[bytes]:
-        """The Prometheus text exposition of :meth:`collect`, in pieces of bounded
-        work; an empty piece is a point to return to the event loop at. Counters read
-        later in a scrape may be newer than those read earlier (a scrape is not a
-        snapshot, as with any client library)."""
+        """:meth:`collect` as text, in pieces of bounded work; an empty one is a point to yield."""
         stats = self._stats
         rules = list(stats.rules.items())
         for counter in CATALOGUE:
@@ -192,8 +173,7 @@ class StatsCollector(Collector):
                 yield from _family_text(_plain_family(counter, stats))
             else:
                 rows = _rows(counter, stats, rules)
-                label = counter.label.value
-                yield from _labelled_counter(counter.metric, counter.help, label, rows)
+                yield from _labelled_counter(counter, counter.label.value, rows)
         for source in self._sources:
             for item in source():
                 if item is None:
@@ -222,12 +202,11 @@ def _plain_family(counter: Counter, stats: Stats) -> Metric:
 
 
 def _labelled_counter(
-    name: str, help_text: str, label: str, rows: Iterable[tuple[str, float]]
+    counter: Counter, label: str, rows: Iterable[tuple[str, float]]
 ) -> Iterator[bytes]:
-    """A counter family with one label, as generate_latest prints it, SLICE lines per
-    piece (the rows are read piece by piece)."""
-    sample = name + "_total"
-    lines = [f"# HELP {sample} {_help(help_text)}\n# TYPE {sample} counter\n"]
+    """A counter family with one label, as generate_latest prints it, SLICE lines a piece."""
+    sample = counter.metric + "_total"
+    lines = [f"# HELP {sample} {_help(counter.help)}\n# TYPE {sample} counter\n"]
     for label_value, value in rows:
         lines.append(f'{sample}{{{label}="{_escape(label_value)}"}} {_go_float(value)}\n')
         if len(lines) >= SLICE:
@@ -257,9 +236,8 @@ class _One:
 
 
 def _family_text(family: Metric) -> Iterator[bytes]:
-    """One family as generate_latest prints it; a family of more than SLICE samples in
-    several pieces (its header once). Our families have no _created samples, which
-    generate_latest would move to the end of their family."""
+    """One family as generate_latest prints it, in pieces of SLICE samples (its header once;
+    our families have no _created samples, which generate_latest would move)."""
     samples = family.samples
     if len(samples) <= SLICE:
         yield generate_latest(_One(family))

@@ -1,21 +1,15 @@
 """statsd: the service's counters under envoyproxy/ratelimit's stat names, over UDP.
 
-Nothing is added to the request path. The request path already bumps plain counters
-(:mod:`ratelimit_service.engine.stats`); every flush interval a background task reads
-them, turns what changed since the last flush into statsd lines and sends them packed
-into datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go service's,
-declared beside each counter in engine/counters.py (``ratelimit.service.rate_limit.
-<stats key>.total_hits``, ``ratelimit_server.ShouldRateLimit.response_time`` and so on);
-counters the Go service does not have stay on /metrics.
+Nothing is added to the request path: every flush interval a background task reads the
+counters (engine/stats.py), turns what changed since the last flush into statsd lines,
+and sends them in datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go
+service's, declared in engine/counters.py; counters it does not have stay on /metrics.
+A flush reads every stats key in pieces of SLICE keys (background.in_stretches).
 
-A flush reads every stats key (30 ms at the 10,000 keys' cap): it is made in pieces of
-SLICE keys, taken in stretches that leave the event loop to the calls between
-(background.in_stretches).
-
-The timer comes from the latency histogram, not from one line per call: each histogram
-bucket that gained ``n`` calls is sent as one sample with sample rate ``1/n`` (statsd
-and statsd_exporter count it ``n`` times), its value the interval's mean latency held
-inside that bucket's bounds. Counts are exact; each value lies in its call's bucket.
+The timer comes from the latency histogram: each bucket that gained ``n`` calls is one
+sample with sample rate ``1/n`` (statsd counts it ``n`` times), its value the interval's
+mean latency held inside that bucket's bounds. Counts are exact; each value lies in its
+call's bucket.
 """
 
 from __future__ import annotations
@@ -40,8 +34,7 @@ from ratelimit_service.engine.stats import SLICE, Stats
 log = logging.getLogger(__name__)
 
 MAX_DATAGRAM = 1432
-"""Bytes per datagram at most: fits a 1500-byte MTU with IP and UDP headers, as
-statsd clients commonly size them."""
+"""Bytes per datagram at most: a 1500-byte MTU less IP and UDP headers, as statsd clients do."""
 _UNSAFE = str.maketrans({":": "_", "|": "_", "\n": "_", "\r": "_"})
 
 
@@ -157,9 +150,8 @@ def pack(lines: Iterable[str], limit: int = MAX_DATAGRAM) -> list[bytes]:
 
 
 class StatsdSink:
-    """Flushes :class:`StatsdDeltas` to ``host:port`` over UDP every ``interval``
-    seconds, and once more when stopped. The address is resolved at each flush (a
-    statsd agent's name may move); a flush that cannot send is dropped and counted."""
+    """Flushes :class:`StatsdDeltas` to ``host:port`` over UDP every ``interval`` seconds and
+    when stopped, resolving the address each time; what cannot be sent is dropped, counted."""
 
     def __init__(
         self,

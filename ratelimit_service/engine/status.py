@@ -1,27 +1,23 @@
 """The status page's data (``/status.json``; the page itself is resources/status.html):
 one read-only snapshot of what the engine already tracks, for a person at a browser.
 
-- **Rules**: each stats key's calls per second over a recent interval, the share of
-  them denied and the hits that came near the limit: engine/stats.py's counters less
-  a copy of them taken earlier (:class:`Baselines`), so nothing new is counted on the
-  request path.
-- **Keys closest to their limit**: probabilistic buckets (the share of the fleet's
-  token bucket in use, as this process last synced it less what it admitted since) and
-  RLQS counters (the fleet's allowed hits in the window; for a rule per second, the
-  fleet's demand over the limit), and exact keys as last seen near or over their limit
-  within their window (their windows are counted in the store: the engine remembers the
-  last 1,000 such keys, Stats.near_keys, and only calls near the limit pay for it).
-- **State**: the store's figures (its circuit breaker among them), the reconciler, the
-  zone's aggregator.
-- **RLQS**: the Envoys that report here, with their demand and the share assigned to
-  them, and the counters they report.
+- **Rules**: each stats key's calls per second over a recent interval, the share denied
+  and the hits near the limit: engine/stats.py's counters less an earlier copy
+  (:class:`Baselines`), so nothing new is counted on the request path.
+- **Keys closest to their limit**: probabilistic buckets (the share of the fleet's token
+  bucket in use, as last synced less what this process admitted since), RLQS counters
+  (the fleet's allowed hits in the window; for a rule per second, the fleet's demand
+  over the limit), and exact keys last seen near or over their limit within their
+  window (Stats.near_keys: their counts live in the store).
+- **State**: the store's figures (its circuit breakers), the reconciler, the zone's
+  aggregator.
+- **RLQS**: the Envoys that report here (demand, assigned share) and their counters.
 
-Bounded whatever the service holds: each table is its TOP rows by rate or closeness,
-with the total and how many more there are, so the JSON stays under 64 KB at 10,000
-stats keys and 1,000 RLQS Envoys. The snapshot is made off the request path, when a
-page asks, at most once per FRESH_FOR seconds however many pages poll (readers in the
-meantime share it), and in pieces that return to the event loop between stretches of
-work (engine/background.in_stretches), as /metrics is.
+Bounded: each table is its TOP rows by rate or closeness, with the total and how many
+more, so the JSON stays under 64 KB at 10,000 stats keys and 1,000 RLQS Envoys. The
+snapshot is made off the request path when a page asks, at most once per FRESH_FOR
+seconds (readers meanwhile share it), in pieces that return to the event loop
+(engine/background.in_stretches), as /metrics is.
 """
 
 from __future__ import annotations
@@ -103,11 +99,9 @@ class Sample:
 
 @dataclass(slots=True)
 class Baselines:
-    """Earlier samples of the counters to measure rates against. A sample is kept when
-    the newest is RATE_WINDOW old, two at most, and none older than twice that: polled
-    steadily, the reference is between RATE_WINDOW and twice that old; after a quiet
-    spell there is none (the next snapshot measures from this one). Memory: two copies
-    of four counters per stats key (the stats keys are capped, --max-stats-keys)."""
+    """Earlier samples of the counters to measure rates against: a sample is kept when the
+    newest is RATE_WINDOW old, two at most, none older than twice that; after a quiet
+    spell there is none. Memory: two copies of a few counters per (capped) stats key."""
 
     samples: list[Sample] = field(default_factory=list)
 
@@ -122,8 +116,7 @@ class Baselines:
 
 
 class Top(Generic[_Item]):
-    """The ``size`` items of highest rank among those offered, in a heap: bounded work
-    per item, and memory for ``size`` whatever is offered."""
+    """The ``size`` items of highest rank offered, in a heap: bounded work and memory."""
 
     def __init__(self, size: int = TOP) -> None:
         self.size = size
@@ -131,8 +124,7 @@ class Top(Generic[_Item]):
         self._heap: list[tuple[tuple[float, ...], int, _Item]] = []
 
     def wants(self, rank: tuple[float, ...]) -> bool:
-        """Whether an item of ``rank`` would be kept (counts it as offered): the caller
-        makes the item only then."""
+        """Whether an item of ``rank`` would be kept (counted as offered): make it only then."""
         self.offered += 1
         heap = self._heap
         return len(heap) < self.size or (rank, -self.offered) > heap[0][:2]
@@ -159,8 +151,7 @@ class Top(Generic[_Item]):
 
 
 class StatusBoard:
-    """Makes the snapshot when asked, shares it for FRESH_FOR seconds, and keeps the
-    samples the rates are measured against."""
+    """Makes the snapshot when asked, shares it for FRESH_FOR seconds, keeps the samples."""
 
     def __init__(
         self,
@@ -179,8 +170,7 @@ class StatusBoard:
         self._making: asyncio.Future[bytes] | None = None
 
     async def json(self) -> bytes:
-        """The snapshot as JSON: the last one while it is fresh, else a new one (readers
-        that ask while it is being made wait for the same one)."""
+        """The snapshot as JSON: the last while fresh, else a new one (shared while made)."""
         last = self._last
         if last is not None and self._clock() - last[0] < FRESH_FOR:
             return last[1]
@@ -215,7 +205,7 @@ class StatusBoard:
         reference = self._baselines.reference(now)
         interval = None if reference is None else now - reference.at
         limits = yield from self._limits_by_key(src.config())
-        sample, rules = yield from _rules(src.stats, limits, reference, now)
+        sample, rules = yield from _rules(src.stats, limits, reference, now, interval)
         self._baselines.keep(sample)
         views: list[CounterView] = []
         for view in src.quota.view():
@@ -230,17 +220,13 @@ class StatusBoard:
             "generated_at": round(self._wall(), 3),
             "rate_interval_seconds": _num(interval, 3),
             "bounds": {"rows": TOP, "rate_window_seconds": RATE_WINDOW, "fresh_for": FRESH_FOR},
-            "service": _service(src.stats, reference, sample),
+            "service": _service(src.stats, reference, sample, interval),
             "rules": rules,
             "keys": keys,
             "store": _store(src.store),
             "reconciler": _reconciler(src.reconciler, src.local, self._wall()),
             "zone": _zone(src.zone),
-            "rlqs": {
-                **_rlqs_totals(src.quota),
-                "envoys": envoys,
-                "counters": counters,
-            },
+            "rlqs": {**_rlqs_totals(src.quota), "envoys": envoys, "counters": counters},
         }
 
     def _limits_by_key(self, config: RateLimitConfig) -> Work[dict[str, RateLimit]]:
@@ -256,16 +242,14 @@ class StatusBoard:
         return limits
 
 
+@dataclass(slots=True)
 class _Timing:
-    """How long the pieces of some work held the loop, in the loop thread's CPU time:
-    the work itself (a collection during a piece included), not the moments the
-    machine gave the process's core to another (the calls beside it see those, and
-    the snapshot's wall time shows them)."""
+    """How long the pieces of some work held the loop, in the thread's CPU time: the work
+    itself, not moments the core ran another process (the snapshot's wall time shows those)."""
 
-    def __init__(self) -> None:
-        self.work = 0.0
-        self.longest = 0.0
-        self.pieces = 0
+    work: float = 0.0
+    longest: float = 0.0
+    pieces: int = 0
 
     def timed(self, work: Work[_T]) -> Work[_T]:
         clock = time.thread_time
@@ -288,7 +272,11 @@ class _Timing:
 
 
 def _rules(
-    stats: Stats, limits: dict[str, RateLimit], reference: Sample | None, now: float
+    stats: Stats,
+    limits: dict[str, RateLimit],
+    reference: Sample | None,
+    now: float,
+    interval: float | None,
 ) -> Work[tuple[Sample, Json]]:
     """Every stats key's counters sampled, and the busiest TOP over the interval (by
     hits since the start while there is no interval yet)."""
@@ -306,12 +294,10 @@ def _rules(
             delta = _minus(now_counts, earlier.get(key, NONE))
             hits, over = hits + delta[_HITS], over + delta[_DENIED]
             rank = (delta[_HITS], now_counts[_HITS])
-        if top.wants(rank):
-            top.keep(rank, (key, now_counts, delta))
+        top.offer(rank, (key, now_counts, delta))
         if count % SLICE == 0:
             yield None
     sample = Sample(now, counts, stats.total_requests)
-    interval = None if reference is None else now - reference.at
     rows = [_rule_row(key, c, d, limits.get(key), interval) for key, c, d in top.best()]
     table = top.table(rows)
     table["loaded"] = len(limits)
@@ -357,19 +343,18 @@ def _closest_keys(
             used = 1.0 - bucket.remaining() / bucket.capacity
             rank = (used, bucket.fleet_rate or 0.0)
             if top.wants(rank):
-                row = _key_row(bucket.key, bucket.rule, "probabilistic", rank)
-                row["limit"] = f"{bucket.limit}/{_period(bucket.window_seconds)}"
+                text = f"{bucket.limit}/{_period(bucket.window_seconds)}"
+                row = _key_row(bucket.key, bucket.rule, "probabilistic", rank, text)
                 row["drop_ratio"] = _num(local.drop_ratio(bucket))
                 top.keep(rank, row)
         if count % SLICE == 0:
             yield None
     for key, near in near_keys:
-        # Seen within its window: its count has not yet drained away.
-        if now - near.seen < near.window_seconds:
+        if now - near.seen < near.window_seconds:  # its count has not drained away yet
             rank = (near.used / near.limit, 0.0)
             if top.wants(rank):
-                row = _key_row(key, near.rule, "exact", rank)
-                row["limit"] = f"{near.limit}/{_period(near.window_seconds)}"
+                text = f"{near.limit}/{_period(near.window_seconds)}"
+                row = _key_row(key, near.rule, "exact", rank, text)
                 row["rate"] = None  # counted in the store: no rate in the process
                 top.keep(rank, row)
     for count, view in enumerate(views, 1):
@@ -384,36 +369,31 @@ def _closest_keys(
         else:
             rank = (demand / limit.requests_per_unit, demand)
         if top.wants(rank):
-            row = _key_row(view.key, view.stats_key, "rlqs", rank)
-            row["limit"] = limit_text(limit)
-            top.keep(rank, row)
+            top.keep(rank, _key_row(view.key, view.stats_key, "rlqs", rank, limit_text(limit)))
     return top.table(top.best())
 
 
-def _key_row(key: str, rule: str, kind: str, rank: tuple[float, float]) -> Json:
+def _key_row(key: str, rule: str, kind: str, rank: tuple[float, float], limit: str) -> Json:
     return {
         "key": readable_bucket(key),
         "rule": rule,
         "kind": kind,
         "used": _num(rank[0]),
         "rate": _num(rank[1]),
-        "limit": None,
+        "limit": limit,
         "drop_ratio": None,
     }
 
 
 def _fleet_demand(view: CounterView) -> float:
-    """Hits per second the whole fleet offers the counter: the store's sum at the last
-    publish, else what this replica's instances report."""
+    """Hits per second the fleet offers the counter: the store's sum, else this replica's."""
     if view.totals is not None:
         return view.totals.demand
     return sum(demand for _, demand, _, _ in view.instances if demand is not None)
 
 
 def _envoys(views: list[CounterView]) -> Work[Json]:
-    """Each RLQS Envoy reporting here: the counters it reports, its demand, its shares
-    of their limits and the token buckets it holds (per second, summed over its
-    counters); the TOP by demand."""
+    """The TOP RLQS Envoys reporting here by demand, with their counters, shares and buckets."""
     envoys: dict[str, _Envoy] = {}
     for count, view in enumerate(views, 1):
         for name, demand, share, bucket in view.instances:
@@ -445,7 +425,8 @@ class _Envoy:
     buckets: int = 0
     """Counters it holds a token bucket for (the others: a blanket rule)."""
     busiest: tuple[float, CounterView, float | None] | None = None
-    """Its counter of highest demand, that demand and the share it holds of it."""
+    """Its counter of highest demand, that demand and the share it holds of it (set by the
+    first :meth:`add`)."""
 
     def add(
         self, view: CounterView, demand: float | None, share: float | None, bucket: float | None
@@ -463,22 +444,18 @@ class _Envoy:
             self.busiest = (demand or 0.0, view, share)
 
     def row(self) -> Json:
-        row: Json = {
+        assert self.busiest is not None
+        _, view, share = self.busiest
+        return {
             "name": self.name,
             "counters": self.counters,
             "demand": _num(self.demand) if self.measured else None,
             "share": _num(self.share),
             "assigned": _num(self.assigned) if self.buckets else None,
-            "busiest": None,
-            "busiest_share": None,
-            "busiest_limit": None,
+            "busiest": readable_bucket(view.key),
+            "busiest_share": _num(share),
+            "busiest_limit": limit_text(view.limit),
         }
-        if self.busiest is not None:
-            _, view, share = self.busiest
-            row["busiest"] = readable_bucket(view.key)
-            row["busiest_share"] = _num(share)
-            row["busiest_limit"] = limit_text(view.limit)
-        return row
 
 
 def _counters(views: list[CounterView]) -> Work[Json]:
@@ -506,24 +483,23 @@ def _counter_row(view: CounterView) -> Json:
     }
 
 
+_RLQS = ("streams", "reports", "assignments", "pushed", "abandons", "publishes")
+
+
 def _rlqs_totals(quota: QuotaCoordinator) -> Json:
     return {
-        "streams": quota.streams,
-        "reports": quota.reports,
-        "assignments": quota.assignments,
-        "pushed": quota.pushed,
-        "abandons": quota.abandons,
-        "publishes": quota.publishes,
+        **{name: getattr(quota, name) for name in _RLQS},
         "bucket_updates": quota.bucket_updates,
         "bucket_updates_per_second": _num(quota.last_updates / quota.interval),
         "store_errors": quota.store_errors,
     }
 
 
-def _service(stats: Stats, reference: Sample | None, sample: Sample) -> Json:
+def _service(
+    stats: Stats, reference: Sample | None, sample: Sample, interval: float | None
+) -> Json:
     """The service-wide counters the catalogue shows (a per-domain one as its sum),
     the call rate over the interval, and the stats keys against their cap."""
-    interval = None if reference is None else sample.at - reference.at
     requests = sample.requests - (reference.requests if reference is not None else 0)
     service: Json = {"rate": None if interval is None else _num(requests / interval)}
     for attr, key, per_domain in _SERVICE:
@@ -534,23 +510,15 @@ def _service(stats: Stats, reference: Sample | None, sample: Sample) -> Json:
     return service
 
 
+_BREAKER = ("name", "open", "healthy", "errors", "outages", "recoveries")
+
+
 def _store(store: Store) -> Json:
     metrics = store.metrics()
-    breakers = [
-        {
-            "name": breaker.name,
-            "open": breaker.open,
-            "healthy": breaker.healthy,
-            "errors": breaker.errors,
-            "outages": breaker.outages,
-            "recoveries": breaker.recoveries,
-        }
-        for breaker in metrics.breakers
-    ]
     return {
         "name": metrics.name,
         "healthy": store.healthy(),
-        "breakers": breakers,
+        "breakers": [{name: getattr(b, name) for name in _BREAKER} for b in metrics.breakers],
         "figures": {name: _num(value) for name, value in sorted(metrics.figures.items())},
     }
 

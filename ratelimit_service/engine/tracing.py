@@ -1,28 +1,21 @@
 """OpenTelemetry spans for decisions, exported over OTLP (``serve --tracing``).
 
-Off by default, and then free: nothing here imports opentelemetry until
-:class:`Tracing` is built, and the service installs the traced paths only when it is
-(the servicer's traced handler, the limiter's traced store call), so an untraced
-call runs exactly the code it runs without this module.
+Off by default, and then free: nothing imports opentelemetry until :class:`Tracing` is
+built, and the service installs the traced paths (the servicer's handler, the limiter's
+store call) only then.
 
-When on, each ShouldRateLimit call is one SERVER span (and each RLQS usage report:
-one every few seconds per Envoy), a child of the caller's span:
-the caller's trace context comes from the call's gRPC metadata (W3C ``traceparent`` /
-``tracestate``, or B3 as ``b3`` or ``x-b3-*``). Envoy's ratelimit filter makes a span
-for its call to the service and sends its context there, so the service's span sits
-under it in the same trace. A decision that asks the store (exact rules) has a CLIENT
-span for that call under its own. The outcome goes on the decision's span as
-attributes, set in one place (:func:`outcome_attributes`).
+Each ShouldRateLimit call (and each RLQS usage report) is one SERVER span, a child of
+the caller's span when its gRPC metadata carries a context (W3C ``traceparent`` /
+``tracestate``, or B3 as ``b3`` or ``x-b3-*``), as Envoy's ratelimit filter sends it. A
+decision that asks the store has a CLIENT span for that call under its own; the
+outcome goes on the decision's span (:func:`outcome_attributes`).
 
-Sampling: a call whose caller sampled it out is not traced (its parent is not
-exported: a span of ours would hang from nothing), and a store call only under a
-traced decision. Any other call is traced with the probability ``sampling_rate``:
-drawn here for a call without a trace context (a root span), decided on the trace id
-for a call with one, so that services using the same rate keep or drop the same
-traces. Spans leave in batches, from a thread of the SDK's (BatchSpanProcessor: a
-bounded queue, spans beyond it dropped), never on the request path; the SDK's
-``OTEL_BSP_*`` variables tune it, and the exporters read ``OTEL_EXPORTER_OTLP_*``
-(endpoint, headers, certificates) themselves.
+Sampling: a call its caller sampled out is not traced (a span of ours would hang from
+nothing), nor a store call outside a traced decision. Any other call is traced with
+probability ``sampling_rate``: drawn here for a root span, decided on the trace id
+otherwise, so services with the same rate keep the same traces. Spans leave in batches
+from an SDK thread (BatchSpanProcessor: a bounded queue), never on the request path;
+``OTEL_BSP_*`` tune it and the exporters read ``OTEL_EXPORTER_OTLP_*`` themselves.
 """
 
 from __future__ import annotations
@@ -60,13 +53,11 @@ REINSTALL_PROTO = "pip install --force-reinstall --no-deps opentelemetry-proto"
 
 
 class TracingUnavailable(RuntimeError):
-    """Tracing was asked for but cannot run here (the extra is not installed, or its
-    modules are broken); the message says what to install."""
+    """Tracing cannot run here (the extra missing or broken); the message says what to install."""
 
 
 class Tracing:
-    """A tracer provider exporting to one OTLP endpoint, the propagators that read a
-    caller's context, and the spans the service makes."""
+    """A tracer provider exporting to one OTLP endpoint, the propagators, and the spans."""
 
     def __init__(
         self,
@@ -79,8 +70,7 @@ class Tracing:
         service_instance_id: str = default("--tracing-service-instance-id"),
     ) -> None:
         """``endpoint``: the OTLP receiver's base URL, as ``OTEL_EXPORTER_OTLP_ENDPOINT``
-        gives it (the HTTP exporter posts to its ``/v1/traces``); None: the exporter's
-        own (its environment, else localhost:4317 for gRPC, :4318 for HTTP)."""
+        (HTTP posts to its ``/v1/traces``); None: the exporter's own default."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"tracing protocol: choose grpc or http, got {protocol!r}")
         sdk = _import_sdk(protocol)
@@ -92,11 +82,11 @@ class Tracing:
                 "service.instance.id": service_instance_id or str(uuid.uuid4()),
             }
         )
-        ratio = sdk.TraceIdRatioBased(sampling_rate)
-        sampler = sdk.ParentBased(
-            root=sdk.ALWAYS_ON,  # decision() draws for root spans itself
-            remote_parent_sampled=ratio,
-            remote_parent_not_sampled=sdk.ALWAYS_OFF,
+        sampling = sdk.sampling
+        sampler = sampling.ParentBased(
+            root=sampling.ALWAYS_ON,  # decision() draws for root spans itself
+            remote_parent_sampled=sampling.TraceIdRatioBased(sampling_rate),
+            remote_parent_not_sampled=sampling.ALWAYS_OFF,
         )
         self._rate = sampling_rate
         self._draw = random.random
@@ -107,24 +97,20 @@ class Tracing:
         self._current = sdk.get_current_span
         self._server = sdk.SpanKind.SERVER
         self._client = sdk.SpanKind.CLIENT
-        self.protocol = protocol
         self._stopped = False
 
     def decision(
         self, metadata: Sequence[tuple[str, str | bytes]] | None
     ) -> AbstractContextManager[Any] | None:
-        """The span of one ShouldRateLimit call, to enter (it is then current, so that
-        the store's span goes under it), a child of the caller's span when
-        ``metadata`` (the call's gRPC metadata) carries one; None for a call not to
-        be traced."""
+        """The span of one ShouldRateLimit call, to enter (the store's span goes under it);
+        None for a call not to be traced."""
         return self._span(RLS_SPAN, metadata, _RPC)
 
     def report(
         self, metadata: Sequence[tuple[str, str | bytes]] | None, attributes: dict[str, Any]
     ) -> AbstractContextManager[Any] | None:
-        """The span of one RLQS usage report (a stream carries one every few seconds),
-        under the stream's trace context if its opening metadata has one; None when
-        not traced."""
+        """The span of one RLQS usage report, under the stream's opening trace context; None
+        when not traced."""
         return self._span(RLQS_SPAN, metadata, {**_RLQS, **attributes})
 
     def _span(
@@ -133,10 +119,8 @@ class Tracing:
         metadata: Sequence[tuple[str, str | bytes]] | None,
         attributes: dict[str, Any],
     ) -> AbstractContextManager[Any] | None:
-        """A SERVER span, sampled as the module docstring says. Most calls are not
-        traced (a rate below 1, or a caller that sampled them out): those are told
-        apart here before the SDK is called, for a microsecond where the SDK's
-        unsampled span costs several."""
+        """A SERVER span, sampled as the module docstring says; calls not traced are told
+        apart here, before the SDK (whose unsampled span costs more)."""
         carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
         parent = None
         if _PROPAGATED.intersection(carrier):
@@ -155,9 +139,8 @@ class Tracing:
     def traced_hit(
         self, hit: Callable[..., Awaitable[Any]], store_name: str
     ) -> Callable[..., Awaitable[Any]]:
-        """``hit`` (a store's Store.hit) with a CLIENT span per call under the
-        current span (the decision's), when that one is traced: a store call is
-        never a trace of its own."""
+        """``hit`` (Store.hit) with a CLIENT span per call under the current (decision's)
+        span when that one is traced."""
         tracer, kind, current = self.tracer, self._client, self._current
 
         async def traced(
@@ -175,8 +158,8 @@ class Tracing:
         return traced
 
     def shutdown(self) -> None:
-        """Send the spans still queued (for up to FLUSH_TIMEOUT_MS), then stop the
-        exporter (once). Blocking: run it off the event loop."""
+        """Send queued spans (up to FLUSH_TIMEOUT_MS), then stop the exporter, once. Blocking:
+        run it off the event loop."""
         if self._stopped:
             return
         self._stopped = True
@@ -191,11 +174,9 @@ def outcome_attributes(
     codes: Sequence[str],
     deciding: str | None = None,
 ) -> dict[str, Any]:
-    """What a decision's span says about it: the domain, the overall code, the rule
-    that decided (``deciding``: as the answer's metadata names it), every rule the
-    request matched (stats keys) and the rules of the descriptors answered OVER_LIMIT.
-    ``rules``: (descriptor index, stats key) per matched rule; ``codes``: each
-    descriptor's code as answered."""
+    """A decision span's attributes: the domain, the overall code, the ``deciding`` rule (as
+    the answer's metadata names it), the stats keys of ``rules`` ((descriptor index, stats
+    key) per matched rule) and of those whose descriptor's entry in ``codes`` is OVER_LIMIT."""
     attributes: dict[str, Any] = {"ratelimit.overall_code": overall}
     if deciding is not None:
         attributes["ratelimit.rule"] = deciding
@@ -217,14 +198,8 @@ class _Sdk:
         from opentelemetry.propagators.b3 import B3MultiFormat, B3SingleFormat
         from opentelemetry.propagators.composite import CompositePropagator
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import TracerProvider, sampling
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import (
-            ALWAYS_OFF,
-            ALWAYS_ON,
-            ParentBased,
-            TraceIdRatioBased,
-        )
         from opentelemetry.trace import SpanKind, get_current_span
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -236,10 +211,7 @@ class _Sdk:
         self.Resource = Resource
         self.TracerProvider = TracerProvider
         self.BatchSpanProcessor = BatchSpanProcessor
-        self.ALWAYS_OFF = ALWAYS_OFF
-        self.ALWAYS_ON = ALWAYS_ON
-        self.ParentBased = ParentBased
-        self.TraceIdRatioBased = TraceIdRatioBased
+        self.sampling = sampling
         self.SpanKind = SpanKind
         self.get_current_span = get_current_span
         self.propagator = CompositePropagator(
@@ -267,7 +239,7 @@ def check_sdk() -> None:
 
 
 def _import_sdk(protocol: str) -> _Sdk:
-    """The SDK, or TracingUnavailable saying what is missing, in one line."""
+    """The SDK, or TracingUnavailable saying what is missing."""
     try:
         return _Sdk(protocol)
     except ImportError as exc:

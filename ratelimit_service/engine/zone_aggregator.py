@@ -2,25 +2,21 @@
 the server on the same event loop.
 
 - **The lease**, every RENEW_SHARE of the interval, each call bounded by as long: the
-  holder renews the zone's lease in the zone store, the other replicas try to take it.
-  Nothing else runs in this loop, so a global store that hangs, answers late or is cut
-  off does not touch the lease: the zone keeps its aggregator. A replica acts as the
-  aggregator only while its :class:`~ratelimit_service.core.zones.Leadership` says so
-  (until its last successful renewal's send time plus the lease's time to live, less a
-  margin, on this process's clock), so a replica that cannot renew stops before another
-  can take the lease.
+  holder renews the zone's lease in the zone store, the others try to take it. Nothing
+  else runs in this loop, so a global store that hangs or is cut off cannot cost the
+  zone its aggregator. A replica aggregates only while its
+  :class:`~ratelimit_service.core.zones.Leadership` says so (its last renewal's send
+  time plus the lease's TTL, less a margin, on this process's clock), so one that
+  cannot renew stops before another can take the lease.
 - **The pass**, every interval, on the holder only, bounded by PASS_SHARE of the
-  interval (each store call gets what is left): read the zone's sums, publish them to
-  the global store as the zone, fold the zone's calendar budgets into the global
-  store's buckets of them, write back the zone's parts and allotments (core/zones.py
-  ZonePass).
-  Every write carries the term's fencing token; a store that has seen a later token
-  refuses it, and this replica stops acting as the aggregator.
+  interval: read the zone's sums, publish them to the global store as the zone, fold
+  the zone's calendar budgets into the global store's, write back the zone's parts and
+  allotments (core/zones.py ZonePass). Every write carries the term's fencing token; a
+  store that has seen a later one refuses it, and this replica stops aggregating.
 
-The global store away, the zone keeps its last parts and its replicas go on dividing
-them (fail-static). Every transition (lease taken, resumed, lost, lapsed, a write
-refused, the global store away or back) is counted in :meth:`ZoneAggregator.stats`
-(``ratelimit_store{store="zoned",name=...}``) and logged once.
+The global store away, the zone keeps its last parts (fail-static). Every transition is
+counted in :meth:`ZoneAggregator.stats` (``ratelimit_store{store="zoned",name=...}``)
+and logged once.
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ log = logging.getLogger(__name__)
 
 
 class ZoneAggregator:
-    """Runs on every replica of a zone; the one that holds the zone's lease publishes the
-    zone's totals to the global store every ``interval`` and writes back its parts."""
+    """Runs on every replica of a zone; the lease holder aggregates (the module docstring)."""
 
     def __init__(
         self,
@@ -69,8 +64,7 @@ class ZoneAggregator:
         self.zone = zone_store.zone
         self.interval = interval
         self.forget_after = forget_after
-        """Seconds after which the zone's own replicas, counters and buckets are
-        forgotten (as a replica forgets its Envoys)."""
+        """Seconds after which the zone's silent replicas, counters and buckets are forgotten."""
         self.zone_forget_after = zone_forget_after
         self.holder = zone_store.node_id
         self.ttl = LEASE_TTL_SHARE * interval
@@ -85,11 +79,9 @@ class ZoneAggregator:
         self.resumed = 0
         """Times it aggregated again under the lease it still held (after a lapse)."""
         self.lease_lost = 0
-        """Times it stopped aggregating: another replica holds the lease, it could not
-        renew it in time, or a store refused its write."""
+        """Times it stopped aggregating: the lease taken, lapsed, or a write refused."""
         self.lease_lapsed = 0
-        """Of those, times it could not renew the lease in time (the zone store slow or
-        away)."""
+        """Of those, times it could not renew the lease in time."""
         self.fenced = 0
         """Writes refused: a store had seen a later fencing token for the zone."""
         self.abandoned = 0
@@ -149,9 +141,8 @@ class ZoneAggregator:
     # -- the pass --------------------------------------------------------------------
 
     async def aggregate(self) -> None:
-        """One pass, if this replica holds the lease: the zone's sums to the global
-        store, the zone's parts back (RLQS counters and probabilistic buckets alike: the
-        zones are the global store's members for both), all within pass_timeout."""
+        """One pass, if this replica holds the lease: the zone's sums (RLQS counters and
+        probabilistic buckets) to the global store, its parts back, within pass_timeout."""
         started = self._now()
         token = self.leadership.term(started)
         if token is None:
@@ -228,8 +219,7 @@ class ZoneAggregator:
         return answers
 
     async def _fold(self, reports: list[BucketReport], deadline: float) -> list[FleetView] | None:
-        """The zone's calendar budgets folded into the global store's buckets of them;
-        None while it is away (the zone keeps its allotments, as it keeps its parts)."""
+        """The zone's calendar budgets folded into the global store's; None while it is away."""
         if not reports:
             return []
         try:
