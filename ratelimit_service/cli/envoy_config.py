@@ -32,9 +32,7 @@ from envoy.config.ratelimit.v3 import rls_pb2 as rls_config_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
-from envoy.extensions.filters.network.http_connection_manager.v3 import (
-    http_connection_manager_pb2,
-)
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
@@ -103,9 +101,7 @@ def phased(
         actions=entry.actions, hits_addend=hits(number=wrappers_pb2.UInt64Value(value=0))
     )
     report = route_components_pb2.RateLimit(
-        actions=entry.actions,
-        apply_on_stream_done=True,
-        hits_addend=hits(format=usage.hits_format),
+        actions=entry.actions, apply_on_stream_done=True, hits_addend=hits(format=usage.hits_format)
     )
     return [check, report]
 

@@ -32,9 +32,7 @@ from envoy.config.core.v3 import extension_pb2 as envoy_extension_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.rate_limit_quota.v3 import rate_limit_quota_pb2 as rlq
 from envoy.extensions.filters.http.router.v3 import router_pb2
-from envoy.extensions.filters.network.http_connection_manager.v3 import (
-    http_connection_manager_pb2,
-)
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.matching.common_inputs.network.v3 import network_inputs_pb2
 from envoy.type.matcher.v3 import http_inputs_pb2
 from envoy.type.v3 import http_status_pb2, ratelimit_strategy_pb2
@@ -135,7 +133,7 @@ def _bucket_settings(chain: Chain) -> Any:
             http_status=http_status_pb2.HttpStatus(code=http_status_pb2.TooManyRequests),
             response_headers_to_add=[
                 base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key="x-ratelimit-by", value="rlqs"),
+                    header=base_pb2.HeaderValue(key="x-ratelimit-by", value="rlqs")
                 )
             ],
         ),

@@ -60,15 +60,7 @@ _FALSE = ("0", "f", "F", "false", "FALSE", "False")
 """What Go's strconv.ParseBool takes."""
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_DURATION_UNITS = {
-    "ns": 1e-9,
-    "us": 1e-6,
-    "µs": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-}
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 ACCEPTED = {
     "RUNTIME_WATCH_ROOT": "rules are polled by content, which sees both a changed file and a"

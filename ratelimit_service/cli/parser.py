@@ -57,10 +57,7 @@ def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _add_setting(
-    serve: argparse.ArgumentParser,
-    group: Any,
-    setting: Setting,
-    go: GoEnvironment | None,
+    serve: argparse.ArgumentParser, group: Any, setting: Setting, go: GoEnvironment | None
 ) -> None:
     """One declared setting as a flag of ``serve``, in its group of ``--help``."""
     if setting.hidden:

@@ -188,12 +188,7 @@ class XdsConfigSource:
         return grpc.aio.secure_channel(s.server_url, credentials, options=options)
 
     def _request(
-        self,
-        *,
-        version: str,
-        nonce: str = "",
-        error: str | None = None,
-        first: bool = False,
+        self, *, version: str, nonce: str = "", error: str | None = None, first: bool = False
     ) -> Any:
         request = discovery_pb2.DiscoveryRequest(
             type_url=TYPE_URL, version_info=version, response_nonce=nonce

@@ -435,11 +435,7 @@ class _FileLoader:
         return tuple(limits)
 
     def rate_limit(
-        self,
-        node: yaml.Node | None,
-        config_path: str,
-        inherited: _Inherited,
-        flags: _RuleFlags,
+        self, node: yaml.Node | None, config_path: str, inherited: _Inherited, flags: _RuleFlags
     ) -> RateLimit | None:
         if node is None or (isinstance(node, yaml.ScalarNode) and self.scalar(node) is None):
             return None  # an empty `rate_limit:` is no limit, as in the Go loader

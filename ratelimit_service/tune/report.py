@@ -62,11 +62,7 @@ def decide(seen: Observation, options: Options) -> Outcome:
     else:
         top = peak([v for _, v in seen.demand], options.stat)
         proposed = propose(
-            top,
-            options.headroom,
-            current,
-            floor=options.floor,
-            allow_lower=options.allow_lower,
+            top, options.headroom, current, floor=options.floor, allow_lower=options.allow_lower
         )
     lowered = proposed is not None and proposed < current
     promote = (
