@@ -1,27 +1,16 @@
-"""envoyproxy/ratelimit's environment settings, read under their own names.
-
-A deployment of the Go service (its container spec, Envoy Gateway's ``rateLimitDeployment``,
-a Helm chart) configures it entirely through environment variables such as ``REDIS_URL``,
-``PORT`` or ``RUNTIME_ROOT``. This module turns those into values for our own ``serve``
-flags, so the same environment runs this service unchanged. A value found here is the
-weakest source: a flag on the command line wins, then our ``RATELIMIT_<FLAG>`` variable,
-then the Go name (see ``cli.parser._add``).
+"""envoyproxy/ratelimit's environment settings (``REDIS_URL``, ``PORT``, ``RUNTIME_ROOT``, …)
+as values for our ``serve`` flags, so a Go deployment's environment runs this service
+unchanged. The weakest source: a command-line flag wins, then ``RATELIMIT_<FLAG>``, then
+the Go name (``cli.parser._add``).
 
 A Go variable that sets one flag is named in that flag's declaration (``go`` in
 core/settings_table.py) and read by the syntax of the flag's kind (:func:`_read`); the
-rules below read the others: those composed from several variables (``HOST``/``PORT``,
-the ``REDIS_*`` family), and those read in a way of their own.
+rules below read the others (composed from several variables, or read their own way).
 
-Each Go setting is one of three kinds (docs/settings.md has the table):
-
-- *supported*: mapped onto a flag with the Go semantics (``PORT`` → ``--http-addr``);
-- *accepted*: set or not, it changes nothing here; when it is set to something other
-  than what we do anyway, a startup warning says so;
-- *refused*: a value we cannot honour without changing what the service guarantees
-  (``BACKEND_TYPE=memcache``) stops the start, with the reason.
-
-A value that does not parse (a port that is not a number, an unknown log level) raises
-:class:`GoSettingError`, which the command line prints as one line and exits with 2.
+Each Go setting is *supported* (mapped onto a flag with the Go semantics), *accepted*
+(changes nothing here; a startup warning when set to other than what we do anyway) or
+*refused* (``BACKEND_TYPE=memcache``: the start stops, with the reason); docs/settings.md
+has the table. A value that does not parse raises :class:`GoSettingError` (exit status 2).
 
 *Go mode* (``/bin/ratelimit``, or ``serve`` given no ``--config`` and no
 ``RATELIMIT_CONFIG``) applies the Go service's defaults where ours differ: rules from
@@ -62,6 +51,7 @@ _FALSE = ("0", "f", "F", "false", "FALSE", "False")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
+_NO_REDIS_YET = "the service starts without Redis and uses failure_mode until it answers"
 ACCEPTED = {
     "RUNTIME_WATCH_ROOT": "rules are polled by content, which sees both a changed file and a"
     " swapped directory: nothing to choose",
@@ -79,12 +69,9 @@ ACCEPTED = {
     "REDIS_CLUSTER_PIPELINE_PARALLELISM": "concurrent decisions share Redis calls by themselves",
     "REDIS_POOL_ON_EMPTY_BEHAVIOR": "a call waits for a free connection within its deadline",
     "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION": "a circuit breaker watches Redis instead",
-    "REDIS_STARTUP_INITIAL_INTERVAL": "the service starts without Redis and uses failure_mode"
-    " until it answers",
-    "REDIS_STARTUP_MAX_INTERVAL": "the service starts without Redis and uses failure_mode"
-    " until it answers",
-    "REDIS_STARTUP_MAX_ELAPSED_TIME": "the service starts without Redis and uses failure_mode"
-    " until it answers",
+    "REDIS_STARTUP_INITIAL_INTERVAL": _NO_REDIS_YET,
+    "REDIS_STARTUP_MAX_INTERVAL": _NO_REDIS_YET,
+    "REDIS_STARTUP_MAX_ELAPSED_TIME": _NO_REDIS_YET,
     "MEMCACHE_HOST_PORT": "there is no memcache backend",
     "MEMCACHE_SRV": "there is no memcache backend",
     "MEMCACHE_SRV_REFRESH": "there is no memcache backend",
@@ -160,7 +147,7 @@ class _Reader:
 
     def boolean(self, name: str, default: bool = False) -> bool:
         value = self.env.get(name)
-        if value is None or value == "":
+        if not value:
             return default
         if value in _TRUE:
             return True
@@ -170,18 +157,11 @@ class _Reader:
 
     def port(self, name: str, default: int) -> int:
         value = self.env.get(name)
-        if value is None or value == "":
+        if not value:
             return default
         if not value.isdigit() or not 0 <= int(value) <= 65535:
             raise GoSettingError(name, value, "not a port number (0-65535)")
         return int(value)
-
-    def duration(self, name: str) -> float | None:
-        """Seconds of a Go duration (``10s``, ``1m30s``, ``250ms``); None when unset."""
-        value = self.env.get(name)
-        if value is None or value == "":
-            return None
-        return parse_go_duration(name, value)
 
     def set(self, flag: str, value: object, source: str) -> None:
         self.out.values[flag] = GoValue(str(value), source)
@@ -217,11 +197,11 @@ def _address(host: str, port: int) -> str:
 # -- the rules, one per group of Go settings ------------------------------------------
 
 
-def _one_to_one(r: _Reader) -> None:
-    """Every Go variable that sets one flag, except the xDS client's (read by _xds, only
-    when rules come by xDS)."""
+def _one_to_one(r: _Reader, *, xds: bool = False) -> None:
+    """Every Go variable that sets one flag, the xDS client's (``xds``: read by _xds,
+    only when rules come by xDS) or the others."""
     for setting in SETTINGS:
-        if setting.go and not setting.flag.startswith("--xds-"):
+        if setting.go and setting.flag.startswith("--xds-") == xds:
             _read(r, setting)
 
 
@@ -255,9 +235,9 @@ def _choice(r: _Reader, name: str, flag: str, choices: tuple[str, ...]) -> None:
 
 
 def _seconds(r: _Reader, name: str, flag: str, *, positive: bool) -> None:
-    seconds = r.duration(name)
-    if seconds is None:
+    if not r.text(name):
         return
+    seconds = parse_go_duration(name, r.text(name))
     if positive and seconds <= 0:
         raise GoSettingError(name, r.text(name), "must be positive")
     r.set(flag, seconds, name)
@@ -273,7 +253,6 @@ def _count(r: _Reader, name: str, flag: str) -> None:
 
 
 def _share(r: _Reader, name: str, flag: str) -> None:
-    """A setting that is a share, from 0 to 1, onto ``flag`` (when set)."""
     text = r.text(name)
     if not text:
         return
@@ -399,21 +378,19 @@ def redis_url_from_go(r: _Reader) -> str:
             "REDIS_TLS", r.text("REDIS_TLS"), f"not supported with REDIS_TYPE={kind}"
         )
     hosts = [part.strip() for part in url.split(",") if part.strip()]
-    if kind == "sentinel":
-        if len(hosts) < 2:
-            raise GoSettingError(
-                "REDIS_URL", url, "SENTINEL needs master-name,host:port[,host:port...]"
-            )
-        master, hosts = hosts[0], hosts[1:]
-        for host in hosts:
-            _check_host_port("REDIS_URL", url, host)
-        query = ""
-        if r.text("REDIS_SENTINEL_AUTH"):
-            query = "?sentinel_password=" + quote(r.text("REDIS_SENTINEL_AUTH"), safe="")
-        return f"redis+sentinel://{auth}{','.join(hosts)}/{quote(master, safe='')}{query}"
+    if kind == "sentinel" and len(hosts) < 2:
+        raise GoSettingError(
+            "REDIS_URL", url, "SENTINEL needs master-name,host:port[,host:port...]"
+        )
+    master, hosts = (hosts[0], hosts[1:]) if kind == "sentinel" else ("", hosts)
     for host in hosts:
         _check_host_port("REDIS_URL", url, host)
-    return f"redis+cluster://{auth}{','.join(hosts)}"
+    if kind == "cluster":
+        return f"redis+cluster://{auth}{','.join(hosts)}"
+    query = ""
+    if r.text("REDIS_SENTINEL_AUTH"):
+        query = "?sentinel_password=" + quote(r.text("REDIS_SENTINEL_AUTH"), safe="")
+    return f"redis+sentinel://{auth}{','.join(hosts)}/{quote(master, safe='')}{query}"
 
 
 def _userinfo(auth: str) -> str:
@@ -495,9 +472,7 @@ def _xds(r: _Reader) -> None:
     server = r.text("CONFIG_GRPC_XDS_SERVER_URL") or GO_SERVER_URL
     _check_host_port("CONFIG_GRPC_XDS_SERVER_URL", server, server)
     r.set("--xds-server", server, "CONFIG_TYPE/CONFIG_GRPC_XDS_SERVER_URL")
-    for setting in SETTINGS:
-        if setting.go and setting.flag.startswith("--xds-"):
-            _read(r, setting)
+    _one_to_one(r, xds=True)
     # Read with the xDS client's own bound (config/xds_settings.py), not --xds-max-message-size's.
     size = r.text("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
     if size:
