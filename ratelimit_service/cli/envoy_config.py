@@ -122,11 +122,10 @@ def route_rate_limits(
     entries: list[route_components_pb2.RateLimit] = []
     skipped: list[str] = []
     for chain in limited_chains(domain.root):
-        actions = [action_for(node) for node in chain]
-        if any(action is None for action in actions):
+        found = _chain_entries(chain, None)
+        if not found:
             skipped.append(chain[-1].config_path)
-            continue
-        entries += phased(route_components_pb2.RateLimit(actions=actions), usage_of(chain))
+        entries += found
     return _dedup(entries), skipped
 
 
@@ -140,13 +139,10 @@ def _duration(text: str) -> duration_pb2.Duration:
 
 
 def ratelimit_retry_policy() -> base_pb2.RetryPolicy:
-    """One retry, on another replica, of a call that failed before a replica could answer
-    it (a replica killed: connection refused or reset; one shutting down: REFUSED_STREAM,
-    UNAVAILABLE), at once: the back-off is drawn below ``base_interval`` (1 ms), so 0 ms.
-    It fits in the filter's timeout, which bounds it. Envoy also takes ``max_interval``
-    as each try's timeout; at 1 s the filter's timeout stays the only one, so no call is
-    cut short while the service still decides it (an exact rule waits for Redis up to
-    the deadline)."""
+    """One retry of a ``RETRY_ON`` failure (a replica killed or shutting down), on another
+    replica, at once (the back-off is drawn below ``base_interval``, 1 ms), within the
+    filter's timeout. Envoy also takes ``max_interval`` as each try's timeout: at 1 s the
+    filter's stays the only one, so no call is cut short while an exact rule waits for Redis."""
     predicate = base_pb2.RetryPolicy.RetryHostPredicate(
         name=PREVIOUS_HOSTS, typed_config=_pack(previous_hosts_pb2.PreviousHostsPredicate())
     )
@@ -186,9 +182,7 @@ def ratelimit_filter(
             transport_api_version=config_source_pb2.V3,
         ),
     )
-    typed = any_pb2.Any()
-    typed.Pack(config)
-    return http_connection_manager_pb2.HttpFilter(name=RATELIMIT_FILTER, typed_config=typed)
+    return http_connection_manager_pb2.HttpFilter(name=RATELIMIT_FILTER, typed_config=_pack(config))
 
 
 def _socket(address: str, what: str) -> address_pb2.Address:
@@ -262,10 +256,8 @@ def ratelimit_cluster(name: str, address: str) -> Message:
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
         )
     )
-    packed = any_pb2.Any()
-    packed.Pack(options)
     cluster = _static_cluster(name, address, "service address")
-    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(packed)
+    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(_pack(options))
     cluster.health_checks.append(ratelimit_health_check())
     cluster.outlier_detection.CopyFrom(ratelimit_outlier_detection())
     cluster.common_lb_config.update_merge_window.CopyFrom(_duration("0s"))
@@ -308,7 +300,6 @@ def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
     # Costs go on the filter itself (is_phased); plain entries under a route or host.
     on_filter = rate_limits if is_phased(rate_limits) else []
     filter_dict = _to_dict(ratelimit_filter(name, options.cluster, options.timeout, on_filter))
-    # Spelled out although it is the default, so the reader sees the fail-open choice.
     _spell_out_fail_open(filter_dict)
     snippet: dict[str, Any] = {
         "http_filters": [filter_dict],
@@ -334,7 +325,7 @@ def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
             "# --bootstrap prints whole routes, each with what its rules need.",
         ]
     header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
-    return "\n".join(header) + "\n" + yaml.safe_dump(snippet, sort_keys=False)
+    return with_header(header, snippet)
 
 
 # ------------------------------------------------------------------ a whole bootstrap
@@ -421,24 +412,8 @@ def build_bootstrap(
     outlier detection."""
     check_clusters(options)
     routes = [_route(plan, options.upstream_cluster) for plan in plan_routes(domain)]
-    manager = http_connection_manager_pb2.HttpConnectionManager(
-        stat_prefix=domain.name,
-        # Envoy at the edge: remote_address is the peer, not a forgeable X-Forwarded-For.
-        use_remote_address=wrappers_pb2.BoolValue(value=True),
-        http_filters=[
-            ratelimit_filter(domain.name, options.cluster, options.timeout),
-            http_connection_manager_pb2.HttpFilter(
-                name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
-            ),
-        ],
-        route_config=route_pb2.RouteConfiguration(
-            name=domain.name,
-            virtual_hosts=[
-                route_components_pb2.VirtualHost(name=domain.name, domains=["*"], routes=routes)
-            ],
-        ),
-    )
-    return bootstrap_around(manager, domain.name, options)
+    http_filter = ratelimit_filter(domain.name, options.cluster, options.timeout)
+    return bootstrap_around(http_filter, routes, domain.name, options)
 
 
 def check_clusters(options: EnvoyOptions) -> None:
@@ -447,10 +422,31 @@ def check_clusters(options: EnvoyOptions) -> None:
         raise ValueError(f"--cluster {options.cluster!r} is the name of the upstream cluster")
 
 
-def bootstrap_around(manager: Message, name: str, options: EnvoyOptions) -> bootstrap_pb2.Bootstrap:
-    """A bootstrap with an admin, one listener running ``manager`` (an HTTP connection
-    manager), the placeholder upstream cluster and the service's cluster, as
-    ``options`` place them: what the RLS and RLQS bootstraps share."""
+def bootstrap_around(
+    http_filter: Message,
+    routes: Sequence[route_components_pb2.Route],
+    name: str,
+    options: EnvoyOptions,
+) -> bootstrap_pb2.Bootstrap:
+    """A bootstrap with an admin, one listener whose HTTP connection manager runs
+    ``http_filter`` then the router over ``routes``, the placeholder upstream cluster and
+    the service's cluster, as ``options`` place them: what the RLS and RLQS bootstraps
+    share."""
+    router = http_connection_manager_pb2.HttpFilter(
+        name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
+    )
+    manager = http_connection_manager_pb2.HttpConnectionManager(
+        stat_prefix=name,
+        # Envoy at the edge: remote_address is the peer, not a forgeable X-Forwarded-For.
+        use_remote_address=wrappers_pb2.BoolValue(value=True),
+        http_filters=[http_filter, router],
+        route_config=route_pb2.RouteConfiguration(
+            name=name,
+            virtual_hosts=[
+                route_components_pb2.VirtualHost(name=name, domains=["*"], routes=routes)
+            ],
+        ),
+    )
     listener = listener_pb2.Listener(
         name=name,
         address=_socket(options.listen, "listen address"),
@@ -507,4 +503,9 @@ def render_bootstrap(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) 
         "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
     header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
-    return "\n".join(header) + "\n" + yaml.safe_dump(rendered, sort_keys=False)
+    return with_header(header, rendered)
+
+
+def with_header(header: list[str], document: Any) -> str:
+    """Comment lines, then ``document`` as YAML."""
+    return "\n".join(header) + "\n" + yaml.safe_dump(document, sort_keys=False)

@@ -1,17 +1,15 @@
-"""Generate the Envoy side of RLQS for a rules file: the rate_limit_quota HTTP filter
-(bucket matchers and bucket id builders derived from the rules), its cluster, and with
-``--bootstrap`` a complete runnable bootstrap. Behind ``envoy-config --rlqs``.
+"""The Envoy side of RLQS for a rules file (``envoy-config --rlqs``): the rate_limit_quota
+HTTP filter, with bucket matchers and bucket id builders derived from the rules, its
+cluster, and with ``--bootstrap`` a complete runnable bootstrap.
 
-Each rule that has a limit becomes one bucket matcher: it matches when the request
-carries every key of the rule's chain (and each fixed value: exact, a ``prefix*``, or
-a regular expression for other wildcards), and builds the bucket id from those keys,
-read from the request the way the RLS generator reads them (envoy_plan.header_for;
-``remote_address`` is the peer's address). Envoy takes the first matcher that
-matches, so longer chains come first and each request counts against one rule: the
-most specific one (RLS sends every descriptor and checks them all), ranked as
-matching ranks them. Rules no
-request can reach this way (``unlimited`` ones, valueless ``generic_key``) get no
-matcher: their requests are allowed and not reported (envoy_plan.bucket_chains).
+Each rule with a limit becomes one bucket matcher: it matches when the request carries
+every key of the rule's chain (and each fixed value: exact, a ``prefix*``, or a regular
+expression for other wildcards), and builds the bucket id from those keys, read as the
+RLS generator reads them (envoy_plan.header_for; ``remote_address`` is the peer's
+address). Envoy takes the first matcher that matches, so each request counts against
+one rule, the most specific (RLS sends every descriptor and checks them all);
+envoy_plan.bucket_chains orders them and leaves out the rules no request can reach this
+way (``unlimited`` ones, valueless ``generic_key``: allowed and not reported).
 
 Envoy 1.40's quirks, handled here: ``reporting_interval`` is required but ignored (it
 reports every 5 s); an assignment that expires falls back to ALLOW_ALL for a minute
@@ -25,24 +23,20 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.core.v3 import base_pb2, grpc_service_pb2
 from envoy.config.core.v3 import extension_pb2 as envoy_extension_pb2
-from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.filters.http.rate_limit_quota.v3 import rate_limit_quota_pb2 as rlq
-from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.matching.common_inputs.network.v3 import network_inputs_pb2
 from envoy.type.matcher.v3 import http_inputs_pb2
 from envoy.type.v3 import http_status_pb2, ratelimit_strategy_pb2
-from google.protobuf import wrappers_pb2
 from google.protobuf.message import Message
 from xds.core.v3 import extension_pb2
 from xds.type.matcher.v3 import matcher_pb2, regex_pb2, string_pb2
 
 from ratelimit_service.cli.envoy_config import (
-    ROUTER_FILTER,
     _duration,
     _pack,
     _to_dict,
@@ -50,6 +44,7 @@ from ratelimit_service.cli.envoy_config import (
     check_clusters,
     load_domain,
     ratelimit_cluster,
+    with_header,
 )
 from ratelimit_service.cli.envoy_plan import (
     DEFAULT_OPTIONS,
@@ -186,34 +181,12 @@ def build_rlqs_bootstrap(
     stream has no retry policy of its own: it is long-lived, not a call to retry."""
     options = options.for_rlqs()
     check_clusters(options)
-    manager = http_connection_manager_pb2.HttpConnectionManager(
-        stat_prefix=domain.name,
-        use_remote_address=wrappers_pb2.BoolValue(value=True),
-        http_filters=[
-            rlqs_filter(domain, options.cluster, options.node_id),
-            http_connection_manager_pb2.HttpFilter(
-                name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
-            ),
-        ],
-        route_config=route_pb2.RouteConfiguration(
-            name=domain.name,
-            virtual_hosts=[
-                route_components_pb2.VirtualHost(
-                    name=domain.name,
-                    domains=["*"],
-                    routes=[
-                        route_components_pb2.Route(
-                            match=route_components_pb2.RouteMatch(prefix="/"),
-                            route=route_components_pb2.RouteAction(
-                                cluster=options.upstream_cluster
-                            ),
-                        )
-                    ],
-                )
-            ],
-        ),
+    route = route_components_pb2.Route(
+        match=route_components_pb2.RouteMatch(prefix="/"),
+        route=route_components_pb2.RouteAction(cluster=options.upstream_cluster),
     )
-    return bootstrap_around(manager, domain.name, options)
+    http_filter = rlqs_filter(domain, options.cluster, options.node_id)
+    return bootstrap_around(http_filter, [route], domain.name, options)
 
 
 def render_rlqs(
@@ -229,11 +202,10 @@ def render_rlqs(
         "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
     if bootstrap:
-        built = build_rlqs_bootstrap(rules, options)
-        return "\n".join(header) + "\n" + yaml.safe_dump(_to_dict(built), sort_keys=False)
+        return with_header(header, _to_dict(build_rlqs_bootstrap(rules, options)))
     options = options.for_rlqs()
     pieces = {
         "http_filters": [_to_dict(rlqs_filter(rules, options.cluster, options.node_id))],
         "clusters": [_to_dict(ratelimit_cluster(options.cluster, options.service_address))],
     }
-    return "\n".join(header) + "\n" + yaml.safe_dump(pieces, sort_keys=False)
+    return with_header(header, pieces)
