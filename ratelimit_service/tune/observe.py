@@ -1,15 +1,8 @@
-"""What Prometheus saw of each rule over the window: its demand per unit, fleet-wide,
-at the resolution the scrapes allow, and the share of its hits that were (or, in
-shadow mode, would have been) denied.
-
-The PromQL, per rule with selector ``S`` (its stats key, or the pattern of its
-per-value keys less the keys of other rules):
-
-- demand: ``max(sum by (key) (rate(total_hits{S}[range])))`` every ``step``, times the
-  unit's seconds: summed across replicas, the busiest counter at each step;
-- the share: ``sum(increase(over_limit{S}[window])) / sum(increase(total_hits{S}[window]))``;
-- for shadow rules with per-value keys, who:
-  ``topk(5, sum by (key) (increase(shadow_mode{S}[window])))``.
+"""What Prometheus saw of each rule over the window, selected by its stats key (or the
+pattern of its per-value keys less other rules' keys): its demand per unit, summed across
+replicas, of the busiest counter at each step the scrapes allow; the share of its hits
+that were (in shadow mode: would have been) denied; and for shadow rules with per-value
+keys, the most denied keys.
 """
 
 from __future__ import annotations
@@ -113,10 +106,8 @@ def observe(
         return seen
     measured = scrape if scrape is not None else scrape_interval(client, where, end)
     seen.scrape_measured = measured is not None
-    res = resolution(
-        measured if measured is not None else ASSUMED_SCRAPE, rule.limit.window_seconds
-    )
-    seen.resolution = res
+    unit = rule.limit.window_seconds
+    res = seen.resolution = resolution(ASSUMED_SCRAPE if measured is None else measured, unit)
     last = end - end % res.step_seconds
     first = last - window + res.step_seconds
     demand = client.query_range(
@@ -125,7 +116,5 @@ def observe(
         last,
         res.step_seconds,
     )
-    unit = rule.limit.window_seconds
-    seen.demand = [(t, round(v * unit, 6)) for s in demand for t, v in s.points]
-    seen.demand.sort()
+    seen.demand = sorted((t, round(v * unit, 6)) for s in demand for t, v in s.points)
     return seen
