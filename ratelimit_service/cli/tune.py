@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,18 +22,20 @@ from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.tune.arithmetic import parse_duration, parse_stat, rules
 
 
-def _duration(text: str) -> int:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` with its ValueError's text as argparse's message."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
-def _stat(text: str) -> Any:
-    try:
-        return parse_stat(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_duration = _checked(parse_duration)
+_stat = _checked(parse_stat)
 
 
 def _fraction(text: str) -> float:
@@ -85,7 +88,7 @@ def add_tune_parser(commands: Any) -> None:
     tune.add_argument(
         "--window",
         type=_duration,
-        default=_duration("14d"),
+        default=parse_duration("14d"),
         metavar="DURATION",
         help="how far back to look (Prometheus durations: 14d, 36h, 2w; default 14d)",
     )
@@ -237,11 +240,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"tune: the edited rules would not load, nothing written: {exc}", file=sys.stderr)
         return 1
     table_text = table(outcomes, options)
-    print(table_text, end="")
-    print(resolutions(outcomes), end="")
-    print(shadow_report(outcomes, options), end="")
-    diff = unified_diff({f.name: f.text for f in files}, after)
-    print(diff if diff else "no changes\n", end="")
+    print(table_text, resolutions(outcomes), shadow_report(outcomes, options), sep="", end="")
+    print(unified_diff({f.name: f.text for f in files}, after) or "no changes\n", end="")
     if args.write:
         for f in files:
             if after[f.name] != f.text:
