@@ -1,18 +1,13 @@
-"""Generate the Envoy side of a descriptor configuration: the ratelimit HTTP filter, the
-HTTP/2 cluster it calls, and the route ``rate_limits`` that produce the descriptors.
-
-Behind ``ratelimit-service envoy-config --config PATH``. What to emit is decided in
-envoy_plan.py (which chains, which routes, which header a key is read from); here every
-piece is built as the typed xds-protos message and only then rendered
-(``MessageToDict`` → YAML), so a field name or type Envoy would reject cannot get into
-the output: the snippet is valid by construction, and it stays in step with the rules
-because it is derived from them.
+"""``envoy-config``: the Envoy side of the rules (the ratelimit HTTP filter, the HTTP/2
+cluster it calls, the route ``rate_limits`` that produce the descriptors), as envoy_plan.py
+decides it. Every piece is built as the typed xds-protos message and only then rendered
+(``MessageToDict`` → YAML), so a field name or type Envoy would reject cannot get in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
@@ -54,7 +49,8 @@ from ratelimit_service.core.address import split_host_port
 from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, UsageSource
 
-Action = route_components_pb2.RateLimit.Action
+RateLimitEntry: TypeAlias = route_components_pb2.RateLimit
+Action = RateLimitEntry.Action
 
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 ROUTER_FILTER = "envoy.filters.http.router"
@@ -88,38 +84,34 @@ def action_for(node: DescriptorNode) -> Message | None:
     )
 
 
-def phased(
-    entry: route_components_pb2.RateLimit, usage: UsageSource | None
-) -> list[route_components_pb2.RateLimit]:
+def phased(entry: RateLimitEntry, usage: UsageSource | None) -> list[RateLimitEntry]:
     """``entry`` as Envoy sends it: once, or, for a usage budget, twice (Envoy's
     two-phase form): a check at cost 0 before the request, and a report of the
     response's cost once the stream is done (Envoy ignores its answer)."""
     if usage is None:
         return [entry]
-    hits = route_components_pb2.RateLimit.HitsAddend
-    check = route_components_pb2.RateLimit(
+    hits = RateLimitEntry.HitsAddend
+    check = RateLimitEntry(
         actions=entry.actions, hits_addend=hits(number=wrappers_pb2.UInt64Value(value=0))
     )
-    report = route_components_pb2.RateLimit(
+    report = RateLimitEntry(
         actions=entry.actions, apply_on_stream_done=True, hits_addend=hits(format=usage.hits_format)
     )
     return [check, report]
 
 
-def is_phased(entries: Iterable[route_components_pb2.RateLimit]) -> bool:
+def is_phased(entries: Iterable[RateLimitEntry]) -> bool:
     """Whether some entry carries a cost: Envoy 1.40 sends ``hits_addend`` and
     ``apply_on_stream_done`` only from the ratelimit filter's own ``rate_limits`` (or a
     route's ``RateLimitPerRoute.rate_limits``), not from a route action's."""
     return any(entry.HasField("hits_addend") for entry in entries)
 
 
-def route_rate_limits(
-    domain: DomainConfig,
-) -> tuple[list[route_components_pb2.RateLimit], list[str]]:
+def route_rate_limits(domain: DomainConfig) -> tuple[list[RateLimitEntry], list[str]]:
     """One ``rate_limits`` entry per distinct action chain that reaches a limit (two
     for a usage budget: :func:`phased`), in config order, and the config paths no
     action chain can produce (reported, not emitted)."""
-    entries: list[route_components_pb2.RateLimit] = []
+    entries: list[RateLimitEntry] = []
     skipped: list[str] = []
     for chain in limited_chains(domain.root):
         found = _chain_entries(chain, None)
@@ -158,10 +150,7 @@ def ratelimit_retry_policy() -> base_pb2.RetryPolicy:
 
 
 def ratelimit_filter(
-    domain: str,
-    cluster: str,
-    timeout: str,
-    rate_limits: Sequence[route_components_pb2.RateLimit] = (),
+    domain: str, cluster: str, timeout: str, rate_limits: Sequence[RateLimitEntry] = ()
 ) -> Message:
     """The HTTP filter. ``failure_mode_deny: false``: when the service cannot answer in
     time, traffic flows (the service's own rules already choose open/closed per rule).
@@ -331,14 +320,14 @@ def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
 # ------------------------------------------------------------------ a whole bootstrap
 
 
-def _chain_entries(chain: Chain, exact_path: str | None) -> list[route_components_pb2.RateLimit]:
+def _chain_entries(chain: Chain, exact_path: str | None) -> list[RateLimitEntry]:
     """The rate_limits entries for a chain on a route (:func:`phased`); none when no
     action yields one of its keys."""
     entry = _chain_entry(chain, exact_path)
     return [] if entry is None else phased(entry, usage_of(chain))
 
 
-def _chain_entry(chain: Chain, exact_path: str | None) -> route_components_pb2.RateLimit | None:
+def _chain_entry(chain: Chain, exact_path: str | None) -> RateLimitEntry | None:
     """The rate_limits entry for a chain on a route. On an exact-path route, a ``path``
     node with that very value becomes a fixed ``generic_key`` (the query string, which
     ``:path`` would carry, cannot then spoil the match)."""
@@ -353,12 +342,10 @@ def _chain_entry(chain: Chain, exact_path: str | None) -> route_components_pb2.R
         if action is None:
             return None
         actions.append(action)
-    return route_components_pb2.RateLimit(actions=actions)
+    return RateLimitEntry(actions=actions)
 
 
-def _dedup(
-    entries: Iterable[route_components_pb2.RateLimit],
-) -> list[route_components_pb2.RateLimit]:
+def _dedup(entries: Iterable[RateLimitEntry]) -> list[RateLimitEntry]:
     seen: set[bytes] = set()
     out = []
     for entry in entries:
@@ -375,7 +362,7 @@ def _pack(message: Message) -> any_pb2.Any:
     return packed
 
 
-def plan_rate_limits(plan: RoutePlan) -> list[route_components_pb2.RateLimit]:
+def plan_rate_limits(plan: RoutePlan) -> list[RateLimitEntry]:
     """The rate_limits entries a planned route sends: its chains' (:func:`phased`), each
     once; a chain with a key no action yields sends none."""
     return _dedup(entry for chain in plan.chains for entry in _chain_entries(chain, plan.path))
