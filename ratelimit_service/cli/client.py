@@ -15,8 +15,7 @@ from ratelimit_service.core.decision import SHADOW
 from ratelimit_service.core.request import parse_descriptor
 
 _CODES = {0: "UNKNOWN", 1: "OK", 2: "OVER_LIMIT"}
-_UNITS = dict(rls_pb2.RateLimitResponse.RateLimit.Unit.items())
-_UNIT_NAMES = {number: name for name, number in _UNITS.items()}
+_UNIT_NAMES = {number: name for name, number in rls_pb2.RateLimitResponse.RateLimit.Unit.items()}
 
 
 def build_request(domain: str, descriptors: Sequence[str], hits_addend: int) -> Any:

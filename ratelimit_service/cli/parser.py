@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import ratelimit_service
 from ratelimit_service.cli.envoy_plan import DEFAULT_OPTIONS
-from ratelimit_service.cli.go_env import GoEnvironment, GoValue
+from ratelimit_service.cli.go_env import GoEnvironment
 from ratelimit_service.cli.tune import add_tune_parser
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.core.settings_table import (
@@ -31,15 +31,8 @@ from ratelimit_service.core.settings_table import (
 MERGE_HELP = BY_FLAG["--merge-domain-config"].help
 
 
-def _env(flag: str, default: Any) -> Any:
-    return os.environ.get(env_name(flag), default)
-
-
-def _env_flag(flag: str, go: GoValue | None = None) -> bool:
-    value = _env(flag, None)
-    if value is None and go is not None:
-        value = go.value
-    return str(value or "").lower() in ("1", "true", "yes", "on")
+def _env(flag: str) -> str | None:
+    return os.environ.get(env_name(flag))
 
 
 def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -67,11 +60,9 @@ def _add_setting(
     if setting.switch:
         kwargs["action"] = "store_true"
     else:
-        default = setting.default
-        if go is not None and go.go_mode and setting.go_default != "same":
-            default = setting.go_default
+        go_default = go is not None and go.go_mode and setting.go_default != "same"
         kwargs["type"] = _arg_type(setting.parse)
-        kwargs["default"] = default
+        kwargs["default"] = setting.go_default if go_default else setting.default
         if setting.choices is not None:
             kwargs["choices"] = list(setting.choices)
         else:
@@ -87,17 +78,15 @@ def _add(
     **kwargs: Any,
 ) -> None:
     """Add a flag whose default comes from RATELIMIT_<FLAG>, else from the Go service's
-    setting for it (``go``); required flags become optional when the environment
-    supplies them. Values from the environment are checked like values on the command
-    line (argparse does not check defaults). The help text ends with the built-in
-    default and the environment name (and its value, when set)."""
+    setting for it (``go``), checked like a value on the command line (argparse does not
+    check defaults); a required flag becomes optional when the environment supplies it."""
     go_value = go.get(flag) if go is not None else None
-    env_value, source = _env(flag, None), env_name(flag)
+    env_value, source = _env(flag), env_name(flag)
     if env_value is None and go_value is not None:
         env_value, source = go_value.value, go_value.source
     kwargs["help"] = _help_with_sources(flag, kwargs)
     if kwargs.get("action") == "store_true":
-        kwargs["default"] = _env_flag(flag, go_value)
+        kwargs["default"] = (env_value or "").lower() in ("1", "true", "yes", "on")
     elif env_value is not None:
         convert = kwargs.get("type", str)
         try:
@@ -190,7 +179,7 @@ def _add_check_config(commands: Any) -> None:
     check.add_argument(
         "path",
         nargs="?",
-        default=_env("--config", None),
+        default=_env("--config"),
         help="rule file, or directory of *.yaml/*.yml (env: RATELIMIT_CONFIG)",
     )
     _add(check, "--merge-domain-config", action="store_true", help=MERGE_HELP)
