@@ -89,15 +89,8 @@ def _share(seen: Observation) -> str:
 
 def table(outcomes: Sequence[Outcome], options: Options) -> str:
     """One row per rule: what it is, what it saw, what it proposes."""
-    header = (
-        "rule",
-        "mode",
-        "current",
-        f"peak ({stat_name(options.stat)})",
-        "proposed",
-        "denied",
-        "note",
-    )
+    peak_name = f"peak ({stat_name(options.stat)})"
+    header = ("rule", "mode", "current", peak_name, "proposed", "denied", "note")
     rows = [header]
     for outcome in outcomes:
         limit = outcome.seen.rule.limit
@@ -178,12 +171,6 @@ def unified_diff(before: Mapping[str, str], after: Mapping[str, str]) -> str:
     for name, text in before.items():
         new = after.get(name, text)
         if new != text:
-            parts.extend(
-                difflib.unified_diff(
-                    text.splitlines(keepends=True),
-                    new.splitlines(keepends=True),
-                    fromfile=name,
-                    tofile=name,
-                )
-            )
+            lines = text.splitlines(keepends=True), new.splitlines(keepends=True)
+            parts.extend(difflib.unified_diff(*lines, fromfile=name, tofile=name))
     return "".join(parts)
