@@ -13,10 +13,7 @@ Each Go setting is *supported* (mapped onto a flag with the Go semantics), *acce
 has the table. A value that does not parse raises :class:`GoSettingError` (exit status 2).
 
 *Go mode* (``/bin/ratelimit``, or ``serve`` given no ``--config`` and no
-``RATELIMIT_CONFIG``) applies the Go service's defaults where ours differ: rules from
-``RUNTIME_ROOT``/``RUNTIME_SUBDIRECTORY``/``RUNTIME_APPDIRECTORY``, ``/healthcheck`` and
-``/json`` on port 8080, the debug port on 6070 (our admin listener is then off unless
-``--admin-addr`` or ``RATELIMIT_ADMIN_ADDR`` asks for it), statsd on.
+``RATELIMIT_CONFIG``) applies the Go service's defaults where ours differ (docs/settings.md).
 """
 
 from __future__ import annotations
@@ -343,8 +340,7 @@ def _backend(r: _Reader) -> None:
 
 
 def _redis(r: _Reader) -> None:
-    url = r.text("REDIS_URL")
-    if url:
+    if r.text("REDIS_URL"):
         r.set("--redis-url", redis_url_from_go(r), "REDIS_URL")
     # Read when set, even empty: the Go service's default prefix is "".
     if r.has("CACHE_KEY_PREFIX"):

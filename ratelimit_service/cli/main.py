@@ -55,8 +55,7 @@ def main(argv: Sequence[str] | None = None, *, go_mode: bool = False) -> int:
 def go_main(argv: Sequence[str] | None = None) -> int:
     """``ratelimit`` (the image's ``/bin/ratelimit``): envoyproxy/ratelimit's command,
     configured by its environment alone, as Envoy Gateway runs it."""
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    return main(["serve", *arguments], go_mode=True)
+    return main(["serve", *(sys.argv[1:] if argv is None else argv)], go_mode=True)
 
 
 def _go_environment(arguments: list[str], go_mode: bool) -> GoEnvironment | None:

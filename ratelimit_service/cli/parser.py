@@ -231,16 +231,16 @@ def _add_envoy_config(commands: Any) -> None:
     )
 
 
+def _add_descriptors(command: argparse.ArgumentParser) -> None:
+    text = "k=v[,k2=v2]; repeat for several descriptors"
+    command.add_argument("--descriptor", action="append", required=True, help=text)
+
+
 def _add_client(commands: Any) -> None:
     client = commands.add_parser("client", help="call ShouldRateLimit once")
     _add(client, "--addr", default="127.0.0.1:8081", help="service address HOST:PORT")
     _add(client, "--domain", required=True)
-    client.add_argument(
-        "--descriptor",
-        action="append",
-        required=True,
-        help="k=v[,k2=v2]; repeat for several descriptors",
-    )
+    _add_descriptors(client)
     _add(client, "--hits-addend", type=int, default=0)
     _add(client, "--timeout", type=_arg_type(positive(float)), default=5.0)
     _add(client, "--tls-ca", default=None, help="PEM CA bundle: connect over TLS")
@@ -255,12 +255,7 @@ def _add_explain(commands: Any) -> None:
         " (nothing recorded)",
     )
     _add(explain, "--domain", required=True)
-    explain.add_argument(
-        "--descriptor",
-        action="append",
-        required=True,
-        help="k=v[,k2=v2]; repeat for several descriptors",
-    )
+    _add_descriptors(explain)
     explain.add_argument(
         "--admin-addr",
         default=BY_FLAG["--admin-addr"].default,

@@ -63,8 +63,7 @@ class PrometheusClient:
     def query(self, promql: str, at: float) -> list[Series]:
         """An instant query: vectors give one point per series, range vectors their raw
         samples, scalars one unlabelled series."""
-        data = self._get("/api/v1/query", {"query": promql, "time": _time(at)})
-        return _series(data)
+        return _series(self._get("/api/v1/query", {"query": promql, "time": _time(at)}))
 
     def query_range(self, promql: str, start: float, end: float, step: int) -> list[Series]:
         """A range query from ``start`` to ``end`` every ``step`` seconds, split into calls
