@@ -263,11 +263,17 @@ def _to_dict(message: Message) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
+    """``value`` as plain dicts and lists, with ``failure_mode_deny: false`` written into
+    every ratelimit filter (proto3 JSON drops a false bool; the reader should see the
+    fail-open choice)."""
     if isinstance(value, list):
         return [_plain(item) for item in value]
-    return value
+    if not isinstance(value, dict):
+        return value
+    plain = {key: _plain(item) for key, item in value.items()}
+    if plain.get("name") == RATELIMIT_FILTER and isinstance(plain.get("typed_config"), dict):
+        plain["typed_config"]["failure_mode_deny"] = False
+    return plain
 
 
 def load_domain(config_path: str, options: EnvoyOptions) -> DomainConfig:
@@ -288,10 +294,9 @@ def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
     rate_limits, skipped = route_rate_limits(domain)
     # Costs go on the filter itself (is_phased); plain entries under a route or host.
     on_filter = rate_limits if is_phased(rate_limits) else []
-    filter_dict = _to_dict(ratelimit_filter(name, options.cluster, options.timeout, on_filter))
-    _spell_out_fail_open(filter_dict)
+    http_filter = ratelimit_filter(name, options.cluster, options.timeout, on_filter)
     snippet: dict[str, Any] = {
-        "http_filters": [filter_dict],
+        "http_filters": [_to_dict(http_filter)],
         "clusters": [_to_dict(ratelimit_cluster(options.cluster, options.service_address))],
     }
     if not on_filter:
@@ -393,10 +398,8 @@ def _route(plan: RoutePlan, upstream_cluster: str) -> route_components_pb2.Route
 def build_bootstrap(
     domain: DomainConfig, options: EnvoyOptions = DEFAULT_OPTIONS
 ) -> bootstrap_pb2.Bootstrap:
-    """A complete Envoy bootstrap: admin, one listener whose HTTP connection manager runs
-    the ratelimit filter then the router, the routes of ``plan_routes`` (to a placeholder
-    upstream cluster), and the service's HTTP/2 cluster with gRPC health checks and
-    outlier detection."""
+    """A complete Envoy bootstrap (:func:`bootstrap_around`) running the ratelimit filter
+    over the routes of ``plan_routes``."""
     check_clusters(options)
     routes = [_route(plan, options.upstream_cluster) for plan in plan_routes(domain)]
     http_filter = ratelimit_filter(domain.name, options.cluster, options.timeout)
@@ -459,26 +462,12 @@ def bootstrap_around(
     )
 
 
-def _spell_out_fail_open(node: Any) -> None:
-    """Write ``failure_mode_deny: false`` into every ratelimit filter of a rendered dict
-    (proto3 JSON drops a false bool; the reader should see the fail-open choice)."""
-    if isinstance(node, dict):
-        if node.get("name") == RATELIMIT_FILTER and isinstance(node.get("typed_config"), dict):
-            node["typed_config"]["failure_mode_deny"] = False
-        for value in node.values():
-            _spell_out_fail_open(value)
-    elif isinstance(node, list):
-        for item in node:
-            _spell_out_fail_open(item)
-
-
 def render_bootstrap(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
     """YAML of ``build_bootstrap`` for ``config_path``'s rules, runnable as ``envoy -c``.
 
     Raises ConfigLoadError when the rules do not load, ValueError on a bad argument."""
     domain = load_domain(config_path, options)
     rendered = _to_dict(build_bootstrap(domain, options))
-    _spell_out_fail_open(rendered)
     _, skipped = route_rate_limits(domain)
     header = [
         f"# Envoy bootstrap for rate-limit domain '{domain.name}', generated from {config_path}.",
