@@ -235,11 +235,9 @@ def ratelimit_outlier_detection() -> outlier_detection_pb2.OutlierDetection:
 
 
 def ratelimit_cluster(name: str, address: str) -> Message:
-    """The cluster the filter calls. gRPC needs HTTP/2; STRICT_DNS spreads the calls over
-    every address the name resolves to (every replica behind a headless service); gRPC
-    health checks take a draining replica out, outlier detection a dead one
-    (``ratelimit_outlier_detection``); host health changes reach the workers at once
-    (``update_merge_window: 0s``; Envoy may hold them up to 1 s by default)."""
+    """The cluster the filter calls: HTTP/2 for gRPC; STRICT_DNS spreads the calls over every
+    address the name resolves to (every replica behind a headless service); host health
+    changes reach the workers at once (``update_merge_window``; Envoy's default is 1 s)."""
     options = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
@@ -326,8 +324,7 @@ def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
 
 
 def _chain_entries(chain: Chain, exact_path: str | None) -> list[RateLimitEntry]:
-    """The rate_limits entries for a chain on a route (:func:`phased`); none when no
-    action yields one of its keys."""
+    """A chain's rate_limits entries (:func:`phased`); none when no action yields a key."""
     entry = _chain_entry(chain, exact_path)
     return [] if entry is None else phased(entry, usage_of(chain))
 
@@ -368,8 +365,7 @@ def _pack(message: Message) -> any_pb2.Any:
 
 
 def plan_rate_limits(plan: RoutePlan) -> list[RateLimitEntry]:
-    """The rate_limits entries a planned route sends: its chains' (:func:`phased`), each
-    once; a chain with a key no action yields sends none."""
+    """The rate_limits entries a planned route sends: its chains', each once."""
     return _dedup(entry for chain in plan.chains for entry in _chain_entries(chain, plan.path))
 
 

@@ -174,11 +174,9 @@ def rlqs_filter(domain: DomainConfig, cluster: str, node_id: str | None) -> Mess
 def build_rlqs_bootstrap(
     domain: DomainConfig, options: EnvoyOptions = DEFAULT_OPTIONS
 ) -> bootstrap_pb2.Bootstrap:
-    """Admin, one listener (the RLQS filter, then the router; every path to the
-    placeholder upstream), the upstream and the service's HTTP/2 cluster with gRPC
-    health checks and outlier detection (``ratelimit_cluster``: a dead replica is out
-    at once, so the stream Envoy reopens at its next report lands on a live one). The
-    stream has no retry policy of its own: it is long-lived, not a call to retry."""
+    """A bootstrap (:func:`bootstrap_around`) running the RLQS filter, every path to the
+    upstream. A dead replica is out of the cluster at once, so the stream Envoy reopens at
+    its next report lands on a live one: the long-lived stream has no retry policy."""
     options = options.for_rlqs()
     check_clusters(options)
     route = route_components_pb2.Route(

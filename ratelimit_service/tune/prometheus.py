@@ -76,10 +76,7 @@ class PrometheusClient:
             params = {"query": promql, "start": _time(at), "end": _time(upto), "step": str(step)}
             for series in _series(self._get("/api/v1/query_range", params)):
                 name = tuple(sorted(series.labels.items()))
-                if name in joined:
-                    joined[name].points.extend(series.points)
-                else:
-                    joined[name] = series
+                joined.setdefault(name, Series(series.labels, [])).points.extend(series.points)
             at = upto + step
         return list(joined.values())
 
