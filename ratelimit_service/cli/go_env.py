@@ -173,15 +173,13 @@ def parse_go_duration(name: str, value: str) -> float:
     try:
         seconds = float(text)
     except ValueError:
-        pass
-    else:
-        if math.isfinite(seconds) and seconds >= 0:
-            return seconds
-        raise GoSettingError(name, value, "expected a duration such as 10s or 500ms")
-    parts = _DURATION_PART.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise GoSettingError(name, value, "expected a duration such as 10s or 500ms")
-    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+        parts = _DURATION_PART.findall(text)
+        if parts and "".join(n + u for n, u in parts) == text:
+            return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+        seconds = math.nan
+    if math.isfinite(seconds) and seconds >= 0:
+        return seconds
+    raise GoSettingError(name, value, "expected a duration such as 10s or 500ms")
 
 
 def _address(host: str, port: int) -> str:
