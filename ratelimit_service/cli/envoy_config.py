@@ -2,6 +2,8 @@
 cluster it calls, the route ``rate_limits`` that produce the descriptors), as envoy_plan.py
 decides it. Every piece is built as the typed xds-protos message and only then rendered
 (``MessageToDict`` → YAML), so a field name or type Envoy would reject cannot get in.
+What renders a rules file raises ConfigLoadError when the rules do not load, ValueError on
+a bad argument.
 """
 
 from __future__ import annotations
@@ -275,18 +277,14 @@ def _plain(value: Any) -> Any:
 
 
 def load_domain(config_path: str, options: EnvoyOptions) -> DomainConfig:
-    """The rules of the domain to render, from ``config_path``.
-
-    Raises ConfigLoadError when the rules do not load, ValueError on a bad domain."""
+    """The rules of the domain to render, from ``config_path``."""
     config = load_config(read_config_files(config_path), merge_domains=options.merge_domains)
     return config.domains[pick_domain(sorted(config.domains), options.domain)]
 
 
 def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
     """YAML for the Envoy side of ``config_path``'s rules: ``http_filters`` (place before
-    the router), ``clusters`` and ``rate_limits`` (for a virtual host or a route action).
-
-    Raises ConfigLoadError when the rules do not load, ValueError on a bad argument."""
+    the router), ``clusters`` and ``rate_limits`` (for a virtual host or a route action)."""
     domain = load_domain(config_path, options)
     name = domain.name
     rate_limits, skipped = route_rate_limits(domain)
@@ -414,10 +412,9 @@ def bootstrap_around(
     name: str,
     options: EnvoyOptions,
 ) -> bootstrap_pb2.Bootstrap:
-    """A bootstrap with an admin, one listener whose HTTP connection manager runs
-    ``http_filter`` then the router over ``routes``, the placeholder upstream cluster and
-    the service's cluster, as ``options`` place them: what the RLS and RLQS bootstraps
-    share."""
+    """What the RLS and RLQS bootstraps share: an admin, one listener whose HTTP connection
+    manager runs ``http_filter`` then the router over ``routes``, the placeholder upstream
+    cluster and the service's cluster, as ``options`` place them."""
     router = http_connection_manager_pb2.HttpFilter(
         name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
     )
@@ -459,9 +456,7 @@ def bootstrap_around(
 
 
 def render_bootstrap(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
-    """YAML of ``build_bootstrap`` for ``config_path``'s rules, runnable as ``envoy -c``.
-
-    Raises ConfigLoadError when the rules do not load, ValueError on a bad argument."""
+    """YAML of ``build_bootstrap`` for ``config_path``'s rules, runnable as ``envoy -c``."""
     domain = load_domain(config_path, options)
     rendered = _to_dict(build_bootstrap(domain, options))
     _, skipped = route_rate_limits(domain)
