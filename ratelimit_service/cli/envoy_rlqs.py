@@ -25,7 +25,6 @@ from typing import Any
 
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.core.v3 import base_pb2, grpc_service_pb2
-from envoy.config.core.v3 import extension_pb2 as envoy_extension_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.filters.http.rate_limit_quota.v3 import rate_limit_quota_pb2 as rlq
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
@@ -114,13 +113,10 @@ def _bucket_settings(chain: Chain) -> Any:
             value.string_value = node.value  # a fixed value: the rule's own
         else:
             source = _input(node.key)  # the same input, as Envoy's own extension type
-            value.custom_value.CopyFrom(
-                envoy_extension_pb2.TypedExtensionConfig(
-                    name=source.name, typed_config=source.typed_config
-                )
-            )
+            value.custom_value.name = source.name
+            value.custom_value.typed_config.CopyFrom(source.typed_config)
     zero = any(limit.requests_per_unit == 0 for limit in chain[-1].limits)
-    first = _Strategy.DENY_ALL if zero else None
+    first = _Strategy.DENY_ALL if zero else _Strategy.ALLOW_ALL
     return _Settings(
         bucket_id_builder=builder,
         reporting_interval=_duration("5s"),
@@ -133,9 +129,7 @@ def _bucket_settings(chain: Chain) -> Any:
             ],
         ),
         no_assignment_behavior=_Settings.NoAssignmentBehavior(
-            fallback_rate_limit=_Strategy(
-                blanket_rule=_Strategy.ALLOW_ALL if first is None else first
-            )
+            fallback_rate_limit=_Strategy(blanket_rule=first)
         ),
         expired_assignment_behavior=_Settings.ExpiredAssignmentBehavior(
             expired_assignment_behavior_timeout=_duration("60s"),
