@@ -129,12 +129,10 @@ class DescriptorLines:
             self._walk(_get(item, "descriptors"), path)
 
     def path_at(self, line: int) -> str | None:
-        """The innermost descriptor holding ``line``, or None (domain level)."""
-        best: _Span | None = None
-        for span in self._spans[: bisect.bisect_right(self._starts, line)]:
-            if span.start <= line <= span.end and (best is None or span.start >= best.start):
-                best = span
-        return best.path if best else None
+        """The innermost descriptor holding ``line`` (the last to start), or None (domain
+        level)."""
+        started = self._spans[: bisect.bisect_right(self._starts, line)]
+        return next((span.path for span in reversed(started) if line <= span.end), None)
 
 
 def _get(mapping: yaml.MappingNode, name: str) -> yaml.Node | None:
