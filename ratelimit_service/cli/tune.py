@@ -218,15 +218,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     try:
         client = PrometheusClient(args.prometheus, timeout=args.timeout)
         seen = [
-            observe(
-                client,
-                rule,
-                listed,
-                end=end,
-                window=args.window,
-                scrape=args.scrape_interval,
-                read_demand=not rule.per_value() or rule.series_by_value(),
-            )
+            observe(client, rule, listed, end=end, window=args.window, scrape=args.scrape_interval)
             for rule in listed
         ]
     except PrometheusError as exc:

@@ -78,10 +78,9 @@ def observe(
     end: float,
     window: int,
     scrape: float | None,
-    read_demand: bool,
 ) -> Observation:
-    """Ask Prometheus about one rule. ``read_demand`` False: only the share (rules whose
-    counters cannot show one counter's demand)."""
+    """Ask Prometheus about one rule: only the share when its stats add up the counters of
+    every value (no counter's own demand to read)."""
     seen = Observation(rule)
     where = selector(rule, others)
     hits_metric = METRIC.format("total_hits") + where
@@ -102,7 +101,7 @@ def observe(
             ((s.labels.get("key", ""), s.points[0][1]) for s in top if s.points),
             key=lambda kv: (-kv[1], kv[0]),
         )
-    if not read_demand:
+    if rule.per_value() and not rule.series_by_value():
         return seen
     measured = scrape if scrape is not None else scrape_interval(client, where, end)
     seen.scrape_measured = measured is not None
