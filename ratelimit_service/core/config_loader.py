@@ -661,14 +661,13 @@ def load_config(
     files: Sequence[ConfigFile],
     *,
     default_mode: Mode = default("--mode"),
-    default_failure_mode: FailureMode = FailureMode.OPEN,
     merge_domains: bool = False,
 ) -> RateLimitConfig:
     """Load every file into one configuration, or raise :class:`ConfigLoadError` with all errors."""
     errors: list[ConfigError] = []
     domains: dict[str, DomainConfig] = {}
     first_seen: dict[str, str] = {}  # domain -> "file:line" where it was first defined
-    inherited = _Inherited(default_mode, default_failure_mode)
+    inherited = _Inherited(default_mode, FailureMode.OPEN)
     for file in files:
         loader = _FileLoader(file, inherited)
         domain = loader.load()
