@@ -1,7 +1,6 @@
 """envoyproxy/ratelimit's environment settings (``REDIS_URL``, ``PORT``, ``RUNTIME_ROOT``, …)
-as values for our ``serve`` flags, so a Go deployment's environment runs this service
-unchanged. The weakest source: a command-line flag wins, then ``RATELIMIT_<FLAG>``, then
-the Go name (``cli.parser._add``).
+as values for our ``serve`` flags (their weakest source, cli/parser.py), so a Go
+deployment's environment runs this service unchanged.
 
 A Go variable that sets one flag is named in that flag's declaration (``go`` in
 core/settings_table.py) and read by the syntax of the flag's kind (:func:`_read`); the
@@ -201,63 +200,47 @@ def _one_to_one(r: _Reader, *, xds: bool = False) -> None:
 
 
 def _read(r: _Reader, setting: Setting) -> None:
-    """``setting``'s Go variable, in the Go syntax of the flag's kind: a switch is a Go
-    bool, a choice any case of one, seconds a Go duration, a share a number from 0 to 1,
-    a count a whole number, a text any text but empty."""
-    name, flag, kind = setting.go, setting.flag, setting.kind
-    if kind == "switch":
-        if r.has(name):
-            r.set(flag, "1" if r.boolean(name) else "", name)
-    elif kind == "choice":
-        _choice(r, name, flag, setting.choices or ())
-    elif kind == "share":
-        _share(r, name, flag)
-    elif kind == "seconds":
-        _seconds(r, name, flag, positive=setting.parse is not not_negative)
-    elif kind == "count":
-        _count(r, name, flag)
-    elif r.text(name):
-        r.set(flag, r.text(name), name)
-
-
-def _choice(r: _Reader, name: str, flag: str, choices: tuple[str, ...]) -> None:
-    text = r.text(name)
-    if not text:
+    """``setting``'s Go variable when set (a switch or a count even empty, the others not
+    empty), in the Go syntax of the flag's kind: a switch is a Go bool, a choice any case
+    of one, seconds a Go duration, a share a number from 0 to 1, a count a whole number."""
+    name, kind, text = setting.go, setting.kind, r.text(setting.go)
+    if not (r.has(name) if kind in ("switch", "count") else text):
         return
+    value: object = text
+    if kind == "switch":
+        value = "1" if r.boolean(name) else ""
+    elif kind == "choice":
+        value = _choice(name, text, setting.choices or ())
+    elif kind == "share":
+        value = _share(name, text)
+    elif kind == "seconds":
+        value = _seconds(name, text, positive=setting.parse is not not_negative)
+    elif kind == "count" and not (text.isdigit() and int(text) >= 1):
+        raise GoSettingError(name, text, "expected a whole number, 1 or more")
+    r.set(setting.flag, value, name)
+
+
+def _choice(name: str, text: str, choices: tuple[str, ...]) -> str:
     if text.lower() not in choices:
         raise GoSettingError(name, text, f"choose {' or '.join(choices)}")
-    r.set(flag, text.lower(), name)
+    return text.lower()
 
 
-def _seconds(r: _Reader, name: str, flag: str, *, positive: bool) -> None:
-    if not r.text(name):
-        return
-    seconds = parse_go_duration(name, r.text(name))
+def _seconds(name: str, text: str, *, positive: bool) -> float:
+    seconds = parse_go_duration(name, text)
     if positive and seconds <= 0:
-        raise GoSettingError(name, r.text(name), "must be positive")
-    r.set(flag, seconds, name)
+        raise GoSettingError(name, text, "must be positive")
+    return seconds
 
 
-def _count(r: _Reader, name: str, flag: str) -> None:
-    if not r.has(name):
-        return
-    text = r.text(name)
-    if not text.isdigit() or int(text) < 1:
-        raise GoSettingError(name, text, "expected a whole number, 1 or more")
-    r.set(flag, text, name)
-
-
-def _share(r: _Reader, name: str, flag: str) -> None:
-    text = r.text(name)
-    if not text:
-        return
+def _share(name: str, text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not 0 <= value <= 1:
         raise GoSettingError(name, text, "expected a number from 0 to 1")
-    r.set(flag, value, name)
+    return value
 
 
 def _runtime(r: _Reader) -> None:

@@ -1,10 +1,9 @@
-"""``ratelimit-service``'s parser: every command's flags and ``--help``.
+"""``ratelimit-service``'s parser: every command's flags and ``--help``; ``serve``'s are
+core/settings_table.py's declarations, in their groups.
 
-``serve``'s flags are core/settings_table.py's declarations, in their groups. Every flag
-can also come from the environment as ``RATELIMIT_<FLAG_NAME>`` (``--redis-url`` ↔
-``RATELIMIT_REDIS_URL``); a flag given on the command line wins. ``serve`` also reads
-envoyproxy/ratelimit's own variables (``REDIS_URL``, ``PORT``, …, see cli/go_env.py),
-below ours: flag, then ``RATELIMIT_*``, then the Go name.
+A flag given on the command line wins over ``RATELIMIT_<FLAG_NAME>`` (``--redis-url`` ↔
+``RATELIMIT_REDIS_URL``), which wins, for ``serve``, over envoyproxy/ratelimit's own
+variable for it (``REDIS_URL``, ``PORT``, …: cli/go_env.py).
 """
 
 from __future__ import annotations
