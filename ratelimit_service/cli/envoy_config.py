@@ -154,11 +154,9 @@ def ratelimit_retry_policy() -> base_pb2.RetryPolicy:
 def ratelimit_filter(
     domain: str, cluster: str, timeout: str, rate_limits: Sequence[RateLimitEntry] = ()
 ) -> Message:
-    """The HTTP filter. ``failure_mode_deny: false``: when the service cannot answer in
-    time, traffic flows (the service's own rules already choose open/closed per rule).
-    A call to a dead replica is retried on another (``ratelimit_retry_policy``).
-    ``rate_limits``: the filter's own, which Envoy then sends for every route instead
-    of the routes' (the only place, with RateLimitPerRoute, for a cost)."""
+    """The HTTP filter, open when the service cannot answer in time (its rules choose open
+    or closed themselves). ``rate_limits``: the filter's own, which Envoy then sends for
+    every route instead of the routes' (with RateLimitPerRoute, the only place for a cost)."""
     config = rate_limit_pb2.RateLimit(
         rate_limits=rate_limits,
         domain=domain,
@@ -203,10 +201,9 @@ def _static_cluster(name: str, address: str, what: str) -> cluster_pb2.Cluster:
 
 
 def ratelimit_health_check() -> health_check_pb2.HealthCheck:
-    """gRPC health checks of the service: a replica that reports NOT_SERVING (it drains on
-    SIGTERM) leaves the rotation. ``no_traffic_interval`` too: without it Envoy checks a
-    cluster every 60 s until the cluster carries traffic of its own, and the filter's
-    calls do not count."""
+    """gRPC health checks: a replica that reports NOT_SERVING (draining on SIGTERM) leaves
+    the rotation. ``no_traffic_interval`` too, or Envoy checks every 60 s until the cluster
+    carries traffic of its own (the filter's calls do not count)."""
     return health_check_pb2.HealthCheck(
         timeout=_duration("1s"),
         interval=_duration("5s"),
@@ -220,12 +217,10 @@ def ratelimit_health_check() -> health_check_pb2.HealthCheck:
 
 
 def ratelimit_outlier_detection() -> outlier_detection_pb2.OutlierDetection:
-    """A dead replica out within milliseconds: three local failures in a row (connection
-    refused or reset; counted apart from the errors a replica answers) eject it at once
-    instead of at its health checks. Not a slow replica: the filter's timeouts do not
-    count. At most half the replicas (at Envoy's default of 10 %, not one of two or
-    three). Back after 30 s, more after each new ejection, or at its first passing
-    health check; ``interval`` is how often ejections are reviewed."""
+    """A dead replica out within milliseconds, not at its health checks: three local failures
+    in a row (connection refused or reset, apart from errors a replica answers; not the
+    filter's timeouts) eject it. At most half the replicas (Envoy's 10 % is not one of two
+    or three); back after 30 s, longer after each ejection, or at a passing health check."""
     return outlier_detection_pb2.OutlierDetection(
         split_external_local_origin_errors=True,
         consecutive_local_origin_failure=wrappers_pb2.UInt32Value(value=3),
