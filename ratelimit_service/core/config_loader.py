@@ -661,13 +661,14 @@ def load_config(
     files: Sequence[ConfigFile],
     *,
     default_mode: Mode = default("--mode"),
+    default_failure_mode: FailureMode = FailureMode.OPEN,
     merge_domains: bool = False,
 ) -> RateLimitConfig:
     """Load every file into one configuration, or raise :class:`ConfigLoadError` with all errors."""
     errors: list[ConfigError] = []
     domains: dict[str, DomainConfig] = {}
     first_seen: dict[str, str] = {}  # domain -> "file:line" where it was first defined
-    inherited = _Inherited(default_mode, FailureMode.OPEN)
+    inherited = _Inherited(default_mode, default_failure_mode)
     for file in files:
         loader = _FileLoader(file, inherited)
         domain = loader.load()
