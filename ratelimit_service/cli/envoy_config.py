@@ -313,9 +313,6 @@ def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
     return with_header(header, snippet)
 
 
-# ------------------------------------------------------------------ a whole bootstrap
-
-
 def _chain_entries(chain: Chain, exact_path: str | None) -> list[RateLimitEntry]:
     """A chain's rate_limits entries (:func:`phased`); none when no action yields a key."""
     entry = _chain_entry(chain, exact_path)

@@ -93,9 +93,6 @@ def usage_of(chain: Chain) -> UsageSource | None:
     return next((limit.usage for limit in chain[-1].limits if limit.usage is not None), None)
 
 
-# ------------------------------------------------------------------ a bootstrap's routes
-
-
 @dataclass(frozen=True)
 class RoutePlan:
     """One route of the generated bootstrap: its name, what it matches (an exact
@@ -169,9 +166,6 @@ def plan_routes(domain: DomainConfig) -> list[RoutePlan]:
     ]
     plans.append(RoutePlan(name="other", path=None, prefix="/", chains=(*general, *leftover)))
     return plans
-
-
-# ------------------------------------------------------------------ RLQS bucket matchers
 
 
 def _specificity(node: DescriptorNode) -> int:
