@@ -1,9 +1,8 @@
 """Turn envoyproxy/ratelimit YAML files into a :class:`RateLimitConfig`.
 
-The format is the Go service's, unchanged, plus two extensions (``mode`` and
-``failure_mode``). We walk PyYAML's node graph rather than plain Python values so
-every error can name its line, and we keep going after an error so that
-``check-config`` reports everything in one pass.
+The format is the Go service's, unchanged, plus keys of ours (docs/configuration.md). We
+walk PyYAML's node graph rather than plain Python values so every error can name its
+line, and keep going after an error so that ``check-config`` reports everything at once.
 """
 
 from __future__ import annotations
