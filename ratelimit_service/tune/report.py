@@ -101,17 +101,9 @@ def table(outcomes: Sequence[Outcome], options: Options) -> str:
         note = outcome.note
         if not note and outcome.proposed == limit.requests_per_unit and not outcome.promote:
             note = "unchanged"
-        rows.append(
-            (
-                limit.stats_key,
-                mode,
-                f"{limit.requests_per_unit}/{limit.period}",
-                _number(outcome.peak),
-                proposed,
-                _share(outcome.seen),
-                note,
-            )
-        )
+        current = f"{limit.requests_per_unit}/{limit.period}"
+        top = _number(outcome.peak)
+        rows.append((limit.stats_key, mode, current, top, proposed, _share(outcome.seen), note))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(line.rstrip() for line in lines) + "\n"
