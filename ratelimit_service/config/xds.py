@@ -208,11 +208,8 @@ class XdsConfigSource:
         self.version = version
         self.last_error = None
         self._first.set()
-        log.info(
-            "xDS config version %s installed: domains=%s",
-            version,
-            ",".join(sorted(config.domains)) or "(none)",
-        )
+        domains = ",".join(sorted(config.domains)) or "(none)"
+        log.info("xDS config version %s installed: domains=%s", version, domains)
         return self._request(version=version, nonce=nonce)
 
     def _files(self, resources: Sequence[Any]) -> list[ConfigFile]:

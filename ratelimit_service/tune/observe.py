@@ -109,11 +109,7 @@ def observe(
     res = seen.resolution = resolution(ASSUMED_SCRAPE if measured is None else measured, unit)
     last = end - end % res.step_seconds
     first = last - window + res.step_seconds
-    demand = client.query_range(
-        f"max(sum by (key) (rate({hits_metric}[{res.range_seconds}s])))",
-        first,
-        last,
-        res.step_seconds,
-    )
+    busiest = f"max(sum by (key) (rate({hits_metric}[{res.range_seconds}s])))"
+    demand = client.query_range(busiest, first, last, res.step_seconds)
     seen.demand = sorted((t, round(v * unit, 6)) for s in demand for t, v in s.points)
     return seen
