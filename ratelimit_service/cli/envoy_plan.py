@@ -176,10 +176,10 @@ def _specificity(node: DescriptorNode) -> int:
 
 
 def bucket_chains(domain: DomainConfig) -> list[Chain]:
-    """The rule chains that get an RLQS bucket matcher, most specific first (longer
-    chains, then exact values before wildcards before any value, level by level), then
-    in the order of the rule files. Rules no request can reach this way (``unlimited``
-    ones, a valueless ``generic_key``) get none."""
+    """The rule chains that get an RLQS bucket matcher, most specific first (longer chains,
+    then exact values before wildcards before any value, level by level), then in file
+    order. Rules no request can reach this way (``unlimited`` ones, a valueless
+    ``generic_key``) get none: their requests are allowed and not reported."""
     chains = [
         chain
         for chain in limited_chains(domain.root)

@@ -2,14 +2,11 @@
 HTTP filter, with bucket matchers and bucket id builders derived from the rules, its
 cluster, and with ``--bootstrap`` a complete runnable bootstrap.
 
-Each rule with a limit becomes one bucket matcher: it matches when the request carries
-every key of the rule's chain (and each fixed value: exact, a ``prefix*``, or a regular
-expression for other wildcards), and builds the bucket id from those keys, read as the
-RLS generator reads them (envoy_plan.header_for; ``remote_address`` is the peer's
-address). Envoy takes the first matcher that matches, so each request counts against
-one rule, the most specific (RLS sends every descriptor and checks them all);
-envoy_plan.bucket_chains orders them and leaves out the rules no request can reach this
-way (``unlimited`` ones, valueless ``generic_key``: allowed and not reported).
+Each rule with a limit becomes one bucket matcher (in envoy_plan.bucket_chains' order:
+Envoy takes the first that matches, so a request counts against one rule, the most
+specific): it matches a request that carries every key of the rule's chain (and each fixed
+value: exact, a ``prefix*``, or a regular expression), and builds the bucket id from those
+keys, read as the RLS generator reads them (``remote_address`` is the peer's address).
 
 Envoy 1.40's quirks, handled here: ``reporting_interval`` is required but ignored (it
 reports every 5 s); an assignment that expires falls back to ALLOW_ALL for a minute

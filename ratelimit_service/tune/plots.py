@@ -1,8 +1,6 @@
-"""``--plot DIR``: per rule, its observed demand over the window with the current and
-the proposed limit, one PNG each, and an index.html with the table.
-
-matplotlib is optional (the ``test`` and ``bench`` extras): without it ``--plot``
-says so before anything else runs.
+"""``--plot DIR``: per rule, one PNG of its observed demand over the window with the
+current and the proposed limit, and an index.html with the table. matplotlib is optional
+(the ``test`` and ``bench`` extras): without it ``--plot`` says so before anything runs.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""A small client for Prometheus's HTTP API (``/api/v1/query``, ``/api/v1/query_range``)
-with timeouts and errors said in one line: the tuner must stop, touching nothing,
-when Prometheus cannot be asked.
-
-urllib, not a client library: two GET endpoints and JSON are all it takes.
+"""A small client for Prometheus's HTTP API (``/api/v1/query``, ``/api/v1/query_range``),
+on urllib (two GET endpoints and JSON), with timeouts and errors said in one line: the
+tuner must stop, touching nothing, when Prometheus cannot be asked.
 """
 
 from __future__ import annotations
