@@ -112,7 +112,7 @@ def _help_with_sources(flag: str, kwargs: dict[str, Any]) -> str:
         elif kwargs.get("default") not in (None, ""):
             sources.append(f"default: {kwargs['default']}")
         sources.append(f"env: {name}")
-    env_value = os.environ.get(name)
+    env_value = _env(flag)
     if env_value is not None:
         sources.append(f"now {env_value!r} from the environment")
     text = f"{kwargs.get('help') or ''} ({'; '.join(sources)})".strip()
@@ -132,8 +132,7 @@ class _Formatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        default = action.default
-        if "default" in text or default in (None, "", False, argparse.SUPPRESS):
+        if "default" in text or action.default in (None, "", False, argparse.SUPPRESS):
             return text
         return f"{text} (default: %(default)s)"
 

@@ -40,35 +40,13 @@ _E = TypeVar("_E", bound=Enum)
 
 DOMAIN_KEYS = frozenset({"domain", "descriptors", "mode", "failure_mode"})
 DESCRIPTOR_KEYS = frozenset(
-    {
-        "key",
-        "value",
-        "rate_limit",
-        "rate_limits",
-        "descriptors",
-        "shadow_mode",
-        "quota_mode",
-        "detailed_metric",
-        "value_to_metric",
-        "share_threshold",
-        "metadata",
-        "over_limit",
-        "usage",
-        "mode",
-        "failure_mode",
-    }
+    {"key", "value", "rate_limit", "descriptors", "shadow_mode", "quota_mode", "metadata"}
+    | {"detailed_metric", "value_to_metric", "share_threshold"}
+    | {"rate_limits", "over_limit", "usage", "mode", "failure_mode"}  # ours
 )
 RATE_LIMIT_KEYS = frozenset(
-    {
-        "unit",
-        "unit_multiplier",
-        "requests_per_unit",
-        "unlimited",
-        "name",
-        "replaces",
-        "burst",
-        "calendar",
-    }
+    {"unit", "requests_per_unit", "unlimited", "name", "replaces"}
+    | {"unit_multiplier", "burst", "calendar"}  # ours
 )
 REPLACES_KEYS = frozenset({"name"})
 OVER_LIMIT_KEYS = frozenset({"body", "content_type"})
