@@ -191,7 +191,7 @@ def _add_envoy_config(commands: Any) -> None:
         " (--bootstrap: a whole runnable Envoy bootstrap)",
     )
     _add(envoy, "--config", required=True, help="rule file, or directory of *.yaml/*.yml")
-    _add(envoy, "--domain", default=None, help="the domain to render (needed if several)")
+    _add(envoy, "--domain", help="the domain to render (needed if several)")
     envoy.add_argument("--cluster", default=DEFAULT_OPTIONS.cluster, help="Envoy cluster name")
     envoy.add_argument("--timeout", default=DEFAULT_OPTIONS.timeout, help="the filter's timeout")
     envoy.add_argument(
@@ -241,9 +241,9 @@ def _add_client(commands: Any) -> None:
     _add_descriptors(client)
     _add(client, "--hits-addend", type=int, default=0)
     _add(client, "--timeout", type=_arg_type(positive(float)), default=5.0)
-    _add(client, "--tls-ca", default=None, help="PEM CA bundle: connect over TLS")
-    _add(client, "--tls-cert", default=None, help="PEM client certificate (mTLS)")
-    _add(client, "--tls-key", default=None, help="PEM key of --tls-cert")
+    _add(client, "--tls-ca", help="PEM CA bundle: connect over TLS")
+    _add(client, "--tls-cert", help="PEM client certificate (mTLS)")
+    _add(client, "--tls-key", help="PEM key of --tls-cert")
 
 
 def _add_explain(commands: Any) -> None:
@@ -261,7 +261,6 @@ def _add_explain(commands: Any) -> None:
     )
     explain.add_argument(
         "--config",
-        default=None,
         help="answer from this rule file or directory instead, without a service (no counts)",
     )
     explain.add_argument(

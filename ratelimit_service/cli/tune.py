@@ -101,7 +101,6 @@ def add_tune_parser(commands: Any) -> None:
     tune.add_argument(
         "--stat",
         type=_stat,
-        default=None,
         metavar="max|pNN",
         help="the peak: max (default) or a quantile such as p99.9 (nearest rank)",
     )
@@ -114,7 +113,6 @@ def add_tune_parser(commands: Any) -> None:
     tune.add_argument(
         "--floor",
         type=_count,
-        default=None,
         help="never propose below this (default: the current limit; with"
         " --allow-lower and no --floor: 1)",
     )
@@ -144,21 +142,18 @@ def add_tune_parser(commands: Any) -> None:
     tune.add_argument(
         "--plot",
         type=Path,
-        default=None,
         metavar="DIR",
         help="one PNG per rule (demand, current and proposed limit) and index.html",
     )
     tune.add_argument(
         "--scrape-interval",
         type=_duration,
-        default=None,
         metavar="DURATION",
         help="default: measured from each rule's recent samples",
     )
     tune.add_argument(
         "--end",
         type=_when,
-        default=None,
         metavar="TIME",
         help="the window's end, unix seconds or ISO 8601 (default: now)",
     )
