@@ -1,6 +1,5 @@
-"""The commands besides ``serve`` and ``tune``: check-config, envoy-config, client and
-explain, each from its parsed flags to the module that does the work, and its exit
-status."""
+"""check-config, envoy-config, client and explain: each from its parsed flags to the
+module that does the work, and its exit status."""
 
 from __future__ import annotations
 

@@ -143,8 +143,7 @@ def _serve_workers(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def run_loop(main: Coroutine[Any, Any, None], choice: str) -> None:
-    """uvloop when available (it serves more requests per second than asyncio's own
-    loop for the same service), else asyncio's own loop."""
+    """uvloop when available (more requests per second than asyncio's loop), else asyncio's."""
     if choice != "asyncio":
         try:
             import uvloop

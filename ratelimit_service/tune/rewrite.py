@@ -1,6 +1,5 @@
-"""Rule files with the tuner's changes: new texts edited in place (comments, order
-and formatting kept), checked by the loader, and written atomically so that live
-reload never reads half a file."""
+"""Rule files with the tuner's changes, edited in place (tune/arithmetic.py), checked by
+the loader, and written atomically so that live reload never reads half a file."""
 
 from __future__ import annotations
 
