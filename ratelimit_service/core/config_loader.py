@@ -290,13 +290,11 @@ class _FileLoader:
         self.descriptors(fields.get("descriptors"), descriptor.children, config_path, inherited)
 
     def rule_flags(self, fields: dict[str, yaml.Node]) -> _RuleFlags:
-        metadata_node = fields.get("metadata")
-        metadata = None
-        if metadata_node is not None:
-            metadata = self.plain(metadata_node)
-            if metadata is not None and not isinstance(metadata, dict):
-                self.error(metadata_node, "error parsing metadata: 'metadata' must be a mapping")
-                metadata = None
+        node = fields.get("metadata")
+        metadata = None if node is None else self.plain(node)
+        if metadata is not None and not isinstance(metadata, dict):
+            self.error(node, "error parsing metadata: 'metadata' must be a mapping")
+            metadata = None
         return _RuleFlags(
             shadow_mode=self.flag(fields.get("shadow_mode"), "shadow_mode"),
             quota_mode=self.flag(fields.get("quota_mode"), "quota_mode"),
