@@ -25,7 +25,7 @@ import grpc.aio
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import struct_pb2
-from google.rpc import code_pb2, status_pb2
+from google.rpc import code_pb2
 
 from ratelimit_service.config import rls_conf_pb2
 from ratelimit_service.config.xds_settings import Backoff, XdsSettings
@@ -174,9 +174,8 @@ class XdsConfigSource:
         if first:  # the node goes on a stream's first request only, as Envoy does
             request.node.CopyFrom(self._node())
         if error is not None:
-            request.error_detail.CopyFrom(
-                status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=error)
-            )
+            request.error_detail.code = code_pb2.INVALID_ARGUMENT
+            request.error_detail.message = error
         return request
 
     def _node(self) -> Any:

@@ -659,14 +659,9 @@ def load_config(
             merged = _merge(existing.root, domain.root, file.name, errors)
             domains[domain.name] = replace(existing, root=merged)
         else:
-            errors.append(
-                ConfigError(
-                    file.name,
-                    loader.domain_line,
-                    f"duplicate domain '{domain.name}' in config file; "
-                    f"first defined in {first_seen[domain.name]}",
-                )
-            )
+            first = first_seen[domain.name]
+            message = f"duplicate domain '{domain.name}' in config file; first defined in {first}"
+            errors.append(ConfigError(file.name, loader.domain_line, message))
     if errors:
         raise ConfigLoadError(in_file_order(errors, files))
     return RateLimitConfig(domains=domains)
@@ -690,11 +685,8 @@ def _merge(
     )
     for node in extra:
         if not add_child(merged, node):
-            errors.append(
-                ConfigError(
-                    file_name, node.line, f"duplicate descriptor composite key '{node.config_path}'"
-                )
-            )
+            message = f"duplicate descriptor composite key '{node.config_path}'"
+            errors.append(ConfigError(file_name, node.line, message))
     return merged
 
 
