@@ -352,10 +352,8 @@ class _FileLoader:
             return None
         encoded = body.encode()
         if len(encoded) > MAX_OVER_LIMIT_BODY:
-            self.error(
-                fields["body"],
-                f"over_limit body is {len(encoded)} bytes; at most {MAX_OVER_LIMIT_BODY}",
-            )
+            message = f"over_limit body is {len(encoded)} bytes; at most {MAX_OVER_LIMIT_BODY}"
+            self.error(fields["body"], message)
             return None
         content_type = self.text(fields.get("content_type"), "content_type")
         if content_type is not None and not _CONTENT_TYPE.fullmatch(content_type):
@@ -423,10 +421,8 @@ class _FileLoader:
         if multiplier is None:
             return None
         if not unlimited and unit is None:
-            self.error(
-                limit_fields.get("unit", node),
-                f"invalid rate limit unit '{unit_text or ''}'; valid units: {UNIT_NAMES}",
-            )
+            message = f"invalid rate limit unit '{unit_text or ''}'; valid units: {UNIT_NAMES}"
+            self.error(limit_fields.get("unit", node), message)
             return None
         calendar = self.calendar(limit_fields.get("calendar"), unit, multiplier, unlimited)
         if "calendar" in limit_fields and calendar is None:

@@ -92,10 +92,9 @@ def observe(
     denied = client.query(f"sum(increase({METRIC.format('over_limit')}{where}[{window}s]))", end)
     seen.denied = denied[0].points[0][1] if denied and denied[0].points else 0.0
     if rule.limit.shadow_mode and rule.series_by_value():
+        shadow = METRIC.format("shadow_mode") + where
         top = client.query(
-            f"topk({TOP_KEYS}, sum by (key) "
-            f"(increase({METRIC.format('shadow_mode')}{where}[{window}s])) > 0)",
-            end,
+            f"topk({TOP_KEYS}, sum by (key) (increase({shadow}[{window}s])) > 0)", end
         )
         seen.top_keys = sorted(
             ((s.labels.get("key", ""), s.points[0][1]) for s in top if s.points),
