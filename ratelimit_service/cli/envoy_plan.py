@@ -153,17 +153,11 @@ def plan_routes(domain: DomainConfig) -> list[RoutePlan]:
     plans: list[RoutePlan] = []
     for value in values:
         exact = None if value.endswith("*") else value
-        concerned = [
-            chain for chain in chains if any(_covers(rule, value) for rule in _path_values(chain))
-        ]
+        concerned = [c for c in chains if any(_covers(rule, value) for rule in _path_values(c))]
         sent = concerned if all(_unlimited(chain) for chain in concerned) else general + concerned
         prefix = value[:-1] if exact is None else None
         plans.append(RoutePlan(_route_name(value, taken), exact, prefix, tuple(sent)))
-    leftover = [
-        chain
-        for chain in chains
-        if _path_values(chain) and not all(_routable(v) for v in _path_values(chain))
-    ]
+    leftover = [c for c in chains if _path_values(c) and not all(map(_routable, _path_values(c)))]
     plans.append(RoutePlan(name="other", path=None, prefix="/", chains=(*general, *leftover)))
     return plans
 
