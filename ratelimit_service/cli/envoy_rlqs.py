@@ -56,6 +56,7 @@ NODE_ID_HEADER = "x-envoy-node-id"
 _Strategy = ratelimit_strategy_pb2.RateLimitStrategy
 _Settings = rlq.RateLimitQuotaBucketSettings
 _Predicate = matcher_pb2.Matcher.MatcherList.Predicate
+_Single = _Predicate.SinglePredicate
 
 
 def _input(key: str) -> extension_pb2.TypedExtensionConfig:
@@ -72,10 +73,8 @@ def _input(key: str) -> extension_pb2.TypedExtensionConfig:
 
 
 def _regex(pattern: str) -> string_pb2.StringMatcher:
-    engine = regex_pb2.RegexMatcher.GoogleRE2()
-    return string_pb2.StringMatcher(
-        safe_regex=regex_pb2.RegexMatcher(google_re2=engine, regex=pattern)
-    )
+    regex = regex_pb2.RegexMatcher(google_re2=regex_pb2.RegexMatcher.GoogleRE2(), regex=pattern)
+    return string_pb2.StringMatcher(safe_regex=regex)
 
 
 def _value_match(node: DescriptorNode) -> string_pb2.StringMatcher:
@@ -90,11 +89,7 @@ def _value_match(node: DescriptorNode) -> string_pb2.StringMatcher:
 
 def _predicate(chain: Chain) -> Any:
     singles = [
-        _Predicate(
-            single_predicate=_Predicate.SinglePredicate(
-                input=_input(node.key), value_match=_value_match(node)
-            )
-        )
+        _Predicate(single_predicate=_Single(input=_input(node.key), value_match=_value_match(node)))
         for node in chain
     ]
     if len(singles) == 1:
