@@ -53,6 +53,7 @@ from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, Us
 
 RateLimitEntry: TypeAlias = route_components_pb2.RateLimit
 Action = RateLimitEntry.Action
+Match = route_components_pb2.RouteMatch
 
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 ROUTER_FILTER = "envoy.filters.http.router"
@@ -364,13 +365,10 @@ def _route(plan: RoutePlan, upstream_cluster: str) -> route_components_pb2.Route
     cost (:func:`is_phased`), all of them in the route's ``RateLimitPerRoute`` (which
     Envoy then reads instead of the action's)."""
     rate_limits = plan_rate_limits(plan)
+    match = Match(path=plan.path) if plan.path is not None else Match(prefix=plan.prefix)
     route = route_components_pb2.Route(
         name=plan.name,
-        match=(
-            route_components_pb2.RouteMatch(path=plan.path)
-            if plan.path is not None
-            else route_components_pb2.RouteMatch(prefix=plan.prefix)
-        ),
+        match=match,
         route=route_components_pb2.RouteAction(cluster=upstream_cluster),
     )
     if is_phased(rate_limits):
