@@ -38,8 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         service = RateLimitService(settings)
     except ConfigLoadError as exc:
-        for error in exc.errors:
-            print(error, file=sys.stderr)
+        print(*exc.errors, sep="\n", file=sys.stderr)
         _hint_config_source(args)
         return 1
     except TracingUnavailable as exc:
@@ -136,8 +135,7 @@ def _serve_workers(args: argparse.Namespace, settings: Settings) -> int:
     try:
         load_rules(settings)
     except ConfigLoadError as exc:
-        for error in exc.errors:
-            print(error, file=sys.stderr)
+        print(*exc.errors, sep="\n", file=sys.stderr)
         return 1
     return asyncio.run(Supervisor(args.argv, int(args.workers), args.admin_addr).run())
 

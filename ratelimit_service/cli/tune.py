@@ -195,8 +195,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         files = read_config_files(args.config)
         config = load_config(files, merge_domains=merge)
     except ConfigLoadError as exc:
-        for error in exc.errors:
-            print(error, file=sys.stderr)
+        print(*exc.errors, sep="\n", file=sys.stderr)
         return 1
     options = Options(
         headroom=args.headroom,
