@@ -169,23 +169,10 @@ def _window_text(seconds: int) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from ratelimit_service.tune import report, rewrite
     from ratelimit_service.tune.observe import observe
     from ratelimit_service.tune.plots import plotting_missing, write_plots
     from ratelimit_service.tune.prometheus import PrometheusClient, PrometheusError
-    from ratelimit_service.tune.report import (
-        Options,
-        decide,
-        resolutions,
-        shadow_report,
-        table,
-        unified_diff,
-    )
-    from ratelimit_service.tune.rewrite import (
-        RewriteError,
-        check_loads,
-        new_texts,
-        write_atomically,
-    )
 
     if args.plot is not None and (missing := plotting_missing()):
         print(f"tune: {missing}", file=sys.stderr)
@@ -197,7 +184,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except ConfigLoadError as exc:
         print(*exc.errors, sep="\n", file=sys.stderr)
         return 1
-    options = Options(
+    options = report.Options(
         headroom=args.headroom,
         stat=args.stat,
         min_samples=args.min_samples,
@@ -218,20 +205,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except PrometheusError as exc:
         print(f"tune: {exc}", file=sys.stderr)
         return 1
-    outcomes = [decide(one, options) for one in seen]
-    after = new_texts(files, outcomes)
+    outcomes = [report.decide(one, options) for one in seen]
+    after = rewrite.new_texts(files, outcomes)
     try:
-        check_loads(files, after, merge)
-    except RewriteError as exc:
+        rewrite.check_loads(files, after, merge)
+    except rewrite.RewriteError as exc:
         print(f"tune: the edited rules would not load, nothing written: {exc}", file=sys.stderr)
         return 1
-    table_text = table(outcomes, options)
-    print(table_text, resolutions(outcomes), shadow_report(outcomes, options), sep="", end="")
-    print(unified_diff({f.name: f.text for f in files}, after) or "no changes\n", end="")
+    table_text = report.table(outcomes, options)
+    print(table_text, report.resolutions(outcomes), sep="", end="")
+    print(report.shadow_report(outcomes, options), end="")
+    print(report.unified_diff({f.name: f.text for f in files}, after) or "no changes\n", end="")
     if args.write:
         for f in files:
             if after[f.name] != f.text:
-                write_atomically(f.name, after[f.name])
+                rewrite.write_atomically(f.name, after[f.name])
                 print(f"wrote {f.name}")
     if args.plot is not None:
         write_plots(outcomes, table_text, args.plot)
