@@ -250,6 +250,11 @@ class RulePlaces:
     shared: bool
 
 
+_Found = tuple[str, tuple[yaml.Node, ...], yaml.Node | None, yaml.Node | None]
+"""A limit's stats key, the nodes an alias could share, requests_per_unit's and
+shadow_mode's nodes."""
+
+
 def rule_places(text: str) -> dict[str, RulePlaces]:
     """Each rule's places in one file, by stats key (config path). The file must load
     (the caller has loaded it); anything unexpected is simply not found."""
@@ -271,11 +276,6 @@ def rule_places(text: str) -> dict[str, RulePlaces]:
 
 def _fields(node: yaml.MappingNode) -> dict[str, yaml.Node]:
     return {str(k.value): v for k, v in node.value if isinstance(k, yaml.ScalarNode)}
-
-
-_Found = tuple[str, tuple[yaml.Node, ...], yaml.Node | None, yaml.Node | None]
-"""A limit's stats key, the nodes an alias could share, requests_per_unit's and
-shadow_mode's nodes."""
 
 
 def _walk(node: yaml.Node | None, path: str, into: list[_Found]) -> None:
