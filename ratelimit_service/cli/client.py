@@ -40,9 +40,8 @@ def _shadow(struct: Any) -> str:
 
 
 def format_response(descriptors: Sequence[str], response: Any) -> str:
-    """The overall code and, per descriptor, its code, limit, remaining and reset. A
-    code shadow mode made OK is marked from the decision metadata: ``OK (shadow:
-    OVER_LIMIT)``, per descriptor (a shadow rule) or overall (global shadow mode)."""
+    """The overall code and, per descriptor, its code, limit, remaining and reset; a code
+    shadow mode made OK is marked per descriptor (a shadow rule) or overall (global)."""
     metadata = response.dynamic_metadata
     overall = _CODES.get(response.overall_code, response.overall_code)
     lines = [f"overall: {overall}{_shadow(metadata)}"]
