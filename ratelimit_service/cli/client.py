@@ -15,8 +15,7 @@ from ratelimit_service.core.decision import SHADOW
 from ratelimit_service.core.request import parse_descriptor
 
 _CODES = {0: "UNKNOWN", 1: "OK", 2: "OVER_LIMIT"}
-_UNITS = dict(rls_pb2.RateLimitResponse.RateLimit.Unit.items())
-_UNIT_NAMES = {number: name for name, number in _UNITS.items()}
+_UNIT_NAMES = {number: name for name, number in rls_pb2.RateLimitResponse.RateLimit.Unit.items()}
 
 
 def build_request(domain: str, descriptors: Sequence[str], hits_addend: int) -> Any:
@@ -41,9 +40,8 @@ def _shadow(struct: Any) -> str:
 
 
 def format_response(descriptors: Sequence[str], response: Any) -> str:
-    """The overall code and, per descriptor, its code, limit, remaining and reset. A
-    code shadow mode made OK is marked from the decision metadata: ``OK (shadow:
-    OVER_LIMIT)``, per descriptor (a shadow rule) or overall (global shadow mode)."""
+    """The overall code and, per descriptor, its code, limit, remaining and reset; a code
+    shadow mode made OK is marked per descriptor (a shadow rule) or overall (global)."""
     metadata = response.dynamic_metadata
     overall = _CODES.get(response.overall_code, response.overall_code)
     lines = [f"overall: {overall}{_shadow(metadata)}"]

@@ -1,6 +1,5 @@
-"""The commands besides ``serve`` and ``tune``: check-config, envoy-config, client and
-explain, each from its parsed flags to the module that does the work, and its exit
-status."""
+"""check-config, envoy-config, client and explain: each from its parsed flags to the
+module that does the work, and its exit status."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         else:
             text = render(args.config, options)
     except ConfigLoadError as exc:
-        for error in exc.errors:
-            print(error, file=sys.stderr)
+        print(*exc.errors, sep="\n", file=sys.stderr)
         return 1
     except ValueError as exc:
         print(f"envoy-config: {exc}", file=sys.stderr)

@@ -1,18 +1,15 @@
-"""Generate the Envoy side of a descriptor configuration: the ratelimit HTTP filter, the
-HTTP/2 cluster it calls, and the route ``rate_limits`` that produce the descriptors.
-
-Behind ``ratelimit-service envoy-config --config PATH``. What to emit is decided in
-envoy_plan.py (which chains, which routes, which header a key is read from); here every
-piece is built as the typed xds-protos message and only then rendered
-(``MessageToDict`` → YAML), so a field name or type Envoy would reject cannot get into
-the output: the snippet is valid by construction, and it stays in step with the rules
-because it is derived from them.
+"""``envoy-config``: the Envoy side of the rules (the ratelimit HTTP filter, the HTTP/2
+cluster it calls, the route ``rate_limits`` that produce the descriptors), as envoy_plan.py
+decides it. Every piece is built as the typed xds-protos message and only then rendered
+(``MessageToDict`` → YAML), so a field name or type Envoy would reject cannot get in.
+What renders a rules file raises ConfigLoadError when the rules do not load, ValueError on
+a bad argument.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
@@ -32,9 +29,7 @@ from envoy.config.ratelimit.v3 import rls_pb2 as rls_config_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
-from envoy.extensions.filters.network.http_connection_manager.v3 import (
-    http_connection_manager_pb2,
-)
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
@@ -56,7 +51,9 @@ from ratelimit_service.core.address import split_host_port
 from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.core.config_model import DescriptorNode, DomainConfig, UsageSource
 
-Action = route_components_pb2.RateLimit.Action
+RateLimitEntry: TypeAlias = route_components_pb2.RateLimit
+Action = RateLimitEntry.Action
+Match = route_components_pb2.RouteMatch
 
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 ROUTER_FILTER = "envoy.filters.http.router"
@@ -90,47 +87,40 @@ def action_for(node: DescriptorNode) -> Message | None:
     )
 
 
-def phased(
-    entry: route_components_pb2.RateLimit, usage: UsageSource | None
-) -> list[route_components_pb2.RateLimit]:
+def phased(entry: RateLimitEntry, usage: UsageSource | None) -> list[RateLimitEntry]:
     """``entry`` as Envoy sends it: once, or, for a usage budget, twice (Envoy's
     two-phase form): a check at cost 0 before the request, and a report of the
     response's cost once the stream is done (Envoy ignores its answer)."""
     if usage is None:
         return [entry]
-    hits = route_components_pb2.RateLimit.HitsAddend
-    check = route_components_pb2.RateLimit(
+    hits = RateLimitEntry.HitsAddend
+    check = RateLimitEntry(
         actions=entry.actions, hits_addend=hits(number=wrappers_pb2.UInt64Value(value=0))
     )
-    report = route_components_pb2.RateLimit(
-        actions=entry.actions,
-        apply_on_stream_done=True,
-        hits_addend=hits(format=usage.hits_format),
+    report = RateLimitEntry(
+        actions=entry.actions, apply_on_stream_done=True, hits_addend=hits(format=usage.hits_format)
     )
     return [check, report]
 
 
-def is_phased(entries: Iterable[route_components_pb2.RateLimit]) -> bool:
+def is_phased(entries: Iterable[RateLimitEntry]) -> bool:
     """Whether some entry carries a cost: Envoy 1.40 sends ``hits_addend`` and
     ``apply_on_stream_done`` only from the ratelimit filter's own ``rate_limits`` (or a
     route's ``RateLimitPerRoute.rate_limits``), not from a route action's."""
     return any(entry.HasField("hits_addend") for entry in entries)
 
 
-def route_rate_limits(
-    domain: DomainConfig,
-) -> tuple[list[route_components_pb2.RateLimit], list[str]]:
+def route_rate_limits(domain: DomainConfig) -> tuple[list[RateLimitEntry], list[str]]:
     """One ``rate_limits`` entry per distinct action chain that reaches a limit (two
     for a usage budget: :func:`phased`), in config order, and the config paths no
     action chain can produce (reported, not emitted)."""
-    entries: list[route_components_pb2.RateLimit] = []
+    entries: list[RateLimitEntry] = []
     skipped: list[str] = []
     for chain in limited_chains(domain.root):
-        actions = [action_for(node) for node in chain]
-        if any(action is None for action in actions):
+        found = _chain_entries(chain, None)
+        if not found:
             skipped.append(chain[-1].config_path)
-            continue
-        entries += phased(route_components_pb2.RateLimit(actions=actions), usage_of(chain))
+        entries += found
     return _dedup(entries), skipped
 
 
@@ -144,13 +134,10 @@ def _duration(text: str) -> duration_pb2.Duration:
 
 
 def ratelimit_retry_policy() -> base_pb2.RetryPolicy:
-    """One retry, on another replica, of a call that failed before a replica could answer
-    it (a replica killed: connection refused or reset; one shutting down: REFUSED_STREAM,
-    UNAVAILABLE), at once: the back-off is drawn below ``base_interval`` (1 ms), so 0 ms.
-    It fits in the filter's timeout, which bounds it. Envoy also takes ``max_interval``
-    as each try's timeout; at 1 s the filter's timeout stays the only one, so no call is
-    cut short while the service still decides it (an exact rule waits for Redis up to
-    the deadline)."""
+    """One retry of a ``RETRY_ON`` failure (a replica killed or shutting down), on another
+    replica, at once (the back-off is drawn below ``base_interval``, 1 ms), within the
+    filter's timeout. Envoy also takes ``max_interval`` as each try's timeout: at 1 s the
+    filter's stays the only one, so no call is cut short while an exact rule waits for Redis."""
     predicate = base_pb2.RetryPolicy.RetryHostPredicate(
         name=PREVIOUS_HOSTS, typed_config=_pack(previous_hosts_pb2.PreviousHostsPredicate())
     )
@@ -166,16 +153,11 @@ def ratelimit_retry_policy() -> base_pb2.RetryPolicy:
 
 
 def ratelimit_filter(
-    domain: str,
-    cluster: str,
-    timeout: str,
-    rate_limits: Sequence[route_components_pb2.RateLimit] = (),
+    domain: str, cluster: str, timeout: str, rate_limits: Sequence[RateLimitEntry] = ()
 ) -> Message:
-    """The HTTP filter. ``failure_mode_deny: false``: when the service cannot answer in
-    time, traffic flows (the service's own rules already choose open/closed per rule).
-    A call to a dead replica is retried on another (``ratelimit_retry_policy``).
-    ``rate_limits``: the filter's own, which Envoy then sends for every route instead
-    of the routes' (the only place, with RateLimitPerRoute, for a cost)."""
+    """The HTTP filter, open when the service cannot answer in time (its rules choose open
+    or closed themselves). ``rate_limits``: the filter's own, which Envoy then sends for
+    every route instead of the routes' (with RateLimitPerRoute, the only place for a cost)."""
     config = rate_limit_pb2.RateLimit(
         rate_limits=rate_limits,
         domain=domain,
@@ -190,9 +172,7 @@ def ratelimit_filter(
             transport_api_version=config_source_pb2.V3,
         ),
     )
-    typed = any_pb2.Any()
-    typed.Pack(config)
-    return http_connection_manager_pb2.HttpFilter(name=RATELIMIT_FILTER, typed_config=typed)
+    return http_connection_manager_pb2.HttpFilter(name=RATELIMIT_FILTER, typed_config=_pack(config))
 
 
 def _socket(address: str, what: str) -> address_pb2.Address:
@@ -222,10 +202,9 @@ def _static_cluster(name: str, address: str, what: str) -> cluster_pb2.Cluster:
 
 
 def ratelimit_health_check() -> health_check_pb2.HealthCheck:
-    """gRPC health checks of the service: a replica that reports NOT_SERVING (it drains on
-    SIGTERM) leaves the rotation. ``no_traffic_interval`` too: without it Envoy checks a
-    cluster every 60 s until the cluster carries traffic of its own, and the filter's
-    calls do not count."""
+    """gRPC health checks: a replica that reports NOT_SERVING (draining on SIGTERM) leaves
+    the rotation. ``no_traffic_interval`` too, or Envoy checks every 60 s until the cluster
+    carries traffic of its own (the filter's calls do not count)."""
     return health_check_pb2.HealthCheck(
         timeout=_duration("1s"),
         interval=_duration("5s"),
@@ -239,12 +218,10 @@ def ratelimit_health_check() -> health_check_pb2.HealthCheck:
 
 
 def ratelimit_outlier_detection() -> outlier_detection_pb2.OutlierDetection:
-    """A dead replica out within milliseconds: three local failures in a row (connection
-    refused or reset; counted apart from the errors a replica answers) eject it at once
-    instead of at its health checks. Not a slow replica: the filter's timeouts do not
-    count. At most half the replicas (at Envoy's default of 10 %, not one of two or
-    three). Back after 30 s, more after each new ejection, or at its first passing
-    health check; ``interval`` is how often ejections are reviewed."""
+    """A dead replica out within milliseconds, not at its health checks: three local failures
+    in a row (connection refused or reset, apart from errors a replica answers; not the
+    filter's timeouts) eject it. At most half the replicas (Envoy's 10 % is not one of two
+    or three); back after 30 s, longer after each ejection, or at a passing health check."""
     return outlier_detection_pb2.OutlierDetection(
         split_external_local_origin_errors=True,
         consecutive_local_origin_failure=wrappers_pb2.UInt32Value(value=3),
@@ -256,20 +233,16 @@ def ratelimit_outlier_detection() -> outlier_detection_pb2.OutlierDetection:
 
 
 def ratelimit_cluster(name: str, address: str) -> Message:
-    """The cluster the filter calls. gRPC needs HTTP/2; STRICT_DNS spreads the calls over
-    every address the name resolves to (every replica behind a headless service); gRPC
-    health checks take a draining replica out, outlier detection a dead one
-    (``ratelimit_outlier_detection``); host health changes reach the workers at once
-    (``update_merge_window: 0s``; Envoy may hold them up to 1 s by default)."""
+    """The cluster the filter calls: HTTP/2 for gRPC; STRICT_DNS spreads the calls over every
+    address the name resolves to (every replica behind a headless service); host health
+    changes reach the workers at once (``update_merge_window``; Envoy's default is 1 s)."""
     options = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
         )
     )
-    packed = any_pb2.Any()
-    packed.Pack(options)
     cluster = _static_cluster(name, address, "service address")
-    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(packed)
+    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(_pack(options))
     cluster.health_checks.append(ratelimit_health_check())
     cluster.outlier_detection.CopyFrom(ratelimit_outlier_detection())
     cluster.common_lb_config.update_merge_window.CopyFrom(_duration("0s"))
@@ -286,36 +259,36 @@ def _to_dict(message: Message) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
+    """``value`` as plain dicts and lists, with ``failure_mode_deny: false`` written into
+    every ratelimit filter (proto3 JSON drops a false bool; the reader should see the
+    fail-open choice)."""
     if isinstance(value, list):
         return [_plain(item) for item in value]
-    return value
+    if not isinstance(value, dict):
+        return value
+    plain = {key: _plain(item) for key, item in value.items()}
+    if plain.get("name") == RATELIMIT_FILTER and isinstance(plain.get("typed_config"), dict):
+        plain["typed_config"]["failure_mode_deny"] = False
+    return plain
 
 
 def load_domain(config_path: str, options: EnvoyOptions) -> DomainConfig:
-    """The rules of the domain to render, from ``config_path``.
-
-    Raises ConfigLoadError when the rules do not load, ValueError on a bad domain."""
+    """The rules of the domain to render, from ``config_path``."""
     config = load_config(read_config_files(config_path), merge_domains=options.merge_domains)
     return config.domains[pick_domain(sorted(config.domains), options.domain)]
 
 
 def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
     """YAML for the Envoy side of ``config_path``'s rules: ``http_filters`` (place before
-    the router), ``clusters`` and ``rate_limits`` (for a virtual host or a route action).
-
-    Raises ConfigLoadError when the rules do not load, ValueError on a bad argument."""
+    the router), ``clusters`` and ``rate_limits`` (for a virtual host or a route action)."""
     domain = load_domain(config_path, options)
     name = domain.name
     rate_limits, skipped = route_rate_limits(domain)
     # Costs go on the filter itself (is_phased); plain entries under a route or host.
     on_filter = rate_limits if is_phased(rate_limits) else []
-    filter_dict = _to_dict(ratelimit_filter(name, options.cluster, options.timeout, on_filter))
-    # Spelled out although it is the default, so the reader sees the fail-open choice.
-    _spell_out_fail_open(filter_dict)
+    http_filter = ratelimit_filter(name, options.cluster, options.timeout, on_filter)
     snippet: dict[str, Any] = {
-        "http_filters": [filter_dict],
+        "http_filters": [_to_dict(http_filter)],
         "clusters": [_to_dict(ratelimit_cluster(options.cluster, options.service_address))],
     }
     if not on_filter:
@@ -338,20 +311,16 @@ def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
             "# --bootstrap prints whole routes, each with what its rules need.",
         ]
     header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
-    return "\n".join(header) + "\n" + yaml.safe_dump(snippet, sort_keys=False)
+    return with_header(header, snippet)
 
 
-# ------------------------------------------------------------------ a whole bootstrap
-
-
-def _chain_entries(chain: Chain, exact_path: str | None) -> list[route_components_pb2.RateLimit]:
-    """The rate_limits entries for a chain on a route (:func:`phased`); none when no
-    action yields one of its keys."""
+def _chain_entries(chain: Chain, exact_path: str | None) -> list[RateLimitEntry]:
+    """A chain's rate_limits entries (:func:`phased`); none when no action yields a key."""
     entry = _chain_entry(chain, exact_path)
     return [] if entry is None else phased(entry, usage_of(chain))
 
 
-def _chain_entry(chain: Chain, exact_path: str | None) -> route_components_pb2.RateLimit | None:
+def _chain_entry(chain: Chain, exact_path: str | None) -> RateLimitEntry | None:
     """The rate_limits entry for a chain on a route. On an exact-path route, a ``path``
     node with that very value becomes a fixed ``generic_key`` (the query string, which
     ``:path`` would carry, cannot then spoil the match)."""
@@ -366,12 +335,10 @@ def _chain_entry(chain: Chain, exact_path: str | None) -> route_components_pb2.R
         if action is None:
             return None
         actions.append(action)
-    return route_components_pb2.RateLimit(actions=actions)
+    return RateLimitEntry(actions=actions)
 
 
-def _dedup(
-    entries: Iterable[route_components_pb2.RateLimit],
-) -> list[route_components_pb2.RateLimit]:
+def _dedup(entries: Iterable[RateLimitEntry]) -> list[RateLimitEntry]:
     seen: set[bytes] = set()
     out = []
     for entry in entries:
@@ -388,9 +355,8 @@ def _pack(message: Message) -> any_pb2.Any:
     return packed
 
 
-def plan_rate_limits(plan: RoutePlan) -> list[route_components_pb2.RateLimit]:
-    """The rate_limits entries a planned route sends: its chains' (:func:`phased`), each
-    once; a chain with a key no action yields sends none."""
+def plan_rate_limits(plan: RoutePlan) -> list[RateLimitEntry]:
+    """The rate_limits entries a planned route sends: its chains', each once."""
     return _dedup(entry for chain in plan.chains for entry in _chain_entries(chain, plan.path))
 
 
@@ -399,13 +365,10 @@ def _route(plan: RoutePlan, upstream_cluster: str) -> route_components_pb2.Route
     cost (:func:`is_phased`), all of them in the route's ``RateLimitPerRoute`` (which
     Envoy then reads instead of the action's)."""
     rate_limits = plan_rate_limits(plan)
+    match = Match(path=plan.path) if plan.path is not None else Match(prefix=plan.prefix)
     route = route_components_pb2.Route(
         name=plan.name,
-        match=(
-            route_components_pb2.RouteMatch(path=plan.path)
-            if plan.path is not None
-            else route_components_pb2.RouteMatch(prefix=plan.prefix)
-        ),
+        match=match,
         route=route_components_pb2.RouteAction(cluster=upstream_cluster),
     )
     if is_phased(rate_limits):
@@ -419,30 +382,12 @@ def _route(plan: RoutePlan, upstream_cluster: str) -> route_components_pb2.Route
 def build_bootstrap(
     domain: DomainConfig, options: EnvoyOptions = DEFAULT_OPTIONS
 ) -> bootstrap_pb2.Bootstrap:
-    """A complete Envoy bootstrap: admin, one listener whose HTTP connection manager runs
-    the ratelimit filter then the router, the routes of ``plan_routes`` (to a placeholder
-    upstream cluster), and the service's HTTP/2 cluster with gRPC health checks and
-    outlier detection."""
+    """A complete Envoy bootstrap (:func:`bootstrap_around`) running the ratelimit filter
+    over the routes of ``plan_routes``."""
     check_clusters(options)
     routes = [_route(plan, options.upstream_cluster) for plan in plan_routes(domain)]
-    manager = http_connection_manager_pb2.HttpConnectionManager(
-        stat_prefix=domain.name,
-        # Envoy at the edge: remote_address is the peer, not a forgeable X-Forwarded-For.
-        use_remote_address=wrappers_pb2.BoolValue(value=True),
-        http_filters=[
-            ratelimit_filter(domain.name, options.cluster, options.timeout),
-            http_connection_manager_pb2.HttpFilter(
-                name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
-            ),
-        ],
-        route_config=route_pb2.RouteConfiguration(
-            name=domain.name,
-            virtual_hosts=[
-                route_components_pb2.VirtualHost(name=domain.name, domains=["*"], routes=routes)
-            ],
-        ),
-    )
-    return bootstrap_around(manager, domain.name, options)
+    http_filter = ratelimit_filter(domain.name, options.cluster, options.timeout)
+    return bootstrap_around(http_filter, routes, domain.name, options)
 
 
 def check_clusters(options: EnvoyOptions) -> None:
@@ -451,10 +396,30 @@ def check_clusters(options: EnvoyOptions) -> None:
         raise ValueError(f"--cluster {options.cluster!r} is the name of the upstream cluster")
 
 
-def bootstrap_around(manager: Message, name: str, options: EnvoyOptions) -> bootstrap_pb2.Bootstrap:
-    """A bootstrap with an admin, one listener running ``manager`` (an HTTP connection
-    manager), the placeholder upstream cluster and the service's cluster, as
-    ``options`` place them: what the RLS and RLQS bootstraps share."""
+def bootstrap_around(
+    http_filter: Message,
+    routes: Sequence[route_components_pb2.Route],
+    name: str,
+    options: EnvoyOptions,
+) -> bootstrap_pb2.Bootstrap:
+    """What the RLS and RLQS bootstraps share: an admin, one listener whose HTTP connection
+    manager runs ``http_filter`` then the router over ``routes``, the placeholder upstream
+    cluster and the service's cluster, as ``options`` place them."""
+    router = http_connection_manager_pb2.HttpFilter(
+        name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
+    )
+    manager = http_connection_manager_pb2.HttpConnectionManager(
+        stat_prefix=name,
+        # Envoy at the edge: remote_address is the peer, not a forgeable X-Forwarded-For.
+        use_remote_address=wrappers_pb2.BoolValue(value=True),
+        http_filters=[http_filter, router],
+        route_config=route_pb2.RouteConfiguration(
+            name=name,
+            virtual_hosts=[
+                route_components_pb2.VirtualHost(name=name, domains=["*"], routes=routes)
+            ],
+        ),
+    )
     listener = listener_pb2.Listener(
         name=name,
         address=_socket(options.listen, "listen address"),
@@ -480,26 +445,10 @@ def bootstrap_around(manager: Message, name: str, options: EnvoyOptions) -> boot
     )
 
 
-def _spell_out_fail_open(node: Any) -> None:
-    """Write ``failure_mode_deny: false`` into every ratelimit filter of a rendered dict
-    (proto3 JSON drops a false bool; the reader should see the fail-open choice)."""
-    if isinstance(node, dict):
-        if node.get("name") == RATELIMIT_FILTER and isinstance(node.get("typed_config"), dict):
-            node["typed_config"]["failure_mode_deny"] = False
-        for value in node.values():
-            _spell_out_fail_open(value)
-    elif isinstance(node, list):
-        for item in node:
-            _spell_out_fail_open(item)
-
-
 def render_bootstrap(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
-    """YAML of ``build_bootstrap`` for ``config_path``'s rules, runnable as ``envoy -c``.
-
-    Raises ConfigLoadError when the rules do not load, ValueError on a bad argument."""
+    """YAML of ``build_bootstrap`` for ``config_path``'s rules, runnable as ``envoy -c``."""
     domain = load_domain(config_path, options)
     rendered = _to_dict(build_bootstrap(domain, options))
-    _spell_out_fail_open(rendered)
     _, skipped = route_rate_limits(domain)
     header = [
         f"# Envoy bootstrap for rate-limit domain '{domain.name}', generated from {config_path}.",
@@ -511,4 +460,9 @@ def render_bootstrap(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) 
         "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
     header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
-    return "\n".join(header) + "\n" + yaml.safe_dump(rendered, sort_keys=False)
+    return with_header(header, rendered)
+
+
+def with_header(header: list[str], document: Any) -> str:
+    """Comment lines, then ``document`` as YAML."""
+    return "\n".join(header) + "\n" + yaml.safe_dump(document, sort_keys=False)

@@ -1,15 +1,12 @@
-"""What envoy-config emits, decided without protobuf: the options it renders with, the
-request header each descriptor key is read from, the rule chains that reach a limit,
-the routes of a bootstrap and the chains each one sends, and the order of the RLQS
-bucket matchers. envoy_config.py and envoy_rlqs.py write these decisions as Envoy's
-typed messages.
+"""What envoy-config emits, decided without protobuf (envoy_config.py and envoy_rlqs.py
+write it as Envoy's typed messages): the options, the header each descriptor key is read
+from, the rule chains that reach a limit, a bootstrap's routes, the RLQS matchers' order.
 
-Which action produces which descriptor key is a convention, since the rule files do not
-say where a value comes from: ``remote_address``, ``masked_remote_address``,
-``source_cluster`` and ``destination_cluster`` are Envoy's own actions; ``generic_key``
-takes the rule's fixed value; ``path``, ``method`` and ``authority``/``host`` read the
-HTTP/2 pseudo-headers; any other key reads the header ``x-<key>`` (``tenant`` →
-``x-tenant``). Edit the header names in the output if your headers differ.
+The rule files do not say where a value comes from, so a convention does:
+``remote_address``, ``masked_remote_address``, ``source_cluster`` and
+``destination_cluster`` are Envoy's own actions; ``generic_key`` takes the rule's fixed
+value; ``path``, ``method`` and ``authority``/``host`` read the HTTP/2 pseudo-headers; any
+other key reads the header ``x-<key>`` (``tenant`` → ``x-tenant``).
 """
 
 from __future__ import annotations
@@ -36,23 +33,16 @@ RLQS_CLUSTER = "rlqs"
 class EnvoyOptions:
     """envoy-config's flags, built once by the command; their defaults are these."""
 
-    domain: str | None = None
-    """The domain to render (needed when the rules have several)."""
+    domain: str | None = None  # needed when the rules have several
     merge_domains: bool = False
-    cluster: str = "ratelimit"
-    """The Envoy cluster of the service (``rlqs`` with RLQS unless set: :meth:`for_rlqs`)."""
+    cluster: str = "ratelimit"  # the service's; ``rlqs`` with RLQS unless set (for_rlqs)
     service_address: str = "ratelimit:8081"
-    timeout: str = "0.02s"
-    """The ratelimit filter's timeout (RLS)."""
-    listen: str = "0.0.0.0:8080"
-    """A bootstrap's listener."""
-    admin: str = "127.0.0.1:9901"
-    """A bootstrap's Envoy admin address."""
-    upstream_address: str = "upstream:8080"
-    """A bootstrap's placeholder upstream cluster's HOST:PORT."""
+    timeout: str = "0.02s"  # the ratelimit filter's (RLS)
+    listen: str = "0.0.0.0:8080"  # a bootstrap's listener
+    admin: str = "127.0.0.1:9901"  # a bootstrap's Envoy admin address
+    upstream_address: str = "upstream:8080"  # a bootstrap's placeholder upstream cluster
     upstream_cluster: str = "upstream"
-    node_id: str | None = None
-    """With RLQS: this Envoy's name to the service (x-envoy-node-id metadata)."""
+    node_id: str | None = None  # with RLQS: this Envoy's name (x-envoy-node-id metadata)
 
     def for_rlqs(self) -> EnvoyOptions:
         """These options for the RLQS filter: its cluster is ``rlqs`` unless one was named."""
@@ -103,9 +93,6 @@ def usage_of(chain: Chain) -> UsageSource | None:
     return next((limit.usage for limit in chain[-1].limits if limit.usage is not None), None)
 
 
-# ------------------------------------------------------------------ a bootstrap's routes
-
-
 @dataclass(frozen=True)
 class RoutePlan:
     """One route of the generated bootstrap: its name, what it matches (an exact
@@ -126,11 +113,13 @@ def _covers(rule_value: str, route_value: str) -> bool:
     """Whether every request routed to ``route_value`` has a path ``rule_value`` matches."""
     if route_value.endswith("*"):
         return rule_value.endswith("*") and route_value[:-1].startswith(rule_value[:-1])
-    return (
-        WildcardPattern(rule_value).matches(route_value)
-        if "*" in rule_value
-        else (rule_value == route_value)
-    )
+    if "*" in rule_value:
+        return WildcardPattern(rule_value).matches(route_value)
+    return rule_value == route_value
+
+
+def _unlimited(chain: Chain) -> bool:
+    return any(limit.unlimited for limit in chain[-1].limits)
 
 
 def _path_values(chain: Chain) -> list[str]:
@@ -164,31 +153,13 @@ def plan_routes(domain: DomainConfig) -> list[RoutePlan]:
     plans: list[RoutePlan] = []
     for value in values:
         exact = None if value.endswith("*") else value
-        concerned = [
-            chain for chain in chains if any(_covers(rule, value) for rule in _path_values(chain))
-        ]
-        only_unlimited = all(
-            any(limit.unlimited for limit in chain[-1].limits) for chain in concerned
-        )
-        sent = concerned if only_unlimited else general + concerned
-        plans.append(
-            RoutePlan(
-                name=_route_name(value, taken),
-                path=exact,
-                prefix=value[:-1] if exact is None else None,
-                chains=tuple(sent),
-            )
-        )
-    leftover = [
-        chain
-        for chain in chains
-        if _path_values(chain) and not all(_routable(v) for v in _path_values(chain))
-    ]
+        concerned = [c for c in chains if any(_covers(rule, value) for rule in _path_values(c))]
+        sent = concerned if all(_unlimited(chain) for chain in concerned) else general + concerned
+        prefix = value[:-1] if exact is None else None
+        plans.append(RoutePlan(_route_name(value, taken), exact, prefix, tuple(sent)))
+    leftover = [c for c in chains if _path_values(c) and not all(map(_routable, _path_values(c)))]
     plans.append(RoutePlan(name="other", path=None, prefix="/", chains=(*general, *leftover)))
     return plans
-
-
-# ------------------------------------------------------------------ RLQS bucket matchers
 
 
 def _specificity(node: DescriptorNode) -> int:
@@ -199,14 +170,14 @@ def _specificity(node: DescriptorNode) -> int:
 
 
 def bucket_chains(domain: DomainConfig) -> list[Chain]:
-    """The rule chains that get an RLQS bucket matcher, most specific first (longer
-    chains, then exact values before wildcards before any value, level by level), then
-    in the order of the rule files. Rules no request can reach this way (``unlimited``
-    ones, a valueless ``generic_key``) get none."""
+    """The rule chains that get an RLQS bucket matcher, most specific first (longer chains,
+    then exact values before wildcards before any value, level by level), then in file
+    order. Rules no request can reach this way (``unlimited`` ones, a valueless
+    ``generic_key``) get none: their requests are allowed and not reported."""
     chains = [
         chain
         for chain in limited_chains(domain.root)
-        if not any(limit.unlimited for limit in chain[-1].limits)
+        if not _unlimited(chain)
         and not any(n.key == "generic_key" and n.value is None for n in chain)
     ]
     return sorted(chains, key=lambda chain: (-len(chain), [_specificity(n) for n in chain]))

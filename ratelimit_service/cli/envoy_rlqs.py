@@ -1,17 +1,12 @@
-"""Generate the Envoy side of RLQS for a rules file: the rate_limit_quota HTTP filter
-(bucket matchers and bucket id builders derived from the rules), its cluster, and with
-``--bootstrap`` a complete runnable bootstrap. Behind ``envoy-config --rlqs``.
+"""The Envoy side of RLQS for a rules file (``envoy-config --rlqs``): the rate_limit_quota
+HTTP filter, with bucket matchers and bucket id builders derived from the rules, its
+cluster, and with ``--bootstrap`` a complete runnable bootstrap.
 
-Each rule that has a limit becomes one bucket matcher: it matches when the request
-carries every key of the rule's chain (and each fixed value: exact, a ``prefix*``, or
-a regular expression for other wildcards), and builds the bucket id from those keys,
-read from the request the way the RLS generator reads them (envoy_plan.header_for;
-``remote_address`` is the peer's address). Envoy takes the first matcher that
-matches, so longer chains come first and each request counts against one rule: the
-most specific one (RLS sends every descriptor and checks them all), ranked as
-matching ranks them. Rules no
-request can reach this way (``unlimited`` ones, valueless ``generic_key``) get no
-matcher: their requests are allowed and not reported (envoy_plan.bucket_chains).
+Each rule with a limit becomes one bucket matcher (in envoy_plan.bucket_chains' order:
+Envoy takes the first that matches, so a request counts against one rule, the most
+specific): it matches a request that carries every key of the rule's chain (and each fixed
+value: exact, a ``prefix*``, or a regular expression), and builds the bucket id from those
+keys, read as the RLS generator reads them (``remote_address`` is the peer's address).
 
 Envoy 1.40's quirks, handled here: ``reporting_interval`` is required but ignored (it
 reports every 5 s); an assignment that expires falls back to ALLOW_ALL for a minute
@@ -25,26 +20,19 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.core.v3 import base_pb2, grpc_service_pb2
-from envoy.config.core.v3 import extension_pb2 as envoy_extension_pb2
-from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.filters.http.rate_limit_quota.v3 import rate_limit_quota_pb2 as rlq
-from envoy.extensions.filters.http.router.v3 import router_pb2
-from envoy.extensions.filters.network.http_connection_manager.v3 import (
-    http_connection_manager_pb2,
-)
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.matching.common_inputs.network.v3 import network_inputs_pb2
 from envoy.type.matcher.v3 import http_inputs_pb2
 from envoy.type.v3 import http_status_pb2, ratelimit_strategy_pb2
-from google.protobuf import wrappers_pb2
 from google.protobuf.message import Message
 from xds.core.v3 import extension_pb2
 from xds.type.matcher.v3 import matcher_pb2, regex_pb2, string_pb2
 
 from ratelimit_service.cli.envoy_config import (
-    ROUTER_FILTER,
     _duration,
     _pack,
     _to_dict,
@@ -52,6 +40,7 @@ from ratelimit_service.cli.envoy_config import (
     check_clusters,
     load_domain,
     ratelimit_cluster,
+    with_header,
 )
 from ratelimit_service.cli.envoy_plan import (
     DEFAULT_OPTIONS,
@@ -67,6 +56,7 @@ NODE_ID_HEADER = "x-envoy-node-id"
 _Strategy = ratelimit_strategy_pb2.RateLimitStrategy
 _Settings = rlq.RateLimitQuotaBucketSettings
 _Predicate = matcher_pb2.Matcher.MatcherList.Predicate
+_Single = _Predicate.SinglePredicate
 
 
 def _input(key: str) -> extension_pb2.TypedExtensionConfig:
@@ -83,10 +73,8 @@ def _input(key: str) -> extension_pb2.TypedExtensionConfig:
 
 
 def _regex(pattern: str) -> string_pb2.StringMatcher:
-    engine = regex_pb2.RegexMatcher.GoogleRE2()
-    return string_pb2.StringMatcher(
-        safe_regex=regex_pb2.RegexMatcher(google_re2=engine, regex=pattern)
-    )
+    regex = regex_pb2.RegexMatcher(google_re2=regex_pb2.RegexMatcher.GoogleRE2(), regex=pattern)
+    return string_pb2.StringMatcher(safe_regex=regex)
 
 
 def _value_match(node: DescriptorNode) -> string_pb2.StringMatcher:
@@ -101,11 +89,7 @@ def _value_match(node: DescriptorNode) -> string_pb2.StringMatcher:
 
 def _predicate(chain: Chain) -> Any:
     singles = [
-        _Predicate(
-            single_predicate=_Predicate.SinglePredicate(
-                input=_input(node.key), value_match=_value_match(node)
-            )
-        )
+        _Predicate(single_predicate=_Single(input=_input(node.key), value_match=_value_match(node)))
         for node in chain
     ]
     if len(singles) == 1:
@@ -121,13 +105,10 @@ def _bucket_settings(chain: Chain) -> Any:
             value.string_value = node.value  # a fixed value: the rule's own
         else:
             source = _input(node.key)  # the same input, as Envoy's own extension type
-            value.custom_value.CopyFrom(
-                envoy_extension_pb2.TypedExtensionConfig(
-                    name=source.name, typed_config=source.typed_config
-                )
-            )
+            value.custom_value.name = source.name
+            value.custom_value.typed_config.CopyFrom(source.typed_config)
     zero = any(limit.requests_per_unit == 0 for limit in chain[-1].limits)
-    first = _Strategy.DENY_ALL if zero else None
+    first = _Strategy.DENY_ALL if zero else _Strategy.ALLOW_ALL
     return _Settings(
         bucket_id_builder=builder,
         reporting_interval=_duration("5s"),
@@ -135,14 +116,12 @@ def _bucket_settings(chain: Chain) -> Any:
             http_status=http_status_pb2.HttpStatus(code=http_status_pb2.TooManyRequests),
             response_headers_to_add=[
                 base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key="x-ratelimit-by", value="rlqs"),
+                    header=base_pb2.HeaderValue(key="x-ratelimit-by", value="rlqs")
                 )
             ],
         ),
         no_assignment_behavior=_Settings.NoAssignmentBehavior(
-            fallback_rate_limit=_Strategy(
-                blanket_rule=_Strategy.ALLOW_ALL if first is None else first
-            )
+            fallback_rate_limit=_Strategy(blanket_rule=first)
         ),
         expired_assignment_behavior=_Settings.ExpiredAssignmentBehavior(
             expired_assignment_behavior_timeout=_duration("60s"),
@@ -181,41 +160,17 @@ def rlqs_filter(domain: DomainConfig, cluster: str, node_id: str | None) -> Mess
 def build_rlqs_bootstrap(
     domain: DomainConfig, options: EnvoyOptions = DEFAULT_OPTIONS
 ) -> bootstrap_pb2.Bootstrap:
-    """Admin, one listener (the RLQS filter, then the router; every path to the
-    placeholder upstream), the upstream and the service's HTTP/2 cluster with gRPC
-    health checks and outlier detection (``ratelimit_cluster``: a dead replica is out
-    at once, so the stream Envoy reopens at its next report lands on a live one). The
-    stream has no retry policy of its own: it is long-lived, not a call to retry."""
+    """A bootstrap (:func:`bootstrap_around`) running the RLQS filter, every path to the
+    upstream. A dead replica is out of the cluster at once, so the stream Envoy reopens at
+    its next report lands on a live one: the long-lived stream has no retry policy."""
     options = options.for_rlqs()
     check_clusters(options)
-    manager = http_connection_manager_pb2.HttpConnectionManager(
-        stat_prefix=domain.name,
-        use_remote_address=wrappers_pb2.BoolValue(value=True),
-        http_filters=[
-            rlqs_filter(domain, options.cluster, options.node_id),
-            http_connection_manager_pb2.HttpFilter(
-                name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())
-            ),
-        ],
-        route_config=route_pb2.RouteConfiguration(
-            name=domain.name,
-            virtual_hosts=[
-                route_components_pb2.VirtualHost(
-                    name=domain.name,
-                    domains=["*"],
-                    routes=[
-                        route_components_pb2.Route(
-                            match=route_components_pb2.RouteMatch(prefix="/"),
-                            route=route_components_pb2.RouteAction(
-                                cluster=options.upstream_cluster
-                            ),
-                        )
-                    ],
-                )
-            ],
-        ),
+    route = route_components_pb2.Route(
+        match=route_components_pb2.RouteMatch(prefix="/"),
+        route=route_components_pb2.RouteAction(cluster=options.upstream_cluster),
     )
-    return bootstrap_around(manager, domain.name, options)
+    http_filter = rlqs_filter(domain, options.cluster, options.node_id)
+    return bootstrap_around(http_filter, [route], domain.name, options)
 
 
 def render_rlqs(
@@ -231,11 +186,10 @@ def render_rlqs(
         "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
     if bootstrap:
-        built = build_rlqs_bootstrap(rules, options)
-        return "\n".join(header) + "\n" + yaml.safe_dump(_to_dict(built), sort_keys=False)
+        return with_header(header, _to_dict(build_rlqs_bootstrap(rules, options)))
     options = options.for_rlqs()
     pieces = {
         "http_filters": [_to_dict(rlqs_filter(rules, options.cluster, options.node_id))],
         "clusters": [_to_dict(ratelimit_cluster(options.cluster, options.service_address))],
     }
-    return "\n".join(header) + "\n" + yaml.safe_dump(pieces, sort_keys=False)
+    return with_header(header, pieces)

@@ -43,8 +43,7 @@ def run_explain(
         print(f"explain: {exc}", file=sys.stderr)
         return 2
     except ConfigLoadError as exc:
-        for error in exc.errors:
-            print(error, file=sys.stderr)
+        print(*exc.errors, sep="\n", file=sys.stderr)
         return 1
     except _Unreachable as exc:
         print(f"explain: {exc}", file=sys.stderr)

@@ -1,33 +1,18 @@
-"""envoyproxy/ratelimit's environment settings, read under their own names.
-
-A deployment of the Go service (its container spec, Envoy Gateway's ``rateLimitDeployment``,
-a Helm chart) configures it entirely through environment variables such as ``REDIS_URL``,
-``PORT`` or ``RUNTIME_ROOT``. This module turns those into values for our own ``serve``
-flags, so the same environment runs this service unchanged. A value found here is the
-weakest source: a flag on the command line wins, then our ``RATELIMIT_<FLAG>`` variable,
-then the Go name (see ``cli.parser._add``).
+"""envoyproxy/ratelimit's environment settings (``REDIS_URL``, ``PORT``, ``RUNTIME_ROOT``, …)
+as values for our ``serve`` flags (their weakest source, cli/parser.py), so a Go
+deployment's environment runs this service unchanged.
 
 A Go variable that sets one flag is named in that flag's declaration (``go`` in
 core/settings_table.py) and read by the syntax of the flag's kind (:func:`_read`); the
-rules below read the others: those composed from several variables (``HOST``/``PORT``,
-the ``REDIS_*`` family), and those read in a way of their own.
+rules below read the others (composed from several variables, or read their own way).
 
-Each Go setting is one of three kinds (docs/settings.md has the table):
-
-- *supported*: mapped onto a flag with the Go semantics (``PORT`` → ``--http-addr``);
-- *accepted*: set or not, it changes nothing here; when it is set to something other
-  than what we do anyway, a startup warning says so;
-- *refused*: a value we cannot honour without changing what the service guarantees
-  (``BACKEND_TYPE=memcache``) stops the start, with the reason.
-
-A value that does not parse (a port that is not a number, an unknown log level) raises
-:class:`GoSettingError`, which the command line prints as one line and exits with 2.
+Each Go setting is *supported* (mapped onto a flag with the Go semantics), *accepted*
+(changes nothing here; a startup warning when set to other than what we do anyway) or
+*refused* (``BACKEND_TYPE=memcache``: the start stops, with the reason); docs/settings.md
+has the table. A value that does not parse raises :class:`GoSettingError` (exit status 2).
 
 *Go mode* (``/bin/ratelimit``, or ``serve`` given no ``--config`` and no
-``RATELIMIT_CONFIG``) applies the Go service's defaults where ours differ: rules from
-``RUNTIME_ROOT``/``RUNTIME_SUBDIRECTORY``/``RUNTIME_APPDIRECTORY``, ``/healthcheck`` and
-``/json`` on port 8080, the debug port on 6070 (our admin listener is then off unless
-``--admin-addr`` or ``RATELIMIT_ADMIN_ADDR`` asks for it), statsd on.
+``RATELIMIT_CONFIG``) applies the Go service's defaults where ours differ (docs/settings.md).
 """
 
 from __future__ import annotations
@@ -60,16 +45,9 @@ _FALSE = ("0", "f", "F", "false", "FALSE", "False")
 """What Go's strconv.ParseBool takes."""
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_DURATION_UNITS = {
-    "ns": 1e-9,
-    "us": 1e-6,
-    "µs": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-}
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
+_NO_REDIS_YET = "the service starts without Redis and uses failure_mode until it answers"
 ACCEPTED = {
     "RUNTIME_WATCH_ROOT": "rules are polled by content, which sees both a changed file and a"
     " swapped directory: nothing to choose",
@@ -87,12 +65,9 @@ ACCEPTED = {
     "REDIS_CLUSTER_PIPELINE_PARALLELISM": "concurrent decisions share Redis calls by themselves",
     "REDIS_POOL_ON_EMPTY_BEHAVIOR": "a call waits for a free connection within its deadline",
     "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION": "a circuit breaker watches Redis instead",
-    "REDIS_STARTUP_INITIAL_INTERVAL": "the service starts without Redis and uses failure_mode"
-    " until it answers",
-    "REDIS_STARTUP_MAX_INTERVAL": "the service starts without Redis and uses failure_mode"
-    " until it answers",
-    "REDIS_STARTUP_MAX_ELAPSED_TIME": "the service starts without Redis and uses failure_mode"
-    " until it answers",
+    "REDIS_STARTUP_INITIAL_INTERVAL": _NO_REDIS_YET,
+    "REDIS_STARTUP_MAX_INTERVAL": _NO_REDIS_YET,
+    "REDIS_STARTUP_MAX_ELAPSED_TIME": _NO_REDIS_YET,
     "MEMCACHE_HOST_PORT": "there is no memcache backend",
     "MEMCACHE_SRV": "there is no memcache backend",
     "MEMCACHE_SRV_REFRESH": "there is no memcache backend",
@@ -168,7 +143,7 @@ class _Reader:
 
     def boolean(self, name: str, default: bool = False) -> bool:
         value = self.env.get(name)
-        if value is None or value == "":
+        if not value:
             return default
         if value in _TRUE:
             return True
@@ -178,18 +153,11 @@ class _Reader:
 
     def port(self, name: str, default: int) -> int:
         value = self.env.get(name)
-        if value is None or value == "":
+        if not value:
             return default
         if not value.isdigit() or not 0 <= int(value) <= 65535:
             raise GoSettingError(name, value, "not a port number (0-65535)")
         return int(value)
-
-    def duration(self, name: str) -> float | None:
-        """Seconds of a Go duration (``10s``, ``1m30s``, ``250ms``); None when unset."""
-        value = self.env.get(name)
-        if value is None or value == "":
-            return None
-        return parse_go_duration(name, value)
 
     def set(self, flag: str, value: object, source: str) -> None:
         self.out.values[flag] = GoValue(str(value), source)
@@ -204,15 +172,13 @@ def parse_go_duration(name: str, value: str) -> float:
     try:
         seconds = float(text)
     except ValueError:
-        pass
-    else:
-        if math.isfinite(seconds) and seconds >= 0:
-            return seconds
-        raise GoSettingError(name, value, "expected a duration such as 10s or 500ms")
-    parts = _DURATION_PART.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise GoSettingError(name, value, "expected a duration such as 10s or 500ms")
-    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+        parts = _DURATION_PART.findall(text)
+        if parts and "".join(n + u for n, u in parts) == text:
+            return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+        seconds = math.nan
+    if math.isfinite(seconds) and seconds >= 0:
+        return seconds
+    raise GoSettingError(name, value, "expected a duration such as 10s or 500ms")
 
 
 def _address(host: str, port: int) -> str:
@@ -225,73 +191,56 @@ def _address(host: str, port: int) -> str:
 # -- the rules, one per group of Go settings ------------------------------------------
 
 
-def _one_to_one(r: _Reader) -> None:
-    """Every Go variable that sets one flag, except the xDS client's (read by _xds, only
-    when rules come by xDS)."""
+def _one_to_one(r: _Reader, *, xds: bool = False) -> None:
+    """Every Go variable that sets one flag, the xDS client's (``xds``: read by _xds,
+    only when rules come by xDS) or the others."""
     for setting in SETTINGS:
-        if setting.go and not setting.flag.startswith("--xds-"):
+        if setting.go and setting.flag.startswith("--xds-") == xds:
             _read(r, setting)
 
 
 def _read(r: _Reader, setting: Setting) -> None:
-    """``setting``'s Go variable, in the Go syntax of the flag's kind: a switch is a Go
-    bool, a choice any case of one, seconds a Go duration, a share a number from 0 to 1,
-    a count a whole number, a text any text but empty."""
-    name, flag, kind = setting.go, setting.flag, setting.kind
-    if kind == "switch":
-        if r.has(name):
-            r.set(flag, "1" if r.boolean(name) else "", name)
-    elif kind == "choice":
-        _choice(r, name, flag, setting.choices or ())
-    elif kind == "share":
-        _share(r, name, flag)
-    elif kind == "seconds":
-        _seconds(r, name, flag, positive=setting.parse is not not_negative)
-    elif kind == "count":
-        _count(r, name, flag)
-    elif r.text(name):
-        r.set(flag, r.text(name), name)
-
-
-def _choice(r: _Reader, name: str, flag: str, choices: tuple[str, ...]) -> None:
-    text = r.text(name)
-    if not text:
+    """``setting``'s Go variable when set (a switch or a count even empty, the others not
+    empty), in the Go syntax of the flag's kind: a switch is a Go bool, a choice any case
+    of one, seconds a Go duration, a share a number from 0 to 1, a count a whole number."""
+    name, kind, text = setting.go, setting.kind, r.text(setting.go)
+    if not (r.has(name) if kind in ("switch", "count") else text):
         return
+    value: object = text
+    if kind == "switch":
+        value = "1" if r.boolean(name) else ""
+    elif kind == "choice":
+        value = _choice(name, text, setting.choices or ())
+    elif kind == "share":
+        value = _share(name, text)
+    elif kind == "seconds":
+        value = _seconds(name, text, positive=setting.parse is not not_negative)
+    elif kind == "count" and not (text.isdigit() and int(text) >= 1):
+        raise GoSettingError(name, text, "expected a whole number, 1 or more")
+    r.set(setting.flag, value, name)
+
+
+def _choice(name: str, text: str, choices: tuple[str, ...]) -> str:
     if text.lower() not in choices:
         raise GoSettingError(name, text, f"choose {' or '.join(choices)}")
-    r.set(flag, text.lower(), name)
+    return text.lower()
 
 
-def _seconds(r: _Reader, name: str, flag: str, *, positive: bool) -> None:
-    seconds = r.duration(name)
-    if seconds is None:
-        return
+def _seconds(name: str, text: str, *, positive: bool) -> float:
+    seconds = parse_go_duration(name, text)
     if positive and seconds <= 0:
-        raise GoSettingError(name, r.text(name), "must be positive")
-    r.set(flag, seconds, name)
+        raise GoSettingError(name, text, "must be positive")
+    return seconds
 
 
-def _count(r: _Reader, name: str, flag: str) -> None:
-    if not r.has(name):
-        return
-    text = r.text(name)
-    if not text.isdigit() or int(text) < 1:
-        raise GoSettingError(name, text, "expected a whole number, 1 or more")
-    r.set(flag, text, name)
-
-
-def _share(r: _Reader, name: str, flag: str) -> None:
-    """A setting that is a share, from 0 to 1, onto ``flag`` (when set)."""
-    text = r.text(name)
-    if not text:
-        return
+def _share(name: str, text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not 0 <= value <= 1:
         raise GoSettingError(name, text, "expected a number from 0 to 1")
-    r.set(flag, value, name)
+    return value
 
 
 def _runtime(r: _Reader) -> None:
@@ -372,8 +321,7 @@ def _backend(r: _Reader) -> None:
 
 
 def _redis(r: _Reader) -> None:
-    url = r.text("REDIS_URL")
-    if url:
+    if r.text("REDIS_URL"):
         r.set("--redis-url", redis_url_from_go(r), "REDIS_URL")
     # Read when set, even empty: the Go service's default prefix is "".
     if r.has("CACHE_KEY_PREFIX"):
@@ -407,21 +355,19 @@ def redis_url_from_go(r: _Reader) -> str:
             "REDIS_TLS", r.text("REDIS_TLS"), f"not supported with REDIS_TYPE={kind}"
         )
     hosts = [part.strip() for part in url.split(",") if part.strip()]
-    if kind == "sentinel":
-        if len(hosts) < 2:
-            raise GoSettingError(
-                "REDIS_URL", url, "SENTINEL needs master-name,host:port[,host:port...]"
-            )
-        master, hosts = hosts[0], hosts[1:]
-        for host in hosts:
-            _check_host_port("REDIS_URL", url, host)
-        query = ""
-        if r.text("REDIS_SENTINEL_AUTH"):
-            query = "?sentinel_password=" + quote(r.text("REDIS_SENTINEL_AUTH"), safe="")
-        return f"redis+sentinel://{auth}{','.join(hosts)}/{quote(master, safe='')}{query}"
+    if kind == "sentinel" and len(hosts) < 2:
+        raise GoSettingError(
+            "REDIS_URL", url, "SENTINEL needs master-name,host:port[,host:port...]"
+        )
+    master, hosts = (hosts[0], hosts[1:]) if kind == "sentinel" else ("", hosts)
     for host in hosts:
         _check_host_port("REDIS_URL", url, host)
-    return f"redis+cluster://{auth}{','.join(hosts)}"
+    if kind == "cluster":
+        return f"redis+cluster://{auth}{','.join(hosts)}"
+    query = ""
+    if r.text("REDIS_SENTINEL_AUTH"):
+        query = "?sentinel_password=" + quote(r.text("REDIS_SENTINEL_AUTH"), safe="")
+    return f"redis+sentinel://{auth}{','.join(hosts)}/{quote(master, safe='')}{query}"
 
 
 def _userinfo(auth: str) -> str:
@@ -503,9 +449,7 @@ def _xds(r: _Reader) -> None:
     server = r.text("CONFIG_GRPC_XDS_SERVER_URL") or GO_SERVER_URL
     _check_host_port("CONFIG_GRPC_XDS_SERVER_URL", server, server)
     r.set("--xds-server", server, "CONFIG_TYPE/CONFIG_GRPC_XDS_SERVER_URL")
-    for setting in SETTINGS:
-        if setting.go and setting.flag.startswith("--xds-"):
-            _read(r, setting)
+    _one_to_one(r, xds=True)
     # Read with the xDS client's own bound (config/xds_settings.py), not --xds-max-message-size's.
     size = r.text("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
     if size:

@@ -9,12 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ratelimit_service.cli.commands import (
-    cmd_check_config,
-    cmd_client,
-    cmd_envoy_config,
-    cmd_explain,
-)
+from ratelimit_service.cli import commands
 from ratelimit_service.cli.go_env import GoEnvironment, GoSettingError, read_go_environment
 from ratelimit_service.cli.parser import build_parser
 from ratelimit_service.cli.serve import cmd_serve
@@ -22,10 +17,10 @@ from ratelimit_service.cli.tune import cmd_tune
 
 COMMANDS: dict[str, Callable[[Any], int]] = {
     "serve": cmd_serve,
-    "check-config": cmd_check_config,
-    "client": cmd_client,
-    "envoy-config": cmd_envoy_config,
-    "explain": cmd_explain,
+    "check-config": commands.cmd_check_config,
+    "client": commands.cmd_client,
+    "envoy-config": commands.cmd_envoy_config,
+    "explain": commands.cmd_explain,
     "tune": cmd_tune,
 }
 
@@ -55,8 +50,7 @@ def main(argv: Sequence[str] | None = None, *, go_mode: bool = False) -> int:
 def go_main(argv: Sequence[str] | None = None) -> int:
     """``ratelimit`` (the image's ``/bin/ratelimit``): envoyproxy/ratelimit's command,
     configured by its environment alone, as Envoy Gateway runs it."""
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    return main(["serve", *arguments], go_mode=True)
+    return main(["serve", *(sys.argv[1:] if argv is None else argv)], go_mode=True)
 
 
 def _go_environment(arguments: list[str], go_mode: bool) -> GoEnvironment | None:

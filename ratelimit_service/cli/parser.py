@@ -1,10 +1,9 @@
-"""``ratelimit-service``'s parser: every command's flags and ``--help``.
+"""``ratelimit-service``'s parser: every command's flags and ``--help``; ``serve``'s are
+core/settings_table.py's declarations, in their groups.
 
-``serve``'s flags are core/settings_table.py's declarations, in their groups. Every flag
-can also come from the environment as ``RATELIMIT_<FLAG_NAME>`` (``--redis-url`` ↔
-``RATELIMIT_REDIS_URL``); a flag given on the command line wins. ``serve`` also reads
-envoyproxy/ratelimit's own variables (``REDIS_URL``, ``PORT``, …, see cli/go_env.py),
-below ours: flag, then ``RATELIMIT_*``, then the Go name.
+A flag given on the command line wins over ``RATELIMIT_<FLAG_NAME>`` (``--redis-url`` ↔
+``RATELIMIT_REDIS_URL``), which wins, for ``serve``, over envoyproxy/ratelimit's own
+variable for it (``REDIS_URL``, ``PORT``, …: cli/go_env.py).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any, NoReturn
 
 import ratelimit_service
 from ratelimit_service.cli.envoy_plan import DEFAULT_OPTIONS
-from ratelimit_service.cli.go_env import GoEnvironment, GoValue
+from ratelimit_service.cli.go_env import GoEnvironment
 from ratelimit_service.cli.tune import add_tune_parser
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.core.settings_table import (
@@ -31,15 +30,8 @@ from ratelimit_service.core.settings_table import (
 MERGE_HELP = BY_FLAG["--merge-domain-config"].help
 
 
-def _env(flag: str, default: Any) -> Any:
-    return os.environ.get(env_name(flag), default)
-
-
-def _env_flag(flag: str, go: GoValue | None = None) -> bool:
-    value = _env(flag, None)
-    if value is None and go is not None:
-        value = go.value
-    return str(value or "").lower() in ("1", "true", "yes", "on")
+def _env(flag: str) -> str | None:
+    return os.environ.get(env_name(flag))
 
 
 def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -57,10 +49,7 @@ def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _add_setting(
-    serve: argparse.ArgumentParser,
-    group: Any,
-    setting: Setting,
-    go: GoEnvironment | None,
+    serve: argparse.ArgumentParser, group: Any, setting: Setting, go: GoEnvironment | None
 ) -> None:
     """One declared setting as a flag of ``serve``, in its group of ``--help``."""
     if setting.hidden:
@@ -70,11 +59,9 @@ def _add_setting(
     if setting.switch:
         kwargs["action"] = "store_true"
     else:
-        default = setting.default
-        if go is not None and go.go_mode and setting.go_default != "same":
-            default = setting.go_default
+        go_default = go is not None and go.go_mode and setting.go_default != "same"
         kwargs["type"] = _arg_type(setting.parse)
-        kwargs["default"] = default
+        kwargs["default"] = setting.go_default if go_default else setting.default
         if setting.choices is not None:
             kwargs["choices"] = list(setting.choices)
         else:
@@ -90,17 +77,15 @@ def _add(
     **kwargs: Any,
 ) -> None:
     """Add a flag whose default comes from RATELIMIT_<FLAG>, else from the Go service's
-    setting for it (``go``); required flags become optional when the environment
-    supplies them. Values from the environment are checked like values on the command
-    line (argparse does not check defaults). The help text ends with the built-in
-    default and the environment name (and its value, when set)."""
+    setting for it (``go``), checked like a value on the command line (argparse does not
+    check defaults); a required flag becomes optional when the environment supplies it."""
     go_value = go.get(flag) if go is not None else None
-    env_value, source = _env(flag, None), env_name(flag)
+    env_value, source = _env(flag), env_name(flag)
     if env_value is None and go_value is not None:
         env_value, source = go_value.value, go_value.source
     kwargs["help"] = _help_with_sources(flag, kwargs)
     if kwargs.get("action") == "store_true":
-        kwargs["default"] = _env_flag(flag, go_value)
+        kwargs["default"] = (env_value or "").lower() in ("1", "true", "yes", "on")
     elif env_value is not None:
         convert = kwargs.get("type", str)
         try:
@@ -127,7 +112,7 @@ def _help_with_sources(flag: str, kwargs: dict[str, Any]) -> str:
         elif kwargs.get("default") not in (None, ""):
             sources.append(f"default: {kwargs['default']}")
         sources.append(f"env: {name}")
-    env_value = os.environ.get(name)
+    env_value = _env(flag)
     if env_value is not None:
         sources.append(f"now {env_value!r} from the environment")
     text = f"{kwargs.get('help') or ''} ({'; '.join(sources)})".strip()
@@ -147,8 +132,7 @@ class _Formatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        default = action.default
-        if "default" in text or default in (None, "", False, argparse.SUPPRESS):
+        if "default" in text or action.default in (None, "", False, argparse.SUPPRESS):
             return text
         return f"{text} (default: %(default)s)"
 
@@ -193,7 +177,7 @@ def _add_check_config(commands: Any) -> None:
     check.add_argument(
         "path",
         nargs="?",
-        default=_env("--config", None),
+        default=_env("--config"),
         help="rule file, or directory of *.yaml/*.yml (env: RATELIMIT_CONFIG)",
     )
     _add(check, "--merge-domain-config", action="store_true", help=MERGE_HELP)
@@ -207,7 +191,7 @@ def _add_envoy_config(commands: Any) -> None:
         " (--bootstrap: a whole runnable Envoy bootstrap)",
     )
     _add(envoy, "--config", required=True, help="rule file, or directory of *.yaml/*.yml")
-    _add(envoy, "--domain", default=None, help="the domain to render (needed if several)")
+    _add(envoy, "--domain", help="the domain to render (needed if several)")
     envoy.add_argument("--cluster", default=DEFAULT_OPTIONS.cluster, help="Envoy cluster name")
     envoy.add_argument("--timeout", default=DEFAULT_OPTIONS.timeout, help="the filter's timeout")
     envoy.add_argument(
@@ -245,21 +229,21 @@ def _add_envoy_config(commands: Any) -> None:
     )
 
 
+def _add_descriptors(command: argparse.ArgumentParser) -> None:
+    text = "k=v[,k2=v2]; repeat for several descriptors"
+    command.add_argument("--descriptor", action="append", required=True, help=text)
+
+
 def _add_client(commands: Any) -> None:
     client = commands.add_parser("client", help="call ShouldRateLimit once")
     _add(client, "--addr", default="127.0.0.1:8081", help="service address HOST:PORT")
     _add(client, "--domain", required=True)
-    client.add_argument(
-        "--descriptor",
-        action="append",
-        required=True,
-        help="k=v[,k2=v2]; repeat for several descriptors",
-    )
+    _add_descriptors(client)
     _add(client, "--hits-addend", type=int, default=0)
     _add(client, "--timeout", type=_arg_type(positive(float)), default=5.0)
-    _add(client, "--tls-ca", default=None, help="PEM CA bundle: connect over TLS")
-    _add(client, "--tls-cert", default=None, help="PEM client certificate (mTLS)")
-    _add(client, "--tls-key", default=None, help="PEM key of --tls-cert")
+    _add(client, "--tls-ca", help="PEM CA bundle: connect over TLS")
+    _add(client, "--tls-cert", help="PEM client certificate (mTLS)")
+    _add(client, "--tls-key", help="PEM key of --tls-cert")
 
 
 def _add_explain(commands: Any) -> None:
@@ -269,12 +253,7 @@ def _add_explain(commands: Any) -> None:
         " (nothing recorded)",
     )
     _add(explain, "--domain", required=True)
-    explain.add_argument(
-        "--descriptor",
-        action="append",
-        required=True,
-        help="k=v[,k2=v2]; repeat for several descriptors",
-    )
+    _add_descriptors(explain)
     explain.add_argument(
         "--admin-addr",
         default=BY_FLAG["--admin-addr"].default,
@@ -282,7 +261,6 @@ def _add_explain(commands: Any) -> None:
     )
     explain.add_argument(
         "--config",
-        default=None,
         help="answer from this rule file or directory instead, without a service (no counts)",
     )
     explain.add_argument(

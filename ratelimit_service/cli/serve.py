@@ -38,8 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         service = RateLimitService(settings)
     except ConfigLoadError as exc:
-        for error in exc.errors:
-            print(error, file=sys.stderr)
+        print(*exc.errors, sep="\n", file=sys.stderr)
         _hint_config_source(args)
         return 1
     except TracingUnavailable as exc:
@@ -136,15 +135,13 @@ def _serve_workers(args: argparse.Namespace, settings: Settings) -> int:
     try:
         load_rules(settings)
     except ConfigLoadError as exc:
-        for error in exc.errors:
-            print(error, file=sys.stderr)
+        print(*exc.errors, sep="\n", file=sys.stderr)
         return 1
     return asyncio.run(Supervisor(args.argv, int(args.workers), args.admin_addr).run())
 
 
 def run_loop(main: Coroutine[Any, Any, None], choice: str) -> None:
-    """uvloop when available (it serves more requests per second than asyncio's own
-    loop for the same service), else asyncio's own loop."""
+    """uvloop when available (more requests per second than asyncio's loop), else asyncio's."""
     if choice != "asyncio":
         try:
             import uvloop

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,18 +22,20 @@ from ratelimit_service.core.config_loader import load_config
 from ratelimit_service.tune.arithmetic import parse_duration, parse_stat, rules
 
 
-def _duration(text: str) -> int:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` with its ValueError's text as argparse's message."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
-def _stat(text: str) -> Any:
-    try:
-        return parse_stat(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_duration = _checked(parse_duration)
+_stat = _checked(parse_stat)
 
 
 def _fraction(text: str) -> float:
@@ -85,7 +88,7 @@ def add_tune_parser(commands: Any) -> None:
     tune.add_argument(
         "--window",
         type=_duration,
-        default=_duration("14d"),
+        default=parse_duration("14d"),
         metavar="DURATION",
         help="how far back to look (Prometheus durations: 14d, 36h, 2w; default 14d)",
     )
@@ -98,7 +101,6 @@ def add_tune_parser(commands: Any) -> None:
     tune.add_argument(
         "--stat",
         type=_stat,
-        default=None,
         metavar="max|pNN",
         help="the peak: max (default) or a quantile such as p99.9 (nearest rank)",
     )
@@ -111,7 +113,6 @@ def add_tune_parser(commands: Any) -> None:
     tune.add_argument(
         "--floor",
         type=_count,
-        default=None,
         help="never propose below this (default: the current limit; with"
         " --allow-lower and no --floor: 1)",
     )
@@ -141,21 +142,18 @@ def add_tune_parser(commands: Any) -> None:
     tune.add_argument(
         "--plot",
         type=Path,
-        default=None,
         metavar="DIR",
         help="one PNG per rule (demand, current and proposed limit) and index.html",
     )
     tune.add_argument(
         "--scrape-interval",
         type=_duration,
-        default=None,
         metavar="DURATION",
         help="default: measured from each rule's recent samples",
     )
     tune.add_argument(
         "--end",
         type=_when,
-        default=None,
         metavar="TIME",
         help="the window's end, unix seconds or ISO 8601 (default: now)",
     )
@@ -171,23 +169,10 @@ def _window_text(seconds: int) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from ratelimit_service.tune import report, rewrite
     from ratelimit_service.tune.observe import observe
     from ratelimit_service.tune.plots import plotting_missing, write_plots
     from ratelimit_service.tune.prometheus import PrometheusClient, PrometheusError
-    from ratelimit_service.tune.report import (
-        Options,
-        decide,
-        resolutions,
-        shadow_report,
-        table,
-        unified_diff,
-    )
-    from ratelimit_service.tune.rewrite import (
-        RewriteError,
-        check_loads,
-        new_texts,
-        write_atomically,
-    )
 
     if args.plot is not None and (missing := plotting_missing()):
         print(f"tune: {missing}", file=sys.stderr)
@@ -197,10 +182,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         files = read_config_files(args.config)
         config = load_config(files, merge_domains=merge)
     except ConfigLoadError as exc:
-        for error in exc.errors:
-            print(error, file=sys.stderr)
+        print(*exc.errors, sep="\n", file=sys.stderr)
         return 1
-    options = Options(
+    options = report.Options(
         headroom=args.headroom,
         stat=args.stat,
         min_samples=args.min_samples,
@@ -215,37 +199,27 @@ def cmd_tune(args: argparse.Namespace) -> int:
     try:
         client = PrometheusClient(args.prometheus, timeout=args.timeout)
         seen = [
-            observe(
-                client,
-                rule,
-                listed,
-                end=end,
-                window=args.window,
-                scrape=args.scrape_interval,
-                read_demand=not rule.per_value() or rule.series_by_value(),
-            )
+            observe(client, rule, listed, end=end, window=args.window, scrape=args.scrape_interval)
             for rule in listed
         ]
     except PrometheusError as exc:
         print(f"tune: {exc}", file=sys.stderr)
         return 1
-    outcomes = [decide(one, options) for one in seen]
-    after = new_texts(files, outcomes)
+    outcomes = [report.decide(one, options) for one in seen]
+    after = rewrite.new_texts(files, outcomes)
     try:
-        check_loads(files, after, merge)
-    except RewriteError as exc:
+        rewrite.check_loads(files, after, merge)
+    except rewrite.RewriteError as exc:
         print(f"tune: the edited rules would not load, nothing written: {exc}", file=sys.stderr)
         return 1
-    table_text = table(outcomes, options)
-    print(table_text, end="")
-    print(resolutions(outcomes), end="")
-    print(shadow_report(outcomes, options), end="")
-    diff = unified_diff({f.name: f.text for f in files}, after)
-    print(diff if diff else "no changes\n", end="")
+    table_text = report.table(outcomes, options)
+    print(table_text, report.resolutions(outcomes), sep="", end="")
+    print(report.shadow_report(outcomes, options), end="")
+    print(report.unified_diff({f.name: f.text for f in files}, after) or "no changes\n", end="")
     if args.write:
         for f in files:
             if after[f.name] != f.text:
-                write_atomically(f.name, after[f.name])
+                rewrite.write_atomically(f.name, after[f.name])
                 print(f"wrote {f.name}")
     if args.plot is not None:
         write_plots(outcomes, table_text, args.plot)

@@ -1,30 +1,14 @@
-"""Rules by xDS: an ADS state-of-the-world client, as the Go service's GRPC_XDS_SOTW.
+"""Rules by xDS: an ADS state-of-the-world client, as the Go service's GRPC_XDS_SOTW
+(Envoy Gateway serves the rules as ``RateLimitConfig`` resources, docs/settings.md).
 
-Under Envoy Gateway the rules are not files: the control plane serves them as
-``ratelimit.config.ratelimit.v3.RateLimitConfig`` resources over
-``envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources``.
-We open that stream, ask for the type with our node id, and for each response:
+Each response is the whole rule set (a domain missing from it is gone): its resources
+become rule files (:mod:`.xds_yaml`) loaded together, then installed and ACKed, or
+NACKed with the loader's errors in ``error_detail`` while the running config stays.
 
-- turn every resource into a rule file (:mod:`.xds_yaml`) and load them **together**:
-  state of the world means each response is the whole rule set, so a domain missing
-  from it is gone;
-- on success install the config, count ``config_load_success`` and ACK (the
-  response's version_info and nonce);
-- on failure keep the running config, count ``config_load_error``, log the loader's
-  errors at ERROR and NACK: the last version we accepted, the response's nonce, and
-  ``error_detail`` (a google.rpc.Status) holding the errors, which the control plane
-  can show its operator.
-
-Our ``mode`` and ``failure_mode`` rule keys (and ``burst``) have no xDS field: rules
-loaded by xDS take the service's default mode and the default failure_mode (open).
-
-When the stream fails or the server goes away, we reconnect after a backoff (10 s
-growing to 60 s, with jitter, like the Go service) on a fresh channel, which also
-re-reads the TLS files so a rotated client certificate is used on the next
-connection. An outage is logged once at WARNING and its end at INFO; the retries in
-between go to DEBUG. The running config stays in force throughout. Everything is
-bounded: the channel's message size, HTTP/2 keepalive to notice a silent peer, and
-the length of a NACK's error text.
+A failed stream reconnects after a backoff (like the Go service's) on a fresh channel,
+which re-reads the TLS files, so a rotated certificate is used. An outage is logged once
+at WARNING and its end at INFO, the retries in between at DEBUG. The message size,
+HTTP/2 keepalive (to notice a silent peer) and a NACK's error text are bounded.
 """
 
 from __future__ import annotations
@@ -41,7 +25,7 @@ import grpc.aio
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import struct_pb2
-from google.rpc import code_pb2, status_pb2
+from google.rpc import code_pb2
 
 from ratelimit_service.config import rls_conf_pb2
 from ratelimit_service.config.xds_settings import Backoff, XdsSettings
@@ -72,10 +56,8 @@ class _Rejected(Exception):
 class XdsConfigSource:
     """Keeps the limiter's rules equal to what the xDS server last sent that loads.
 
-    ``load`` turns rule files into a config or raises ConfigLoadError (the service
-    passes ``load_config`` with its default mode and merge setting); ``install`` swaps
-    it in (``RateLimiter.swap_config``).
-    """
+    ``load`` turns rule files into a config or raises ConfigLoadError; ``install`` swaps
+    it in (``RateLimiter.swap_config``)."""
 
     def __init__(
         self,
@@ -99,15 +81,13 @@ class XdsConfigSource:
         self._outage_since: float | None = None
         self._outage_retries = 0
 
-    # -- lifecycle -------------------------------------------------------------------
-
     @property
     def loaded(self) -> bool:
         """True once a response has been installed."""
         return self._first.is_set()
 
     def start(self) -> None:
-        """Start the stream in the background (call from the running event loop)."""
+        """Call from the running event loop."""
         self._background.start()
 
     async def stop(self) -> None:
@@ -120,8 +100,6 @@ class XdsConfigSource:
         except TimeoutError:
             return False
         return True
-
-    # -- the stream --------------------------------------------------------------------
 
     async def _run(self) -> None:
         while True:
@@ -188,12 +166,7 @@ class XdsConfigSource:
         return grpc.aio.secure_channel(s.server_url, credentials, options=options)
 
     def _request(
-        self,
-        *,
-        version: str,
-        nonce: str = "",
-        error: str | None = None,
-        first: bool = False,
+        self, *, version: str, nonce: str = "", error: str | None = None, first: bool = False
     ) -> Any:
         request = discovery_pb2.DiscoveryRequest(
             type_url=TYPE_URL, version_info=version, response_nonce=nonce
@@ -201,9 +174,8 @@ class XdsConfigSource:
         if first:  # the node goes on a stream's first request only, as Envoy does
             request.node.CopyFrom(self._node())
         if error is not None:
-            request.error_detail.CopyFrom(
-                status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=error)
-            )
+            request.error_detail.code = code_pb2.INVALID_ARGUMENT
+            request.error_detail.message = error
         return request
 
     def _node(self) -> Any:
@@ -213,12 +185,9 @@ class XdsConfigSource:
             id=self.settings.node_id, metadata=metadata, user_agent_name=USER_AGENT
         )
 
-    # -- one response --------------------------------------------------------------------
-
     def _handle(self, response: Any) -> Any | None:
         """Load and install one response; the ACK or NACK to send back."""
-        if response.type_url != TYPE_URL:
-            # We subscribe to one type; anything else is the server's mistake.
+        if response.type_url != TYPE_URL:  # the one type we subscribe to
             log.warning("xDS response of type %s ignored", response.type_url or "(none)")
             return None
         version, nonce = response.version_info, response.nonce
@@ -238,11 +207,8 @@ class XdsConfigSource:
         self.version = version
         self.last_error = None
         self._first.set()
-        log.info(
-            "xDS config version %s installed: domains=%s",
-            version,
-            ",".join(sorted(config.domains)) or "(none)",
-        )
+        domains = ",".join(sorted(config.domains)) or "(none)"
+        log.info("xDS config version %s installed: domains=%s", version, domains)
         return self._request(version=version, nonce=nonce)
 
     def _files(self, resources: Sequence[Any]) -> list[ConfigFile]:
@@ -266,8 +232,6 @@ class XdsConfigSource:
             text = text[:MAX_ERROR_DETAIL] + "\n... (cut; the rest is in the service's log)"
         self.last_error = text
         return self._request(version=self.version, nonce=nonce, error=text)
-
-    # -- outage logging --------------------------------------------------------------------
 
     def _note_failure(self, reason: str, delay: float) -> None:
         self.last_error = reason

@@ -1,18 +1,14 @@
 """xDS ``RateLimitConfig`` resources → rule files in the envoyproxy/ratelimit YAML format.
 
-The Go service maps the proto onto its YAML structs and runs the file loader, so the
-two paths accept and reject the same things; we do the same by writing each resource
-as YAML text and handing it to :func:`~ratelimit_service.core.config_loader.load_config`.
-Going through text costs a few microseconds per descriptor and buys every check the
-loader makes, with no second validator to keep in step.
+Like the Go service, which maps the proto onto its YAML structs, each resource is loaded
+as YAML text by :func:`~ratelimit_service.core.config_loader.load_config`: both paths
+accept and reject the same things, with no second validator to keep in step.
 
-The proto has no field for ``value_to_metric``, ``share_threshold`` (as in the Go
-service) nor for our ``mode``, ``failure_mode`` and ``burst`` extensions, so rules that
-come by xDS take the loader's defaults for those.
+The proto has no field for ``value_to_metric``, ``share_threshold`` (as in the Go service)
+nor our ``mode``, ``failure_mode`` and ``burst``: rules by xDS take the loader's defaults.
 
 The loader's errors name lines of the generated text, which nobody sees; :func:`explain`
-turns each into the path of the descriptor it is in (``key=value > key``), which the
-control plane's operator can find in what they sent.
+names the descriptor instead (``key=value > key``), as the control plane's operator sent it.
 """
 
 from __future__ import annotations
@@ -123,8 +119,7 @@ class DescriptorLines:
             if not isinstance(item, yaml.MappingNode):
                 continue
             key, value = _get(item, "key"), _get(item, "value")
-            label = str(key.value) if isinstance(key, yaml.ScalarNode) else ""
-            label = label or "(empty key)"
+            label = (str(key.value) if isinstance(key, yaml.ScalarNode) else "") or "(empty key)"
             if isinstance(value, yaml.ScalarNode):
                 label += f"={value.value}"
             path = (*parents, label)
@@ -134,12 +129,10 @@ class DescriptorLines:
             self._walk(_get(item, "descriptors"), path)
 
     def path_at(self, line: int) -> str | None:
-        """The innermost descriptor holding ``line``, or None (domain level)."""
-        best: _Span | None = None
-        for span in self._spans[: bisect.bisect_right(self._starts, line)]:
-            if span.start <= line <= span.end and (best is None or span.start >= best.start):
-                best = span
-        return best.path if best else None
+        """The innermost descriptor holding ``line`` (the last to start), or None (domain
+        level)."""
+        started = self._spans[: bisect.bisect_right(self._starts, line)]
+        return next((span.path for span in reversed(started) if line <= span.end), None)
 
 
 def _get(mapping: yaml.MappingNode, name: str) -> yaml.Node | None:

@@ -1,9 +1,8 @@
 """Turn envoyproxy/ratelimit YAML files into a :class:`RateLimitConfig`.
 
-The format is the Go service's, unchanged, plus two extensions (``mode`` and
-``failure_mode``). We walk PyYAML's node graph rather than plain Python values so
-every error can name its line, and we keep going after an error so that
-``check-config`` reports everything in one pass.
+The format is the Go service's, unchanged, plus keys of ours (docs/configuration.md). We
+walk PyYAML's node graph rather than plain Python values so every error can name its
+line, and keep going after an error so that ``check-config`` reports everything at once.
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from enum import Enum
+from typing import Any, TypeVar
 
 import yaml
 
@@ -36,38 +36,17 @@ from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.units import UNIT_SECONDS, Unit, parse_unit
 
 UINT32_MAX = 2**32 - 1
+_E = TypeVar("_E", bound=Enum)
 
 DOMAIN_KEYS = frozenset({"domain", "descriptors", "mode", "failure_mode"})
 DESCRIPTOR_KEYS = frozenset(
-    {
-        "key",
-        "value",
-        "rate_limit",
-        "rate_limits",
-        "descriptors",
-        "shadow_mode",
-        "quota_mode",
-        "detailed_metric",
-        "value_to_metric",
-        "share_threshold",
-        "metadata",
-        "over_limit",
-        "usage",
-        "mode",
-        "failure_mode",
-    }
+    {"key", "value", "rate_limit", "descriptors", "shadow_mode", "quota_mode", "metadata"}
+    | {"detailed_metric", "value_to_metric", "share_threshold"}
+    | {"rate_limits", "over_limit", "usage", "mode", "failure_mode"}  # ours
 )
 RATE_LIMIT_KEYS = frozenset(
-    {
-        "unit",
-        "unit_multiplier",
-        "requests_per_unit",
-        "unlimited",
-        "name",
-        "replaces",
-        "burst",
-        "calendar",
-    }
+    {"unit", "requests_per_unit", "unlimited", "name", "replaces"}
+    | {"unit_multiplier", "burst", "calendar"}  # ours
 )
 REPLACES_KEYS = frozenset({"name"})
 OVER_LIMIT_KEYS = frozenset({"body", "content_type"})
@@ -131,8 +110,6 @@ class _FileLoader:
         self._default = inherited
         self.domain_line: int | None = None
 
-    # -- error helpers -------------------------------------------------------------
-
     def error(self, node: yaml.Node | None, message: str) -> None:
         line = node.start_mark.line + 1 if node is not None else None
         self.errors.append(ConfigError(self.file.name, line, message))
@@ -146,9 +123,7 @@ class _FileLoader:
             self.errors.append(_syntax_error(self.file.name, exc))
             return None
         except yaml.YAMLError as exc:
-            self.errors.append(
-                ConfigError(self.file.name, None, f"error loading config file: {exc}")
-            )
+            self.error(None, f"error loading config file: {exc}")
             return None
         if len(documents) > 1:
             self.error(documents[1], "config file must hold one YAML document, found several")
@@ -180,12 +155,13 @@ class _FileLoader:
             return self._constructor.construct_object(node, deep=True)
         return node
 
+    def empty(self, node: yaml.Node) -> bool:
+        """A null scalar (``key:`` with nothing after it)."""
+        return isinstance(node, yaml.ScalarNode) and self.scalar(node) is None
+
     def text(self, node: yaml.Node | None, field: str) -> str | None:
         """A string field; ints and bools are accepted as their YAML text, like the Go loader."""
-        if node is None:
-            return None
-        value = self.scalar(node)
-        if value is None:
+        if node is None or (value := self.scalar(node)) is None:
             return None
         if isinstance(node, yaml.ScalarNode) and isinstance(value, str | int | bool):
             return str(node.value)
@@ -193,10 +169,7 @@ class _FileLoader:
         return None
 
     def flag(self, node: yaml.Node | None, field: str) -> bool:
-        if node is None:
-            return False
-        value = self.scalar(node)
-        if value is None:
+        if node is None or (value := self.scalar(node)) is None:
             return False
         if not isinstance(value, bool):
             self.error(node, f"'{field}' must be true or false, found {_describe(node)}")
@@ -213,12 +186,8 @@ class _FileLoader:
         document = self.parse()
         if self.errors:
             return None
-        if document is None or (
-            isinstance(document, yaml.ScalarNode) and self.scalar(document) is None
-        ):
-            self.errors.append(
-                ConfigError(self.file.name, None, "config file cannot have empty domain")
-            )
+        if document is None or self.empty(document):
+            self.error(None, "config file cannot have empty domain")
             return None
         fields = self.mapping(document, DOMAIN_KEYS)
         if fields is None:
@@ -235,28 +204,27 @@ class _FileLoader:
         return DomainConfig(name=domain, root=root, source=self.file.name)
 
     def inherited(self, fields: dict[str, yaml.Node], parent: _Inherited) -> _Inherited:
-        mode, failure_mode = parent.mode, parent.failure_mode
-        mode_text = self.text(fields.get("mode"), "mode")
-        if mode_text is not None:
-            try:
-                mode = Mode(mode_text.lower())
-            except ValueError:
-                self.error(fields["mode"], f"invalid mode '{mode_text}' (exact or probabilistic)")
-        failure_text = self.text(fields.get("failure_mode"), "failure_mode")
-        if failure_text is not None:
-            try:
-                failure_mode = FailureMode(failure_text.lower())
-            except ValueError:
-                self.error(
-                    fields["failure_mode"],
-                    f"invalid failure_mode '{failure_text}' (open or closed)",
-                )
-        return _Inherited(mode, failure_mode)
+        mode = self.choice(fields, "mode", Mode, "exact or probabilistic")
+        failure_mode = self.choice(fields, "failure_mode", FailureMode, "open or closed")
+        return _Inherited(mode or parent.mode, failure_mode or parent.failure_mode)
+
+    def choice(
+        self, fields: dict[str, yaml.Node], field: str, kind: type[_E], choices: str
+    ) -> _E | None:
+        """``field``'s member of ``kind`` (any case); None when unset or after an error."""
+        text = self.text(fields.get(field), field)
+        if text is None:
+            return None
+        try:
+            return kind(text.lower())
+        except ValueError:
+            self.error(fields[field], f"invalid {field} '{text}' ({choices})")
+            return None
 
     def descriptors(
         self, node: yaml.Node | None, into: NodeChildren, path: str, inherited: _Inherited
     ) -> None:
-        if node is None or (isinstance(node, yaml.ScalarNode) and self.scalar(node) is None):
+        if node is None or self.empty(node):
             return
         if not isinstance(node, yaml.SequenceNode):
             self.error(node, f"'descriptors' must be a list, found {_describe(node)}")
@@ -322,13 +290,11 @@ class _FileLoader:
         self.descriptors(fields.get("descriptors"), descriptor.children, config_path, inherited)
 
     def rule_flags(self, fields: dict[str, yaml.Node]) -> _RuleFlags:
-        metadata_node = fields.get("metadata")
-        metadata = None
-        if metadata_node is not None:
-            metadata = self.plain(metadata_node)
-            if metadata is not None and not isinstance(metadata, dict):
-                self.error(metadata_node, "error parsing metadata: 'metadata' must be a mapping")
-                metadata = None
+        node = fields.get("metadata")
+        metadata = None if node is None else self.plain(node)
+        if metadata is not None and not isinstance(metadata, dict):
+            self.error(node, "error parsing metadata: 'metadata' must be a mapping")
+            metadata = None
         return _RuleFlags(
             shadow_mode=self.flag(fields.get("shadow_mode"), "shadow_mode"),
             quota_mode=self.flag(fields.get("quota_mode"), "quota_mode"),
@@ -386,10 +352,8 @@ class _FileLoader:
             return None
         encoded = body.encode()
         if len(encoded) > MAX_OVER_LIMIT_BODY:
-            self.error(
-                fields["body"],
-                f"over_limit body is {len(encoded)} bytes; at most {MAX_OVER_LIMIT_BODY}",
-            )
+            message = f"over_limit body is {len(encoded)} bytes; at most {MAX_OVER_LIMIT_BODY}"
+            self.error(fields["body"], message)
             return None
         content_type = self.text(fields.get("content_type"), "content_type")
         if content_type is not None and not _CONTENT_TYPE.fullmatch(content_type):
@@ -435,13 +399,9 @@ class _FileLoader:
         return tuple(limits)
 
     def rate_limit(
-        self,
-        node: yaml.Node | None,
-        config_path: str,
-        inherited: _Inherited,
-        flags: _RuleFlags,
+        self, node: yaml.Node | None, config_path: str, inherited: _Inherited, flags: _RuleFlags
     ) -> RateLimit | None:
-        if node is None or (isinstance(node, yaml.ScalarNode) and self.scalar(node) is None):
+        if node is None or self.empty(node):
             return None  # an empty `rate_limit:` is no limit, as in the Go loader
         limit_fields = self.mapping(node, RATE_LIMIT_KEYS)
         if limit_fields is None:
@@ -461,10 +421,8 @@ class _FileLoader:
         if multiplier is None:
             return None
         if not unlimited and unit is None:
-            self.error(
-                limit_fields.get("unit", node),
-                f"invalid rate limit unit '{unit_text or ''}'; valid units: {UNIT_NAMES}",
-            )
+            message = f"invalid rate limit unit '{unit_text or ''}'; valid units: {UNIT_NAMES}"
+            self.error(limit_fields.get("unit", node), message)
             return None
         calendar = self.calendar(limit_fields.get("calendar"), unit, multiplier, unlimited)
         if "calendar" in limit_fields and calendar is None:
@@ -501,10 +459,7 @@ class _FileLoader:
         )
 
     def requests_per_unit(self, node: yaml.Node | None) -> int:
-        if node is None:
-            return 0
-        value = self.scalar(node)
-        if value is None:
+        if node is None or (value := self.scalar(node)) is None:
             return 0
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT32_MAX:
             self.error(
@@ -517,14 +472,14 @@ class _FileLoader:
 
     def unit_multiplier(self, node: yaml.Node | None) -> int | None:
         """Ours: the period is this many units (default 1); None after an error."""
-        if node is None:
-            return 1
+        return 1 if node is None else self.positive(node, "unit_multiplier")
+
+    def positive(self, node: yaml.Node, field: str) -> int | None:
+        """A whole number of at least 1; None after an error."""
         value = self.scalar(node)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            self.error(
-                node,
-                f"unit_multiplier must be a whole number of at least 1, found {_describe(node)}",
-            )
+            message = f"{field} must be a whole number of at least 1, found {_describe(node)}"
+            self.error(node, message)
             return None
         return value
 
@@ -561,11 +516,8 @@ class _FileLoader:
         """Our extension: the most a fresh key admits at once in probabilistic mode."""
         if node is None:
             return None
-        value = self.scalar(node)
-        if isinstance(value, bool) or not isinstance(value, int) or not value >= 1:
-            self.error(node, f"burst must be a whole number of at least 1, found {_describe(node)}")
-            return None
-        if value > requests_per_unit:
+        value = self.positive(node, "burst")
+        if value is not None and value > requests_per_unit:
             self.error(
                 node,
                 f"burst {value} is above requests_per_unit {requests_per_unit}: a key"
@@ -575,7 +527,7 @@ class _FileLoader:
         return value
 
     def replaces(self, node: yaml.Node | None, own_name: str) -> frozenset[str]:
-        if node is None or (isinstance(node, yaml.ScalarNode) and self.scalar(node) is None):
+        if node is None or self.empty(node):
             return frozenset()
         if not isinstance(node, yaml.SequenceNode):
             self.error(node, f"'replaces' must be a list, found {_describe(node)}")
@@ -703,14 +655,9 @@ def load_config(
             merged = _merge(existing.root, domain.root, file.name, errors)
             domains[domain.name] = replace(existing, root=merged)
         else:
-            errors.append(
-                ConfigError(
-                    file.name,
-                    loader.domain_line,
-                    f"duplicate domain '{domain.name}' in config file; "
-                    f"first defined in {first_seen[domain.name]}",
-                )
-            )
+            first = first_seen[domain.name]
+            message = f"duplicate domain '{domain.name}' in config file; first defined in {first}"
+            errors.append(ConfigError(file.name, loader.domain_line, message))
     if errors:
         raise ConfigLoadError(in_file_order(errors, files))
     return RateLimitConfig(domains=domains)
@@ -734,11 +681,8 @@ def _merge(
     )
     for node in extra:
         if not add_child(merged, node):
-            errors.append(
-                ConfigError(
-                    file_name, node.line, f"duplicate descriptor composite key '{node.config_path}'"
-                )
-            )
+            message = f"duplicate descriptor composite key '{node.config_path}'"
+            errors.append(ConfigError(file_name, node.line, message))
     return merged
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from ratelimit_service.core.config_model import (
     RateLimitConfig,
     list_label,
 )
-from ratelimit_service.core.units import parse_unit
+from ratelimit_service.core.units import UNIT_SECONDS, parse_unit
 
 Stat = float | None
 """The statistic of the demand series: None for its maximum, else a quantile in (0, 1]."""
@@ -111,15 +112,7 @@ def resolution(scrape_seconds: float, unit_seconds: int) -> Resolution:
     return Resolution(step, max(step, math.ceil(2 * scrape_seconds)), scrape_seconds, unit_seconds)
 
 
-_UNIT_NAMES = {
-    1: "second",
-    60: "minute",
-    3600: "hour",
-    86400: "day",
-    604800: "week",
-    2592000: "month",
-    31536000: "year",
-}
+_UNIT_NAMES = {seconds: unit.name.lower() for unit, seconds in UNIT_SECONDS.items()}
 
 
 def _duration(seconds: float) -> str:
@@ -257,6 +250,11 @@ class RulePlaces:
     shared: bool
 
 
+_Found = tuple[str, tuple[yaml.Node, ...], yaml.Node | None, yaml.Node | None]
+"""A limit's stats key, the nodes an alias could share, requests_per_unit's and
+shadow_mode's nodes."""
+
+
 def rule_places(text: str) -> dict[str, RulePlaces]:
     """Each rule's places in one file, by stats key (config path). The file must load
     (the caller has loaded it); anything unexpected is simply not found."""
@@ -267,12 +265,9 @@ def rule_places(text: str) -> dict[str, RulePlaces]:
     domain = fields.get("domain")
     if not isinstance(domain, yaml.ScalarNode):
         return {}
-    found: list[tuple[str, tuple[yaml.Node, ...], yaml.Node | None, yaml.Node | None]] = []
+    found: list[_Found] = []
     _walk(fields.get("descriptors"), str(domain.value), found)
-    uses: dict[int, int] = {}
-    for _, nodes, _, _ in found:
-        for node in nodes:
-            uses[id(node)] = uses.get(id(node), 0) + 1
+    uses = Counter(id(node) for _, nodes, _, _ in found for node in nodes)
     return {
         path: RulePlaces(_span(count), _span(shadow), any(uses[id(n)] > 1 for n in nodes))
         for path, nodes, count, shadow in found
@@ -283,13 +278,8 @@ def _fields(node: yaml.MappingNode) -> dict[str, yaml.Node]:
     return {str(k.value): v for k, v in node.value if isinstance(k, yaml.ScalarNode)}
 
 
-def _walk(
-    node: yaml.Node | None,
-    path: str,
-    into: list[tuple[str, tuple[yaml.Node, ...], yaml.Node | None, yaml.Node | None]],
-) -> None:
-    """Collect (config path, the nodes an alias could share, requests_per_unit's node,
-    shadow_mode's node) for every descriptor, in file order."""
+def _walk(node: yaml.Node | None, path: str, into: list[_Found]) -> None:
+    """Collect every descriptor's limits, in file order."""
     if not isinstance(node, yaml.SequenceNode):
         return
     for item in node.value:
@@ -299,8 +289,7 @@ def _walk(
         key = fields.get("key")
         if not isinstance(key, yaml.ScalarNode):
             continue
-        value = fields.get("value")
-        value_text = str(value.value) if isinstance(value, yaml.ScalarNode) else ""
+        value_text = _text(fields.get("value"))
         config_path = f"{path}.{key.value}_{value_text}" if value_text else f"{path}.{key.value}"
         shadow = fields.get("shadow_mode")
         for stats_key, limit in _limit_nodes(fields, config_path):
@@ -326,19 +315,16 @@ def _limit_nodes(
         if not isinstance(limit, yaml.MappingNode):
             continue
         own = _fields(limit)
-        name = own.get("name")
-        unit = (
-            parse_unit(str(own["unit"].value))
-            if isinstance(own.get("unit"), yaml.ScalarNode)
-            else None
-        )
+        unit = parse_unit(_text(own.get("unit")))
         multiplier = own.get("unit_multiplier")
         times = int(multiplier.value) if isinstance(multiplier, yaml.ScalarNode) else 1
-        if unit is None:
-            continue
-        text = str(name.value) if isinstance(name, yaml.ScalarNode) else ""
-        out.append((f"{config_path}.{list_label(text, unit, times)}", limit))
+        if unit is not None:
+            out.append((f"{config_path}.{list_label(_text(own.get('name')), unit, times)}", limit))
     return out
+
+
+def _text(node: yaml.Node | None) -> str:
+    return str(node.value) if isinstance(node, yaml.ScalarNode) else ""
 
 
 def _span(node: yaml.Node | None) -> Span | None:

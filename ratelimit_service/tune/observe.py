@@ -1,15 +1,8 @@
-"""What Prometheus saw of each rule over the window: its demand per unit, fleet-wide,
-at the resolution the scrapes allow, and the share of its hits that were (or, in
-shadow mode, would have been) denied.
-
-The PromQL, per rule with selector ``S`` (its stats key, or the pattern of its
-per-value keys less the keys of other rules):
-
-- demand: ``max(sum by (key) (rate(total_hits{S}[range])))`` every ``step``, times the
-  unit's seconds: summed across replicas, the busiest counter at each step;
-- the share: ``sum(increase(over_limit{S}[window])) / sum(increase(total_hits{S}[window]))``;
-- for shadow rules with per-value keys, who:
-  ``topk(5, sum by (key) (increase(shadow_mode{S}[window])))``.
+"""What Prometheus saw of each rule over the window, selected by its stats key (or the
+pattern of its per-value keys less other rules' keys): its demand per unit, summed across
+replicas, of the busiest counter at each step the scrapes allow; the share of its hits
+that were (in shadow mode: would have been) denied; and for shadow rules with per-value
+keys, the most denied keys.
 """
 
 from __future__ import annotations
@@ -85,10 +78,9 @@ def observe(
     end: float,
     window: int,
     scrape: float | None,
-    read_demand: bool,
 ) -> Observation:
-    """Ask Prometheus about one rule. ``read_demand`` False: only the share (rules whose
-    counters cannot show one counter's demand)."""
+    """Ask Prometheus about one rule: only the share when its stats add up the counters of
+    every value (no counter's own demand to read)."""
     seen = Observation(rule)
     where = selector(rule, others)
     hits_metric = METRIC.format("total_hits") + where
@@ -100,32 +92,23 @@ def observe(
     denied = client.query(f"sum(increase({METRIC.format('over_limit')}{where}[{window}s]))", end)
     seen.denied = denied[0].points[0][1] if denied and denied[0].points else 0.0
     if rule.limit.shadow_mode and rule.series_by_value():
+        shadow = METRIC.format("shadow_mode") + where
         top = client.query(
-            f"topk({TOP_KEYS}, sum by (key) "
-            f"(increase({METRIC.format('shadow_mode')}{where}[{window}s])) > 0)",
-            end,
+            f"topk({TOP_KEYS}, sum by (key) (increase({shadow}[{window}s])) > 0)", end
         )
         seen.top_keys = sorted(
             ((s.labels.get("key", ""), s.points[0][1]) for s in top if s.points),
             key=lambda kv: (-kv[1], kv[0]),
         )
-    if not read_demand:
+    if rule.per_value() and not rule.series_by_value():
         return seen
     measured = scrape if scrape is not None else scrape_interval(client, where, end)
     seen.scrape_measured = measured is not None
-    res = resolution(
-        measured if measured is not None else ASSUMED_SCRAPE, rule.limit.window_seconds
-    )
-    seen.resolution = res
+    unit = rule.limit.window_seconds
+    res = seen.resolution = resolution(ASSUMED_SCRAPE if measured is None else measured, unit)
     last = end - end % res.step_seconds
     first = last - window + res.step_seconds
-    demand = client.query_range(
-        f"max(sum by (key) (rate({hits_metric}[{res.range_seconds}s])))",
-        first,
-        last,
-        res.step_seconds,
-    )
-    unit = rule.limit.window_seconds
-    seen.demand = [(t, round(v * unit, 6)) for s in demand for t, v in s.points]
-    seen.demand.sort()
+    busiest = f"max(sum by (key) (rate({hits_metric}[{res.range_seconds}s])))"
+    demand = client.query_range(busiest, first, last, res.step_seconds)
+    seen.demand = sorted((t, round(v * unit, 6)) for s in demand for t, v in s.points)
     return seen

@@ -1,8 +1,6 @@
-"""``--plot DIR``: per rule, its observed demand over the window with the current and
-the proposed limit, one PNG each, and an index.html with the table.
-
-matplotlib is optional (the ``test`` and ``bench`` extras): without it ``--plot``
-says so before anything else runs.
+"""``--plot DIR``: per rule, one PNG of its observed demand over the window with the
+current and the proposed limit, and an index.html with the table. matplotlib is optional
+(the ``test`` and ``bench`` extras): without it ``--plot`` says so before anything runs.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ def plot_rule(outcome: Outcome, path: Path) -> None:
 
     seen = outcome.seen
     limit = seen.rule.limit
-    unit = limit.period
     figure, axes = plt.subplots(figsize=(9, 3.6))
     times: list[Any] = [datetime.fromtimestamp(t, UTC) for t, _ in seen.demand]
     axes.plot(times, [v for _, v in seen.demand], linewidth=0.8, label="observed demand")
@@ -47,7 +44,7 @@ def plot_rule(outcome: Outcome, path: Path) -> None:
     if outcome.proposed is not None and outcome.proposed != limit.requests_per_unit:
         axes.axhline(outcome.proposed, color="tab:green", label="proposed limit")
     axes.set_title(limit.stats_key + (" (shadow)" if limit.shadow_mode else ""))
-    axes.set_ylabel(f"requests per {unit}")
+    axes.set_ylabel(f"requests per {limit.period}")
     if seen.resolution is not None:
         axes.set_xlabel(seen.resolution.describe(), fontsize=8)
     top = max([v for _, v in seen.demand] + [limit.requests_per_unit, outcome.proposed or 0])
@@ -59,25 +56,20 @@ def plot_rule(outcome: Outcome, path: Path) -> None:
     plt.close(figure)
 
 
-def write_plots(outcomes: Sequence[Outcome], table_text: str, directory: Path) -> list[Path]:
-    """One PNG per rule with demand, then index.html; returns the paths written."""
+def write_plots(outcomes: Sequence[Outcome], table_text: str, directory: Path) -> None:
+    """One PNG per rule with demand, then index.html."""
     directory.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
     items = []
     for outcome in outcomes:
         if not outcome.seen.demand:
             continue
         path = directory / file_name(outcome.seen.rule.key)
         plot_rule(outcome, path)
-        written.append(path)
         key = html.escape(outcome.seen.rule.key)
         items.append(f'<li><h2>{key}</h2><img src="{html.escape(path.name)}" alt="{key}"></li>')
-    index = directory / "index.html"
-    index.write_text(
+    (directory / "index.html").write_text(
         '<!doctype html>\n<html><head><meta charset="utf-8"><title>ratelimit-service tune'
         "</title></head><body>\n<h1>ratelimit-service tune</h1>\n"
         f"<pre>{html.escape(table_text)}</pre>\n<ul>\n" + "\n".join(items) + "\n</ul>\n"
         "</body></html>\n"
     )
-    written.append(index)
-    return written

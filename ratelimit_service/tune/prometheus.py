@@ -1,8 +1,6 @@
-"""A small client for Prometheus's HTTP API (``/api/v1/query``, ``/api/v1/query_range``)
-with timeouts and errors said in one line: the tuner must stop, touching nothing,
-when Prometheus cannot be asked.
-
-urllib, not a client library: two GET endpoints and JSON are all it takes.
+"""A small client for Prometheus's HTTP API (``/api/v1/query``, ``/api/v1/query_range``),
+on urllib (two GET endpoints and JSON), with timeouts and errors said in one line: the
+tuner must stop, touching nothing, when Prometheus cannot be asked.
 """
 
 from __future__ import annotations
@@ -63,8 +61,7 @@ class PrometheusClient:
     def query(self, promql: str, at: float) -> list[Series]:
         """An instant query: vectors give one point per series, range vectors their raw
         samples, scalars one unlabelled series."""
-        data = self._get("/api/v1/query", {"query": promql, "time": _time(at)})
-        return _series(data)
+        return _series(self._get("/api/v1/query", {"query": promql, "time": _time(at)}))
 
     def query_range(self, promql: str, start: float, end: float, step: int) -> list[Series]:
         """A range query from ``start`` to ``end`` every ``step`` seconds, split into calls
@@ -77,10 +74,7 @@ class PrometheusClient:
             params = {"query": promql, "start": _time(at), "end": _time(upto), "step": str(step)}
             for series in _series(self._get("/api/v1/query_range", params)):
                 name = tuple(sorted(series.labels.items()))
-                if name in joined:
-                    joined[name].points.extend(series.points)
-                else:
-                    joined[name] = series
+                joined.setdefault(name, Series(series.labels, [])).points.extend(series.points)
             at = upto + step
         return list(joined.values())
 

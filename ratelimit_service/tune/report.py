@@ -62,11 +62,7 @@ def decide(seen: Observation, options: Options) -> Outcome:
     else:
         top = peak([v for _, v in seen.demand], options.stat)
         proposed = propose(
-            top,
-            options.headroom,
-            current,
-            floor=options.floor,
-            allow_lower=options.allow_lower,
+            top, options.headroom, current, floor=options.floor, allow_lower=options.allow_lower
         )
     lowered = proposed is not None and proposed < current
     promote = (
@@ -93,15 +89,8 @@ def _share(seen: Observation) -> str:
 
 def table(outcomes: Sequence[Outcome], options: Options) -> str:
     """One row per rule: what it is, what it saw, what it proposes."""
-    header = (
-        "rule",
-        "mode",
-        "current",
-        f"peak ({stat_name(options.stat)})",
-        "proposed",
-        "denied",
-        "note",
-    )
+    peak_name = f"peak ({stat_name(options.stat)})"
+    header = ("rule", "mode", "current", peak_name, "proposed", "denied", "note")
     rows = [header]
     for outcome in outcomes:
         limit = outcome.seen.rule.limit
@@ -112,17 +101,9 @@ def table(outcomes: Sequence[Outcome], options: Options) -> str:
         note = outcome.note
         if not note and outcome.proposed == limit.requests_per_unit and not outcome.promote:
             note = "unchanged"
-        rows.append(
-            (
-                limit.stats_key,
-                mode,
-                f"{limit.requests_per_unit}/{limit.period}",
-                _number(outcome.peak),
-                proposed,
-                _share(outcome.seen),
-                note,
-            )
-        )
+        current = f"{limit.requests_per_unit}/{limit.period}"
+        top = _number(outcome.peak)
+        rows.append((limit.stats_key, mode, current, top, proposed, _share(outcome.seen), note))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(line.rstrip() for line in lines) + "\n"
@@ -182,12 +163,6 @@ def unified_diff(before: Mapping[str, str], after: Mapping[str, str]) -> str:
     for name, text in before.items():
         new = after.get(name, text)
         if new != text:
-            parts.extend(
-                difflib.unified_diff(
-                    text.splitlines(keepends=True),
-                    new.splitlines(keepends=True),
-                    fromfile=name,
-                    tofile=name,
-                )
-            )
+            lines = text.splitlines(keepends=True), new.splitlines(keepends=True)
+            parts.extend(difflib.unified_diff(*lines, fromfile=name, tofile=name))
     return "".join(parts)

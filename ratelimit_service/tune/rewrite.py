@@ -1,6 +1,5 @@
-"""Rule files with the tuner's changes: new texts edited in place (comments, order
-and formatting kept), checked by the loader, and written atomically so that live
-reload never reads half a file."""
+"""Rule files with the tuner's changes, edited in place (tune/arithmetic.py), checked by
+the loader, and written atomically so that live reload never reads half a file."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ def new_texts(files: Sequence[ConfigFile], outcomes: list[Outcome]) -> dict[str,
     """Every file's text after the changes (unchanged files as they were). Outcomes
     whose values cannot be edited in place are replaced by ones that leave the rule
     alone, with a note (in ``outcomes``)."""
-    texts = {f.name: f.text for f in files}
     places = {f.name: rule_places(f.text) for f in files}
     edits: dict[str, dict[Span, str]] = {}
     for index, outcome in enumerate(outcomes):
@@ -48,7 +46,7 @@ def new_texts(files: Sequence[ConfigFile], outcomes: list[Outcome]) -> dict[str,
             mine[where.requests_per_unit] = str(outcome.proposed)
         if outcome.promote and where.shadow_mode is not None:
             mine[where.shadow_mode] = "false"
-    return {name: edit(texts[name], edits.get(name, {})) for name in texts}
+    return {f.name: edit(f.text, edits.get(f.name, {})) for f in files}
 
 
 def check_loads(files: Sequence[ConfigFile], texts: dict[str, str], merge: bool) -> None:
