@@ -1,12 +1,12 @@
 """A circuit breaker with jittered exponential backoff and health hysteresis.
 
-When the store fails several times in a row, callers fail fast (no connection
-attempt) until the backoff expires; then one trial call goes through. So a fleet does not hammer a
-recovering Redis, and the request path never waits on a store known to be down.
-Health changes only after several results in a row, so it does not flap, and each
-change is logged once: a WARNING when the store becomes unavailable, a summary at most
-every ``summary_every`` seconds while it stays so, and an INFO line when it answers
-again (not a line per failed call: a fleet's outage would flood the log).
+When the store fails several times in a row, callers fail fast (no connection attempt)
+until the backoff expires; then one trial call goes through. So a fleet does not hammer a
+recovering Redis, and the request path never waits on a store known to be down. Health
+changes only after several results in a row, so it does not flap, and each change is
+logged once: a WARNING when the store becomes unavailable, a summary at most every
+``summary_every`` seconds while it stays so, and an INFO line when it answers again (not
+a line per failed call: a fleet's outage would flood the log).
 """
 
 from __future__ import annotations

@@ -2,46 +2,35 @@
 
 Each script call costs a write and a read system call, a wake-up of this process and of
 Redis, and a Lua start-up, whatever it carries. So calls are paced: one leaves at most
-every ``gap`` seconds (``--exact-batch-hold``, 1 ms). A request that comes when the
-last call left a gap ago or more goes out at once (no added latency at a low rate);
-one that comes sooner opens a batch that leaves when the gap is over, and the requests
-that come meanwhile join it, as one EVALSHA of exact_window.lua. The script decides
-them one after the other, so the outcome is the same as separate calls. Batches grow
-with the load by themselves, with no sensor to switch: about rate x gap requests a call
-(one at 1,000 req/s, eight at 8,000), and no request waits longer than the gap for
-company. Sending at once instead would mean one request per call however high the
-load: grpc.aio starts about one RPC per turn of the event loop and Redis answers
-within a turn, so a request never finds another to travel with. Calls are pipelined
-on one connection, up to MAX_IN_FLIGHT at a time: a slow Redis (milliseconds away)
-adds its round trip, not a queue of round trips; past that, a batch waits for a call
-to come back. A full batch (MAX_BATCH_DESCRIPTORS) leaves at once.
+every ``gap`` seconds (``--exact-batch-hold``). A request that comes a gap or more after
+the last call left goes out at once; one that comes sooner opens a batch that leaves when
+the gap is over, and the requests that come meanwhile join it, as one EVALSHA of
+exact_window.lua. The script decides them one after the other, so the outcome is the same
+as separate calls. Batches grow with the load by themselves (about rate x gap requests a
+call), and no request waits longer than the gap for company. Sending at once would mean
+one request per call however high the load: grpc.aio starts about one RPC per turn of the
+event loop and Redis answers within a turn. Calls are pipelined on one connection, up to
+MAX_IN_FLIGHT at a time, so a slow Redis adds its round trip, not a queue of round trips;
+a full batch (MAX_BATCH_DESCRIPTORS) leaves at once.
 
-Each request waits for its reply until its own deadline: the caller's (the gRPC
-deadline less a margin, which the limiter passes down) or, without one, ``timeout``
-after it was submitted. One timer serves every request. When it fires, the channel
-first reads what is already on the socket (Channel.poll): a reply that arrived while
-the process was descheduled or its loop busy is used, not taken for a Redis failure.
-Only then are the requests past their deadline answered with StoreUnavailable (their
-rules' failure_mode applies). A request that could only be given up is answered so at
-once, not at its deadline (an answer given at the last moment often reaches its caller
-too late, and the call would cost Redis and this process for nothing): one that has
-less time left than Redis's prompt answers take lately (``late``: a slow Redis, or a
-request that waited long for this process before it got here), and one that arrives
-while Redis has already been silent for longer than it can wait (``hopeless``: during
-the second before a silent Redis counts as down, callers do not each wait out their
-whole deadline). Giving up on a
-request says nothing about Redis, so it is no breaker event; the channel decides from
-evidence (errors, a silent connection) when Redis is down. The number of requests
-waiting is bounded too (``max_pending``): past it, :meth:`ExactBatcher.submit` refuses
-at once with :class:`StoreOverloaded`, which the limiter answers explicitly.
+Each request waits for its reply until its own deadline: the caller's (which the limiter
+passes down) or, without one, ``timeout`` after it was submitted. One timer serves every
+request; when it fires, the channel first reads what is already on the socket
+(Channel.poll), so a reply that arrived while the loop was busy is used, not taken for a
+Redis failure. Requests past their deadline are then answered with StoreUnavailable
+(their rules' failure_mode applies). A request that could only be given up is answered
+so at once (``late``, ``hopeless``: see ExactBatcher): an answer at the last moment often
+reaches its caller too late, and the call costs Redis for nothing. Giving up says nothing
+about Redis, so it is no breaker event: the channel decides from evidence (errors, a
+silent connection) when Redis is down. Past ``max_pending`` waiting requests,
+:meth:`ExactBatcher.submit` refuses at once with :class:`StoreOverloaded`.
 
-A request whose caller admits it when Redis fails (``owe``: its rules fail open) is
-not lost to the window when that happens: see owed_hits, which the batcher feeds. A
-reply that comes after its request was given up still tells whether Redis counted it.
+A request whose rules fail open (``owe``) is not lost to the window when Redis fails: see
+owed_hits, which the batcher feeds. A reply that comes after its request was given up
+still tells whether Redis counted it.
 
-The batcher is written with callbacks, not tasks: at one request per batch (a lightly
-loaded service) a task and a chain of coroutines per call cost more CPU than the
-rest of the exact-mode path.
+The batcher is written with callbacks, not tasks: at one request per batch a task and a
+chain of coroutines per call cost more CPU than the rest of the exact-mode path.
 """
 
 from __future__ import annotations
@@ -74,15 +63,12 @@ MAX_BATCH_DESCRIPTORS = 256
 batch goes out at once, even while another call is in flight."""
 LONE_BATCHES = 2
 """Held batches in a row that left with one request each, after which a request within
-the gap goes at once all the same while no call is out: nobody came to share the wait
-(a client that sends its calls one after the other, whose next call comes only once
-this one is answered). The next held batch that finds company, or a request that comes
-while a call is out, brings the wait back."""
+the gap goes at once while no call is out: nobody came to share the wait (a client that
+sends its next call only once this one is answered). A held batch that finds company, or
+a request that comes while a call is out, brings the wait back."""
 PROMPT_WINDOW = 1.0
 """Seconds of replies over which ExactBatcher.prompt takes the quickest (this window and
-the one before): the quick end of what Redis and this process manage lately, not a
-typical reply, so that only requests that could not be answered in time are turned
-away at once."""
+the one before): it follows a slower Redis within two windows, a quicker one at once."""
 
 
 class Channel(Protocol):
@@ -218,20 +204,17 @@ class ExactBatcher:
         """Requests answered with StoreUnavailable at once: they had less time left
         than Redis's prompt answers take lately (see :attr:`prompt`)."""
         self.prompt = 0.0
-        """Seconds from sending a call to its reply being read, the quickest seen in the
-        last PROMPT_WINDOW or two (0 before the first reply): a request with less time
-        left could only be given up. It includes this process's own delays (a busy loop
-        reads replies late), and follows a Redis that has become slower within two
-        windows, one that has become quicker at once."""
+        """Seconds from sending a call to reading its reply, the quickest in the last
+        PROMPT_WINDOW or two (0 before the first reply), this process's own delays
+        included: a request with less time left could only be given up."""
         self._quickest = -1.0
         self._previous_quickest = 0.0
         self._window_end = 0.0
         self.owed = OwedHits()
         self._open: _Batch | None = None
         self._in_flight = 0
-        # Batches sent and not yet answered, oldest first, and one timer for the
-        # earliest deadline: a timer per request would cost more than the rest of the
-        # batcher.
+        # Batches sent and not yet answered, oldest first, and one timer for the earliest
+        # deadline: a timer per request would cost more than the rest of the batcher.
         self._flying: deque[_Batch] = deque()
         self._timer: asyncio.Handle | None = None
         self._timer_at = 0.0
@@ -272,9 +255,8 @@ class ExactBatcher:
             deadline = latest
         left = deadline - now
         if left <= 0 or (self._in_flight and left < self.prompt):
-            # Not even a call sent now would be answered in time: failure_mode at once,
-            # not at the deadline (the call would cost Redis and this process for
-            # nothing). With nothing in flight a call goes, so `prompt` stays current.
+            # Not even a call sent now would be answered in time. With nothing in flight
+            # a call goes, so `prompt` stays current.
             self.late += 1
             if owe and commit:
                 self.owed.add(keys, args, now)
@@ -413,12 +395,11 @@ class ExactBatcher:
                     future.set_exception(StoreUnavailable(error))
                 if waiter.since is not None and not (future is not None and future.cancelled()):
                     self.owed.add(keys, args, waiter.since)
-            else:
-                if future is not None:
-                    if not future.done():
-                        future.set_result(exact_reply(raw, start, waiter.count))
-                    elif waiter.since is not None and not future.cancelled():
-                        self._owe_if_denied(waiter, keys, args, raw, start)
+            elif future is not None:
+                if not future.done():
+                    future.set_result(exact_reply(raw, start, waiter.count))
+                elif waiter.since is not None and not future.cancelled():
+                    self._owe_if_denied(waiter, keys, args, raw, start)
             self._finish(waiter)
             start += waiter.count
 

@@ -58,8 +58,7 @@ class ExactChannel:
     def poll(self) -> None:
         """Read the replies already on the socket; drop a connection that has been
         silent too long (every call on it fails, and the breaker opens)."""
-        calls = self._calls
-        pipe = calls.pipe
+        calls, pipe = self._calls, self._calls.pipe
         if pipe is None:
             return
         pipe.poll()

@@ -22,6 +22,7 @@ part of.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 MAX_OWED = 10_000
@@ -32,13 +33,11 @@ Owed = tuple[tuple[str, ...], tuple[Any, ...], float]
 its first hit was admitted."""
 
 
+@dataclass(slots=True)
 class _Entry:
-    __slots__ = ("hits", "shortest", "since")
-
-    def __init__(self, hits: list[int], shortest: float, since: float) -> None:
-        self.hits = hits
-        self.shortest = shortest
-        self.since = since
+    hits: list[int]
+    shortest: float
+    since: float
 
 
 class OwedHits:

@@ -29,25 +29,17 @@ from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.storage.base import BreakerState, StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
 from ratelimit_service.storage.redis_connect import connect
-from ratelimit_service.storage.redis_pipe import RedisPipe, supports
+from ratelimit_service.storage.redis_pipe import RedisPipe, forget, supports
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
 
-def forget(task: asyncio.Future[Any]) -> None:
-    """Collect the outcome of a command nobody waits for any more."""
-    if not task.cancelled():
-        task.exception()
-
-
 LATE_TURNS = 3
-"""Loop turns (each polls the sockets, without waiting) that a redis-py call past its
-deadline gets to finish before it is given up: a reply that came while the loop was
-busy elsewhere needs a poll to be read and a turn or two for redis-py's task to parse
-it (redis-py's sockets are not ours to read directly, as the request path's pipe is).
-Turns, not milliseconds: the answer must still reach the caller within its deadline."""
+"""Loop turns (each polls the sockets) a redis-py call past its deadline gets before it is
+given up: a reply that came while the loop was busy needs a poll and a turn or two to be
+parsed. Turns, not milliseconds: the answer must still reach the caller in time."""
 
 
 async def _answered_late(command: asyncio.Future[Any]) -> bool:
@@ -101,11 +93,9 @@ REDIAL_EVERY = 0.25
 
 def wrong_server(exc: BaseException) -> bool:
     """Whether ``exc`` is an error reply of RECONNECT_ON, or a connection reset."""
-    if isinstance(exc, ConnectionResetError):
-        return True
-    if not isinstance(exc, ResponseError):
-        return False
-    return str(exc).split(" ", 1)[0].upper() in RECONNECT_ON
+    return isinstance(exc, ConnectionResetError) or (
+        isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0].upper() in RECONNECT_ON
+    )
 
 
 def display(url: str) -> str:
@@ -213,20 +203,16 @@ class ScriptCalls:
         elif not gate.allow():  # a Cluster node: its own breaker, and no other
             raise StoreUnavailable(f"redis: {gate.name} failing: circuit open")
         self.calls += 1
-        # The command runs as its own task and is shielded from our deadline: when the
-        # deadline passes we answer without it, but the command finishes in the
-        # background and its connection goes back to the pool intact. Cancelling it
-        # instead would drop the connection, and the next call would pay a new
-        # connection's handshake (several round trips) inside its own deadline: under a
-        # slow Redis that spirals into every call timing out.
+        # Its own task, shielded from our deadline: past it we answer without it, and it
+        # finishes in the background, its connection back in the pool intact. Cancelling
+        # it would make the next call pay a handshake inside its deadline: under a slow
+        # Redis, every call would time out.
         command = asyncio.ensure_future(
             self.run_timed(script, keys, args)
             if node is None
             else self._run_on_node(node, script, keys, args)
         )
-        # Its outcome is collected even if our caller is cancelled meanwhile (gRPC
-        # cancels a call past its deadline) and nobody awaits it any more.
-        command.add_done_callback(forget)
+        command.add_done_callback(forget)  # even if gRPC cancels our caller meanwhile
         try:
             try:
                 async with asyncio.timeout(timeout):
@@ -263,15 +249,12 @@ class ScriptCalls:
     async def _run_on_node(self, node: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
         """A script call on one Cluster node's own connections, its reply time observed.
 
-        Not through redis-py's RedisCluster.execute_command: on CLUSTERDOWN (every
-        node's answer, by default, while a master is flagged failed and not yet
-        replaced) that sleeps 0.25 s and then rebuilds the whole slot map (16,384
-        slots, about 4 ms of this loop in one piece) before it raises, so every call
-        to a live master waits for its deadline; on a refused connection it asks for a
-        rebuild that the next command to any node runs. Here a failure is this node's
-        alone (see _node_failed), and the slot map is followed off the request path
-        (see _follow_topology). A redirect (MOVED, ASK: slots migrating) is left to
-        redis-py, which follows it."""
+        Not through RedisCluster.execute_command: on CLUSTERDOWN (every node's answer
+        while a master is flagged failed) that sleeps 0.25 s and rebuilds the whole slot
+        map before it raises, and on a refused connection it asks for a rebuild that the
+        next command runs. Here a failure is this node's alone (see _node_failed) and the
+        map is followed off the request path (see _follow_topology). Redirects (MOVED,
+        ASK) are left to redis-py."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -298,10 +281,9 @@ class ScriptCalls:
         asyncio.get_running_loop().call_later(self.silence, check)
 
     def _node_gate(self, name: str) -> CircuitBreaker:
-        """A Cluster node's own breaker: calls to a node that just failed fail at once
-        for a backoff, then one goes through, while the other nodes are called as
-        usual. Without it a master that is away until its replica is promoted costs
-        every call to its slots a connection attempt."""
+        """A Cluster node's own breaker: calls to a node that just failed fail at once for
+        a backoff, then one goes through; other nodes are called as usual. Without it an
+        absent master would cost every call to its slots a connection attempt."""
         gate = self._node_gates.get(name)
         if gate is None:
             if len(self._node_gates) >= MAX_NODE_GATES:
@@ -312,13 +294,11 @@ class ScriptCalls:
         return gate
 
     def _node_failed(self, node: Any, gate: CircuitBreaker, exc: BaseException) -> StoreUnavailable:
-        """A call to a Cluster node failed. An error reply (CLUSTERDOWN, TRYAGAIN...)
-        came from a node that is there and answers at once: the call is answered by
-        failure_mode, and the node stays open to calls (it serves again the moment
-        the cluster does). A failed connection is the node's alone: its breaker opens,
-        its idle connections are dialled again on their next use. Either way the slot
-        ranges are followed for a while (a promotion moves them), and the store as a
-        whole counts a failure only when no node it calls works."""
+        """A call to a Cluster node failed. After an error reply (CLUSTERDOWN,
+        TRYAGAIN...) the node stays open to calls: it serves again the moment the cluster
+        does. A failed connection opens the node's breaker and its idle connections are
+        dialled again. Either way the slot ranges are followed for a while (a promotion
+        moves them); the store counts a failure only when no node it calls works."""
         reason = describe(exc)
         self._follow_until = asyncio.get_running_loop().time() + FOLLOW_FOR
         self._follow_topology_soon()
@@ -345,12 +325,10 @@ class ScriptCalls:
 
     async def _follow_topology(self) -> None:
         """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY:
-        the slot ranges as a node that answers sees them (CLUSTER SLOTS, a few
-        hundred bytes), and the slot map changed only when they name another master
-        than the map does: a promoted replica takes its ranges in place (see
-        _promote), anything else rebuilds the map. One look at a time, each within
-        ``sync_timeout``, off the request path; a look that fails is tried again with
-        the next node."""
+        the slot ranges as a node that answers sees them (CLUSTER SLOTS), and the slot map
+        changed only where they name another master: a promoted replica takes its ranges
+        in place (see _promote), anything else rebuilds the map. One look at a time, each
+        within ``sync_timeout``; a look that fails is tried again with the next node."""
         loop = asyncio.get_running_loop()
         while loop.time() < self._follow_until or any(
             not gate.healthy for gate in self._node_gates.values()
@@ -390,15 +368,12 @@ class ScriptCalls:
         return moved
 
     async def _promote(self, moved: list[tuple[int, int, str, int]]) -> bool:
-        """The ranges in ``moved`` given to their new masters in place, when each is a
-        failover: the new master serves no other slot (a promoted replica, known to
-        the map or not). Each new master is readied first (see _ready_master); then
-        its slots get a new node list, the new master first and the old one as a
-        replica, each slot assigned (5,461 of them for a third of the slots: a
-        fraction of a millisecond). The whole map's rebuild instead holds this loop
-        about 4 ms (16,384 slots, twice over), one more stall for every call in
-        flight. False, with nothing changed, when a range is no failover (slots
-        migrated to another master): the map is then rebuilt."""
+        """The ranges in ``moved`` given in place to their new masters, when each is a
+        failover (the new master serves no other slot): each new master readied (see
+        _ready_master), then its slots get a new node list, the new master first and the
+        old one as a replica. Far cheaper than the whole map's rebuild, which stalls this
+        loop for every call in flight. False, with nothing changed, when a range is no
+        failover (slots migrated): the map is then rebuilt."""
         nodes = self.client.nodes_manager
         slots = nodes.slots_cache
         targets = []
@@ -426,19 +401,16 @@ class ScriptCalls:
         return True
 
     async def _ready_master(self, node: Any) -> None:
-        """A promoted master readied before it gets its slots: WARM_CONNECTIONS
-        connections opened, and the scripts loaded (a replica never ran them, and
-        SCRIPT LOAD is not replicated). Otherwise the calls in flight when its slots
-        arrive each dial a connection of their own and are refused NOSCRIPT, inside
-        their deadlines."""
+        """A promoted master readied before it gets its slots: WARM_CONNECTIONS opened and
+        the scripts loaded (SCRIPT LOAD is not replicated); otherwise the calls in flight
+        would each dial a connection and be refused NOSCRIPT, inside their deadlines."""
         await asyncio.gather(*(node.execute_command("PING") for _ in range(WARM_CONNECTIONS)))
         for script in self.scripts:
             await node.execute_command("SCRIPT", "LOAD", script.script)
 
     def _forget_gone_nodes(self) -> None:
-        """After the slot map changed: the breakers of nodes that serve no slot any
-        more (a dead master whose replica was promoted) are dropped, so the store no
-        longer counts them unavailable."""
+        """Drop the breakers of nodes that serve no slot (a dead master whose replica was
+        promoted), so the store does not count them unavailable."""
         masters = {node.name for node in self.client.get_primaries()}
         for name in [name for name in self._node_gates if name not in masters]:
             del self._node_gates[name]
@@ -453,12 +425,10 @@ class ScriptCalls:
         return StoreUnavailable(f"redis: {reason}")
 
     def _redial(self, reason: str) -> None:
-        """Drop the connections that gave ``reason``: the request path's pipe at once
-        (its outstanding calls fail with it, so no later reply of that connection drops
-        the next one), redis-py's pool at most every REDIAL_EVERY seconds (every call
-        on it answers the same). After a failover that moved an address, a new
-        connection reaches the new master; the old ones would reach the demoted one for
-        ever."""
+        """Drop the connections that gave ``reason``, so that after a failover a new
+        connection reaches the new master: the request path's pipe at once (its
+        outstanding calls fail with it), redis-py's pool at most every REDIAL_EVERY
+        seconds (every call on it answers the same)."""
         now = asyncio.get_running_loop().time()
         if self.pipe is not None:
             self.pipe.drop(f"redis connection dropped: {reason}")
@@ -524,13 +494,10 @@ class ScriptCalls:
 
     def breaker_state(self) -> BreakerState:
         """The store's breaker as the status page shows it."""
+        b = self.breaker
+        errors = float(b.total_failures + self.node_failures)
         return BreakerState(
-            "store",
-            self.breaker.open,
-            self.breaker.healthy,
-            float(self.breaker.total_failures + self.node_failures),
-            float(self.breaker.outages),
-            float(self.breaker.recoveries),
+            "store", b.open, b.healthy, errors, float(b.outages), float(b.recoveries)
         )
 
     def figures(self) -> dict[str, float]:

@@ -1,20 +1,18 @@
 """One pipelined connection to one Redis server, for the exact-mode request path.
 
 redis-py's asyncio client spends more CPU per command (connection pool, per-command
-locking, stream reads) than the rest of a ShouldRateLimit call.
-Redis answers the commands of one connection in order, so one connection can carry
-any number of outstanding commands: this module writes each command to the socket
+locking, stream reads) than the rest of a ShouldRateLimit call. Redis answers the
+commands of one connection in order, so this module writes each command to the socket
 at once and, as replies arrive (hiredis parses them), hands each to the callback its
-command came with, in order. The request path needs no future per command, and the
-reply reaches the batcher in the same loop turn that read it. A caller that gives up
-early leaves nothing broken: its reply is read and dropped.
+command came with: no future per command, and the reply reaches the batcher in the loop
+turn that read it. A caller that gives up early leaves nothing broken: its reply is read
+and dropped.
 
 The socket is read by this module itself (``loop.add_reader``, and TLS through an
 ``ssl.SSLObject`` on memory buffers), not through an asyncio transport, so that
-:meth:`RedisPipe.poll` can read what the kernel already holds at any moment. A caller
-about to give up on a reply polls first: a reply that came while this process was
-descheduled or its loop busy elsewhere is used, not charged to Redis as a timeout
-(uvloop runs due timers before it polls for I/O, so a timer alone would not see it).
+:meth:`RedisPipe.poll` can read what the kernel already holds at any moment: a caller
+about to give up on a reply polls first (uvloop runs due timers before it polls for
+I/O, so a timer alone would not see a reply that came while the loop was busy).
 
 The connection also knows when it last read a byte: "no byte at all for a while with
 commands outstanding" (:meth:`RedisPipe.silent_for`) is the evidence that a peer is
@@ -125,8 +123,7 @@ class _Connection:
         self._tls = tls
         self._observe = observe
         self._reader = hiredis.Reader()
-        # (whom to deliver to, sent at, the script and EVALSHA command to retry as EVAL
-        # on NOSCRIPT)
+        # (whom to deliver to, sent at, the script and EVALSHA to retry as EVAL on NOSCRIPT)
         self._waiting: deque[tuple[Deliver, float, _Retry | None]] = deque()
         self._unsent = bytearray()
         self.closed = False
@@ -282,6 +279,11 @@ class RedisPipe:
         self._connecting: asyncio.Task[_Connection] | None = None
         self.connects = 0
 
+    def _live(self) -> _Connection | None:
+        """The connection, if it is open."""
+        connection = self._connection
+        return connection if connection is not None and not connection.closed else None
+
     async def connected(self) -> _Connection:
         """The open connection, opening one if needed. The attempt runs as its own
         task, shared by every caller and shielded from their deadlines: a request's
@@ -290,7 +292,7 @@ class RedisPipe:
         task = self._connecting
         if task is None or task.done():
             task = self._connecting = asyncio.ensure_future(self._connect())
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(forget)
         return await asyncio.shield(task)
 
     async def evalsha(self, sha: str, script: str, keys: list[str], args: list[Any]) -> Any:
@@ -306,35 +308,31 @@ class RedisPipe:
         """Like :meth:`evalsha` but with neither a coroutine nor a future: ``deliver``
         gets the reply. False, and nothing sent, when there is no open connection (use
         :meth:`evalsha` then)."""
-        connection = self._connection
-        if connection is None or connection.closed:
+        connection = self._live()
+        if connection is None:
             return False
         _evalsha(connection, sha, script, keys, args, deliver)
         return True
 
     def poll(self) -> None:
         """Read and deliver the replies already on the socket, now."""
-        connection = self._connection
-        if connection is not None and not connection.closed:
+        if (connection := self._live()) is not None:
             connection.poll()
 
     def silent_for(self) -> float:
         """Seconds with commands outstanding and no byte read (see _Connection)."""
-        connection = self._connection
-        if connection is None or connection.closed:
-            return 0.0
-        return connection.silent_for()
+        connection = self._live()
+        return 0.0 if connection is None else connection.silent_for()
 
     def drop(self, reason: str) -> None:
         """Close the connection: every outstanding command fails with ``reason``, and
         the next command opens a fresh one."""
-        connection = self._connection
-        if connection is not None and not connection.closed:
+        if (connection := self._live()) is not None:
             connection.abort(reason)
 
     async def _connect(self) -> _Connection:
-        if self._connection is not None and not self._connection.closed:
-            return self._connection
+        if (live := self._live()) is not None:
+            return live
         async with asyncio.timeout(self._connect_timeout):
             connection = await self._open()
             await self._handshake(connection)
@@ -430,8 +428,8 @@ def _pack_eval(retry: _Retry) -> bytes:
     return packed
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Collect a failed attempt's error: callers may all have given up on it."""
+def forget(task: asyncio.Future[Any]) -> None:
+    """Collect the outcome of a task nobody may wait for any more."""
     if not task.cancelled():
         task.exception()
 

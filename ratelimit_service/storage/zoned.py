@@ -49,9 +49,8 @@ least recently published first)."""
 
 
 class ZoneRedisStore(RedisStore):
-    """The zone store: a RedisStore that keeps the zone's indexes (its ZoneKeys), and
-    answers the aggregator's lease, reads and writes. Every aggregator call is bounded
-    by the deadline (the event loop's time) or timeout it is given."""
+    """The zone store (see the module's docstring). Every aggregator call is bounded by
+    the deadline (the event loop's time) or timeout it is given."""
 
     def __init__(self, url: str, zone: str, **options: Any) -> None:
         keys = ZoneKeys.of(options.get("prefix", default("--redis-key-prefix")), zone)
@@ -91,8 +90,9 @@ class ZoneRedisStore(RedisStore):
         written = 0
         for start in range(0, max(1, len(shares)), CALL_CHUNK):
             chunk = shares[start : start + CALL_CHUNK]
-            shares_now = [share for _, share in chunk]
-            args = write_args(shares_now, None if start else zones, keep_ms, token)
+            args = write_args(
+                [share for _, share in chunk], None if start else zones, keep_ms, token
+            )
             keys = [self.keys.zones, self.keys.fence, *(key for key, _ in chunk)]
             raw = await self.redis.call(self._write, keys, args, self.redis.time_left(deadline))
             answer = zone_write_reply(raw)
@@ -110,9 +110,8 @@ class ZoneRedisStore(RedisStore):
 
 
 class ZonedStore:
-    """The Store seam for a replica in a zone: RLQS and probabilistic rules on the zone
-    store, exact rules on the global store. The zone's aggregator runs beside it
-    (engine/zone_aggregator.py, wired by server/app.py)."""
+    """The Store seam for a replica in a zone (see the module's docstring); the zone's
+    aggregator runs beside it, wired by server/app.py."""
 
     def __init__(self, zone_store: ZoneRedisStore, global_store: RedisStore) -> None:
         self.zone_store = zone_store
