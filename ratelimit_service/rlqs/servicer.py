@@ -2,18 +2,17 @@
 reports in, bucket assignments out (the decisions are engine/quota.py's).
 
 One stream is one Envoy instance (Envoy 1.40 shares one RLQS client and stream per
-process, target and domain). It is named by the ``x-envoy-node-id`` initial metadata
-when Envoy sends it (``rlqs_server.grpc_service.initial_metadata``), else by its peer
-address and the stream, so two Envoys behind one address still count as two. Every
-report is answered at once with an action for each of its buckets: the token bucket
-is re-sent each time, which renews its TTL (an identical bucket keeps its tokens in
-Envoy). Never ``requests_per_time_unit``: Envoy 1.40 ignores it. Between reports a
-stream also carries the larger buckets another Envoy's report made room for
-(QuotaCoordinator._grow): the protocol lets the server push at any time.
+process, target and domain), named by the ``x-envoy-node-id`` initial metadata when Envoy
+sends it (``rlqs_server.grpc_service.initial_metadata``), else by its peer address and
+the stream, so two Envoys behind one address still count as two. Every report is
+answered at once with an action for each of its buckets: the token bucket is re-sent
+each time, which renews its TTL (an identical bucket keeps its tokens in Envoy). Never
+``requests_per_time_unit``: Envoy 1.40 ignores it. Between reports a stream also carries
+the larger buckets another Envoy's report made room for (QuotaCoordinator._grow).
 
 When the service stops (QuotaCoordinator.close_streams), every stream ends at once with
-UNAVAILABLE ("shutting down"): an orderly end with a status, not the cancellation gRPC
-would make of it once the server's grace has run out.
+UNAVAILABLE: an orderly end with a status, not the cancellation gRPC would make of it
+once the server's grace has run out.
 """
 
 from __future__ import annotations
@@ -77,14 +76,7 @@ class QuotaServicer:
                 if isinstance(item, list):  # assignments pushed between reports
                     actions = item
                 else:
-                    usages = [
-                        Usage(
-                            dict(usage.bucket_id.bucket),
-                            usage.num_requests_allowed,
-                            usage.num_requests_denied,
-                        )
-                        for usage in item.bucket_quota_usages
-                    ]
+                    usages = [usage_of(usage) for usage in item.bucket_quota_usages]
                     traced = None
                     if self.tracing is not None:
                         traced = self.tracing.report(
@@ -96,15 +88,20 @@ class QuotaServicer:
                         with traced:
                             actions = await coordinator.report(instance, item.domain, usages)
                 if actions:
-                    yield rlqs_pb2.RateLimitQuotaResponse(
-                        bucket_action=[bucket_action(a) for a in actions]
-                    )
+                    yield rlqs_pb2.RateLimitQuotaResponse(bucket_action=map(bucket_action, actions))
             if coordinator.closing.is_set():
                 context.set_code(grpc.StatusCode.UNAVAILABLE)
                 context.set_details(SHUTTING_DOWN)
         finally:
             coordinator.forget(instance)
             log.debug("RLQS stream from %s ended", instance)
+
+
+def usage_of(usage: Any) -> Usage:
+    """A bucket's usage in a report, as the coordinator counts it."""
+    return Usage(
+        dict(usage.bucket_id.bucket), usage.num_requests_allowed, usage.num_requests_denied
+    )
 
 
 def report_attributes(instance: str, report: Any) -> dict[str, Any]:
@@ -134,10 +131,9 @@ async def incoming(
     closing: asyncio.Event,
     pushed: asyncio.Queue[list[Action]],
 ) -> AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports | list[Action]]:
-    """The stream's reports, and the assignments pushed to it, until the client ends
-    it or ``closing`` is set, whichever comes first: a stream waits for its next report
-    most of the time (5 s apart), so the wait itself must give way. A few tasks per
-    report are nothing at that rate."""
+    """The stream's reports, and the assignments pushed to it, until the client ends it
+    or ``closing`` is set: a stream waits for its next report most of the time, so the
+    wait itself must give way (a few tasks per report are nothing at that rate)."""
     stop = asyncio.ensure_future(closing.wait())
     next_message: asyncio.Future[rlqs_pb2.RateLimitQuotaUsageReports] | None = None
     next_push: asyncio.Future[list[Action]] | None = None

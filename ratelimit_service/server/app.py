@@ -52,7 +52,7 @@ from ratelimit_service.server.explain_page import explain_page
 from ratelimit_service.server.gc_policy import Tenuring
 from ratelimit_service.server.go_http import GoEndpoints
 from ratelimit_service.server.grpc_calls import grpc_call_metrics
-from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
+from ratelimit_service.server.http_server import INDEX, HttpServer, PageResult, pages, query_page
 from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.status_page import status_routes
 from ratelimit_service.server.tls import CertificateReloader
@@ -75,10 +75,13 @@ def load_rules(settings: Settings) -> RateLimitConfig:
             "no rule file (*.yaml, *.yml) in %s: no domain is limited until one appears",
             settings.config_path,
         )
+    return load_files(settings, files)
+
+
+def load_files(settings: Settings, files: list[ConfigFile]) -> RateLimitConfig:
+    """Rule files (ours or a config source's) loaded with the service's settings."""
     return load_config(
-        files,
-        default_mode=settings.mode,
-        merge_domains=settings.merge_domain_config,
+        files, default_mode=settings.mode, merge_domains=settings.merge_domain_config
     )
 
 
@@ -167,7 +170,10 @@ class RateLimitService:
         self.xds: XdsConfigSource | None = None
         if settings.xds is not None:
             self.xds = XdsConfigSource(
-                settings.xds, load=self._load_files, install=self.install_rules, stats=self.stats
+                settings.xds,
+                load=lambda files: load_files(settings, files),
+                install=self.install_rules,
+                stats=self.stats,
             )
         else:
             self.watcher = ConfigWatcher(
@@ -199,7 +205,7 @@ class RateLimitService:
                     "/metrics": self._metrics_stream,
                     "/rlconfig": self._rlconfig_page,
                     **status_routes(self.status),
-                    "/": self._index_page,
+                    "/": lambda: (200, "text/plain", INDEX),
                 }
             )
             | {"/explain": query_page(self._explain_page)}
@@ -222,10 +228,8 @@ class RateLimitService:
             )
         self.statsd: StatsdSink | None = None
         if settings.statsd_addr:
-            statsd_host, statsd_port = _split_addr(settings.statsd_addr)
-            self.statsd = StatsdSink(
-                self.stats, statsd_host, statsd_port, settings.statsd_flush_interval
-            )
+            host, port = _split_addr(settings.statsd_addr)
+            self.statsd = StatsdSink(self.stats, host, port, settings.statsd_flush_interval)
         self.metrics = StatsCollector(self.stats, self._gauges)
         self._server: grpc.aio.Server | None = None
         self.servicer: RateLimitServicer | None = None
@@ -310,13 +314,12 @@ class RateLimitService:
             ("grpc.so_reuseport", reuse),
             ("grpc.max_receive_message_length", settings.max_request_bytes),
         ]
-        if settings.grpc_max_connection_age is not None:
-            options.append(
-                ("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age * 1000))
-            )
-        if settings.grpc_max_connection_age_grace is not None:
-            grace = int(settings.grpc_max_connection_age_grace * 1000)
-            options.append(("grpc.max_connection_age_grace_ms", grace))
+        for name, seconds in (
+            ("grpc.max_connection_age_ms", settings.grpc_max_connection_age),
+            ("grpc.max_connection_age_grace_ms", settings.grpc_max_connection_age_grace),
+        ):
+            if seconds is not None:
+                options.append((name, int(seconds * 1000)))
         return options
 
     async def _start_admin(self) -> None:
@@ -325,33 +328,20 @@ class RateLimitService:
             (self.admin, self.settings.admin_addr, "admin"),
             (self.prometheus, self.settings.prometheus_addr, "prometheus"),
         ):
-            if server is None or not addr:
-                continue
-            host, port = _split_addr(addr)
-            try:
-                await server.start(host, port)
-            except OSError as exc:
-                raise OSError(f"cannot listen on {addr} ({role}): {exc}") from exc
+            if server is not None and addr:
+                await _listen(server, addr, role)
 
     async def _start_go_ports(self, servicer: RateLimitServicer) -> None:
         """The Go service's HTTP and debug listeners, those that are asked for."""
         settings = self.settings
         if settings.http_addr:
-            endpoints = GoEndpoints(servicer, self.healthy)
-            http = HttpServer(endpoints.routes(), max_body=settings.max_request_bytes)
-            host, port = _split_addr(settings.http_addr)
-            try:
-                await http.start(host, port, reuse_port=settings.reuse_port)
-            except OSError as exc:
-                raise OSError(f"cannot listen on {settings.http_addr} (http): {exc}") from exc
+            routes = GoEndpoints(servicer, self.healthy).routes()
+            http = HttpServer(routes, max_body=settings.max_request_bytes)
+            host = await _listen(http, settings.http_addr, "http", settings.reuse_port)
             self.http = http
             log.info("serving /healthcheck and /json on %s:%d", host, http.port)
         if self.debug is not None and settings.debug_addr:
-            host, port = _split_addr(settings.debug_addr)
-            try:
-                await self.debug.start(host, port)
-            except OSError as exc:
-                raise OSError(f"cannot listen on {settings.debug_addr} (debug): {exc}") from exc
+            host = await _listen(self.debug, settings.debug_addr, "debug")
             log.info("serving /rlconfig and /metrics on %s:%d", host, self.debug.port)
 
     async def _stop_listeners(self) -> None:
@@ -470,13 +460,6 @@ class RateLimitService:
         else:
             log.info("SIGHUP: rules come from xDS; nothing to reload")
 
-    def _load_files(self, files: list[ConfigFile]) -> RateLimitConfig:
-        """Rule files from a config source loaded as the service loads its own."""
-        settings = self.settings
-        return load_config(
-            files, default_mode=settings.mode, merge_domains=settings.merge_domain_config
-        )
-
     def _initial_rules(self) -> RateLimitConfig:
         """The rules at start; with force_start_without_initial_config, rules that do
         not load are logged and the service starts with none (the watcher keeps looking).
@@ -518,13 +501,6 @@ class RateLimitService:
     def _rlconfig_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; charset=utf-8", self.limiter.config.dump().encode()
 
-    def _index_page(self) -> tuple[int, str, bytes]:
-        return (
-            200,
-            "text/plain",
-            b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n/explain\n",
-        )
-
     async def _explain_page(self, query: str) -> PageResult:
         return await explain_page(self.limiter, query)
 
@@ -564,6 +540,16 @@ def _bind_error(addr: str, reuse_port: bool) -> str:
     except (OSError, ValueError) as exc:
         return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
     return "the address is not available"
+
+
+async def _listen(server: HttpServer, addr: str, role: str, reuse_port: bool = False) -> str:
+    """Start ``server`` on ``addr``; returns the host. An OSError names the listener."""
+    host, port = _split_addr(addr)
+    try:
+        await server.start(host, port, reuse_port=reuse_port)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {addr} ({role}): {exc}") from exc
+    return host
 
 
 def _split_addr(addr: str) -> tuple[str, int]:

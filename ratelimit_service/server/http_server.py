@@ -7,11 +7,10 @@ request bodies (Content-Length or chunked, bounded), ``Expect: 100-continue``, a
 timeout for each request and for idle connections.
 
 A page may answer with its body in pieces (an iterator of bytes, /metrics), so that a
-large page never holds the calls the same loop answers: the server takes the pieces in
-stretches that leave the loop to the calls between (engine/background.in_stretches),
-and writes the page in blocks the same way. The page is sent with a Content-Length, as
-every page is (the simplest clients, the supervisor's among them, need no chunked
-coding).
+large page never holds the calls the same loop answers: the server takes the pieces and
+writes the page in stretches that leave the loop to the calls between
+(engine/background.in_stretches). Every page is sent with a Content-Length (the simplest
+clients, the supervisor's among them, need no chunked coding).
 """
 
 from __future__ import annotations
@@ -225,25 +224,25 @@ Page = Callable[[], PageResult | Awaitable[PageResult]]
 """A read-only page: GET (and HEAD) only."""
 
 
+QueryPage = Callable[[str], Awaitable[PageResult]]
+"""A read-only page that reads its query string."""
+INDEX = b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n/explain\n"
+"""The admin port's index page (the service's and the supervisor's)."""
+
+
 def pages(routes: dict[str, Page]) -> dict[str, Handler]:
     """Handlers for read-only pages: other methods get 405."""
-    return {path: _page_handler(page) for path, page in routes.items()}
+    return {path: query_page(_without_query(page)) for path, page in routes.items()}
 
 
-def _page_handler(page: Page) -> Handler:
-    async def handle(method: str, body: bytes, query: str) -> PageResult:
-        if method not in ("GET", "HEAD"):
-            return 405, "text/plain", b"method not allowed\n"
+def _without_query(page: Page) -> QueryPage:
+    async def read(query: str) -> PageResult:
         result = page()
         if inspect.isawaitable(result):
             return await result
         return result
 
-    return handle
-
-
-QueryPage = Callable[[str], Awaitable[PageResult]]
-"""A read-only page that reads its query string."""
+    return read
 
 
 def query_page(page: QueryPage) -> Handler:

@@ -32,12 +32,10 @@ class JsonFormatter(logging.Formatter):
 
 
 class LateAnswers(logging.Filter):
-    """Drops grpc's ERROR for an answer that came after its call ended (the caller's
-    deadline passed, or it went away): grpc's core refuses to send it, and grpc logs
-    ``ExecuteBatchError`` with a traceback. The caller had already stopped waiting and
-    its policy (Envoy's failure mode) answered; a slow answer shows in the latency
-    histogram and the loop-lag metric, not as a traceback per call. Counted in
-    ``dropped``."""
+    """Drops (and counts in ``dropped``) grpc's ERROR for an answer that came after its
+    call ended: grpc logs ``ExecuteBatchError`` with a traceback, though the caller's
+    policy (Envoy's failure mode) had answered. A slow answer shows in the latency
+    histogram and the loop-lag metric, not as a traceback per call."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,9 +43,7 @@ class LateAnswers(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        late = type(error).__name__ == "ExecuteBatchError" or (
-            "ExecuteBatchError" in str(record.msg)
-        )
+        late = type(error).__name__ == "ExecuteBatchError" or "ExecuteBatchError" in str(record.msg)
         if late:
             self.dropped += 1
         return not late

@@ -80,24 +80,15 @@ class Settings:
     shutdown_grace: float = 5.0
     """Seconds calls in flight may take to finish once draining is over (no flag)."""
     xds: XdsSettings | None = None
-    """Rules from an xDS server (the --xds-* flags; the Go service's
-    CONFIG_TYPE=GRPC_XDS_SOTW) instead of files; config_path is then unused. Unless
-    force_start_without_initial_config, the service listens only once the first rules
-    are installed."""
+    """Rules from an xDS server (the --xds-* flags; the Go service's CONFIG_TYPE=GRPC_XDS_SOTW)
+    instead of files. Unless force_start_without_initial_config, the service listens only
+    once the first rules are installed."""
 
 
 def fields_from(values: dict[str, Any]) -> dict[str, Any]:
     """Settings fields from parsed values by flag ``dest``: every declared field, and
     the header names (four flags, one field)."""
-    fields = {}
-    for setting in SETTINGS:
-        if setting.fills is None:
-            continue
-        fields[setting.fills] = setting.field(values[setting.dest])
-    fields["header_names"] = HeaderNames(
-        values["header_limit"],
-        values["header_remaining"],
-        values["header_reset"],
-        values["header_rule"],
-    )
+    fields = {s.fills: s.field(values[s.dest]) for s in SETTINGS if s.fills is not None}
+    headers = (values[f"header_{part}"] for part in ("limit", "remaining", "reset", "rule"))
+    fields["header_names"] = HeaderNames(*headers)
     return fields

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratelimit_service.core.address import listen_host, split_host_port
-from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
+from ratelimit_service.server.http_server import INDEX, HttpServer, PageResult, pages, query_page
 from ratelimit_service.server.status_page import HTML, JSON, PAGE, workers_json
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class Supervisor:
                     "/rlconfig": self._rlconfig,
                     "/status": lambda: (200, HTML, PAGE),
                     "/status.json": self._status,
-                    "/": self._index,
+                    "/": lambda: (200, "text/plain", INDEX),
                 }
             )
             | {"/explain": query_page(self._explain)}
@@ -190,13 +190,6 @@ class Supervisor:
             return 503, "text/plain", b"worker 0 is not answering\n"
         kind = "application/json" if body.startswith(b"{") else "text/plain; charset=utf-8"
         return status, kind, body
-
-    async def _index(self) -> tuple[int, str, bytes]:
-        return (
-            200,
-            "text/plain",
-            b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n/explain\n",
-        )
 
     def _forward(self, sig: int) -> None:
         for worker in self.workers:
