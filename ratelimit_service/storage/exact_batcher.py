@@ -1,36 +1,29 @@
 """Group commit for exact mode: concurrent requests share one script call.
 
-Each script call costs a write and a read system call, a wake-up of this process and of
-Redis, and a Lua start-up, whatever it carries. So calls are paced: one leaves at most
-every ``gap`` seconds (``--exact-batch-hold``). A request that comes a gap or more after
-the last call left goes out at once; one that comes sooner opens a batch that leaves when
-the gap is over, and the requests that come meanwhile join it, as one EVALSHA of
-exact_window.lua. The script decides them one after the other, so the outcome is the same
-as separate calls. Batches grow with the load by themselves (about rate x gap requests a
-call), and no request waits longer than the gap for company. Sending at once would mean
-one request per call however high the load: grpc.aio starts about one RPC per turn of the
-event loop and Redis answers within a turn. Calls are pipelined on one connection, up to
-MAX_IN_FLIGHT at a time, so a slow Redis adds its round trip, not a queue of round trips;
-a full batch (MAX_BATCH_DESCRIPTORS) leaves at once.
+Each script call costs system calls, wake-ups of this process and of Redis, and a Lua
+start-up, whatever it carries. So calls are paced: one leaves at most every ``gap``
+seconds (``--exact-batch-hold``). A request that comes a gap or more after the last call
+goes out at once; one that comes sooner opens a batch that leaves when the gap is over,
+joined by the requests that come meanwhile, as one EVALSHA of exact_window.lua, which
+decides them one after the other (the outcome of separate calls). Batches grow with the
+load by themselves (about rate x gap requests a call). Sending at once would mean one
+request per call however high the load: grpc.aio starts about one RPC per loop turn, and
+Redis answers within a turn. Calls are pipelined, up to MAX_IN_FLIGHT at a time; a full
+batch (MAX_BATCH_DESCRIPTORS) leaves at once.
 
-Each request waits for its reply until its own deadline: the caller's (which the limiter
-passes down) or, without one, ``timeout`` after it was submitted. One timer serves every
-request; when it fires, the channel first reads what is already on the socket
-(Channel.poll), so a reply that arrived while the loop was busy is used, not taken for a
-Redis failure. Requests past their deadline are then answered with StoreUnavailable
-(their rules' failure_mode applies). A request that could only be given up is answered
-so at once (``late``, ``hopeless``: see ExactBatcher): an answer at the last moment often
-reaches its caller too late, and the call costs Redis for nothing. Giving up says nothing
-about Redis, so it is no breaker event: the channel decides from evidence (errors, a
-silent connection) when Redis is down. Past ``max_pending`` waiting requests,
+Each request waits until its own deadline (the caller's, or ``timeout`` after it was
+submitted); one timer serves them all. When it fires, the channel first reads what is on
+the socket (Channel.poll), so a reply that came while the loop was busy is used; then
+the requests past their deadline are answered with StoreUnavailable (failure_mode
+applies). A request that could only be given up is answered so at once (``late``,
+``hopeless``): an answer at the last moment often comes too late, and the call costs
+Redis for nothing. Giving up is no breaker event: the channel decides from evidence
+(errors, a silent connection) when Redis is down. Past ``max_pending`` waiting requests,
 :meth:`ExactBatcher.submit` refuses at once with :class:`StoreOverloaded`.
 
-A request whose rules fail open (``owe``) is not lost to the window when Redis fails: see
-owed_hits, which the batcher feeds. A reply that comes after its request was given up
-still tells whether Redis counted it.
-
-The batcher is written with callbacks, not tasks: at one request per batch a task and a
-chain of coroutines per call cost more CPU than the rest of the exact-mode path.
+Requests whose rules fail open (``owe``) are not lost to the window when Redis fails:
+see owed_hits. Callbacks, not tasks: at one request per batch, a task and a chain of
+coroutines per call would cost more CPU than the rest of the exact-mode path.
 """
 
 from __future__ import annotations
@@ -59,13 +52,11 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 32
 """Script calls outstanding at once; further requests queue into the next batch."""
 MAX_BATCH_DESCRIPTORS = 256
-"""Descriptors per script call: bounds how long one Lua call holds Redis. A full
-batch goes out at once, even while another call is in flight."""
+"""Descriptors per script call: bounds how long one Lua call holds Redis."""
 LONE_BATCHES = 2
 """Held batches in a row that left with one request each, after which a request within
-the gap goes at once while no call is out: nobody came to share the wait (a client that
-sends its next call only once this one is answered). A held batch that finds company, or
-a request that comes while a call is out, brings the wait back."""
+the gap goes at once while no call is out (a client that sends its next call only once
+this one is answered). A batch that finds company, or a call out, brings the wait back."""
 PROMPT_WINDOW = 1.0
 """Seconds of replies over which ExactBatcher.prompt takes the quickest (this window and
 the one before): it follows a slower Redis within two windows, a quicker one at once."""
@@ -84,19 +75,17 @@ class Channel(Protocol):
         ...
 
     def poll(self) -> None:
-        """Deliver now the replies already received (read the socket), and fail the
-        calls of a connection known to be dead."""
+        """Deliver the replies already on the socket; fail the calls of a dead connection."""
         ...
 
     def silent_longer_than(self, seconds: float) -> bool:
         """Whether Redis has sent no byte for longer than ``seconds`` while calls wait
-        for it (after reading what the socket holds): a request that can wait only that
-        long would most likely wait in vain, so it is answered at once."""
+        (after reading the socket): a request that can wait only that long is answered
+        at once."""
         ...
 
     def ready(self) -> bool:
-        """Whether a call sent now would go to Redis (the circuit is closed): owed hits
-        ride only on calls that can carry them."""
+        """Whether a call sent now would go to Redis: owed hits ride only on those."""
         ...
 
     def timed_out(self, requests: int) -> None:
@@ -126,9 +115,8 @@ class _Waiter:
         self.count = count
         """Its descriptors."""
         self.since = since
-        """If its hits are owed to Redis should the call fail, since when (an owed
-        request sent again keeps its first time, so it still expires with its window
-        however long Redis stays away)."""
+        """If its hits are owed to Redis should the call fail, since when (kept when it
+        is sent again, so it expires with its window however long Redis stays away)."""
         self.deadline = deadline
         self.submitted = submitted
         self.open = future is not None
@@ -147,8 +135,7 @@ class _Batch:
         self.args: list[Any] = exact_batch_args(slices)
         self.waiters: list[_Waiter] = []
         self.done = False
-        """Its call slot is free: answered, or every caller gave up (a reply may
-        still come and tell what Redis did with owed hits)."""
+        """Its call slot is free: answered, or every caller gave up."""
         self.forced = 0
         """Owed requests in it (nobody waits for them)."""
         self.sent_at = 0.0
@@ -198,11 +185,10 @@ class ExactBatcher:
         self.given_up = 0
         """Requests answered with StoreUnavailable at their deadline."""
         self.hopeless = 0
-        """Requests answered with StoreUnavailable at once: Redis had been silent for
-        longer than they could wait."""
+        """Requests answered with StoreUnavailable at once: Redis silent too long."""
         self.late = 0
-        """Requests answered with StoreUnavailable at once: they had less time left
-        than Redis's prompt answers take lately (see :attr:`prompt`)."""
+        """Requests answered with StoreUnavailable at once: less time left than
+        :attr:`prompt`."""
         self.prompt = 0.0
         """Seconds from sending a call to reading its reply, the quickest in the last
         PROMPT_WINDOW or two (0 before the first reply), this process's own delays
@@ -220,9 +206,7 @@ class ExactBatcher:
         self._timer_at = 0.0
         """When the timer fires (uvloop's handles for a time already past do not say)."""
         self.gap = gap
-        """Seconds from one script call to the next at least: a batch that opens sooner
-        after the last call left waits for the rest of the gap, gathering the requests
-        that come meanwhile (0: every batch leaves at once)."""
+        """Seconds from one script call to the next at least (0: no batch waits)."""
         self._last_sent = -gap
         """When the last script call left (the loop's clock)."""
         self._lone = 0
@@ -240,11 +224,10 @@ class ExactBatcher:
         owe: bool = False,
         deadline: float | None = None,
     ) -> asyncio.Future[list[ExactResult]]:
-        """One request: its keys and its hits' ARGV part (:func:`hit_args`). ``owe``:
-        the caller admits the request if the call fails, so its hits are owed to Redis
-        then (see owed_hits). ``deadline`` (the loop's clock): when the caller can no
-        longer use the answer; at most ``timeout`` from now. Raises StoreOverloaded,
-        sending nothing, when ``max_pending`` requests are waiting."""
+        """One request: its keys and its hits' ARGV part (:func:`hit_args`). ``owe``: the
+        caller admits it if the call fails (see owed_hits). ``deadline`` (the loop's
+        clock): when the caller can no longer use the answer; at most ``timeout`` away.
+        Raises StoreOverloaded, sending nothing, when ``max_pending`` requests wait."""
         if self.pending >= self.max_pending:
             self.overloaded += 1
             raise StoreOverloaded(f"redis: {self.pending} exact requests already waiting")
@@ -293,15 +276,14 @@ class ExactBatcher:
         return future
 
     def _add_owed(self, batch: _Batch, now: float, deadline: float) -> None:
-        """A chunk of the owed hits into ``batch`` (at most a batch's descriptors): the
-        work a batch does for an outage is bounded, however long it lasted."""
+        """A chunk of the owed hits into ``batch``: at most a batch's descriptors, however
+        long the outage lasted."""
         for keys, args, since in self.owed.take(MAX_BATCH_DESCRIPTORS, now):
             batch.add(_Waiter(None, len(keys), since, deadline, now), keys, FORCE, args)
 
     def _repay(self, loop: asyncio.AbstractEventLoop) -> None:
         """Redis has just answered: owed hits left go out in a batch of their own, if a
-        call slot is free and no batch is open to carry them (so they land without
-        waiting for traffic, and never on a request's account)."""
+        call slot is free and no batch is open to carry them."""
         if not self.owed or self._open is not None or self._in_flight >= MAX_IN_FLIGHT:
             return
         now = loop.time()
@@ -310,8 +292,8 @@ class ExactBatcher:
         self._send(loop)
 
     def close(self) -> None:
-        """Fail the batch not sent yet and stop holding: nothing goes out after the
-        store has closed its connection (a held batch would reopen it)."""
+        """Fail the batch not sent yet and stop holding (a held batch would reopen the
+        store's closed connection)."""
         self.gap = 0.0
         batch, self._open = self._open, None
         if batch is not None:
@@ -382,9 +364,8 @@ class ExactBatcher:
 
     def _settle(self, batch: _Batch, raw: Any, error: str) -> None:
         """Hand each request its results (or ``error`` when ``raw`` is None). Hits of
-        requests admitted on failure are owed to Redis when the call failed, or when
-        their caller gave up and the reply shows Redis did not count them (its
-        failure_mode admitted them)."""
+        requests admitted on failure are owed when the call failed, or when their caller
+        gave up and the reply shows Redis did not count them."""
         start = 0
         for waiter, keys, args in batch.requests():
             future = waiter.future
@@ -420,9 +401,8 @@ class ExactBatcher:
 
     def _check_deadlines(self) -> None:
         """Read what Redis has already answered, then answer every request past its
-        deadline with StoreUnavailable; a batch in flight whose callers have all given
-        up frees its call slot (its reply still settles owed hits). Then wait for the
-        next deadline."""
+        deadline with StoreUnavailable; a batch whose callers all gave up frees its call
+        slot (its reply still settles owed hits). Then wait for the next deadline."""
         self._timer = None
         loop = asyncio.get_running_loop()
         self._channel.poll()

@@ -1,14 +1,12 @@
-"""The call plumbing of a Redis store: every script call bounded by its timeout and
-kept out of the way of the next (shielded, collected), a circuit breaker over the
-store and one per Cluster node, connections dropped when they reach the wrong server,
-and a Cluster's slot map followed off the request path after a failover.
+"""The call plumbing of a Redis store: every script call bounded by its timeout and kept
+out of the way of the next (shielded, collected), a circuit breaker over the store and
+one per Cluster node, connections dropped when they reach the wrong server, and a
+Cluster's slot map followed off the request path after a failover.
 
-The breaker opens on evidence that Redis is down, never on a slow reply: errors,
-refused or reset connections, or no byte at all from Redis for ``silence`` seconds
-while calls are outstanding. A call given up at its deadline is only counted
-(``timeouts``): on a busy machine most late replies are late because this process
-was not running, and any reply proves Redis alive. The time each reply took, as this
-process saw it, goes to the ``reply_time`` histogram.
+The breaker opens on evidence that Redis is down, never on a slow reply: errors, refused
+or reset connections, or no byte from Redis for ``silence`` seconds while calls are
+outstanding. A call given up at its deadline is only counted (``timeouts``): on a busy
+machine most late replies are late because this process was not running.
 """
 
 from __future__ import annotations
@@ -71,17 +69,15 @@ def describe(exc: BaseException) -> str:
 
 
 RECONNECT_ON = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "MOVED", "ASK", "TRYAGAIN")
-"""Error replies that say the connection reaches a server that cannot take the call: a
-replica (a failover moved the master elsewhere), one loading its data, a cluster node
-that no longer owns the slot. A fresh connection may reach the right one."""
+"""Error replies from a server that cannot take the call (a replica after a failover, one
+loading its data, a node without the slot): a fresh connection may reach the right one."""
 
 
 MAX_NODE_GATES = 1000
 """Cluster nodes with a breaker of their own, at most (cleared when full)."""
 FOLLOW_EVERY = 0.1
 """Seconds between two looks at a Cluster's slot ranges while a node fails (see
-ScriptCalls._follow_topology): a promotion is seen within this much of the node that
-answers knowing it."""
+ScriptCalls._follow_topology)."""
 WARM_CONNECTIONS = 4
 """Connections opened to a promoted master before it gets its slots."""
 FOLLOW_FOR = 2.0
@@ -112,8 +108,8 @@ def script_text(name: str) -> str:
 
 @dataclass(slots=True)
 class Group:
-    """Keys that one script call may touch together (one slot in a cluster), with the
-    indexes of their items in the whole call and the items."""
+    """Keys one script call may touch together (one Cluster slot), their items and the
+    items' indexes in the whole call."""
 
     indexes: list[int]
     keys: list[str]
@@ -150,8 +146,7 @@ class ScriptCalls:
         self._node_gates: dict[str, CircuitBreaker] = {}
         """A Cluster's nodes by name, each with its own breaker (see _node_gate)."""
         self.node_failures = 0
-        """Calls to a Cluster node that failed while other nodes worked (see
-        _node_failed); the store's breaker counts the others."""
+        """Failed calls to a Cluster node while other nodes worked (see _node_failed)."""
         self._follower: asyncio.Future[None] | None = None
         self._follow_until = 0.0
         self._follows = 0
@@ -159,8 +154,7 @@ class ScriptCalls:
         self.calls = 0
         self.timeouts = 0
         self.dropped_connections = 0
-        """Times the connections were dropped for an error reply naming the wrong server
-        (see wrong_server)."""
+        """Times the connections were dropped for reaching the wrong server."""
         self._redialed_at = -REDIAL_EVERY
         self._redial_said = False
         self.silences = 0
@@ -236,9 +230,8 @@ class ScriptCalls:
         return raw
 
     def _node_for(self, keys: list[str]) -> Any:
-        """The Cluster node that serves ``keys`` in the slot map now, or None (no key,
-        the map not loaded yet, the slot not covered): redis-py's client then routes
-        the call itself."""
+        """The Cluster node that serves ``keys`` in the slot map now, or None (no key, no
+        map yet, the slot not covered): redis-py's client then routes the call itself."""
         if not keys or not self._initialized:
             return None
         try:
@@ -248,12 +241,9 @@ class ScriptCalls:
 
     async def _run_on_node(self, node: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
         """A script call on one Cluster node's own connections, its reply time observed.
-
-        Not through RedisCluster.execute_command: on CLUSTERDOWN (every node's answer
-        while a master is flagged failed) that sleeps 0.25 s and rebuilds the whole slot
-        map before it raises, and on a refused connection it asks for a rebuild that the
-        next command runs. Here a failure is this node's alone (see _node_failed) and the
-        map is followed off the request path (see _follow_topology). Redirects (MOVED,
+        Not through RedisCluster.execute_command, which on CLUSTERDOWN sleeps 0.25 s and
+        rebuilds the whole slot map before it raises: here a failure is this node's alone
+        (see _node_failed) and the map is followed off the request path. Redirects (MOVED,
         ASK) are left to redis-py."""
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -268,9 +258,8 @@ class ScriptCalls:
 
     def _watch_silence(self, command: asyncio.Future[Any], gate: CircuitBreaker) -> None:
         """A Cluster call given up at its deadline: if it still has no reply ``silence``
-        seconds on, its node counts as down (a hung or cut-off node; --redis-silence), so the
-        calls to its slots fail fast on its breaker instead of each waiting for its
-        deadline. One timer per call given up, only then."""
+        seconds on, its node counts as down (hung or cut off), so the calls to its slots
+        fail fast on its breaker instead of each waiting for its deadline."""
 
         def check() -> None:
             if not command.done():
@@ -294,11 +283,10 @@ class ScriptCalls:
         return gate
 
     def _node_failed(self, node: Any, gate: CircuitBreaker, exc: BaseException) -> StoreUnavailable:
-        """A call to a Cluster node failed. After an error reply (CLUSTERDOWN,
-        TRYAGAIN...) the node stays open to calls: it serves again the moment the cluster
-        does. A failed connection opens the node's breaker and its idle connections are
-        dialled again. Either way the slot ranges are followed for a while (a promotion
-        moves them); the store counts a failure only when no node it calls works."""
+        """A call to a Cluster node failed. After an error reply (CLUSTERDOWN...) the node
+        stays open: it serves again with the cluster. A failed connection opens its
+        breaker and redials. Either way the slot ranges are followed for a while; the
+        store counts a failure only when no node it calls works."""
         reason = describe(exc)
         self._follow_until = asyncio.get_running_loop().time() + FOLLOW_FOR
         self._follow_topology_soon()
@@ -324,11 +312,10 @@ class ScriptCalls:
             self._follower.add_done_callback(forget)
 
     async def _follow_topology(self) -> None:
-        """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY:
-        the slot ranges as a node that answers sees them (CLUSTER SLOTS), and the slot map
-        changed only where they name another master: a promoted replica takes its ranges
-        in place (see _promote), anything else rebuilds the map. One look at a time, each
-        within ``sync_timeout``; a look that fails is tried again with the next node."""
+        """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY: the
+        slot ranges as a node that answers sees them (CLUSTER SLOTS), the map changed only
+        where they name another master (see _promote; else rebuilt). Each look within
+        ``sync_timeout``; a look that fails is tried again with the next node."""
         loop = asyncio.get_running_loop()
         while loop.time() < self._follow_until or any(
             not gate.healthy for gate in self._node_gates.values()
@@ -345,9 +332,9 @@ class ScriptCalls:
                 continue
 
     async def _moved_ranges(self) -> list[tuple[int, int, str, int]] | None:
-        """The slot ranges (first, last, the master's host and port as announced) for
-        which a node that answers names another master than the slot map does; None
-        when no node is known to answer (the map is then rebuilt from the seeds)."""
+        """The slot ranges (first, last, the master's announced host and port) for which
+        a node that answers names another master than the map does; None when no node is
+        known to answer (the map is then rebuilt from the seeds)."""
         nodes = self.client.nodes_manager
         failing = {name for name, gate in self._node_gates.items() if not gate.healthy}
         asked = [node for node in self.client.get_nodes() if node.name not in failing]
@@ -368,12 +355,10 @@ class ScriptCalls:
         return moved
 
     async def _promote(self, moved: list[tuple[int, int, str, int]]) -> bool:
-        """The ranges in ``moved`` given in place to their new masters, when each is a
-        failover (the new master serves no other slot): each new master readied (see
-        _ready_master), then its slots get a new node list, the new master first and the
-        old one as a replica. Far cheaper than the whole map's rebuild, which stalls this
-        loop for every call in flight. False, with nothing changed, when a range is no
-        failover (slots migrated): the map is then rebuilt."""
+        """The ranges in ``moved`` given in place to their readied new masters, the old
+        one kept as a replica, when each is a failover (the new master serves no other
+        slot): far cheaper than the whole map's rebuild, which stalls this loop. False,
+        with nothing changed, when a range is no failover (slots migrated)."""
         nodes = self.client.nodes_manager
         slots = nodes.slots_cache
         targets = []
@@ -416,8 +401,7 @@ class ScriptCalls:
             del self._node_gates[name]
 
     def failed(self, exc: BaseException) -> StoreUnavailable:
-        """A call failed: a breaker event, and a connection that answered that it is
-        the wrong server (or not ready) is dropped, so the next call dials again."""
+        """A call failed: a breaker event, and connections to the wrong server dropped."""
         reason = describe(exc)
         self.breaker.failure(reason)
         if wrong_server(exc):
@@ -425,10 +409,9 @@ class ScriptCalls:
         return StoreUnavailable(f"redis: {reason}")
 
     def _redial(self, reason: str) -> None:
-        """Drop the connections that gave ``reason``, so that after a failover a new
-        connection reaches the new master: the request path's pipe at once (its
-        outstanding calls fail with it), redis-py's pool at most every REDIAL_EVERY
-        seconds (every call on it answers the same)."""
+        """Drop the connections that gave ``reason``, so a new one reaches the new master:
+        the pipe at once (its outstanding calls fail with it), redis-py's pool at most
+        every REDIAL_EVERY seconds (every call on it answers the same)."""
         now = asyncio.get_running_loop().time()
         if self.pipe is not None:
             self.pipe.drop(f"redis connection dropped: {reason}")
