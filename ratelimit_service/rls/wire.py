@@ -4,19 +4,17 @@ The servicer receives the raw request bytes (no deserializer) and returns bytes 
 serializer), because at a few thousand requests per second per process the protobuf
 objects themselves are a visible share of the CPU:
 
-- **Requests**: most traffic repeats a few descriptor sets, and equal bytes are an
-  equal request. Parsed, converted and validated requests are kept by their bytes
-  (small requests only, a bounded number), so a repeat costs one dict lookup.
+- **Requests**: most traffic repeats a few descriptor sets, so parsed and validated
+  requests are kept by their bytes (small ones, a bounded number): a repeat costs one
+  dict lookup.
 - **Responses** are written directly in the protobuf wire format: each limit's status
   head (``code`` and ``current_limit``) is serialized once per config, and the rest is
   a handful of varints; the loop calls no Python function for a typical status. Field
   numbers come from the message descriptors, not from constants typed here, and the
   test suite parses what this module writes with the protobuf runtime.
-- **Decision metadata** (``dynamic_metadata``, a google.protobuf.Struct): the content
-  core.decision.decision_metadata defines, written from parts kept per limit (its
-  limit_facts and the deciding-rule entry) and per domain; only ``remaining`` is
-  written per descriptor (and the whole item of a shadow rule over its limit, rare).
-  The tests parse it and compare it with that function's.
+- **Decision metadata** (``dynamic_metadata``): core.decision.decision_metadata's
+  content, written from parts kept per limit and per domain; only ``remaining`` is
+  written per descriptor. The tests parse it and compare it with that function's.
 """
 
 from __future__ import annotations
@@ -158,8 +156,7 @@ class LimitHeads:
             for limit in self._limits
             if limit.over_limit is not None
         }
-        """The ``raw_body`` and content-type fields of each limit that has an over_limit
-        answer; empty when none has, and then a denial looks for none."""
+        """The ``raw_body`` and content-type fields of each limit with an over_limit."""
 
 
 _NO_HEADS = LimitHeads()
@@ -178,11 +175,9 @@ def encode_response(
     domain: str | None = None,
     go_request: Request | None = None,
 ) -> bytes:
-    """The response's wire bytes, built as a list of parts joined once (bytes
-    concatenation of a few parts is cheaper than growing a bytearray field by field).
-    One loop without calls where it can: this runs per descriptor of every answer.
-    ``domain``: the request's, to write the decision metadata (None: none written);
-    ``go_request``: the request, to write envoyproxy/ratelimit's keys in it too."""
+    """The response's wire bytes, as parts joined once, in one loop without calls where
+    it can (it runs per descriptor of every answer). ``domain``: the request's, to write
+    the decision metadata (None: none); ``go_request``: to add envoyproxy/ratelimit's keys."""
     parts = [_OVERALL, _OVERALL_CODES[response.overall]]
     small, codes, durations, highs = _SMALL, _CODES, _DURATIONS, _HIGHS
     by_code = heads.by_code
@@ -282,8 +277,8 @@ def struct_entries(mapping: Mapping[str, Any]) -> bytes:
 
 
 def item_head(limit: RateLimit) -> bytes:
-    """A descriptor's item in the metadata's list (a Value holding a Struct: its
-    limit_facts and ``remaining``) up to the remaining count's 8 bytes, which come last."""
+    """A descriptor's item in the metadata's list (its limit_facts and ``remaining``) up
+    to the remaining count's 8 bytes, which come last."""
     body = struct_entries(limit_facts(limit)) + _REMAINING_HEAD
     value = _STRUCT + _varint(len(body) + 8) + body
     return _LIST_ITEM + _varint(len(value) + 8) + value
@@ -305,9 +300,8 @@ def metadata_field(
     domain: str, response: Response, heads: LimitHeads, go_request: Request | None = None
 ) -> bytes:
     """The whole ``dynamic_metadata`` field: core.decision.decision_metadata's content
-    (with envoyproxy/ratelimit's keys when ``go_request`` is given: an opt-in, so they
-    are encoded per answer, not kept). A shadow rule over its limit is rare: its item
-    is written whole, not from the kept parts."""
+    (envoyproxy/ratelimit's keys, an opt-in, encoded per answer). A shadow rule over its
+    limit is rare: its item is written whole, not from the kept parts."""
     domain_entry = _DOMAINS.get(domain)
     if domain_entry is None:
         if len(_DOMAINS) >= MAX_CACHED_DOMAINS:

@@ -1,8 +1,6 @@
 """Wiring and lifecycle: build the limiter, store, reconciler, gRPC and admin listeners,
-start them, and stop them gracefully (health NOT_SERVING first, then drain).
-
-The garbage collector's policy for the serving process is server/gc_policy.py's
-(:class:`~ratelimit_service.server.gc_policy.Tenuring`), installed at start."""
+start them (with server/gc_policy.py's collector policy), and stop them gracefully
+(health NOT_SERVING first, then drain)."""
 
 from __future__ import annotations
 
@@ -52,7 +50,7 @@ from ratelimit_service.server.explain_page import explain_page
 from ratelimit_service.server.gc_policy import Tenuring
 from ratelimit_service.server.go_http import GoEndpoints
 from ratelimit_service.server.grpc_calls import grpc_call_metrics
-from ratelimit_service.server.http_server import INDEX, HttpServer, PageResult, pages, query_page
+from ratelimit_service.server.http_server import INDEX, HttpServer, pages, query_page
 from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.status_page import status_routes
 from ratelimit_service.server.tls import CertificateReloader
@@ -208,7 +206,7 @@ class RateLimitService:
                     "/": lambda: (200, "text/plain", INDEX),
                 }
             )
-            | {"/explain": query_page(self._explain_page)}
+            | {"/explain": query_page(lambda query: explain_page(self.limiter, query))}
         )
         # envoyproxy/ratelimit's own ports and its statsd stats, when asked for.
         self.http: HttpServer | None = None
@@ -222,7 +220,7 @@ class RateLimitService:
                     {
                         "/rlconfig": self._rlconfig_page,
                         "/metrics": self._metrics_stream,
-                        "/": self._debug_index_page,
+                        "/": lambda: (200, "text/plain", b"/rlconfig\n/metrics\n"),
                     }
                 )
             )
@@ -500,12 +498,6 @@ class RateLimitService:
 
     def _rlconfig_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; charset=utf-8", self.limiter.config.dump().encode()
-
-    async def _explain_page(self, query: str) -> PageResult:
-        return await explain_page(self.limiter, query)
-
-    def _debug_index_page(self) -> tuple[int, str, bytes]:
-        return 200, "text/plain", b"/rlconfig\n/metrics\n"
 
     def _gauges(self) -> Iterator[Metric | None]:
         yield from rule_limit_metrics(self.limiter.config)

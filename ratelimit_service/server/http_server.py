@@ -57,8 +57,7 @@ class HttpServer:
         self._closing = False
         """Stopping: a request still being answered is answered with Connection: close."""
         self._idle: set[asyncio.StreamWriter] = set()
-        """Kept-alive connections waiting for their next request (closed at stop; a
-        connection that has not sent its first request yet is still answered)."""
+        """Kept-alive connections waiting for their next request (closed at stop)."""
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         self._server = await asyncio.start_server(

@@ -1,17 +1,15 @@
 """``serve --workers N``: N service processes sharing one gRPC port, behind one admin port.
 
 Python serves one core per process, so N processes bind the same gRPC address with
-SO_REUSEPORT and the kernel spreads connections over them (Envoy keeps long-lived
-HTTP/2 connections, so the spread is per connection). They must share their state
-through Redis: with the embedded store each worker would allow the full limit, so
-that combination is refused.
+SO_REUSEPORT and the kernel spreads connections (Envoy's long-lived HTTP/2 ones) over
+them. They must share their state through Redis: with the embedded store each worker
+would allow the full limit, so that combination is refused.
 
-This parent process runs no limiter. It starts the workers (each with a private
-admin port on loopback), restarts one that dies, forwards SIGHUP and SIGTERM, and
-serves the public admin port: ``/healthcheck`` is 200 only while every worker is,
-``/metrics`` adds the workers' counters and histograms up (gauges keep a ``worker``
-label), ``/rlconfig`` is the first worker's, ``/status.json`` holds every worker's
-snapshot (the ``/status`` page shows one at a time).
+This parent process runs no limiter. It starts the workers (each with a private admin
+port on loopback), restarts one that dies, forwards SIGHUP and SIGTERM, and serves the
+public admin port: ``/healthcheck`` is 200 only while every worker is, ``/metrics`` adds
+the workers' counters and histograms up (gauges keep a ``worker`` label), ``/rlconfig``
+is the first worker's, ``/status.json`` holds every worker's snapshot.
 """
 
 from __future__ import annotations
@@ -39,9 +37,8 @@ STOP_TIMEOUT = 30.0
 --drain-timeout, 15 s by default, plus the in-flight grace)."""
 FETCH_TIMEOUT = 2.0
 METRICS_FETCH_TIMEOUT = 8.0
-"""A worker's /metrics at the stats keys' cap is 8 MB, made in stretches that leave the
-worker's loop to its calls: it takes longer than a page (under Prometheus's default
-10 s scrape timeout)."""
+"""A worker's /metrics at the stats keys' cap (8 MB, made in stretches) takes longer than
+a page: still under Prometheus's default 10 s scrape timeout."""
 SUMMED_TYPES = ("counter", "histogram", "summary")
 
 
@@ -161,9 +158,8 @@ class Supervisor:
         return 503, "text/plain", b"NOT SERVING\n" + body
 
     async def _metrics(self) -> tuple[int, str, bytes]:
-        """The workers' pages merged. In a thread: parsing and merging the pages of two
-        workers at the stats keys' cap takes seconds of CPU, and this loop answers
-        /healthcheck meanwhile."""
+        """The workers' pages merged, in a thread (seconds of CPU at the stats keys' cap):
+        this loop answers /healthcheck meanwhile."""
         results = await asyncio.gather(
             *(fetch(w.admin_port, "/metrics", METRICS_FETCH_TIMEOUT) for w in self.workers)
         )
@@ -183,8 +179,7 @@ class Supervisor:
         return 200, JSON, workers_json(answered)
 
     async def _explain(self, query: str) -> PageResult:
-        """Worker 0's page: the same rules, the store's counts for exact rules, and its
-        own view of the fleet's for probabilistic ones."""
+        """Worker 0's page: the same rules and store, its own view of the fleet."""
         status, body = await fetch(self.workers[0].admin_port, f"/explain?{query}")
         if status == 0:
             return 503, "text/plain", b"worker 0 is not answering\n"

@@ -1,27 +1,20 @@
 """One pipelined connection to one Redis server, for the exact-mode request path.
 
-redis-py's asyncio client spends more CPU per command (connection pool, per-command
-locking, stream reads) than the rest of a ShouldRateLimit call. Redis answers the
-commands of one connection in order, so this module writes each command to the socket
-at once and, as replies arrive (hiredis parses them), hands each to the callback its
-command came with: no future per command, and the reply reaches the batcher in the loop
-turn that read it. A caller that gives up early leaves nothing broken: its reply is read
-and dropped.
+redis-py's asyncio client spends more CPU per command than the rest of a ShouldRateLimit
+call. Redis answers a connection's commands in order, so this module writes each command
+at once and hands each reply (parsed by hiredis) to its command's callback, in the loop
+turn that read it: no future per command. A caller that gives up leaves nothing broken:
+its reply is read and dropped.
 
-The socket is read by this module itself (``loop.add_reader``, and TLS through an
-``ssl.SSLObject`` on memory buffers), not through an asyncio transport, so that
-:meth:`RedisPipe.poll` can read what the kernel already holds at any moment: a caller
-about to give up on a reply polls first (uvloop runs due timers before it polls for
-I/O, so a timer alone would not see a reply that came while the loop was busy).
+The socket is read here (``loop.add_reader``; TLS through an ``ssl.SSLObject`` on memory
+buffers), not through an asyncio transport, so that :meth:`RedisPipe.poll` can read what
+the kernel holds at any moment: a caller about to give up polls first (uvloop runs due
+timers before it polls for I/O). "No byte for a while with commands outstanding"
+(:meth:`RedisPipe.silent_for`) is the evidence of a peer gone without a reset.
 
-The connection also knows when it last read a byte: "no byte at all for a while with
-commands outstanding" (:meth:`RedisPipe.silent_for`) is the evidence that a peer is
-gone without a reset, which a slow reply is not.
-
-Only single-server URLs (``redis://``, ``rediss://``, ``unix://``) use it; Sentinel
-and Cluster stay with redis-py, which follows failovers and slots. Reconnecting is
-lazy (the next command after a loss) and one at a time; the store's circuit breaker
-decides how often that may happen.
+Only single-server URLs (``redis://``, ``rediss://``, ``unix://``) use it; Sentinel and
+Cluster stay with redis-py, which follows failovers and slots. Reconnecting is lazy (the
+next command after a loss) and one at a time; the store's breaker decides how often.
 """
 
 from __future__ import annotations
@@ -54,9 +47,8 @@ def supports(url: str) -> bool:
 
 
 Deliver = Callable[[Any], None]
-"""Receives a command's reply exactly once: the reply's value, or the exception it
-failed with (ResponseError for an error reply, ConnectionError for a lost connection).
-It runs inside the connection's reading, so it must be quick and must not raise."""
+"""Receives a command's reply exactly once (its value, or a ResponseError or
+ConnectionError), inside the connection's reading: it must be quick and must not raise."""
 Observe = Callable[[float], None]
 """Gets the seconds from a command's write to its reply's read, for each reply."""
 
@@ -280,15 +272,13 @@ class RedisPipe:
         self.connects = 0
 
     def _live(self) -> _Connection | None:
-        """The connection, if it is open."""
         connection = self._connection
         return connection if connection is not None and not connection.closed else None
 
     async def connected(self) -> _Connection:
-        """The open connection, opening one if needed. The attempt runs as its own
-        task, shared by every caller and shielded from their deadlines: a request's
-        few milliseconds may be too short for a TLS handshake, and cancelling
-        attempts one after the other would never connect."""
+        """The open connection, opening one if needed, in a task shared by every caller
+        and shielded from their deadlines: a request's few milliseconds may be too short
+        for a TLS handshake, and attempts cancelled one after another never connect."""
         task = self._connecting
         if task is None or task.done():
             task = self._connecting = asyncio.ensure_future(self._connect())
@@ -305,9 +295,8 @@ class RedisPipe:
     def evalsha_now(
         self, sha: str, script: str, keys: list[str], args: list[Any], deliver: Deliver
     ) -> bool:
-        """Like :meth:`evalsha` but with neither a coroutine nor a future: ``deliver``
-        gets the reply. False, and nothing sent, when there is no open connection (use
-        :meth:`evalsha` then)."""
+        """:meth:`evalsha` without a coroutine or a future: ``deliver`` gets the reply.
+        False, and nothing sent, when there is no open connection."""
         connection = self._live()
         if connection is None:
             return False
@@ -364,11 +353,9 @@ class RedisPipe:
     async def _handshake(self, connection: _Connection) -> None:
         options = self._options
         commands: list[tuple[Any, ...]] = []
-        if options.get("password") is not None:
+        if (password := options.get("password")) is not None:
             user = options.get("username")
-            commands.append(
-                ("AUTH", user, options["password"]) if user else ("AUTH", options["password"])
-            )
+            commands.append(("AUTH", user, password) if user else ("AUTH", password))
         if int(options.get("db", 0)):
             commands.append(("SELECT", int(options["db"])))
         try:
@@ -436,7 +423,7 @@ def forget(task: asyncio.Future[Any]) -> None:
 
 def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
     """The TLS settings of a ``rediss://`` URL's query, with redis-py's defaults
-    (certificate and host name verified), so both clients of the store agree."""
+    (certificate and host name verified): both clients of the store agree."""
     names = ("keyfile", "certfile", "cert_reqs", "ca_certs", "ca_data", "ca_path", "check_hostname")
     kwargs: dict[str, Any] = {"cert_reqs": "required", "check_hostname": True}
     kwargs.update({name: options[f"ssl_{name}"] for name in names if f"ssl_{name}" in options})
