@@ -74,7 +74,6 @@ class RateLimitServicer:
         self.go_metadata = go_metadata
         """Answers carry envoyproxy/ratelimit's dynamic metadata keys beside ours."""
         self.tracing = tracing
-        """When set, :meth:`handler` serves :meth:`traced_should_rate_limit`."""
         self.lag = lag if lag is not None else LoopLag()
         """Tells the latency histogram what a call waited for the loop before it."""
         self.deadline_margin = deadline_margin
@@ -86,9 +85,8 @@ class RateLimitServicer:
         self._requests = RequestCache(_parse)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The RLS service with bytes in and out: no (de)serializer runs in grpc. With
-        tracing on, each call goes through :meth:`traced_should_rate_limit`; without,
-        the untraced path has not one instruction more."""
+        """The RLS service with bytes in and out (no (de)serializer runs in grpc), through
+        :meth:`traced_should_rate_limit` with tracing on."""
         call = self.should_rate_limit if self.tracing is None else self.traced_should_rate_limit
         method = grpc.unary_unary_rpc_method_handler(call)
         return grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": method})
@@ -143,9 +141,8 @@ class RateLimitServicer:
     async def traced_should_rate_limit(
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> bytes:
-        """:meth:`should_rate_limit` inside its span (engine/tracing.py), the outcome
-        on the span when it is sampled (read back from the answer's bytes: the span
-        says what the caller was told)."""
+        """:meth:`should_rate_limit` inside its span (engine/tracing.py), with the outcome
+        read back from the answer's bytes when sampled: what the caller was told."""
         assert self.tracing is not None
         traced = self.tracing.decision(context.invocation_metadata())
         if traced is None:  # not sampled

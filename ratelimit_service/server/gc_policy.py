@@ -2,24 +2,20 @@
 by server/app.py at start): collections that hold the event loop briefly, whatever the
 number of keys, where CPython's defaults would hold it past Envoy's deadline.
 
-Why: CPython's oldest-generation pass scans every tracked object, and a limiter keeps
-tracked objects per key (buckets, stats keys, cached requests and their plans, the
-store's entries). Over many keys that pass frees almost nothing and holds the loop past
-Envoy's 20 ms deadline (docs/benchmarks.md, "Soak"). ``gc.freeze()`` after start-up
-alone misses the per-key state that comes later; ``gc.set_threshold`` changes how often
-the pass runs, not how long; state made cheap to scan still costs a pass that grows with
-it; and CPython 3.11 cannot run a full pass in steps.
+CPython's oldest-generation pass scans every tracked object, and a limiter keeps some per
+key, so over many keys that pass frees almost nothing and holds the loop past Envoy's
+20 ms deadline (docs/benchmarks.md, "Soak"). ``gc.freeze()`` at start-up misses the
+per-key state that comes later, ``gc.set_threshold`` changes how often the pass runs,
+not how long, and CPython 3.11 cannot run a full pass in steps.
 
 So the process *tenures*: every second, at a moment when every running task has been
-running since the round before at least (no call or scrape half-done), it collects
-everything not yet tenured (a short pass) and freezes what survived. Full passes then
-scan only what is newer than the last tenure. Garbage is never frozen, only objects
-alive at a quiet moment: per-key state, which holds no cycles and is freed by reference
-counting when evicted, and long-lived service objects. The cost: a cycle formed later
-among tenured objects is not collected; memory stays flat over the soak.
-``ratelimit_gc_pause_seconds`` times every collection;
-``ratelimit_gc_tenured_objects_total`` counts the objects tenured (counting those still
-alive, ``gc.get_freeze_count()``, walks them all: a pause of its own)."""
+running since the round before (no call or scrape half-done), it collects what is not
+yet tenured (a short pass) and freezes what survived: full passes then scan only what
+is newer. Garbage is never frozen, only objects alive at a quiet moment: per-key state,
+which holds no cycles and is freed by reference counting, and long-lived service
+objects. The cost: a cycle formed later among tenured objects is not collected; memory
+stays flat over the soak. Counting the frozen objects (``gc.get_freeze_count()``) walks
+them all, a pause of its own: the survivors of each tenure are counted instead."""
 
 from __future__ import annotations
 

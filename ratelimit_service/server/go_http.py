@@ -4,9 +4,8 @@
 lowerCamelCase or as in the .proto, as the Go service's protojson accepts them) and
 answers the RateLimitResponse in JSON: 200 for OK, 429 for OVER_LIMIT, 500 for
 UNKNOWN; a body that is not such a request, or a request the service refuses, is a
-400 with the reason. The decision is the gRPC one: the JSON becomes the request's wire
-bytes and goes through the same :class:`RateLimitServicer` (same parsing, limiter,
-counters and response headers), whose wire bytes become JSON again.
+400 with the reason. The decision is the gRPC one: the JSON goes through the same
+:class:`RateLimitServicer` as wire bytes, and its answer's bytes become JSON again.
 
 ``GET /healthcheck`` is 200 ``OK`` while the service serves and 500 once it is not
 (draining after SIGTERM, or stopping), as the Go service answers.

@@ -1,8 +1,7 @@
 """Logging set-up: human text, or one JSON object per line for log pipelines.
 
-INFO is the default level. At INFO the service logs its start-up (what was loaded,
-which store and default mode are in use), each reload and its shutdown, and nothing
-per request; problems are WARNING or ERROR.
+At INFO, the default level, the service logs its start-up, each reload and its
+shutdown, and nothing per request; problems are WARNING or ERROR.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """What a running service needs: :class:`Settings`, one field per setting of
-core/settings_table.py that fills one (its default and meaning are declared there),
-and the few no single flag fills. The command line builds it with :func:`fields_from`.
-"""
+core/settings_table.py that fills one (declared there), and the few no single flag
+fills. The command line builds it with :func:`fields_from`."""
 
 from __future__ import annotations
 

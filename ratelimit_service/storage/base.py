@@ -24,15 +24,13 @@ class StoreUnavailable(Exception):
 
 
 class StoreOverloaded(Exception):
-    """This process has more exact requests waiting for the store than its bound:
-    nothing was sent. Not a store failure (the store may be answering well), so the
-    failure policy does not apply; callers answer it explicitly (see the limiter)."""
+    """More exact requests wait for the store than this process's bound: nothing was
+    sent. Not a store failure, so the failure policy does not apply (see the limiter)."""
 
 
 @dataclass(frozen=True)
 class BreakerState:
-    """One circuit breaker of a store, as the status page shows it (a Redis store has
-    one; with --zone the zone's Redis has its own beside the global one)."""
+    """One circuit breaker of a store, as the status page shows it."""
 
     name: str
     open: bool
@@ -45,9 +43,8 @@ class BreakerState:
 @dataclass(frozen=True)
 class StoreMetrics:
     """What a store tells the metrics and status pages: its name, gauges and counters
-    by name (e.g. keys, evictions), histograms by name (a remote store: ``reply``, the
-    seconds from writing a call to reading its reply as this process saw them) and its
-    breakers."""
+    by name, histograms by name (a remote store: ``reply``, seconds from writing a call
+    to reading its reply) and its breakers."""
 
     name: str
     figures: dict[str, float]
@@ -85,17 +82,15 @@ class Store(Protocol):
         ...
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
-        """RLQS tiers: record one member's totals per counter (its demand, instances and
-        the hits they allowed since its last publish) and return the sums over every
-        member heard from within ``forget_after`` seconds, this one included. The work
-        per call does not grow with the number of members (core/tiers.py)."""
+        """RLQS tiers: record one member's totals per counter (demand, instances, hits
+        allowed since its last publish) and return the sums over every member heard from
+        within ``forget_after`` seconds, at a cost that does not grow with the members."""
         ...
 
     async def start(self) -> None:
-        """Connect and load what the store needs before traffic, outside any request's
-        deadline, and start what the store runs beside its calls. Never raises: a store
-        that is away is marked unhealthy (requests answer by failure_mode) and tried
-        again until it answers."""
+        """Connect and load what the store needs before traffic, and start what it runs
+        beside its calls. Never raises: a store that is away is marked unhealthy
+        (requests answer by failure_mode) and tried again until it answers."""
         ...
 
     def healthy(self) -> bool:

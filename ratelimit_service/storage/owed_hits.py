@@ -1,22 +1,16 @@
 """Exact hits admitted without Redis, kept until Redis can count them.
 
-When Redis fails (no answer in time, connection lost, circuit open) an exact rule with
-``failure_mode: open`` admits the request unchecked. Its hits must still land in the
-window, or the window would hold fewer hits than were admitted and the next decisions
-would admit beyond the limit again once Redis answers. So the batcher keeps them here
-and, once a reply proves Redis answering, sends them as forced hits (``commit`` 2 in
-exact_window.lua: counted whether they fit or not), a batch at a time, off the request
-path. A call that timed out but whose reply comes later tells exactly which requests
-Redis itself counted; only the others are kept.
+When Redis fails, an exact rule with ``failure_mode: open`` admits the request
+unchecked. Its hits must still land in the window, or the next decisions would admit
+beyond the limit once Redis answers. So the batcher keeps them here and, once a reply
+proves Redis answering, sends them as forced hits (``commit`` 2 in exact_window.lua:
+counted whether they fit or not), a batch at a time. A late reply to a call that timed
+out tells which requests Redis itself counted; only the others are kept.
 
-Requests with the same keys and limits are kept as one entry whose hits add up, so
-keeping one more admitted request costs a dict look-up and a few additions, and the
-work and memory of an outage grow with the keys it touched, not with its length.
-
-Bounded: at most ``max_entries`` distinct requests are kept (one more is dropped,
-counted), and an entry's hits are dropped unsent once its shortest window has passed
-since the first of them: by then they would count against a window they were never
-part of.
+Requests with the same keys and limits are kept as one entry whose hits add up: the work
+and memory of an outage grow with the keys it touched, not with its length. Bounded: at
+most ``max_entries`` entries (one more is dropped, counted), and an entry's hits are
+dropped unsent once its shortest window has passed since the first of them.
 """
 
 from __future__ import annotations
@@ -29,8 +23,7 @@ MAX_OWED = 10_000
 """Distinct requests (keys and limits) kept at most."""
 
 Owed = tuple[tuple[str, ...], tuple[Any, ...], float]
-"""One entry to send: its keys, its ARGV part with the hits added up, and since when
-its first hit was admitted."""
+"""One entry to send: its keys, its ARGV part with the hits added up, and since when."""
 
 
 @dataclass(slots=True)
@@ -76,9 +69,8 @@ class OwedHits:
         self.added += 1
 
     def take(self, descriptors: int, now: float) -> list[Owed]:
-        """Entries still worth sending, oldest kept first, up to ``descriptors``
-        descriptors in all (at least one entry); they are no longer kept. Entries
-        whose window has passed are dropped on the way."""
+        """Entries still worth sending (no longer kept), oldest first, up to
+        ``descriptors`` descriptors in all (at least one entry)."""
         out: list[Owed] = []
         count = 0
         for shape in list(self._owed):

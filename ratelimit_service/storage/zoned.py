@@ -1,14 +1,11 @@
 """The zone tier's storage (``serve --zone NAME``): a replica's stores when replicas are
 grouped in zones, each zone with its own Redis and one global Redis above them.
 
-:class:`ZoneRedisStore` is the zone's Redis: a RedisStore given the zone's keys, so its
-replicas' RLQS publishes and probabilistic syncs keep the indexes the aggregator reads
-(quota_tier.lua, fleet_sync.lua), and the aggregator's own calls: its lease, its reads
-of the zone's sums, its write-back of the zone's parts. :class:`ZonedStore` is the
-store seam for a replica in a zone: exact rules on the global store (exactness needs
-one counter per window for the whole fleet), RLQS and probabilistic rules on the
-zone's store. The aggregator itself (its lease, its passes) is engine/zone_aggregator.py;
-its arithmetic core/zones.py.
+:class:`ZoneRedisStore` is the zone's Redis: a RedisStore that keeps the indexes the
+aggregator reads, and answers its lease, reads and write-backs. :class:`ZonedStore` is
+the store seam for a replica in a zone: exact rules on the global store (exactness needs
+one counter per window for the whole fleet), RLQS and probabilistic rules on the zone's.
+The aggregator is engine/zone_aggregator.py; its arithmetic core/zones.py.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ least recently published first)."""
 
 
 class ZoneRedisStore(RedisStore):
-    """The zone store (see the module's docstring). Every aggregator call is bounded by
-    the deadline (the event loop's time) or timeout it is given."""
+    """Every aggregator call is bounded by the deadline (the loop's time) or timeout given."""
 
     def __init__(self, url: str, zone: str, **options: Any) -> None:
         keys = ZoneKeys.of(options.get("prefix", default("--redis-key-prefix")), zone)
@@ -83,9 +79,8 @@ class ZoneRedisStore(RedisStore):
         self, shares: Sequence[tuple[str, ZoneShare]], zones: int, token: int, deadline: float
     ) -> int | Fenced:
         """Write back each counter's zone part and the fleet's allowed hits, and the
-        number of zones (with the first chunk), as the holder of ``token``: refused
-        (and nothing more written) when the zone has seen a higher token. Returns the
-        counters written."""
+        number of zones, as the holder of ``token``: refused (nothing more written) when
+        the zone has seen a higher token. Returns the counters written."""
         keep_ms = round(2 * ZONE_FORGET_AFTER * 1000)
         written = 0
         for start in range(0, max(1, len(shares)), CALL_CHUNK):
@@ -110,8 +105,7 @@ class ZoneRedisStore(RedisStore):
 
 
 class ZonedStore:
-    """The Store seam for a replica in a zone (see the module's docstring); the zone's
-    aggregator runs beside it, wired by server/app.py."""
+    """The Store seam for a replica in a zone (its aggregator wired by server/app.py)."""
 
     def __init__(self, zone_store: ZoneRedisStore, global_store: RedisStore) -> None:
         self.zone_store = zone_store
@@ -140,8 +134,8 @@ class ZonedStore:
         return self.zone_store.healthy()
 
     def metrics(self) -> StoreMetrics:
-        """The global store's figures and histograms with the zone store's beside them
-        (``zone_store_`` and ``zone_`` before their names), and both breakers."""
+        """The global store's metrics, the zone store's beside them (named ``zone_store_``
+        and ``zone_``), and both breakers."""
         above, zone = self.global_store.metrics(), self.zone_store.metrics()
         figures = {**above.figures, **{f"zone_store_{k}": v for k, v in zone.figures.items()}}
         histograms = {**above.histograms, **{f"zone_{k}": v for k, v in zone.histograms.items()}}
