@@ -304,9 +304,7 @@ def metadata_field(
     limit is rare: its item is written whole, not from the kept parts."""
     domain_entry = _DOMAINS.get(domain)
     if domain_entry is None:
-        if len(_DOMAINS) >= MAX_CACHED_DOMAINS:
-            _DOMAINS.clear()
-        domain_entry = _DOMAINS[domain] = _entry("domain", _value(domain))
+        domain_entry = _kept(_DOMAINS, MAX_CACHED_DOMAINS, domain, _entry("domain", _value(domain)))
     parts = [domain_entry]
     statuses, decided = response.statuses, response.decided
     if decided is not None and decided.limit is not None:
@@ -339,12 +337,16 @@ def metadata_field(
     return _field(_METADATA, b"".join(parts))
 
 
+def _kept(cache: dict[Any, bytes], most: int, key: Any, value: bytes) -> bytes:
+    """``value``, kept in ``cache`` under ``key`` (cleared when it holds ``most``)."""
+    if len(cache) >= most:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _high_part(high: int) -> bytes:
-    field = _varint(high)
-    if len(_HIGHS) >= MAX_CACHED_HIGHS:
-        _HIGHS.clear()
-    _HIGHS[high] = field
-    return field
+    return _kept(_HIGHS, MAX_CACHED_HIGHS, high, _varint(high))
 
 
 _DURATIONS: dict[int, bytes] = {}
@@ -359,11 +361,7 @@ def _duration_field(millis: int) -> bytes:
         payload = _SECONDS + _varint(seconds)
     if rest:
         payload += _NANOS + _varint(rest * 1_000_000)
-    field = _RESET + _SMALL[len(payload)] + payload
-    if len(_DURATIONS) >= MAX_CACHED_DURATIONS:
-        _DURATIONS.clear()
-    _DURATIONS[millis] = field
-    return field
+    return _kept(_DURATIONS, MAX_CACHED_DURATIONS, millis, _RESET + _SMALL[len(payload)] + payload)
 
 
 class RequestCache:

@@ -74,33 +74,26 @@ class Store(Protocol):
         when the store fails, and StoreOverloaded when too many requests are already
         waiting for it. Any awaitable will do (an ``async def``, or a future a store
         resolves itself: no coroutine layer on the request path)."""
-        ...
 
     async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         """Add ``reports`` to the fleet totals; return the live node count and each
         bucket's fleet view. Runs even with no reports: it is the node's heartbeat."""
-        ...
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
         """RLQS tiers: record one member's totals per counter (demand, instances, hits
         allowed since its last publish) and return the sums over every member heard from
         within ``forget_after`` seconds, at a cost that does not grow with the members."""
-        ...
 
     async def start(self) -> None:
         """Connect and load what the store needs before traffic, and start what it runs
         beside its calls. Never raises: a store that is away is marked unhealthy
         (requests answer by failure_mode) and tried again until it answers."""
-        ...
 
     def healthy(self) -> bool:
         """Whether the store answers (the health check and the status page)."""
-        ...
 
     def metrics(self) -> StoreMetrics:
         """The store's name, figures, histograms and breakers, read now."""
-        ...
 
     async def close(self) -> None:
         """Stop what :meth:`start` started and close connections."""
-        ...

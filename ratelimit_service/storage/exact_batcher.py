@@ -68,29 +68,23 @@ class Channel(Protocol):
     def send(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
         """Send one script call now; ``deliver`` gets its flat reply, or the exception
         it failed with, exactly once (perhaps before ``send`` returns)."""
-        ...
 
     def settle(self, reply: Any) -> Any:
         """A delivered reply's value, after accounting; or raise StoreUnavailable."""
-        ...
 
     def poll(self) -> None:
         """Deliver the replies already on the socket; fail the calls of a dead connection."""
-        ...
 
     def silent_longer_than(self, seconds: float) -> bool:
         """Whether Redis has sent no byte for longer than ``seconds`` while calls wait
         (after reading the socket): a request that can wait only that long is answered
         at once."""
-        ...
 
     def ready(self) -> bool:
         """Whether a call sent now would go to Redis: owed hits ride only on those."""
-        ...
 
     def timed_out(self, requests: int) -> None:
         """Account requests given up at their deadline."""
-        ...
 
 
 FORCE = 2

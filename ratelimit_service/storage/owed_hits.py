@@ -63,8 +63,7 @@ class OwedHits:
                 self.dropped += 1
                 entry.hits = [0] * len(entry.hits)
                 entry.since = since
-            for i, hits in enumerate(args[2::4]):
-                entry.hits[i] += hits
+            entry.hits = [kept + hits for kept, hits in zip(entry.hits, args[2::4], strict=True)]
             entry.since = min(entry.since, since)
         self.added += 1
 
