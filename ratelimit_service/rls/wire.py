@@ -241,8 +241,7 @@ def _header(key: bytes, value: bytes) -> bytes:
 
 
 def over_limit_field(decided: DescriptorStatus | None, heads: LimitHeads) -> bytes:
-    """The over_limit answer of the rule that decided a denial (Response.decided), or
-    nothing when that rule has none."""
+    """The over_limit answer of the rule that decided a denial (Response.decided), if any."""
     if decided is None or decided.limit is None or decided.limit.over_limit is None:
         return b""
     fields = heads.over_limit.get(id(decided.limit))

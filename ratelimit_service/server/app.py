@@ -98,8 +98,7 @@ def start_tracing(settings: Settings) -> Tracing | None:
 
 
 def make_store(settings: Settings) -> tuple[Store, ZoneAggregator | None]:
-    """The embedded store, one Redis, or (``--zone``) a zone's Redis under a global one
-    with the zone's aggregator beside them."""
+    """The embedded store, one Redis, or (``--zone``) a zone's Redis and its aggregator."""
     if not settings.redis_url:
         return EmbeddedStore(max_keys=settings.max_buckets), None
     options: dict[str, Any] = {
@@ -387,8 +386,7 @@ class RateLimitService:
             await asyncio.to_thread(self.tracing.shutdown)  # the last spans go out
 
     async def _drain(self) -> None:
-        """Answer calls while NOT_SERVING until none came for ``drain_quiet`` seconds,
-        or ``drain_timeout`` has passed."""
+        """Answer while NOT_SERVING until no call came for drain_quiet s, or drain_timeout."""
         settings, stats = self.settings, self.stats
         loop = asyncio.get_running_loop()
         started = last_call = loop.time()

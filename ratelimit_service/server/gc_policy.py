@@ -43,8 +43,7 @@ QUIET_WAIT = 0.001
 
 
 class Tenuring:
-    """See the module docstring. Process-wide: :meth:`install` once, in the process
-    that serves."""
+    """See the module docstring. :meth:`install` once, in the process that serves."""
 
     def __init__(self, interval: float = TENURE_INTERVAL) -> None:
         self.interval = interval

@@ -46,8 +46,7 @@ class BadRequest(Exception):
 
 
 class HttpServer:
-    """Routes by exact path; every method goes to the route's handler, which gets
-    the method, the body and the query string."""
+    """Routes by exact path; a handler gets the method, the body and the query string."""
 
     def __init__(self, routes: dict[str, Handler], max_body: int = 1 << 20) -> None:
         self.routes = routes

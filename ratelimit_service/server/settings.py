@@ -85,8 +85,7 @@ class Settings:
 
 
 def fields_from(values: dict[str, Any]) -> dict[str, Any]:
-    """Settings fields from parsed values by flag ``dest``: every declared field, and
-    the header names (four flags, one field)."""
+    """Settings fields from parsed values by flag ``dest``, the four header flags as one."""
     fields = {s.fills: s.field(values[s.dest]) for s in SETTINGS if s.fills is not None}
     headers = (values[f"header_{part}"] for part in ("limit", "remaining", "reset", "rule"))
     fields["header_names"] = HeaderNames(*headers)

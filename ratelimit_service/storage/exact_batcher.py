@@ -181,8 +181,7 @@ class ExactBatcher:
         self.hopeless = 0
         """Requests answered with StoreUnavailable at once: Redis silent too long."""
         self.late = 0
-        """Requests answered with StoreUnavailable at once: less time left than
-        :attr:`prompt`."""
+        """Requests answered with StoreUnavailable at once: less time left than prompt."""
         self.prompt = 0.0
         """Seconds from sending a call to reading its reply, the quickest in the last
         PROMPT_WINDOW or two (0 before the first reply), this process's own delays
@@ -270,8 +269,7 @@ class ExactBatcher:
         return future
 
     def _add_owed(self, batch: _Batch, now: float, deadline: float) -> None:
-        """A chunk of the owed hits into ``batch``: at most a batch's descriptors, however
-        long the outage lasted."""
+        """Owed hits into ``batch``: at most a batch's descriptors, however long the outage."""
         for keys, args, since in self.owed.take(MAX_BATCH_DESCRIPTORS, now):
             batch.add(_Waiter(None, len(keys), since, deadline, now), keys, FORCE, args)
 
@@ -286,8 +284,7 @@ class ExactBatcher:
         self._send(loop)
 
     def close(self) -> None:
-        """Fail the batch not sent yet and stop holding (a held batch would reopen the
-        store's closed connection)."""
+        """Fail the batch not sent yet and stop holding (a held batch would reconnect)."""
         self.gap = 0.0
         batch, self._open = self._open, None
         if batch is not None:

@@ -76,8 +76,7 @@ loading its data, a node without the slot): a fresh connection may reach the rig
 MAX_NODE_GATES = 1000
 """Cluster nodes with a breaker of their own, at most (cleared when full)."""
 FOLLOW_EVERY = 0.1
-"""Seconds between two looks at a Cluster's slot ranges while a node fails (see
-ScriptCalls._follow_topology)."""
+"""Seconds between two looks at a Cluster's slot ranges while a node fails."""
 WARM_CONNECTIONS = 4
 """Connections opened to a promoted master before it gets its slots."""
 FOLLOW_FOR = 2.0
@@ -108,8 +107,7 @@ def script_text(name: str) -> str:
 
 @dataclass(slots=True)
 class Group:
-    """Keys one script call may touch together (one Cluster slot), their items and the
-    items' indexes in the whole call."""
+    """Keys one script call may touch together (one Cluster slot), their items and indexes."""
 
     indexes: list[int]
     keys: list[str]

@@ -228,8 +228,7 @@ class _Connection:
     # -- state ---------------------------------------------------------------------
 
     def silent_for(self) -> float:
-        """Seconds since both the last byte read and the oldest command outstanding
-        was sent; 0 with nothing outstanding."""
+        """Seconds since the last byte read and the oldest command's sending; 0: none out."""
         if not self._waiting:
             return 0.0
         since = max(self.last_read, self._waiting[0][1])
@@ -314,8 +313,7 @@ class RedisPipe:
         return 0.0 if connection is None else connection.silent_for()
 
     def drop(self, reason: str) -> None:
-        """Close the connection: every outstanding command fails with ``reason``, and
-        the next command opens a fresh one."""
+        """Close the connection (its commands fail with ``reason``; the next one reopens)."""
         if (connection := self._live()) is not None:
             connection.abort(reason)
 

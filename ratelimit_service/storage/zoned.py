@@ -41,8 +41,7 @@ from ratelimit_service.storage.script_calls import (
 )
 
 MOST_COUNTERS = 10_000
-"""Counters (and buckets) one aggregation pass reads from the zone store at most (the
-least recently published first)."""
+"""Counters (and buckets) an aggregation pass reads at most (least recently published first)."""
 
 
 class ZoneRedisStore(RedisStore):
@@ -134,8 +133,7 @@ class ZonedStore:
         return self.zone_store.healthy()
 
     def metrics(self) -> StoreMetrics:
-        """The global store's metrics, the zone store's beside them (named ``zone_store_``
-        and ``zone_``), and both breakers."""
+        """Both stores' metrics (the zone's named ``zone_store_``, ``zone_``) and breakers."""
         above, zone = self.global_store.metrics(), self.zone_store.metrics()
         figures = {**above.figures, **{f"zone_store_{k}": v for k, v in zone.figures.items()}}
         histograms = {**above.histograms, **{f"zone_{k}": v for k, v in zone.histograms.items()}}
