@@ -81,33 +81,14 @@ _SMALL = tuple(bytes([value]) for value in range(0x80))
 
 
 def _varint(value: int) -> bytes:
-    # Unrolled up to five bytes (every uint32: limit_remaining of a large limit is
-    # written on every response); a loop costs twice as much.
+    # Unrolled up to three bytes, where a loop costs twice as much; the longer varints
+    # (large remaining counts, durations' nanos) are written into fields that are kept.
     if value < 0x80:
         return _SMALL[value]
     if value < 0x4000:
         return bytes(((value & 0x7F) | 0x80, value >> 7))
     if value < 0x200000:
         return bytes(((value & 0x7F) | 0x80, ((value >> 7) & 0x7F) | 0x80, value >> 14))
-    if value < 0x10000000:
-        return bytes(
-            (
-                (value & 0x7F) | 0x80,
-                ((value >> 7) & 0x7F) | 0x80,
-                ((value >> 14) & 0x7F) | 0x80,
-                value >> 21,
-            )
-        )
-    if value < 0x800000000:
-        return bytes(
-            (
-                (value & 0x7F) | 0x80,
-                ((value >> 7) & 0x7F) | 0x80,
-                ((value >> 14) & 0x7F) | 0x80,
-                ((value >> 21) & 0x7F) | 0x80,
-                value >> 28,
-            )
-        )
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -175,9 +156,8 @@ def encode_response(
     domain: str | None = None,
     go_request: Request | None = None,
 ) -> bytes:
-    """The response's wire bytes, as parts joined once, in one loop without calls where
-    it can (it runs per descriptor of every answer). ``domain``: the request's, to write
-    the decision metadata (None: none); ``go_request``: to add envoyproxy/ratelimit's keys."""
+    """The response's wire bytes, in one loop without calls where it can. ``domain``: to write the
+    decision metadata (None: none); ``go_request``: to add envoyproxy/ratelimit's keys."""
     parts = [_OVERALL, _OVERALL_CODES[response.overall]]
     small, codes, durations, highs = _SMALL, _CODES, _DURATIONS, _HIGHS
     by_code = heads.by_code
@@ -226,9 +206,8 @@ _OVER_LIMIT = Code.OVER_LIMIT
 
 
 def over_limit_fields(answer: OverLimitAnswer) -> bytes:
-    """A rule's 429 as RLS answer fields: ``raw_body`` and, with a content type, a
-    ``content-type`` in ``response_headers_to_add`` (Envoy puts it in place of its
-    local reply's own)."""
+    """A rule's 429 as RLS answer fields: ``raw_body`` and, with a content type, a ``content-type``
+    header (Envoy puts it in place of its local reply's own)."""
     fields = _field(_RAW_BODY, answer.body)
     if answer.content_type is not None:
         fields += _header(b"content-type", answer.content_type.encode())
@@ -299,8 +278,8 @@ def metadata_field(
     domain: str, response: Response, heads: LimitHeads, go_request: Request | None = None
 ) -> bytes:
     """The whole ``dynamic_metadata`` field: core.decision.decision_metadata's content
-    (envoyproxy/ratelimit's keys, an opt-in, encoded per answer). A shadow rule over its
-    limit is rare: its item is written whole, not from the kept parts."""
+    (envoyproxy/ratelimit's keys, an opt-in, encoded per answer; a shadow rule over its limit
+    written whole)."""
     domain_entry = _DOMAINS.get(domain)
     if domain_entry is None:
         domain_entry = _kept(_DOMAINS, MAX_CACHED_DOMAINS, domain, _entry("domain", _value(domain)))

@@ -359,9 +359,8 @@ class RateLimitService:
         return int(server.add_secure_port(settings.grpc_addr, self.tls.credentials()))
 
     async def stop(self, drain: bool = False) -> None:
-        """Report NOT_SERVING, (``drain``: keep answering until callers have moved
-        on, see Settings.drain_timeout), stop taking calls, let in-flight ones
-        finish, release."""
+        """Report NOT_SERVING, (``drain``: keep answering until callers have moved on), stop taking
+        calls, let in-flight ones finish, release."""
         self._serving = False
         await self.health.enter_graceful_shutdown()
         if drain and self.settings.drain_timeout > 0:
@@ -435,9 +434,8 @@ class RateLimitService:
     # -- admin pages ---------------------------------------------------------------
 
     def healthy(self) -> bool:
-        """Serving calls. A store outage does not make the service unhealthy: every rule
-        still answers (by its failure_mode), and taking all replicas out of rotation at
-        once would only move the decision to Envoy's own failure mode."""
+        """Serving calls, store outage or not: every rule still answers (by its failure_mode), and
+        taking all replicas out would only hand the decision to Envoy's failure mode."""
         if self.settings.healthy_with_at_least_one_config_loaded:
             return self._serving and bool(self.limiter.config.domains)
         return self._serving
@@ -457,9 +455,9 @@ class RateLimitService:
             log.info("SIGHUP: rules come from xDS; nothing to reload")
 
     def _initial_rules(self) -> RateLimitConfig:
-        """The rules at start; with force_start_without_initial_config, rules that do
-        not load are logged and the service starts with none (the watcher keeps looking).
-        Rules by xDS start empty: the first response brings them."""
+        """The rules at start (none by xDS, until it sends them); with
+        force_start_without_initial_config, rules that do not load are logged and the service starts
+        with none."""
         if self.settings.xds is not None:
             return load_config([])
         try:

@@ -31,10 +31,8 @@ class JsonFormatter(logging.Formatter):
 
 
 class LateAnswers(logging.Filter):
-    """Drops (and counts in ``dropped``) grpc's ERROR for an answer that came after its
-    call ended: grpc logs ``ExecuteBatchError`` with a traceback, though the caller's
-    policy (Envoy's failure mode) had answered. A slow answer shows in the latency
-    histogram and the loop-lag metric, not as a traceback per call."""
+    """Drops (and counts) grpc's ERROR and traceback for an answer that came after its call ended:
+    Envoy's failure mode had answered, and the latency metrics show slow answers."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -79,9 +79,8 @@ class Settings:
     shutdown_grace: float = 5.0
     """Seconds calls in flight may take to finish once draining is over (no flag)."""
     xds: XdsSettings | None = None
-    """Rules from an xDS server (the --xds-* flags; the Go service's CONFIG_TYPE=GRPC_XDS_SOTW)
-    instead of files. Unless force_start_without_initial_config, the service listens only
-    once the first rules are installed."""
+    """Rules from an xDS server (the --xds-* flags; CONFIG_TYPE=GRPC_XDS_SOTW) instead of files;
+    without force_start_without_initial_config, listening waits for them."""
 
 
 def fields_from(values: dict[str, Any]) -> dict[str, Any]:

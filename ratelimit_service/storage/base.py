@@ -42,9 +42,8 @@ class BreakerState:
 
 @dataclass(frozen=True)
 class StoreMetrics:
-    """What a store tells the metrics and status pages: its name, gauges and counters
-    by name, histograms by name (a remote store: ``reply``, seconds from writing a call
-    to reading its reply) and its breakers."""
+    """What a store tells the metrics and status pages: its name, figures and histograms by name (a
+    remote store: ``reply``, its calls' reply times) and breakers."""
 
     name: str
     figures: dict[str, float]
@@ -80,14 +79,12 @@ class Store(Protocol):
         bucket's fleet view. Runs even with no reports: it is the node's heartbeat."""
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
-        """RLQS tiers: record one member's totals per counter (demand, instances, hits
-        allowed since its last publish) and return the sums over every member heard from
-        within ``forget_after`` seconds, at a cost that does not grow with the members."""
+        """RLQS tiers: record one member's totals per counter and return the sums over every member
+        heard from within ``forget_after`` seconds, at a cost that does not grow with them."""
 
     async def start(self) -> None:
-        """Connect and load what the store needs before traffic, and start what it runs
-        beside its calls. Never raises: a store that is away is marked unhealthy
-        (requests answer by failure_mode) and tried again until it answers."""
+        """Connect and load what the store needs before traffic, and start what it runs beside its
+        calls. Never raises: a store away is unhealthy and tried again until it answers."""
 
     def healthy(self) -> bool:
         """Whether the store answers (the health check and the status page)."""

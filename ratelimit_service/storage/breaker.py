@@ -62,9 +62,8 @@ class CircuitBreaker:
         self._summary_at = 0.0
 
     def allow(self) -> bool:
-        """Whether a call may go to the store now. While open, one trial call at a time
-        once the backoff has passed; a trial whose outcome was never told is over after
-        ``trial_timeout``, so no lost trial keeps the circuit open for ever."""
+        """Whether a call may go to the store now. While open, one trial call at a time once the
+        backoff has passed, a trial never told of over after ``trial_timeout``."""
         if self._backoff == 0.0:
             return True
         now = self._clock()

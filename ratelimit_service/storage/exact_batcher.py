@@ -54,9 +54,8 @@ MAX_IN_FLIGHT = 32
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis."""
 LONE_BATCHES = 2
-"""Held batches in a row that left with one request each, after which a request within
-the gap goes at once while no call is out (a client that sends its next call only once
-this one is answered). A batch that finds company, or a call out, brings the wait back."""
+"""Held batches in a row that left with one request each (a client that waits for each answer),
+after which a request goes at once while no call is out. Company brings the wait back."""
 PROMPT_WINDOW = 1.0
 """Seconds of replies over which ExactBatcher.prompt takes the quickest (this window and
 the one before): it follows a slower Redis within two windows, a quicker one at once."""
@@ -76,9 +75,8 @@ class Channel(Protocol):
         """Deliver the replies already on the socket; fail the calls of a dead connection."""
 
     def silent_longer_than(self, seconds: float) -> bool:
-        """Whether Redis has sent no byte for longer than ``seconds`` while calls wait
-        (after reading the socket): a request that can wait only that long is answered
-        at once."""
+        """Whether Redis has sent no byte for longer than ``seconds`` while calls wait (after
+        reading the socket): a request that can wait only that long is answered at once."""
 
     def ready(self) -> bool:
         """Whether a call sent now would go to Redis: owed hits ride only on those."""
@@ -183,9 +181,8 @@ class ExactBatcher:
         self.late = 0
         """Requests answered with StoreUnavailable at once: less time left than prompt."""
         self.prompt = 0.0
-        """Seconds from sending a call to reading its reply, the quickest in the last
-        PROMPT_WINDOW or two (0 before the first reply), this process's own delays
-        included: a request with less time left could only be given up."""
+        """Seconds from sending a call to reading its reply (this process's delays included), the
+        quickest in the last PROMPT_WINDOW or two; 0 before the first reply."""
         self._quickest = -1.0
         self._previous_quickest = 0.0
         self._window_end = 0.0
@@ -354,9 +351,8 @@ class ExactBatcher:
         self.prompt = min(self._previous_quickest, self._quickest)
 
     def _settle(self, batch: _Batch, raw: Any, error: str) -> None:
-        """Hand each request its results (or ``error`` when ``raw`` is None). Hits of
-        requests admitted on failure are owed when the call failed, or when their caller
-        gave up and the reply shows Redis did not count them."""
+        """Hand each request its results (or ``error`` when ``raw`` is None); owe the hits of
+        requests admitted on failure that Redis did not count."""
         start = 0
         for waiter, keys, args in batch.requests():
             future = waiter.future
@@ -391,9 +387,8 @@ class ExactBatcher:
             self.pending -= 1
 
     def _check_deadlines(self) -> None:
-        """Read what Redis has already answered, then answer every request past its
-        deadline with StoreUnavailable; a batch whose callers all gave up frees its call
-        slot (its reply still settles owed hits). Then wait for the next deadline."""
+        """Read what Redis has answered, then answer every request past its deadline with
+        StoreUnavailable (a batch nobody waits for frees its slot); then wait for the next."""
         self._timer = None
         loop = asyncio.get_running_loop()
         self._channel.poll()

@@ -35,9 +35,8 @@ _T = TypeVar("_T")
 
 
 LATE_TURNS = 3
-"""Loop turns (each polls the sockets) a redis-py call past its deadline gets before it is
-given up: a reply that came while the loop was busy needs a poll and a turn or two to be
-parsed. Turns, not milliseconds: the answer must still reach the caller in time."""
+"""Loop turns (each polls the sockets) a redis-py call past its deadline gets before it is given up,
+for a reply that came while the loop was busy; turns, not milliseconds, to end in time."""
 
 
 async def _answered_late(command: asyncio.Future[Any]) -> bool:
@@ -255,9 +254,8 @@ class ScriptCalls:
         return reply
 
     def _watch_silence(self, command: asyncio.Future[Any], gate: CircuitBreaker) -> None:
-        """A Cluster call given up at its deadline: if it still has no reply ``silence``
-        seconds on, its node counts as down (hung or cut off), so the calls to its slots
-        fail fast on its breaker instead of each waiting for its deadline."""
+        """A Cluster call given up at its deadline: with no reply ``silence`` seconds on, its node
+        counts as down, so calls to its slots fail fast instead of waiting for their deadline."""
 
         def check() -> None:
             if not command.done():
@@ -268,9 +266,8 @@ class ScriptCalls:
         asyncio.get_running_loop().call_later(self.silence, check)
 
     def _node_gate(self, name: str) -> CircuitBreaker:
-        """A Cluster node's own breaker: calls to a node that just failed fail at once for
-        a backoff, then one goes through; other nodes are called as usual. Without it an
-        absent master would cost every call to its slots a connection attempt."""
+        """A Cluster node's own breaker: calls to a node that just failed fail at once for a
+        backoff, instead of each costing a connection attempt; other nodes are called as usual."""
         gate = self._node_gates.get(name)
         if gate is None:
             if len(self._node_gates) >= MAX_NODE_GATES:
@@ -281,10 +278,9 @@ class ScriptCalls:
         return gate
 
     def _node_failed(self, node: Any, gate: CircuitBreaker, exc: BaseException) -> StoreUnavailable:
-        """A call to a Cluster node failed. After an error reply (CLUSTERDOWN...) the node
-        stays open: it serves again with the cluster. A failed connection opens its
-        breaker and redials. Either way the slot ranges are followed for a while; the
-        store counts a failure only when no node it calls works."""
+        """A call to a Cluster node failed: a failed connection opens the node's breaker (an error
+        reply does not); the slot ranges are followed for a while; the store counts a failure only
+        when no node works."""
         reason = describe(exc)
         self._follow_until = asyncio.get_running_loop().time() + FOLLOW_FOR
         self._follow_topology_soon()
@@ -310,10 +306,9 @@ class ScriptCalls:
             self._follower.add_done_callback(forget)
 
     async def _follow_topology(self) -> None:
-        """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY: the
-        slot ranges as a node that answers sees them (CLUSTER SLOTS), the map changed only
-        where they name another master (see _promote; else rebuilt). Each look within
-        ``sync_timeout``; a look that fails is tried again with the next node."""
+        """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY: the slot
+        ranges as a node that answers sees them, and the map changed where they name another
+        master."""
         loop = asyncio.get_running_loop()
         while loop.time() < self._follow_until or any(
             not gate.healthy for gate in self._node_gates.values()
@@ -330,9 +325,8 @@ class ScriptCalls:
                 continue
 
     async def _moved_ranges(self) -> list[tuple[int, int, str, int]] | None:
-        """The slot ranges (first, last, the master's announced host and port) for which
-        a node that answers names another master than the map does; None when no node is
-        known to answer (the map is then rebuilt from the seeds)."""
+        """The slot ranges (first, last, announced host and port) a node that answers gives another
+        master than the map does; None when no node is known to answer (the map is then rebuilt)."""
         nodes = self.client.nodes_manager
         failing = {name for name, gate in self._node_gates.items() if not gate.healthy}
         asked = [node for node in self.client.get_nodes() if node.name not in failing]
@@ -353,10 +347,9 @@ class ScriptCalls:
         return moved
 
     async def _promote(self, moved: list[tuple[int, int, str, int]]) -> bool:
-        """The ranges in ``moved`` given in place to their readied new masters, the old
-        one kept as a replica, when each is a failover (the new master serves no other
-        slot): far cheaper than the whole map's rebuild, which stalls this loop. False,
-        with nothing changed, when a range is no failover (slots migrated)."""
+        """The ranges in ``moved`` given in place to their readied new masters, when each is a
+        failover: far cheaper than the map's rebuild. False, nothing changed, when slots
+        migrated."""
         nodes = self.client.nodes_manager
         slots = nodes.slots_cache
         targets = []
@@ -384,9 +377,9 @@ class ScriptCalls:
         return True
 
     async def _ready_master(self, node: Any) -> None:
-        """A promoted master readied before it gets its slots: WARM_CONNECTIONS opened and
-        the scripts loaded (SCRIPT LOAD is not replicated); otherwise the calls in flight
-        would each dial a connection and be refused NOSCRIPT, inside their deadlines."""
+        """A promoted master readied before it gets its slots (WARM_CONNECTIONS, the scripts
+        loaded): else calls in flight would each dial and be refused NOSCRIPT, in their
+        deadlines."""
         await asyncio.gather(*(node.execute_command("PING") for _ in range(WARM_CONNECTIONS)))
         for script in self.scripts:
             await node.execute_command("SCRIPT", "LOAD", script.script)
@@ -407,9 +400,8 @@ class ScriptCalls:
         return StoreUnavailable(f"redis: {reason}")
 
     def _redial(self, reason: str) -> None:
-        """Drop the connections that gave ``reason``, so a new one reaches the new master:
-        the pipe at once (its outstanding calls fail with it), redis-py's pool at most
-        every REDIAL_EVERY seconds (every call on it answers the same)."""
+        """Drop the connections that gave ``reason``, so a new one reaches the new master: the pipe
+        at once (its calls fail with it), redis-py's pool at most every REDIAL_EVERY seconds."""
         now = asyncio.get_running_loop().time()
         if self.pipe is not None:
             self.pipe.drop(f"redis connection dropped: {reason}")

@@ -275,9 +275,8 @@ class RedisPipe:
         return connection if connection is not None and not connection.closed else None
 
     async def connected(self) -> _Connection:
-        """The open connection, opening one if needed, in a task shared by every caller
-        and shielded from their deadlines: a request's few milliseconds may be too short
-        for a TLS handshake, and attempts cancelled one after another never connect."""
+        """The open connection, opened if needed in a task shared by every caller and shielded from
+        their deadlines: attempts cancelled one after another would never connect."""
         task = self._connecting
         if task is None or task.done():
             task = self._connecting = asyncio.ensure_future(self._connect())

@@ -77,9 +77,8 @@ class ZoneRedisStore(RedisStore):
     async def write_back(
         self, shares: Sequence[tuple[str, ZoneShare]], zones: int, token: int, deadline: float
     ) -> int | Fenced:
-        """Write back each counter's zone part and the fleet's allowed hits, and the
-        number of zones, as the holder of ``token``: refused (nothing more written) when
-        the zone has seen a higher token. Returns the counters written."""
+        """Write back each counter's zone part, the fleet's allowed hits and the number of zones, as
+        the holder of ``token`` (refused past a higher one). Returns the counters written."""
         keep_ms = round(2 * ZONE_FORGET_AFTER * 1000)
         written = 0
         for start in range(0, max(1, len(shares)), CALL_CHUNK):
