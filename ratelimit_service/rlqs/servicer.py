@@ -1,18 +1,14 @@
 """envoy.service.rate_limit_quota.v3.RateLimitQuotaService over grpc.aio: usage
 reports in, bucket assignments out (the decisions are engine/quota.py's).
 
-One stream is one Envoy instance (Envoy 1.40 shares one RLQS client and stream per
-process, target and domain), named by the ``x-envoy-node-id`` initial metadata when Envoy
-sends it (``rlqs_server.grpc_service.initial_metadata``), else by its peer address and
-the stream, so two Envoys behind one address still count as two. Every report is
-answered at once with an action for each of its buckets: the token bucket is re-sent
-each time, which renews its TTL (an identical bucket keeps its tokens in Envoy). Never
-``requests_per_time_unit``: Envoy 1.40 ignores it. Between reports a stream also carries
-the larger buckets another Envoy's report made room for (QuotaCoordinator._grow).
-
-When the service stops (QuotaCoordinator.close_streams), every stream ends at once with
-UNAVAILABLE: an orderly end with a status, not the cancellation gRPC would make of it
-once the server's grace has run out.
+One stream is one Envoy instance (Envoy 1.40 shares one RLQS stream per process, target
+and domain), named by its ``x-envoy-node-id`` initial metadata, else by its peer address
+and the stream. Every report is answered at once with an action for each of its
+buckets: the token bucket is re-sent each time, which renews its TTL (an identical
+bucket keeps its tokens in Envoy); never ``requests_per_time_unit``, which Envoy 1.40
+ignores. Between reports a stream also carries the larger buckets another Envoy's report
+made room for. When the service stops, every stream ends with UNAVAILABLE: an orderly
+end with a status, not the cancellation of gRPC's grace running out.
 """
 
 from __future__ import annotations

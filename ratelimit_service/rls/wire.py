@@ -1,20 +1,14 @@
-"""ShouldRateLimit bytes in and out, without protobuf objects where they cost most.
-
-The servicer receives the raw request bytes (no deserializer) and returns bytes (no
-serializer), because at a few thousand requests per second per process the protobuf
-objects themselves are a visible share of the CPU:
+"""ShouldRateLimit bytes in and out, without protobuf objects where they cost most (a
+visible share of the CPU at a few thousand requests per second per process):
 
 - **Requests**: most traffic repeats a few descriptor sets, so parsed and validated
-  requests are kept by their bytes (small ones, a bounded number): a repeat costs one
-  dict lookup.
+  requests are kept by their bytes (small ones, a bounded number).
 - **Responses** are written directly in the protobuf wire format: each limit's status
   head (``code`` and ``current_limit``) is serialized once per config, and the rest is
-  a handful of varints; the loop calls no Python function for a typical status. Field
-  numbers come from the message descriptors, not from constants typed here, and the
-  test suite parses what this module writes with the protobuf runtime.
+  a handful of varints. Field numbers come from the message descriptors, and the tests
+  parse what this module writes with the protobuf runtime.
 - **Decision metadata** (``dynamic_metadata``): core.decision.decision_metadata's
-  content, written from parts kept per limit and per domain; only ``remaining`` is
-  written per descriptor. The tests parse it and compare it with that function's.
+  content, from parts kept per limit and per domain; the tests compare the two.
 """
 
 from __future__ import annotations

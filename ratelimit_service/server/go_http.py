@@ -1,14 +1,11 @@
 """envoyproxy/ratelimit's HTTP endpoints: ``/healthcheck`` and ``/json`` (its ``PORT``).
 
-``POST /json`` takes a RateLimitRequest in the protobuf JSON mapping (field names in
-lowerCamelCase or as in the .proto, as the Go service's protojson accepts them) and
-answers the RateLimitResponse in JSON: 200 for OK, 429 for OVER_LIMIT, 500 for
-UNKNOWN; a body that is not such a request, or a request the service refuses, is a
-400 with the reason. The decision is the gRPC one: the JSON goes through the same
-:class:`RateLimitServicer` as wire bytes, and its answer's bytes become JSON again.
-
-``GET /healthcheck`` is 200 ``OK`` while the service serves and 500 once it is not
-(draining after SIGTERM, or stopping), as the Go service answers.
+``POST /json`` takes a RateLimitRequest in the protobuf JSON mapping (as the Go service's
+protojson accepts it) and answers the RateLimitResponse in JSON: 200 for OK, 429 for
+OVER_LIMIT, 500 for UNKNOWN, 400 with the reason for a body that is no such request or a
+request the service refuses. The decision is the gRPC one: the request goes through the
+same :class:`RateLimitServicer` as wire bytes. ``GET /healthcheck`` is 200 ``OK`` while
+the service serves and 500 once it is not (draining or stopping), as the Go service's.
 """
 
 from __future__ import annotations

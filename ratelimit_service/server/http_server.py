@@ -1,15 +1,13 @@
 """The one HTTP/1.1 server of the service: admin pages, the metrics listener, and
 envoyproxy/ratelimit's HTTP and debug ports.
 
-Small on purpose, on asyncio streams and the service's own event loop: a handful of
-read-only pages and one JSON endpoint do not justify a web framework. Keep-alive,
-request bodies (Content-Length or chunked, bounded), ``Expect: 100-continue``, and a
-timeout for each request and for idle connections.
+Small on purpose, on asyncio streams and the service's own loop: a handful of read-only
+pages and one JSON endpoint do not justify a web framework. Keep-alive, bounded request
+bodies (Content-Length or chunked), ``Expect: 100-continue``, and timeouts.
 
-A page may answer with its body in pieces (an iterator of bytes, /metrics), so that a
-large page never holds the calls the same loop answers: the server takes the pieces and
-writes the page in stretches that leave the loop to the calls between
-(engine/background.in_stretches). Every page is sent with a Content-Length (the simplest
+A page may answer with its body in pieces (/metrics): the server takes them and writes
+the page in stretches that leave the loop to the calls between them
+(engine/background.in_stretches). Every page has a Content-Length (the simplest
 clients, the supervisor's among them, need no chunked coding).
 """
 
