@@ -14,6 +14,7 @@ end with a status, not the cancellation of gRPC's grace running out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -78,11 +79,8 @@ class QuotaServicer:
                         traced = self.tracing.report(
                             context.invocation_metadata(), report_attributes(instance, item)
                         )
-                    if traced is None:
+                    with contextlib.nullcontext() if traced is None else traced:
                         actions = await coordinator.report(instance, item.domain, usages)
-                    else:
-                        with traced:
-                            actions = await coordinator.report(instance, item.domain, usages)
                 if actions:
                     yield rlqs_pb2.RateLimitQuotaResponse(bucket_action=map(bucket_action, actions))
             if coordinator.closing.is_set():

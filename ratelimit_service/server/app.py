@@ -238,23 +238,22 @@ class RateLimitService:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
+        settings = self.settings
         if self.xds is not None:
             self.xds.start()
-            if not self.settings.force_start_without_initial_config:
+            if not settings.force_start_without_initial_config:
                 server_url = self.xds.settings.server_url
                 log.info("waiting for the first rules from xDS server %s", server_url)
                 await self.xds.wait_first()
-        # Port sharing only for --workers; otherwise a second server on the port must fail.
-        reuse = 1 if self.settings.reuse_port else 0
-        server = grpc.aio.server(options=self._grpc_options(reuse))
+        server = grpc.aio.server(options=self._grpc_options())
         servicer = self.servicer = RateLimitServicer(
             self.limiter,
-            self.settings.response_headers,
-            self.settings.header_names,
-            self.settings.deadline_margin,
+            settings.response_headers,
+            settings.header_names,
+            settings.deadline_margin,
             self.loop_lag,
             self.tracing,
-            self.settings.go_dynamic_metadata,
+            settings.go_dynamic_metadata,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
         quota = QuotaServicer(self.quota, self.tracing)
@@ -268,8 +267,8 @@ class RateLimitService:
         except RuntimeError:
             self.grpc_port = 0
         if self.grpc_port == 0:
-            why = _bind_error(self.settings.grpc_addr, bool(self.settings.reuse_port))
-            raise OSError(f"cannot listen on {self.settings.grpc_addr} (gRPC): {why}")
+            why = _bind_error(settings.grpc_addr, bool(settings.reuse_port))
+            raise OSError(f"cannot listen on {settings.grpc_addr} (gRPC): {why}")
         await server.start()
         self._server = server
         try:
@@ -286,29 +285,27 @@ class RateLimitService:
         self.reconciler.start()
         self.quota.start()
         self._loop_lag_task.start()
-        if self.watcher is not None and self.settings.watch_interval > 0:
+        if self.watcher is not None and settings.watch_interval > 0:
             self.watcher.start()
         if self.statsd is not None:
             self.statsd.start()
         self._serving = True
         await self._publish_health()
+        grpc_at = settings.grpc_addr
         log.info(
             "serving RLS on %s, admin on %s, store=%s, default mode=%s, domains=%s",
-            self.settings.grpc_addr
-            if self.settings.grpc_addr.startswith("unix:")
-            else f"port {self.grpc_port}",
-            f"{self.settings.admin_addr} (port {self.admin.port})"
-            if self.settings.admin_addr
-            else "(off)",
+            grpc_at if grpc_at.startswith("unix:") else f"port {self.grpc_port}",
+            f"{settings.admin_addr} (port {self.admin.port})" if settings.admin_addr else "(off)",
             self.store_name,
-            self.settings.mode.value,
+            settings.mode.value,
             ",".join(sorted(self.limiter.config.domains)) or "(none)",
         )
 
-    def _grpc_options(self, reuse: int) -> list[tuple[str, int]]:
+    def _grpc_options(self) -> list[tuple[str, int]]:
         settings = self.settings
         options = [
-            ("grpc.so_reuseport", reuse),
+            # Port sharing only for --workers; else a second server on the port must fail.
+            ("grpc.so_reuseport", 1 if settings.reuse_port else 0),
             ("grpc.max_receive_message_length", settings.max_request_bytes),
         ]
         for name, seconds in (

@@ -33,6 +33,7 @@ REQUEST_TIMEOUT = 10.0
 """Seconds one request may take to arrive, once its first line has."""
 BLOCK = 1 << 18
 """Bytes written at a time of a page in pieces."""
+_PHRASES = {status.value: status.phrase for status in HTTPStatus}
 
 
 class BadRequest(Exception):
@@ -108,7 +109,7 @@ class HttpServer:
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = await self._read_body(reader, headers)
         except BadRequest as exc:
-            body = f"{HTTPStatus(exc.status).phrase}: {exc}\n".encode()
+            body = f"{_PHRASES[exc.status]}: {exc}\n".encode()
             await _respond(writer, method, exc.status, "text/plain", body, False)
             return False
         path, _, query = target.partition("?")
@@ -181,10 +182,7 @@ async def _respond(
     body: Body,
     keep: bool,
 ) -> None:
-    try:
-        reason = HTTPStatus(status).phrase
-    except ValueError:
-        reason = ""
+    reason = _PHRASES.get(status, "")
     blocks = [body] if isinstance(body, bytes) else await _in_blocks(body)
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
