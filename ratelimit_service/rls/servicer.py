@@ -92,11 +92,9 @@ class RateLimitServicer:
         return grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": method})
 
     async def should_rate_limit(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """The call's latency goes to the latency histogram: from the handler's start to
-        its answer, plus the time the call waited behind a pause of the event loop
-        before its handler started (estimated by LoopLag.held: the process knows the
-        loop's pauses, not each call's arrival). Not in it: time in the network and the
-        kernel, and gRPC's own microseconds before the handler while the loop runs."""
+        """The call's latency goes to the latency histogram: from the handler's start to its answer,
+        plus the time the call waited behind a pause of the loop before it (LoopLag.held's
+        estimate). Not in it: time in the network, the kernel and gRPC's core."""
         started = time.perf_counter()
         stats = self.limiter.stats
         stats.total_requests += 1

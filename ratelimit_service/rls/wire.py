@@ -110,11 +110,9 @@ _OVERALL_CODES = {code: _varint(int(code)) for code in Code}
 
 
 class LimitHeads:
-    """Each limit's status head (the ``code`` field and the whole ``current_limit``
-    field) for each code, serialized once per config and found by the limit's id() (a
-    dict lookup, no Python frame per status). Ids are safe keys because the table keeps
-    its limits alive. A limit not in it (a per-request override) is serialized when it
-    is encoded."""
+    """Each limit's status head (``code`` and ``current_limit`` fields) for each code, serialized
+    once per config and found by id() (kept alive here, so no other object has one of their ids). A
+    per-request override is serialized when encoded."""
 
     def __init__(self, limits: Iterable[RateLimit] = ()) -> None:
         self._limits = tuple(limits)

@@ -1,15 +1,14 @@
 """``serve --workers N``: N service processes sharing one gRPC port, behind one admin port.
 
 Python serves one core per process, so N processes bind the same gRPC address with
-SO_REUSEPORT and the kernel spreads connections (Envoy's long-lived HTTP/2 ones) over
-them. They must share their state through Redis: with the embedded store each worker
-would allow the full limit, so that combination is refused.
+SO_REUSEPORT and the kernel spreads connections over them. They share their state
+through Redis (with the embedded store each would allow the full limit: refused).
 
-This parent process runs no limiter. It starts the workers (each with a private admin
-port on loopback), restarts one that dies, forwards SIGHUP and SIGTERM, and serves the
-public admin port: ``/healthcheck`` is 200 only while every worker is, ``/metrics`` adds
-the workers' counters and histograms up (gauges keep a ``worker`` label), ``/rlconfig``
-is the first worker's, ``/status.json`` holds every worker's snapshot.
+This parent runs no limiter. It starts the workers (each with a private admin port on
+loopback), restarts one that dies, forwards SIGHUP and SIGTERM, and serves the public
+admin port: ``/healthcheck`` is 200 only while every worker is, ``/metrics`` adds the
+workers' counters and histograms up (gauges keep a ``worker`` label), ``/rlconfig`` is
+the first worker's, ``/status.json`` holds every worker's snapshot.
 """
 
 from __future__ import annotations

@@ -62,17 +62,14 @@ class Store(Protocol):
         owe: bool = False,
         deadline: float | None = None,
     ) -> Awaitable[list[ExactResult]]:
-        """Decide ``hits`` (index-aligned results) and count them as core/exact.py
-        ``counts`` says, unless ``commit`` is CHECK (False): DECIDE (True) counts the
-        admitted hits of a request that goes through, and its costs whatever the answer;
-        DENIED (the request is denied by descriptors decided elsewhere) counts its costs
-        only. ``owe``: the caller admits the request if the store fails, so a store that
-        can should count its hits later (see owed_hits). ``deadline``: the event loop's
-        time after which the caller cannot use the answer (None: the store's own bound);
-        a store that must wait raises StoreUnavailable then. Raises StoreUnavailable
-        when the store fails, and StoreOverloaded when too many requests are already
-        waiting for it. Any awaitable will do (an ``async def``, or a future a store
-        resolves itself: no coroutine layer on the request path)."""
+        """Decide ``hits`` (index-aligned results) and count them as core/exact.py ``counts`` says,
+        unless ``commit`` is CHECK (False): DECIDE (True) counts the admitted hits of a request that
+        goes through, and its costs whatever the answer; DENIED (denied by descriptors decided
+        elsewhere) counts its costs only. ``owe``: the caller admits the request if the store fails,
+        so a store that can should count its hits later (see owed_hits). ``deadline``: the loop's
+        time after which the answer is of no use (None: the store's own bound). Raises
+        StoreUnavailable when the store fails or must wait past it, StoreOverloaded when too many
+        requests wait. Any awaitable will do: no coroutine layer needed on the request path."""
 
     async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         """Add ``reports`` to the fleet totals; return the live node count and each

@@ -1,29 +1,26 @@
 """Group commit for exact mode: concurrent requests share one script call.
 
 Each script call costs system calls, wake-ups of this process and of Redis, and a Lua
-start-up, whatever it carries. So calls are paced: one leaves at most every ``gap``
-seconds (``--exact-batch-hold``). A request that comes a gap or more after the last call
-goes out at once; one that comes sooner opens a batch that leaves when the gap is over,
-joined by the requests that come meanwhile, as one EVALSHA of exact_window.lua, which
-decides them one after the other (the outcome of separate calls). Batches grow with the
-load by themselves (about rate x gap requests a call). Sending at once would mean one
-request per call however high the load: grpc.aio starts about one RPC per loop turn, and
-Redis answers within a turn. Calls are pipelined, up to MAX_IN_FLIGHT at a time; a full
-batch (MAX_BATCH_DESCRIPTORS) leaves at once.
+start-up, whatever it carries. So calls are paced, one at most every ``gap`` seconds
+(``--exact-batch-hold``): a request that comes sooner after the last call opens a batch
+that leaves when the gap is over, joined by the requests that come meanwhile, as one
+EVALSHA of exact_window.lua (which decides them one by one: the outcome of separate
+calls). Batches grow with the load by themselves (about rate x gap requests a call);
+sending at once would mean one request per call however high the load, as grpc.aio
+starts about one RPC per loop turn and Redis answers within a turn. Calls are pipelined,
+up to MAX_IN_FLIGHT at a time; a full batch (MAX_BATCH_DESCRIPTORS) leaves at once.
 
-Each request waits until its own deadline (the caller's, or ``timeout`` after it was
-submitted); one timer serves them all. When it fires, the channel first reads what is on
-the socket (Channel.poll), so a reply that came while the loop was busy is used; then
-the requests past their deadline are answered with StoreUnavailable (failure_mode
-applies). A request that could only be given up is answered so at once (``late``,
-``hopeless``): an answer at the last moment often comes too late, and the call costs
-Redis for nothing. Giving up is no breaker event: the channel decides from evidence
-(errors, a silent connection) when Redis is down. Past ``max_pending`` waiting requests,
-:meth:`ExactBatcher.submit` refuses at once with :class:`StoreOverloaded`.
+Each request waits until its own deadline (the caller's, at most ``timeout``); one timer
+serves them all, and reads the socket first (Channel.poll) so that a reply that came
+while the loop was busy is used. A request that could only be given up is answered so
+at once (``late``, ``hopeless``): an answer at the last moment comes too late, and the
+call costs Redis for nothing. Giving up is no breaker event: the channel decides from
+evidence when Redis is down. Past ``max_pending`` waiting requests, :meth:`submit
+<ExactBatcher.submit>` raises :class:`StoreOverloaded`. Hits of requests whose rules
+fail open are kept for Redis when it fails (see owed_hits).
 
-Requests whose rules fail open (``owe``) are not lost to the window when Redis fails:
-see owed_hits. Callbacks, not tasks: at one request per batch, a task and a chain of
-coroutines per call would cost more CPU than the rest of the exact-mode path.
+Callbacks, not tasks: at one request per batch, a task and a chain of coroutines per
+call would cost more CPU than the rest of the exact-mode path.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ratelimit_service.core.exact import ExactResult, request_denied
@@ -89,30 +87,21 @@ FORCE = 2
 """``commit`` of a request counted whatever the window holds (owed hits)."""
 
 
+@dataclass(slots=True, eq=False)
 class _Waiter:
     """A request in a batch."""
 
-    __slots__ = ("count", "deadline", "future", "open", "since", "submitted")
-
-    def __init__(
-        self,
-        future: asyncio.Future[list[ExactResult]] | None,
-        count: int,
-        since: float | None,
-        deadline: float,
-        submitted: float,
-    ) -> None:
-        self.future = future
-        """Who waits for its results (None: owed hits, nobody)."""
-        self.count = count
-        """Its descriptors."""
-        self.since = since
-        """If its hits are owed to Redis should the call fail, since when (kept when it
-        is sent again, so it expires with its window however long Redis stays away)."""
-        self.deadline = deadline
-        self.submitted = submitted
-        self.open = future is not None
-        """Counted in ``pending``: not answered, given up or cancelled yet."""
+    future: asyncio.Future[list[ExactResult]] | None
+    """Who waits for its results (None: owed hits, nobody)."""
+    count: int
+    """Its descriptors."""
+    since: float | None
+    """If its hits are owed to Redis should the call fail, since when (kept when it is
+    sent again, so it expires with its window however long Redis stays away)."""
+    deadline: float
+    submitted: float
+    open: bool = True
+    """Counted in ``pending``: not answered, given up or cancelled yet (owed hits: never)."""
 
 
 class _Batch:
@@ -214,10 +203,9 @@ class ExactBatcher:
         owe: bool = False,
         deadline: float | None = None,
     ) -> asyncio.Future[list[ExactResult]]:
-        """One request: its keys and its hits' ARGV part (:func:`hit_args`). ``owe``: the
-        caller admits it if the call fails (see owed_hits). ``deadline`` (the loop's
-        clock): when the caller can no longer use the answer; at most ``timeout`` away.
-        Raises StoreOverloaded, sending nothing, when ``max_pending`` requests wait."""
+        """One request: its keys and its hits' ARGV part (:func:`hit_args`). ``owe``: the caller
+        admits it if the call fails. ``deadline`` (the loop's clock): at most ``timeout`` away.
+        Raises StoreOverloaded, sending nothing, past ``max_pending``."""
         if self.pending >= self.max_pending:
             self.overloaded += 1
             raise StoreOverloaded(f"redis: {self.pending} exact requests already waiting")
@@ -268,7 +256,7 @@ class ExactBatcher:
     def _add_owed(self, batch: _Batch, now: float, deadline: float) -> None:
         """Owed hits into ``batch``: at most a batch's descriptors, however long the outage."""
         for keys, args, since in self.owed.take(MAX_BATCH_DESCRIPTORS, now):
-            batch.add(_Waiter(None, len(keys), since, deadline, now), keys, FORCE, args)
+            batch.add(_Waiter(None, len(keys), since, deadline, now, False), keys, FORCE, args)
 
     def _repay(self, loop: asyncio.AbstractEventLoop) -> None:
         """Redis has just answered: owed hits left go out in a batch of their own, if a

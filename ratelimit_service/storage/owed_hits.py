@@ -26,7 +26,7 @@ Owed = tuple[tuple[str, ...], tuple[Any, ...], float]
 """One entry to send: its keys, its ARGV part with the hits added up, and since when."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Entry:
     hits: list[int]
     shortest: float

@@ -237,11 +237,9 @@ class ScriptCalls:
             return None
 
     async def _run_on_node(self, node: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
-        """A script call on one Cluster node's own connections, its reply time observed.
-        Not through RedisCluster.execute_command, which on CLUSTERDOWN sleeps 0.25 s and
-        rebuilds the whole slot map before it raises: here a failure is this node's alone
-        (see _node_failed) and the map is followed off the request path. Redirects (MOVED,
-        ASK) are left to redis-py."""
+        """A script call on one Cluster node's own connections, its reply time observed: not
+        RedisCluster.execute_command, which on CLUSTERDOWN sleeps 0.25 s and rebuilds the whole slot
+        map before it raises. Redirects (MOVED, ASK) are left to redis-py."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:

@@ -2,19 +2,17 @@
 
 redis-py's asyncio client spends more CPU per command than the rest of a ShouldRateLimit
 call. Redis answers a connection's commands in order, so this module writes each command
-at once and hands each reply (parsed by hiredis) to its command's callback, in the loop
-turn that read it: no future per command. A caller that gives up leaves nothing broken:
-its reply is read and dropped.
+at once and hands each reply (parsed by hiredis) to its command's callback in the loop
+turn that read it: no future per command; a caller that gives up leaves nothing broken.
 
 The socket is read here (``loop.add_reader``; TLS through an ``ssl.SSLObject`` on memory
 buffers), not through an asyncio transport, so that :meth:`RedisPipe.poll` can read what
 the kernel holds at any moment: a caller about to give up polls first (uvloop runs due
-timers before it polls for I/O). "No byte for a while with commands outstanding"
-(:meth:`RedisPipe.silent_for`) is the evidence of a peer gone without a reset.
+timers before it polls for I/O). :meth:`RedisPipe.silent_for` gives the evidence of a
+peer gone without a reset: no byte for a while with commands outstanding.
 
 Only single-server URLs (``redis://``, ``rediss://``, ``unix://``) use it; Sentinel and
-Cluster stay with redis-py, which follows failovers and slots. Reconnecting is lazy (the
-next command after a loss) and one at a time; the store's breaker decides how often.
+Cluster stay with redis-py. Reconnecting is lazy and one at a time.
 """
 
 from __future__ import annotations
