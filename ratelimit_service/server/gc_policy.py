@@ -1,21 +1,20 @@
 """The garbage collector's policy for a serving process (:class:`Tenuring`, installed
 by server/app.py at start): collections that hold the event loop briefly, whatever the
-number of keys, where CPython's defaults would hold it past Envoy's deadline.
+number of keys.
 
 CPython's oldest-generation pass scans every tracked object, and a limiter keeps some per
-key, so over many keys that pass frees almost nothing and holds the loop past Envoy's
-20 ms deadline (docs/benchmarks.md, "Soak"). ``gc.freeze()`` at start-up misses the
-per-key state that comes later, ``gc.set_threshold`` changes how often the pass runs,
-not how long, and CPython 3.11 cannot run a full pass in steps.
+key: over many keys that pass frees almost nothing and holds the loop past Envoy's 20 ms
+deadline (docs/benchmarks.md, "Soak"). ``gc.freeze()`` at start-up misses the per-key
+state that comes later, ``gc.set_threshold`` changes how often the pass runs, not how
+long, and CPython 3.11 cannot run a full pass in steps.
 
 So the process *tenures*: every second, at a moment when every running task has been
 running since the round before (no call or scrape half-done), it collects what is not
-yet tenured (a short pass) and freezes what survived: full passes then scan only what
-is newer. Garbage is never frozen, only objects alive at a quiet moment: per-key state,
-which holds no cycles and is freed by reference counting, and long-lived service
-objects. The cost: a cycle formed later among tenured objects is not collected; memory
-stays flat over the soak. Counting the frozen objects (``gc.get_freeze_count()``) walks
-them all, a pause of its own: the survivors of each tenure are counted instead."""
+yet tenured (a short pass) and freezes what survived, only objects alive at a quiet
+moment: per-key state, which holds no cycles and is freed by reference counting, and
+long-lived service objects. A cycle formed later among them is not collected; memory
+stays flat over the soak.
+"""
 
 from __future__ import annotations
 

@@ -54,10 +54,8 @@ def configure_logging(
     level: str = default("--log-level"), log_format: str = default("--log-format")
 ) -> None:
     handler = logging.StreamHandler()
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    text = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler.setFormatter(JsonFormatter() if log_format == "json" else text)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

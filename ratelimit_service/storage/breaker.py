@@ -125,12 +125,8 @@ class CircuitBreaker:
                 return
             self._flaps = 0
             self._down_since = self._summary_at = now
-            cause = (
-                f"({reason})"
-                if evidence
-                else f"after {self.failures_in_row} failed calls in a row"
-                f" ({reason or 'no reason given'})"
-            )
+            count = f"after {self.failures_in_row} failed calls in a row "
+            cause = f"({reason})" if evidence else f"{count}({reason or 'no reason given'})"
             log.warning(
                 "%s unavailable %s: exact rules answer by their failure_mode,"
                 " probabilistic rules keep their last drop ratios",

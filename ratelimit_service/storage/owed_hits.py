@@ -2,15 +2,12 @@
 
 When Redis fails, an exact rule with ``failure_mode: open`` admits the request
 unchecked. Its hits must still land in the window, or the next decisions would admit
-beyond the limit once Redis answers. So the batcher keeps them here and, once a reply
-proves Redis answering, sends them as forced hits (``commit`` 2 in exact_window.lua:
-counted whether they fit or not), a batch at a time. A late reply to a call that timed
-out tells which requests Redis itself counted; only the others are kept.
-
-Requests with the same keys and limits are kept as one entry whose hits add up: the work
-and memory of an outage grow with the keys it touched, not with its length. Bounded: at
-most ``max_entries`` entries (one more is dropped, counted), and an entry's hits are
-dropped unsent once its shortest window has passed since the first of them.
+beyond the limit once Redis answers: the batcher keeps them here and, once Redis
+answers, sends them as forced hits (``commit`` 2 in exact_window.lua), a batch at a time.
+Requests with the same keys and limits are kept as one entry whose hits add up: an
+outage costs work and memory by the keys it touched, not by its length. Bounded: at
+most ``max_entries`` entries, and an entry's hits are dropped unsent (counted) once its
+shortest window has passed since the first of them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The zone tier's storage (``serve --zone NAME``): a replica's stores when replicas are
-grouped in zones, each zone with its own Redis and one global Redis above them.
-
-:class:`ZoneRedisStore` is the zone's Redis: a RedisStore that keeps the indexes the
-aggregator reads, and answers its lease, reads and write-backs. :class:`ZonedStore` is
-the store seam for a replica in a zone: exact rules on the global store (exactness needs
-one counter per window for the whole fleet), RLQS and probabilistic rules on the zone's.
-The aggregator is engine/zone_aggregator.py; its arithmetic core/zones.py.
+"""The zone tier's storage (``serve --zone NAME``): each zone of replicas with its own
+Redis, one global Redis above them. :class:`ZoneRedisStore` is the zone's Redis: a
+RedisStore that keeps the indexes its aggregator (engine/zone_aggregator.py) reads, and
+answers its lease, reads and write-backs. :class:`ZonedStore` is a replica's store seam:
+exact rules on the global store (one counter per window for the whole fleet), RLQS and
+probabilistic rules on the zone's.
 """
 
 from __future__ import annotations
