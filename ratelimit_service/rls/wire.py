@@ -164,7 +164,7 @@ def encode_response(
                 remaining = UINT32_MAX
             high = highs.get(remaining >> 7)
             if high is None:
-                high = _high_part(remaining >> 7)
+                high = _kept(highs, MAX_CACHED_HIGHS, remaining >> 7, _varint(remaining >> 7))
             tail = _CONTINUED[remaining & 0x7F] + high
         limit = status.limit
         if limit is None:
@@ -313,10 +313,6 @@ def _kept(cache: dict[Any, bytes], most: int, key: Any, value: bytes) -> bytes:
         cache.clear()
     cache[key] = value
     return value
-
-
-def _high_part(high: int) -> bytes:
-    return _kept(_HIGHS, MAX_CACHED_HIGHS, high, _varint(high))
 
 
 _DURATIONS: dict[int, bytes] = {}

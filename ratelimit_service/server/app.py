@@ -135,11 +135,9 @@ class RateLimitService:
         self.store = store
         self.store_name = store.metrics().name
         """The store's kind (embedded, redis, zoned), for logs, spans and the health page."""
-        self.local = LocalBuckets(
-            max_buckets=settings.max_buckets,
-            # Never stale between two normal syncs, whatever the flags say.
-            stale_after=max(settings.stale_after, 4 * settings.sync_interval),
-        )
+        # Never stale between two normal syncs, whatever the flags say.
+        stale_after = max(settings.stale_after, 4 * settings.sync_interval)
+        self.local = LocalBuckets(max_buckets=settings.max_buckets, stale_after=stale_after)
         self.limiter = RateLimiter(
             config,
             self.store,
@@ -234,8 +232,6 @@ class RateLimitService:
         self._serving = False
         self._health_updates: set[asyncio.Task[None]] = set()
         self.grpc_port = 0
-
-    # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
         settings = self.settings
@@ -427,8 +423,6 @@ class RateLimitService:
         await self.stop(drain=drain)
         await self.tenuring.uninstall()
         log.info("stopped")
-
-    # -- admin pages ---------------------------------------------------------------
 
     def healthy(self) -> bool:
         """Serving calls, store outage or not: every rule still answers (by its failure_mode), and

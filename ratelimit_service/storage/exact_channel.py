@@ -51,8 +51,7 @@ class ExactChannel:
         pipe = self._calls.pipe
         if pipe is None or pipe.silent_for() < seconds:  # the common case: one look
             return False
-        self.poll()  # a reply may be waiting while this process was busy; or the
-        # silence is long enough to drop the connection (and open the breaker)
+        self.poll()  # a reply may be waiting; or the silence drops the connection
         return pipe.silent_for() >= seconds
 
     def poll(self) -> None:

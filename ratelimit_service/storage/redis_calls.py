@@ -194,10 +194,9 @@ class ScriptCalls:
         elif not gate.allow():  # a Cluster node: its own breaker, and no other
             raise StoreUnavailable(f"redis: {gate.name} failing: circuit open")
         self.calls += 1
-        # Its own task, shielded from our deadline: past it we answer without it, and it
-        # finishes in the background, its connection back in the pool intact. Cancelling
-        # it would make the next call pay a handshake inside its deadline: under a slow
-        # Redis, every call would time out.
+        # Its own task, shielded from our deadline: it finishes in the background with its
+        # connection intact, where cancelling it would make the next call pay a handshake
+        # inside its deadline (under a slow Redis, every call would time out).
         command = asyncio.ensure_future(
             self.run_timed(script, keys, args)
             if node is None
@@ -216,8 +215,7 @@ class ScriptCalls:
                 raw = command.result()
         except StoreUnavailable:  # no answer in time: no verdict on Redis (see _timed_out)
             raise
-        except Exception as exc:  # RedisError, OSError, and redis-py's own troubles in a
-            # failover (a RuntimeError on a transport it closed): the call failed
+        except Exception as exc:  # RedisError, OSError, redis-py's RuntimeError in a failover
             if node is not None and gate is not None:
                 raise self._node_failed(node, gate, exc) from exc
             raise self.failed(exc) from exc

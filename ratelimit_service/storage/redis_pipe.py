@@ -120,8 +120,6 @@ class _Connection:
         self.last_read = loop.time()
         loop.add_reader(self._fd, self.poll)
 
-    # -- reading -------------------------------------------------------------------
-
     def poll(self) -> None:
         """Read everything the socket holds now and deliver the replies in it."""
         while not self.closed:
@@ -172,8 +170,6 @@ class _Connection:
         except hiredis.ProtocolError as exc:
             self._fail(RedisConnectionError(f"redis protocol error: {exc!r}"))
 
-    # -- writing -------------------------------------------------------------------
-
     def request(self, packed: bytes, deliver: Deliver, retry: _Retry | None = None) -> None:
         """Send a command; ``deliver`` gets its reply (at once if it cannot be sent)."""
         if self.closed:
@@ -222,8 +218,6 @@ class _Connection:
         del self._unsent[:sent]
         if not self._unsent:
             self._loop.remove_writer(self._fd)
-
-    # -- state ---------------------------------------------------------------------
 
     def silent_for(self) -> float:
         """Seconds since the last byte read and the oldest command's sending; 0: none out."""
