@@ -97,8 +97,7 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 
 
 def limit_bytes(limit: RateLimit) -> bytes:
-    """A status's whole ``current_limit`` field (tag, length and the message serialized
-    by the protobuf runtime): built once per limit."""
+    """A status's whole ``current_limit`` field (serialized by protobuf): built once per limit."""
     message = _RESPONSE.RateLimit(
         name=limit.name, requests_per_unit=limit.requests_per_unit, unit=int(limit.unit)
     )

@@ -464,8 +464,7 @@ class RateLimitService:
         return config
 
     def install_rules(self, config: RateLimitConfig) -> None:
-        """A config source's new rules: swapped in, and health follows when it depends
-        on them (healthy_with_at_least_one_config_loaded)."""
+        """A config source's new rules, swapped in; health follows when it depends on them."""
         self.limiter.swap_config(config)
         if self._serving and self.settings.healthy_with_at_least_one_config_loaded:
             task = asyncio.get_running_loop().create_task(self._publish_health())

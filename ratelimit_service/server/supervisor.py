@@ -32,8 +32,7 @@ log = logging.getLogger(__name__)
 RESTART_DELAY = 1.0
 """Seconds before a worker that died is started again."""
 STOP_TIMEOUT = 30.0
-"""Seconds the workers get to drain and stop before they are killed (their
---drain-timeout, 15 s by default, plus the in-flight grace)."""
+"""Seconds the workers get to stop (their --drain-timeout and grace) before they are killed."""
 FETCH_TIMEOUT = 2.0
 METRICS_FETCH_TIMEOUT = 8.0
 """A worker's /metrics at the stats keys' cap (8 MB, made in stretches) takes longer than
@@ -157,8 +156,7 @@ class Supervisor:
         return 503, "text/plain", b"NOT SERVING\n" + body
 
     async def _metrics(self) -> tuple[int, str, bytes]:
-        """The workers' pages merged, in a thread (seconds of CPU at the stats keys' cap):
-        this loop answers /healthcheck meanwhile."""
+        """The workers' pages merged in a thread (seconds of CPU), leaving this loop free."""
         results = await asyncio.gather(
             *(fetch(w.admin_port, "/metrics", METRICS_FETCH_TIMEOUT) for w in self.workers)
         )

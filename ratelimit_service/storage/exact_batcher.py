@@ -328,8 +328,7 @@ class ExactBatcher:
         self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
 
     def _timed(self, now: float, took: float) -> None:
-        """A reply read ``took`` seconds after its call was sent: :attr:`prompt` is the
-        quickest of this window and the one before."""
+        """A reply read ``took`` seconds after its call was sent: keep :attr:`prompt` current."""
         if now >= self._window_end:
             self._window_end = now + PROMPT_WINDOW
             self._previous_quickest = self._quickest if self._quickest >= 0 else took

@@ -65,8 +65,7 @@ class OwedHits:
         self.added += 1
 
     def take(self, descriptors: int, now: float) -> list[Owed]:
-        """Entries still worth sending (no longer kept), oldest first, up to
-        ``descriptors`` descriptors in all (at least one entry)."""
+        """Entries worth sending (no longer kept), oldest first: ``descriptors`` at most, or one."""
         out: list[Owed] = []
         count = 0
         for shape in list(self._owed):

@@ -454,8 +454,7 @@ class ScriptCalls:
         return reply
 
     async def initialize(self) -> None:
-        """Discover the cluster once, before concurrent use: redis-py's lazy discovery
-        races when several first commands start together."""
+        """Discover the cluster once, before concurrent use (redis-py's lazy discovery races)."""
         async with self._init_lock:
             if not self._initialized:
                 await self.client.initialize()
