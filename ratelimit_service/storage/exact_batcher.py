@@ -212,8 +212,7 @@ class ExactBatcher:
         loop = asyncio.get_running_loop()
         now = loop.time()
         latest = now + self._timeout
-        if deadline is None or deadline > latest:
-            deadline = latest
+        deadline = latest if deadline is None else min(deadline, latest)
         left = deadline - now
         if left <= 0 or (self._in_flight and left < self.prompt):
             # Not even a call sent now would be answered in time. With nothing in flight

@@ -62,8 +62,7 @@ MAX_REASON = 200
 def describe(exc: BaseException) -> str:
     """An error in one short line: redis-py appends the repr of its client (a kilobyte
     of connection pools) to some messages, such as Sentinel's "No master found"."""
-    text = " ".join((str(exc) or type(exc).__name__).split())
-    text = text.split(" : <redis.", 1)[0]
+    text = " ".join((str(exc) or type(exc).__name__).split()).split(" : <redis.", 1)[0]
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 
