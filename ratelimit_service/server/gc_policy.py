@@ -35,7 +35,6 @@ from ratelimit_service.engine.stats import histogram_family
 log = logging.getLogger(__name__)
 
 TENURE_INTERVAL = 1.0
-"""Seconds between two tenures (see the module docstring)."""
 QUIET_TRIES = 100
 """Looks for a quiet moment per tenure, QUIET_WAIT apart, before the round is skipped."""
 QUIET_WAIT = 0.001

@@ -62,14 +62,12 @@ class Store(Protocol):
         owe: bool = False,
         deadline: float | None = None,
     ) -> Awaitable[list[ExactResult]]:
-        """Decide ``hits`` (index-aligned results) and count them as core/exact.py ``counts`` says,
-        unless ``commit`` is CHECK (False): DECIDE (True) counts the admitted hits of a request that
-        goes through, and its costs whatever the answer; DENIED (denied by descriptors decided
-        elsewhere) counts its costs only. ``owe``: the caller admits the request if the store fails,
-        so a store that can should count its hits later (see owed_hits). ``deadline``: the loop's
-        time after which the answer is of no use (None: the store's own bound). Raises
-        StoreUnavailable when the store fails or must wait past it, StoreOverloaded when too many
-        requests wait. Any awaitable will do: no coroutine layer needed on the request path."""
+        """Decide ``hits`` (index-aligned results) and count them as ``commit`` says (core/exact.py:
+        CHECK, DECIDE, DENIED). ``owe``: the caller admits the request if the store fails, so a
+        store that can should count its hits later (see owed_hits). ``deadline``: the loop's time
+        after which the answer is of no use (None: the store's own bound). Raises StoreUnavailable
+        when the store fails or must wait past it, StoreOverloaded when too many requests wait. Any
+        awaitable will do: no coroutine layer needed on the request path."""
 
     async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         """Add ``reports`` to the fleet totals; return the live node count and each

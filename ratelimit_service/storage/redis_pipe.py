@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 MAX_OUTSTANDING = 10_000
 """Commands waiting for a reply on the connection; beyond it, new commands fail."""
 RECV_SIZE = 256 * 1024
-"""Bytes asked of the socket per read."""
 
 
 def supports(url: str) -> bool:
