@@ -85,8 +85,7 @@ class RateLimitServicer:
         self._requests = RequestCache(_parse)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The RLS service with bytes in and out (no (de)serializer runs in grpc), through
-        :meth:`traced_should_rate_limit` with tracing on."""
+        """The RLS service, bytes in and out (with tracing on: :meth:`traced_should_rate_limit`)."""
         call = self.should_rate_limit if self.tracing is None else self.traced_should_rate_limit
         method = grpc.unary_unary_rpc_method_handler(call)
         return grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": method})

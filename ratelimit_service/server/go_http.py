@@ -37,8 +37,7 @@ class _Aborted(Exception):
 
 
 class _JsonCallContext:
-    """What RateLimitServicer.should_rate_limit uses of a gRPC call's context: abort,
-    and the time left (an HTTP call has no deadline: the store's bound applies)."""
+    """What should_rate_limit uses of a call's context (an HTTP call has no deadline)."""
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise _Aborted(code, details)

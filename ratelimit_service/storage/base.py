@@ -52,8 +52,7 @@ class StoreMetrics:
 
 
 class Store(Protocol):
-    """Seven members, each one a reason in every backend. What only one backend needs
-    (an in-process store's sweeping, the Redis store's batching) it does itself."""
+    """Seven members, each a reason in every backend; what one backend needs it does itself."""
 
     def hit(
         self,

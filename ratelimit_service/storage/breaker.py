@@ -95,8 +95,7 @@ class CircuitBreaker:
             )
 
     def failure(self, reason: str = "", evidence: bool = False) -> None:
-        """A failed call. ``evidence``: it proves the store gone (see down), so the
-        outage's first log line gives the reason, not a count."""
+        """A failed call. ``evidence`` (see down): the outage's first log line gives the reason."""
         self.total_failures += 1
         self._trial_running = False
         self.successes_in_row = 0

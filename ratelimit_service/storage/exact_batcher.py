@@ -153,8 +153,7 @@ class ExactBatcher:
         max_pending: int = default("--exact-max-pending"),
         gap: float = 0.0,
     ) -> None:
-        """``timeout``: how long a request without a deadline of its own waits, and the
-        longest any request waits. ``gap``: see :attr:`gap`."""
+        """``timeout``: the longest any request waits, and a request without a deadline."""
         self._channel = channel
         self._slices = slices
         self._timeout = timeout
@@ -337,8 +336,7 @@ class ExactBatcher:
         self.prompt = min(self._previous_quickest, self._quickest)
 
     def _settle(self, batch: _Batch, raw: Any, error: str) -> None:
-        """Hand each request its results (or ``error`` when ``raw`` is None); owe the hits of
-        requests admitted on failure that Redis did not count."""
+        """Hand each request its results (or ``error``); owe admitted hits Redis did not count."""
         start = 0
         for waiter, keys, args in batch.requests():
             future = waiter.future

@@ -55,8 +55,7 @@ class ExactChannel:
         return pipe.silent_for() >= seconds
 
     def poll(self) -> None:
-        """Read the replies already on the socket; drop a connection that has been
-        silent too long (every call on it fails, and the breaker opens)."""
+        """Read the replies on the socket; drop a connection silent too long (the breaker opens)."""
         calls, pipe = self._calls, self._calls.pipe
         if pipe is None:
             return

@@ -78,8 +78,7 @@ FOLLOW_EVERY = 0.1
 WARM_CONNECTIONS = 4
 """Connections opened to a promoted master before it gets its slots."""
 FOLLOW_FOR = 2.0
-"""Seconds the slot ranges are still looked at after the last failed call on a Cluster
-(an error reply such as CLUSTERDOWN says the topology is changing)."""
+"""Seconds the slot ranges are still followed after a Cluster call's error reply."""
 REDIAL_EVERY = 0.25
 """Seconds between two drops of redis-py's pool (and log lines) at most."""
 
@@ -113,8 +112,7 @@ class Group:
 
 
 class ScriptCalls:
-    """Script calls to one Redis (single server, Sentinel or Cluster), each bounded and
-    accounted, through the store's breaker or, on a Cluster, the node's own."""
+    """Script calls to one Redis (server, Sentinel or Cluster), each bounded and accounted."""
 
     def __init__(
         self,
@@ -224,8 +222,7 @@ class ScriptCalls:
         return raw
 
     def _node_for(self, keys: list[str]) -> Any:
-        """The Cluster node that serves ``keys`` in the slot map now, or None (no key, no
-        map yet, the slot not covered): redis-py's client then routes the call itself."""
+        """The node serving ``keys`` in the slot map now, or None: redis-py then routes the call."""
         if not keys or not self._initialized:
             return None
         try:
@@ -380,8 +377,7 @@ class ScriptCalls:
             await node.execute_command("SCRIPT", "LOAD", script.script)
 
     def _forget_gone_nodes(self) -> None:
-        """Drop the breakers of nodes that serve no slot (a dead master whose replica was
-        promoted), so the store does not count them unavailable."""
+        """Drop the breakers of nodes that serve no slot any more (dead masters, replaced)."""
         masters = {node.name for node in self.client.get_primaries()}
         for name in [name for name in self._node_gates if name not in masters]:
             del self._node_gates[name]

@@ -284,8 +284,7 @@ class RedisPipe:
     def evalsha_now(
         self, sha: str, script: str, keys: list[str], args: list[Any], deliver: Deliver
     ) -> bool:
-        """:meth:`evalsha` without a coroutine or a future: ``deliver`` gets the reply.
-        False, and nothing sent, when there is no open connection."""
+        """:meth:`evalsha` by callback; False, and nothing sent, when no connection is open."""
         connection = self._live()
         if connection is None:
             return False
