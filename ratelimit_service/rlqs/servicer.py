@@ -45,8 +45,7 @@ _BLANKET = {ALLOW_ALL: _Strategy.ALLOW_ALL, DENY_ALL: _Strategy.DENY_ALL}
 _streams = itertools.count(1)
 SHUTTING_DOWN = "the rate limit service is shutting down: reconnect"
 PUSH_QUEUE = 8
-"""Pushed answers a stream may hold before its writer takes them; beyond, a push is
-dropped (and counted): the instance's next report is answered in full anyway."""
+"""Pushed answers a stream may hold; beyond, a push is dropped (counted): a report brings all."""
 
 
 class QuotaServicer:

@@ -197,8 +197,7 @@ _OVER_LIMIT = Code.OVER_LIMIT
 
 
 def over_limit_fields(answer: OverLimitAnswer) -> bytes:
-    """A rule's 429 as RLS answer fields: ``raw_body`` and, with a content type, a ``content-type``
-    header (Envoy puts it in place of its local reply's own)."""
+    """A rule's 429 as RLS answer fields: ``raw_body`` and any ``content-type`` header."""
     fields = _field(_RAW_BODY, answer.body)
     if answer.content_type is not None:
         fields += _header(b"content-type", answer.content_type.encode())

@@ -15,8 +15,7 @@ from ratelimit_service.core.settings_table import SETTINGS, default
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """The service's settings; a field named like a flag's (``--redis-timeout``:
-    ``redis_timeout``) is that flag's, with its declared default."""
+    """The service's settings; a field named like a flag (``redis_timeout``) is that flag's."""
 
     config_path: str = default("--config")
     grpc_addr: str = default("--grpc-addr")

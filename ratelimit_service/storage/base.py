@@ -24,8 +24,7 @@ class StoreUnavailable(Exception):
 
 
 class StoreOverloaded(Exception):
-    """More exact requests wait for the store than this process's bound: nothing was
-    sent. Not a store failure, so the failure policy does not apply (see the limiter)."""
+    """Too many exact requests wait: nothing sent, no failure policy (see the limiter)."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +41,7 @@ class BreakerState:
 
 @dataclass(frozen=True)
 class StoreMetrics:
-    """What a store tells the metrics and status pages: its name, figures and histograms by name (a
-    remote store: ``reply``, its calls' reply times) and breakers."""
+    """What a store shows the metrics and status pages: name, figures, histograms and breakers."""
 
     name: str
     figures: dict[str, float]
@@ -77,8 +75,7 @@ class Store(Protocol):
         heard from within ``forget_after`` seconds, at a cost that does not grow with them."""
 
     async def start(self) -> None:
-        """Connect and load what the store needs before traffic, and start what it runs beside its
-        calls. Never raises: a store away is unhealthy and tried again until it answers."""
+        """Connect and start the store's work before traffic; never raises (unhealthy until up)."""
 
     def healthy(self) -> bool:
         """Whether the store answers (the health check and the status page)."""

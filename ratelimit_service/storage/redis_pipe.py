@@ -409,8 +409,7 @@ def forget(task: asyncio.Future[Any]) -> None:
 
 
 def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
-    """The TLS settings of a ``rediss://`` URL's query, with redis-py's defaults
-    (certificate and host name verified): both clients of the store agree."""
+    """A ``rediss://`` URL's TLS settings, with redis-py's defaults: both clients agree."""
     names = ("keyfile", "certfile", "cert_reqs", "ca_certs", "ca_data", "ca_path", "check_hostname")
     kwargs: dict[str, Any] = {"cert_reqs": "required", "check_hostname": True}
     kwargs.update({name: options[f"ssl_{name}"] for name in names if f"ssl_{name}" in options})
