@@ -473,10 +473,8 @@ class RateLimitService:
 
     def _healthcheck_page(self) -> tuple[int, str, bytes]:
         store = "healthy" if self.store.healthy() else "unavailable (rules use failure_mode)"
-        detail = f"store: {self.store_name} {store}\n".encode()
-        if self.healthy():
-            return 200, "text/plain", b"OK\n" + detail
-        return 503, "text/plain", b"NOT SERVING\n" + detail
+        status, head = (200, b"OK\n") if self.healthy() else (503, b"NOT SERVING\n")
+        return status, "text/plain", head + f"store: {self.store_name} {store}\n".encode()
 
     def _metrics_stream(self) -> tuple[int, str, Iterator[bytes]]:
         """The page in pieces: the HTTP server returns to the event loop between two."""

@@ -34,9 +34,7 @@ class LateAnswers(logging.Filter):
     """Drops (and counts) grpc's ERROR and traceback for an answer that came after its call ended:
     Envoy's failure mode had answered, and the latency metrics show slow answers."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropped = 0
+    dropped = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
