@@ -31,8 +31,7 @@ class JsonFormatter(logging.Formatter):
 
 
 class LateAnswers(logging.Filter):
-    """Drops (and counts) grpc's ERROR and traceback for an answer that came after its call ended:
-    Envoy's failure mode had answered, and the latency metrics show slow answers."""
+    """Drops (and counts) grpc's ERROR for an answer after its call ended (Envoy had answered)."""
 
     dropped = 0
 

@@ -35,8 +35,7 @@ STOP_TIMEOUT = 30.0
 """Seconds the workers get to stop (their --drain-timeout and grace) before they are killed."""
 FETCH_TIMEOUT = 2.0
 METRICS_FETCH_TIMEOUT = 8.0
-"""A worker's /metrics at the stats keys' cap (8 MB, made in stretches) takes longer than
-a page: still under Prometheus's default 10 s scrape timeout."""
+"""A worker's /metrics at the stats keys' cap takes longer (under Prometheus's 10 s timeout)."""
 SUMMED_TYPES = ("counter", "histogram", "summary")
 
 
