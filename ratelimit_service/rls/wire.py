@@ -268,8 +268,7 @@ def metadata_field(
     domain: str, response: Response, heads: LimitHeads, go_request: Request | None = None
 ) -> bytes:
     """The whole ``dynamic_metadata`` field: core.decision.decision_metadata's content
-    (envoyproxy/ratelimit's keys, an opt-in, encoded per answer; a shadow rule over its limit
-    written whole)."""
+    (envoyproxy/ratelimit's keys encoded per answer; a shadow rule over its limit whole)."""
     domain_entry = _DOMAINS.get(domain)
     if domain_entry is None:
         domain_entry = _kept(_DOMAINS, MAX_CACHED_DOMAINS, domain, _entry("domain", _value(domain)))

@@ -73,8 +73,7 @@ class Channel(Protocol):
         """Deliver the replies already on the socket; fail the calls of a dead connection."""
 
     def silent_longer_than(self, seconds: float) -> bool:
-        """Whether Redis has sent no byte for longer than ``seconds`` while calls wait (after
-        reading the socket): a request that can wait only that long is answered at once."""
+        """Whether Redis has sent no byte for longer than ``seconds`` while calls wait for it."""
 
     def ready(self) -> bool:
         """Whether a call sent now would go to Redis: owed hits ride only on those."""

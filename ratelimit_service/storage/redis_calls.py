@@ -270,9 +270,8 @@ class ScriptCalls:
         return gate
 
     def _node_failed(self, node: Any, gate: CircuitBreaker, exc: BaseException) -> StoreUnavailable:
-        """A call to a Cluster node failed: a failed connection opens the node's breaker (an error
-        reply does not); the slot ranges are followed for a while; the store counts a failure only
-        when no node works."""
+        """A Cluster node's call failed: a failed connection (not an error reply) opens its breaker;
+        the ranges are followed; the store fails only when no node works."""
         reason = describe(exc)
         self._follow_until = asyncio.get_running_loop().time() + FOLLOW_FOR
         self._follow_topology_soon()
@@ -299,8 +298,7 @@ class ScriptCalls:
 
     async def _follow_topology(self) -> None:
         """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY: the slot
-        ranges as a node that answers sees them, and the map changed where they name another
-        master."""
+        ranges as a node that answers sees them, the map changed where they differ."""
         loop = asyncio.get_running_loop()
         while loop.time() < self._follow_until or any(
             not gate.healthy for gate in self._node_gates.values()
@@ -339,9 +337,8 @@ class ScriptCalls:
         return moved
 
     async def _promote(self, moved: list[tuple[int, int, str, int]]) -> bool:
-        """The ranges in ``moved`` given in place to their readied new masters, when each is a
-        failover: far cheaper than the map's rebuild. False, nothing changed, when slots
-        migrated."""
+        """The ranges in ``moved`` given in place to their readied new masters when each is a
+        failover (far cheaper than a rebuild); False, nothing changed, when slots migrated."""
         nodes = self.client.nodes_manager
         slots = nodes.slots_cache
         targets = []
@@ -370,8 +367,7 @@ class ScriptCalls:
 
     async def _ready_master(self, node: Any) -> None:
         """A promoted master readied before it gets its slots (WARM_CONNECTIONS, the scripts
-        loaded): else calls in flight would each dial and be refused NOSCRIPT, in their
-        deadlines."""
+        loaded), lest calls in flight each dial and be refused NOSCRIPT."""
         await asyncio.gather(*(node.execute_command("PING") for _ in range(WARM_CONNECTIONS)))
         for script in self.scripts:
             await node.execute_command("SCRIPT", "LOAD", script.script)
