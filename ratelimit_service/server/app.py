@@ -50,7 +50,7 @@ from ratelimit_service.server.explain_page import explain_page
 from ratelimit_service.server.gc_policy import Tenuring
 from ratelimit_service.server.go_http import GoEndpoints
 from ratelimit_service.server.grpc_calls import grpc_call_metrics
-from ratelimit_service.server.http_server import INDEX, HttpServer, pages, query_page
+from ratelimit_service.server.http_server import INDEX, HttpServer, Page, pages, query_page
 from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.status_page import status_routes
 from ratelimit_service.server.tls import CertificateReloader
@@ -193,18 +193,15 @@ class RateLimitService:
                 self.zone_aggregator,
             )
         )
-        self.admin = HttpServer(
-            pages(
-                {
-                    "/healthcheck": self._healthcheck_page,
-                    "/metrics": self._metrics_stream,
-                    "/rlconfig": self._rlconfig_page,
-                    **status_routes(self.status),
-                    "/": lambda: (200, "text/plain", INDEX),
-                }
-            )
-            | {"/explain": query_page(lambda query: explain_page(self.limiter, query))}
-        )
+        admin: dict[str, Page] = {
+            "/healthcheck": self._healthcheck_page,
+            "/metrics": self._metrics_stream,
+            "/rlconfig": self._rlconfig_page,
+            **status_routes(self.status),
+            "/": lambda: (200, "text/plain", INDEX),
+        }
+        explain = query_page(lambda query: explain_page(self.limiter, query))
+        self.admin = HttpServer(pages(admin) | {"/explain": explain})
         # envoyproxy/ratelimit's own ports and its statsd stats, when asked for.
         self.http: HttpServer | None = None
         self.debug: HttpServer | None = None
@@ -212,15 +209,12 @@ class RateLimitService:
         if settings.prometheus_addr:
             self.prometheus = HttpServer(pages({settings.prometheus_path: self._metrics_stream}))
         if settings.debug_addr:
-            self.debug = HttpServer(
-                pages(
-                    {
-                        "/rlconfig": self._rlconfig_page,
-                        "/metrics": self._metrics_stream,
-                        "/": lambda: (200, "text/plain", b"/rlconfig\n/metrics\n"),
-                    }
-                )
-            )
+            debug: dict[str, Page] = {
+                "/rlconfig": self._rlconfig_page,
+                "/metrics": self._metrics_stream,
+            }
+            index = (200, "text/plain", b"/rlconfig\n/metrics\n")
+            self.debug = HttpServer(pages({**debug, "/": lambda: index}))
         self.statsd: StatsdSink | None = None
         if settings.statsd_addr:
             host, port = _split_addr(settings.statsd_addr)

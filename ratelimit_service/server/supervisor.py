@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratelimit_service.core.address import listen_host, split_host_port
-from ratelimit_service.server.http_server import INDEX, HttpServer, PageResult, pages, query_page
+from ratelimit_service.server.http_server import INDEX, HttpServer, Page, pages, query_page
 from ratelimit_service.server.status_page import HTML, JSON, PAGE, workers_json
 
 log = logging.getLogger(__name__)
@@ -132,19 +132,15 @@ class Supervisor:
         self.workers = [Worker(i, argv) for i in range(workers)]
         self.admin_addr = admin_addr
         self.stopping = False
-        self.admin = HttpServer(
-            pages(
-                {
-                    "/healthcheck": self._health,
-                    "/metrics": self._metrics,
-                    "/rlconfig": self._rlconfig,
-                    "/status": lambda: (200, HTML, PAGE),
-                    "/status.json": self._status,
-                    "/": lambda: (200, "text/plain", INDEX),
-                }
-            )
-            | {"/explain": query_page(self._explain)}
-        )
+        routes: dict[str, Page] = {
+            "/healthcheck": self._health,
+            "/metrics": self._metrics,
+            "/rlconfig": self._rlconfig,
+            "/status": lambda: (200, HTML, PAGE),
+            "/status.json": self._status,
+            "/": lambda: (200, "text/plain", INDEX),
+        }
+        self.admin = HttpServer(pages(routes) | {"/explain": query_page(self._explain)})
 
     async def _health(self) -> tuple[int, str, bytes]:
         results = await asyncio.gather(*(fetch(w.admin_port, "/healthcheck") for w in self.workers))
@@ -174,7 +170,7 @@ class Supervisor:
         answered = [body if status == 200 else None for status, body in results]
         return 200, JSON, workers_json(answered)
 
-    async def _explain(self, query: str) -> PageResult:
+    async def _explain(self, query: str) -> tuple[int, str, bytes]:
         """Worker 0's page: the same rules and store, its own view of the fleet."""
         status, body = await fetch(self.workers[0].admin_port, f"/explain?{query}")
         if status == 0:

@@ -30,7 +30,7 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ratelimit_service.core.exact import ExactResult, request_denied
@@ -103,22 +103,21 @@ class _Waiter:
     """Counted in ``pending``: not answered, given up or cancelled yet (owed hits: never)."""
 
 
+@dataclass(slots=True, eq=False)
 class _Batch:
-    __slots__ = ("args", "done", "due", "forced", "keys", "release", "sent_at", "waiters")
-
-    def __init__(self, slices: int) -> None:
-        self.release: asyncio.TimerHandle | None = None
-        """The end of its hold, while held."""
-        self.due = False
-        """Not held (any more): it goes as soon as a call slot is free."""
-        self.keys: list[str] = []
-        self.args: list[Any] = exact_batch_args(slices)
-        self.waiters: list[_Waiter] = []
-        self.done = False
-        """Its call slot is free: answered, or every caller gave up."""
-        self.forced = 0
-        """Owed requests in it (nobody waits for them)."""
-        self.sent_at = 0.0
+    args: list[Any]
+    """The script call's ARGV (exact_batch_args), each request's part added."""
+    release: asyncio.TimerHandle | None = None
+    """The end of its hold, while held."""
+    due: bool = False
+    """Not held (any more): it goes as soon as a call slot is free."""
+    keys: list[str] = field(default_factory=list)
+    waiters: list[_Waiter] = field(default_factory=list)
+    done: bool = False
+    """Its call slot is free: answered, or every caller gave up."""
+    forced: int = 0
+    """Owed requests in it (nobody waits for them)."""
+    sent_at: float = 0.0
 
     def add(self, waiter: _Waiter, keys: Sequence[str], commit: int, args: Sequence[Any]) -> None:
         self.waiters.append(waiter)
@@ -229,7 +228,7 @@ class ExactBatcher:
             raise StoreUnavailable("redis: silent for longer than the caller can wait")
         batch = self._open
         if batch is None:
-            batch = self._open = _Batch(self._slices)
+            batch = self._open = _Batch(exact_batch_args(self._slices))
             due_at = self._last_sent + self.gap
             if due_at > now and (self._lone < LONE_BATCHES or self._in_flight):
                 # A call left less than `gap` ago: gather company until the gap is over
@@ -261,7 +260,7 @@ class ExactBatcher:
         if not self.owed or self._open is not None or self._in_flight >= MAX_IN_FLIGHT:
             return
         now = loop.time()
-        batch = self._open = _Batch(self._slices)
+        batch = self._open = _Batch(exact_batch_args(self._slices))
         self._add_owed(batch, now, now + self._timeout)
         self._send(loop)
 

@@ -68,11 +68,10 @@ class OwedHits:
         """Entries worth sending (no longer kept), oldest first: ``descriptors`` at most, or one."""
         out: list[Owed] = []
         count = 0
-        for shape in list(self._owed):
-            keys, shaped = shape
+        for keys, shaped in list(self._owed):
             if out and count + len(keys) > descriptors:
                 break
-            entry = self._owed.pop(shape)
+            entry = self._owed.pop((keys, shaped))
             if now - entry.since >= entry.shortest:
                 self.dropped += 1
                 continue
