@@ -179,7 +179,6 @@ def bucket_action(action: Action) -> Any:
     else:
         strategy = _Strategy(blanket_rule=_BLANKET[action.kind])
     assignment = _Action.QuotaAssignmentAction(
-        assignment_time_to_live={"seconds": action.ttl_seconds},
-        rate_limit_strategy=strategy,
+        assignment_time_to_live={"seconds": action.ttl_seconds}, rate_limit_strategy=strategy
     )
     return _Action(bucket_id=bucket_id, quota_assignment_action=assignment)

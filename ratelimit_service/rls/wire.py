@@ -106,6 +106,7 @@ def limit_bytes(limit: RateLimit) -> bytes:
 
 _CODES = {code: _CODE + _varint(int(code)) for code in Code}
 _OVERALL_CODES = {code: _varint(int(code)) for code in Code}
+_OVER_LIMIT = Code.OVER_LIMIT
 
 
 class LimitHeads:
@@ -138,6 +139,9 @@ _CONTINUED = tuple(_REMAINING + bytes([low | 0x80]) for low in range(0x80))
 _HIGHS: dict[int, bytes] = {}
 """The rest of such a varint (value >> 7), kept: it changes every 128 values."""
 MAX_CACHED_HIGHS = 4096
+_DURATIONS: dict[int, bytes] = {}
+"""Whole ``duration_until_reset`` fields by milliseconds."""
+MAX_CACHED_DURATIONS = 65_536
 
 
 def encode_response(
@@ -191,9 +195,6 @@ def encode_response(
     if domain is not None:
         parts.append(metadata_field(domain, response, heads, go_request))
     return b"".join(parts)
-
-
-_OVER_LIMIT = Code.OVER_LIMIT
 
 
 def over_limit_fields(answer: OverLimitAnswer) -> bytes:
@@ -310,10 +311,6 @@ def _kept(cache: dict[Any, bytes], most: int, key: Any, value: bytes) -> bytes:
         cache.clear()
     cache[key] = value
     return value
-
-
-_DURATIONS: dict[int, bytes] = {}
-MAX_CACHED_DURATIONS = 65_536
 
 
 def _duration_field(millis: int) -> bytes:
