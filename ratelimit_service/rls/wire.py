@@ -325,8 +325,7 @@ def _duration_field(millis: int) -> bytes:
 
 
 class RequestCache:
-    """Converted requests by their bytes (see the module docstring). ``convert`` turns
-    bytes into a validated Request or raises; only successes are kept."""
+    """Converted requests by their bytes; ``convert`` raises on an invalid one (not kept)."""
 
     def __init__(self, convert: Callable[[bytes], Request]) -> None:
         self._convert = convert

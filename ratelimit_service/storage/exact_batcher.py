@@ -356,8 +356,7 @@ class ExactBatcher:
     def _owe_if_denied(
         self, waiter: _Waiter, keys: list[str], args: list[Any], raw: Any, start: int
     ) -> None:
-        """A request given up and admitted by failure_mode: owe its hits if Redis,
-        deciding it late, did not count them (its costs it counted: not owed)."""
+        """A given-up request admitted on failure: owe its hits (not costs) if Redis denied it."""
         assert waiter.since is not None
         admitted = [r.admitted for r in exact_reply(raw, start, waiter.count)]
         if request_denied(hit_roles(args), admitted):

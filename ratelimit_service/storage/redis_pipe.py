@@ -75,8 +75,7 @@ class _Tls:
         await _send_all(loop, sock, self.outgoing.read())
 
     def decrypt(self, data: bytes) -> bytes:
-        """The plain bytes ``data`` completes (may be none). Raises ssl.SSLError,
-        SSLZeroReturnError when the server closed the TLS session."""
+        """The plain bytes ``data`` completes (maybe none); ssl.SSLError, also on TLS close."""
         self.incoming.write(data)
         chunks = []
         while True:

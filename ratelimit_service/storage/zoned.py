@@ -65,8 +65,7 @@ class ZoneRedisStore(RedisStore):
         return zone_read_reply(raw)
 
     async def zone_buckets(self, forget_after: float, deadline: float) -> ZoneBuckets:
-        """The store's time, the zone's live replicas, and every probabilistic bucket a
-        replica of the zone synced within ``forget_after``."""
+        """The store's time, the zone's live replicas and buckets synced within ``forget_after``."""
         keys = [self.keys.buckets, self.prefix + "nodes"]
         args = zone_read_args(int(forget_after * 1_000_000), MOST_COUNTERS)
         raw = await self.redis.call(self._read_fleet, keys, args, self.redis.time_left(deadline))
