@@ -110,8 +110,7 @@ def report_attributes(instance: str, report: Any) -> dict[str, Any]:
 
 
 def offer(queue: asyncio.Queue[list[Action]], actions: list[Action]) -> bool:
-    """Queue pushed assignments; False when the stream's outbox is full (the stream is
-    not being read: the instance's next report brings them anyway)."""
+    """Queue pushed assignments; False when the outbox is full (the next report brings them)."""
     try:
         queue.put_nowait(actions)
     except asyncio.QueueFull:

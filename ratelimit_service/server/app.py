@@ -440,9 +440,9 @@ class RateLimitService:
             log.info("SIGHUP: rules come from xDS; nothing to reload")
 
     def _initial_rules(self) -> RateLimitConfig:
-        """The rules at start (none by xDS, until it sends them); with
-        force_start_without_initial_config, rules that do not load are logged and the service starts
-        with none."""
+        """The rules at start (none by xDS until it sends them). With
+        force_start_without_initial_config, rules that fail to load are logged and the service
+        starts with none."""
         if self.settings.xds is not None:
             return load_config([])
         try:

@@ -14,8 +14,7 @@ from ratelimit_service.core.settings_table import default
 
 
 class JsonFormatter(logging.Formatter):
-    """``{"@timestamp", "level", "logger", "@message"}`` plus ``exception`` when there is one
-    (field names as envoyproxy/ratelimit's JSON logs)."""
+    """``@timestamp``, ``level``, ``logger``, ``@message``, ``exception``: the Go service's."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {

@@ -60,15 +60,13 @@ MAX_REASON = 200
 
 
 def describe(exc: BaseException) -> str:
-    """An error in one short line: redis-py appends the repr of its client (a kilobyte
-    of connection pools) to some messages, such as Sentinel's "No master found"."""
+    """An error in one short line: redis-py appends a kilobyte of its client's repr to some."""
     text = " ".join((str(exc) or type(exc).__name__).split()).split(" : <redis.", 1)[0]
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 
 RECONNECT_ON = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "MOVED", "ASK", "TRYAGAIN")
-"""Error replies from a server that cannot take the call (a replica after a failover, one
-loading its data, a node without the slot): a fresh connection may reach the right one."""
+"""Error replies of a server that cannot take the call (a replica, loading, not the slot's)."""
 
 
 MAX_NODE_GATES = 1000

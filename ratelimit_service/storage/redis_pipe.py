@@ -44,8 +44,7 @@ def supports(url: str) -> bool:
 
 
 Deliver = Callable[[Any], None]
-"""Receives a command's reply exactly once (its value, or a ResponseError or
-ConnectionError), inside the connection's reading: it must be quick and must not raise."""
+"""Gets a command's reply once (value, ResponseError, ConnectionError): quick, never raising."""
 Observe = Callable[[float], None]
 """Gets the seconds from a command's write to its reply's read, for each reply."""
 
