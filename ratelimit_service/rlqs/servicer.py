@@ -1,24 +1,20 @@
 """envoy.service.rate_limit_quota.v3.RateLimitQuotaService over grpc.aio: usage
 reports in, bucket assignments out (the decisions are engine/quota.py's).
 
-One stream is one Envoy instance (Envoy 1.40 shares one RLQS client and stream per
-process, target and domain). It is named by the ``x-envoy-node-id`` initial metadata
-when Envoy sends it (``rlqs_server.grpc_service.initial_metadata``), else by its peer
-address and the stream, so two Envoys behind one address still count as two. Every
-report is answered at once with an action for each of its buckets: the token bucket
-is re-sent each time, which renews its TTL (an identical bucket keeps its tokens in
-Envoy). Never ``requests_per_time_unit``: Envoy 1.40 ignores it. Between reports a
-stream also carries the larger buckets another Envoy's report made room for
-(QuotaCoordinator._grow): the protocol lets the server push at any time.
-
-When the service stops (QuotaCoordinator.close_streams), every stream ends at once with
-UNAVAILABLE ("shutting down"): an orderly end with a status, not the cancellation gRPC
-would make of it once the server's grace has run out.
+One stream is one Envoy instance (Envoy 1.40 shares one RLQS stream per process, target
+and domain), named by its ``x-envoy-node-id`` initial metadata, else by its peer address
+and the stream. Every report is answered at once with an action for each of its
+buckets: the token bucket is re-sent each time, which renews its TTL (an identical
+bucket keeps its tokens in Envoy); never ``requests_per_time_unit``, which Envoy 1.40
+ignores. Between reports a stream also carries the larger buckets another Envoy's report
+made room for. When the service stops, every stream ends with UNAVAILABLE: an orderly
+end with a status, not the cancellation of gRPC's grace running out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -49,8 +45,7 @@ _BLANKET = {ALLOW_ALL: _Strategy.ALLOW_ALL, DENY_ALL: _Strategy.DENY_ALL}
 _streams = itertools.count(1)
 SHUTTING_DOWN = "the rate limit service is shutting down: reconnect"
 PUSH_QUEUE = 8
-"""Pushed answers a stream may hold before its writer takes them; beyond, a push is
-dropped (and counted): the instance's next report is answered in full anyway."""
+"""Pushed answers a stream may hold; beyond, a push is dropped (counted): a report brings all."""
 
 
 class QuotaServicer:
@@ -77,34 +72,29 @@ class QuotaServicer:
                 if isinstance(item, list):  # assignments pushed between reports
                     actions = item
                 else:
-                    usages = [
-                        Usage(
-                            dict(usage.bucket_id.bucket),
-                            usage.num_requests_allowed,
-                            usage.num_requests_denied,
-                        )
-                        for usage in item.bucket_quota_usages
-                    ]
+                    usages = [usage_of(usage) for usage in item.bucket_quota_usages]
                     traced = None
                     if self.tracing is not None:
                         traced = self.tracing.report(
                             context.invocation_metadata(), report_attributes(instance, item)
                         )
-                    if traced is None:
+                    with contextlib.nullcontext() if traced is None else traced:
                         actions = await coordinator.report(instance, item.domain, usages)
-                    else:
-                        with traced:
-                            actions = await coordinator.report(instance, item.domain, usages)
                 if actions:
-                    yield rlqs_pb2.RateLimitQuotaResponse(
-                        bucket_action=[bucket_action(a) for a in actions]
-                    )
+                    yield rlqs_pb2.RateLimitQuotaResponse(bucket_action=map(bucket_action, actions))
             if coordinator.closing.is_set():
                 context.set_code(grpc.StatusCode.UNAVAILABLE)
                 context.set_details(SHUTTING_DOWN)
         finally:
             coordinator.forget(instance)
             log.debug("RLQS stream from %s ended", instance)
+
+
+def usage_of(usage: Any) -> Usage:
+    """A bucket's usage in a report, as the coordinator counts it."""
+    return Usage(
+        dict(usage.bucket_id.bucket), usage.num_requests_allowed, usage.num_requests_denied
+    )
 
 
 def report_attributes(instance: str, report: Any) -> dict[str, Any]:
@@ -120,8 +110,7 @@ def report_attributes(instance: str, report: Any) -> dict[str, Any]:
 
 
 def offer(queue: asyncio.Queue[list[Action]], actions: list[Action]) -> bool:
-    """Queue pushed assignments; False when the stream's outbox is full (the stream is
-    not being read: the instance's next report brings them anyway)."""
+    """Queue pushed assignments; False when the outbox is full (the next report brings them)."""
     try:
         queue.put_nowait(actions)
     except asyncio.QueueFull:
@@ -134,10 +123,8 @@ async def incoming(
     closing: asyncio.Event,
     pushed: asyncio.Queue[list[Action]],
 ) -> AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports | list[Action]]:
-    """The stream's reports, and the assignments pushed to it, until the client ends
-    it or ``closing`` is set, whichever comes first: a stream waits for its next report
-    most of the time (5 s apart), so the wait itself must give way. A few tasks per
-    report are nothing at that rate."""
+    """The stream's reports, and the assignments pushed to it, until the client ends it or
+    ``closing`` is set: the wait for the next report must give way."""
     stop = asyncio.ensure_future(closing.wait())
     next_message: asyncio.Future[rlqs_pb2.RateLimitQuotaUsageReports] | None = None
     next_push: asyncio.Future[list[Action]] | None = None
@@ -191,7 +178,6 @@ def bucket_action(action: Action) -> Any:
     else:
         strategy = _Strategy(blanket_rule=_BLANKET[action.kind])
     assignment = _Action.QuotaAssignmentAction(
-        assignment_time_to_live={"seconds": action.ttl_seconds},
-        rate_limit_strategy=strategy,
+        assignment_time_to_live={"seconds": action.ttl_seconds}, rate_limit_strategy=strategy
     )
     return _Action(bucket_id=bucket_id, quota_assignment_action=assignment)

@@ -1,9 +1,7 @@
-"""envoy.service.ratelimit.v3.RateLimitService over grpc.aio: bytes in, core types,
-bytes out.
+"""envoy.service.ratelimit.v3.RateLimitService over grpc.aio: bytes in, core types, bytes out.
 
-On the service's own gRPC path, this module and rls/wire.py are the only ones that
-touch Envoy's RLS wire types (upb-backed classes from xds-protos; server/go_http.py
-translates the Go HTTP port's JSON with them too); everything they do is translation.
+On the gRPC path, this module and rls/wire.py are the only ones that touch Envoy's RLS
+wire types (server/go_http.py translates the Go HTTP port's JSON with them too).
 """
 
 from __future__ import annotations
@@ -41,10 +39,7 @@ def request_from_proto(message: Any) -> Request:
             continue
         override = None
         if descriptor.HasField("limit"):
-            override = (
-                descriptor.limit.requests_per_unit,
-                unit_from_wire(descriptor.limit.unit),
-            )
+            override = (descriptor.limit.requests_per_unit, unit_from_wire(descriptor.limit.unit))
         hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else None
         descriptors.append(Descriptor(entries, override, hits))
     return Request(message.domain, descriptors, message.hits_addend)
@@ -79,7 +74,6 @@ class RateLimitServicer:
         self.go_metadata = go_metadata
         """Answers carry envoyproxy/ratelimit's dynamic metadata keys beside ours."""
         self.tracing = tracing
-        """When set, :meth:`handler` serves :meth:`traced_should_rate_limit`."""
         self.lag = lag if lag is not None else LoopLag()
         """Tells the latency histogram what a call waited for the loop before it."""
         self.deadline_margin = deadline_margin
@@ -91,21 +85,15 @@ class RateLimitServicer:
         self._requests = RequestCache(_parse)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The RLS service with bytes in and out: no (de)serializer runs in grpc. With
-        tracing on, each call goes through :meth:`traced_should_rate_limit`; without,
-        the untraced path has not one instruction more."""
+        """The RLS service, bytes in and out (with tracing on: :meth:`traced_should_rate_limit`)."""
         call = self.should_rate_limit if self.tracing is None else self.traced_should_rate_limit
         method = grpc.unary_unary_rpc_method_handler(call)
         return grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": method})
 
     async def should_rate_limit(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """The call's latency, as its caller sees it from the service, goes to the
-        latency histogram: from the handler's start to its answer, plus the time the
-        call waited behind a pause of the event loop before its handler started (a
-        collection, a long task, the process descheduled; estimated by LoopLag.held, as
-        only the loop's pauses, not each call's arrival, are known to the process).
-        Not in it: time in the network and the kernel, and gRPC's own microseconds
-        between reading a call and starting its handler while the loop runs."""
+        """The call's latency goes to the latency histogram: from the handler's start to its answer,
+        plus the time the call waited behind a pause of the loop before it (LoopLag.held's
+        estimate). Not in it: time in the network, the kernel and gRPC's core."""
         started = time.perf_counter()
         stats = self.limiter.stats
         stats.total_requests += 1
@@ -150,9 +138,8 @@ class RateLimitServicer:
     async def traced_should_rate_limit(
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> bytes:
-        """:meth:`should_rate_limit` inside its span (engine/tracing.py), the outcome
-        on the span when it is sampled (read back from the answer's bytes: the span
-        says what the caller was told)."""
+        """:meth:`should_rate_limit` inside its span (engine/tracing.py), with the outcome
+        read back from the answer's bytes when sampled: what the caller was told."""
         assert self.tracing is not None
         traced = self.tracing.decision(context.invocation_metadata())
         if traced is None:  # not sampled
@@ -167,9 +154,7 @@ class RateLimitServicer:
             return answer
 
     def _outcome(self, raw: bytes, answer: bytes) -> dict[str, Any]:
-        request = self._requests.find(raw)
-        if request is None:
-            request = self._requests.get(raw)  # not kept (large): parsed again
+        request = self._requests.get(raw)  # a large request, not kept, is parsed again
         response = rls_pb2.RateLimitResponse.FromString(answer)
         name = rls_pb2.RateLimitResponse.Code.Name
         deciding = response.dynamic_metadata.fields.get("rule")

@@ -1,24 +1,14 @@
-"""ShouldRateLimit bytes in and out, without protobuf objects where they cost most.
+"""ShouldRateLimit bytes in and out, without protobuf objects where they cost most (a
+visible share of the CPU at a few thousand requests per second per process):
 
-The servicer receives the raw request bytes (no deserializer) and returns bytes (no
-serializer), because at a few thousand requests per second per process the protobuf
-objects themselves are a visible share of the CPU:
-
-- **Requests**: most traffic repeats a few descriptor sets, and equal bytes are an
-  equal request. Parsed, converted and validated requests are kept by their bytes
-  (small requests only, a bounded number), so a repeat costs one dict lookup.
-- **Responses** are written directly in the protobuf wire format: each limit's
-  status head (``code`` and ``current_limit``) is serialized once per config, and the
-  rest is a handful of varints. This takes half the time of building upb messages
-  and serializing them. The loop calls no Python function for a typical status: in
-  the server a call costs about three times what it costs in a benchmark loop. Field
-  numbers come from the message descriptors, not from constants typed here, and the
-  test suite parses what this module writes with the protobuf runtime.
-- **Decision metadata** (``dynamic_metadata``, a google.protobuf.Struct): the content
-  core.decision.decision_metadata defines, written from parts kept per limit (its
-  limit_facts and the deciding-rule entry) and per domain; only ``remaining`` is
-  written per descriptor (and the whole item of a shadow rule over its limit, rare).
-  The tests parse it and compare it with that function's.
+- **Requests**: most traffic repeats a few descriptor sets, so parsed and validated
+  requests are kept by their bytes (small ones, a bounded number).
+- **Responses** are written directly in the protobuf wire format: each limit's status
+  head (``code`` and ``current_limit``) is serialized once per config, and the rest is
+  a handful of varints. Field numbers come from the message descriptors, and the tests
+  parse what this module writes with the protobuf runtime.
+- **Decision metadata** (``dynamic_metadata``): core.decision.decision_metadata's
+  content, from parts kept per limit and per domain; the tests compare the two.
 """
 
 from __future__ import annotations
@@ -32,20 +22,8 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import struct_pb2
 
 from ratelimit_service.core.config_model import OverLimitAnswer, RateLimit
-from ratelimit_service.core.decision import (
-    SHADOW,
-    SHADOW_OVER,
-    go_metadata,
-    limit_facts,
-    rule_name,
-)
-from ratelimit_service.core.request import (
-    UINT32_MAX,
-    Code,
-    DescriptorStatus,
-    Request,
-    Response,
-)
+from ratelimit_service.core.decision import SHADOW, SHADOW_OVER, go_metadata, limit_facts, rule_name
+from ratelimit_service.core.request import UINT32_MAX, Code, DescriptorStatus, Request, Response
 
 _VARINT = 0
 _FIXED64 = 1
@@ -97,33 +75,14 @@ _SMALL = tuple(bytes([value]) for value in range(0x80))
 
 
 def _varint(value: int) -> bytes:
-    # Unrolled up to five bytes (every uint32: limit_remaining of a large limit is
-    # written on every response); a loop costs twice as much.
+    # Unrolled up to three bytes, where a loop costs twice as much; the longer varints
+    # (large remaining counts, durations' nanos) are written into fields that are kept.
     if value < 0x80:
         return _SMALL[value]
     if value < 0x4000:
         return bytes(((value & 0x7F) | 0x80, value >> 7))
     if value < 0x200000:
         return bytes(((value & 0x7F) | 0x80, ((value >> 7) & 0x7F) | 0x80, value >> 14))
-    if value < 0x10000000:
-        return bytes(
-            (
-                (value & 0x7F) | 0x80,
-                ((value >> 7) & 0x7F) | 0x80,
-                ((value >> 14) & 0x7F) | 0x80,
-                value >> 21,
-            )
-        )
-    if value < 0x800000000:
-        return bytes(
-            (
-                (value & 0x7F) | 0x80,
-                ((value >> 7) & 0x7F) | 0x80,
-                ((value >> 14) & 0x7F) | 0x80,
-                ((value >> 21) & 0x7F) | 0x80,
-                value >> 28,
-            )
-        )
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -138,8 +97,7 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 
 
 def limit_bytes(limit: RateLimit) -> bytes:
-    """A status's whole ``current_limit`` field (tag, length and the message serialized
-    by the protobuf runtime): built once per limit."""
+    """A status's whole ``current_limit`` field (serialized by protobuf): built once per limit."""
     message = _RESPONSE.RateLimit(
         name=limit.name, requests_per_unit=limit.requests_per_unit, unit=int(limit.unit)
     )
@@ -148,15 +106,13 @@ def limit_bytes(limit: RateLimit) -> bytes:
 
 _CODES = {code: _CODE + _varint(int(code)) for code in Code}
 _OVERALL_CODES = {code: _varint(int(code)) for code in Code}
+_OVER_LIMIT = Code.OVER_LIMIT
 
 
 class LimitHeads:
-    """Each limit's status head (the ``code`` field and the whole ``current_limit``
-    field) for each code, serialized once per config and found by the limit's id():
-    a dict lookup, where a method with an identity check would cost a frame per
-    status. Ids are safe keys because the table keeps its limits alive: no other live
-    object can have one of their ids. A limit not in it (a per-request override) is
-    serialized when it is encoded."""
+    """Each limit's status head (``code`` and ``current_limit`` fields) for each code, serialized
+    once per config and found by id() (kept alive here, so no other object has one of their ids). A
+    per-request override is serialized when encoded."""
 
     def __init__(self, limits: Iterable[RateLimit] = ()) -> None:
         self._limits = tuple(limits)
@@ -173,8 +129,7 @@ class LimitHeads:
             for limit in self._limits
             if limit.over_limit is not None
         }
-        """The ``raw_body`` and content-type fields of each limit that has an over_limit
-        answer; empty when none has, and then a denial looks for none."""
+        """The ``raw_body`` and content-type fields of each limit with an over_limit."""
 
 
 _NO_HEADS = LimitHeads()
@@ -184,6 +139,9 @@ _CONTINUED = tuple(_REMAINING + bytes([low | 0x80]) for low in range(0x80))
 _HIGHS: dict[int, bytes] = {}
 """The rest of such a varint (value >> 7), kept: it changes every 128 values."""
 MAX_CACHED_HIGHS = 4096
+_DURATIONS: dict[int, bytes] = {}
+"""Whole ``duration_until_reset`` fields by milliseconds."""
+MAX_CACHED_DURATIONS = 65_536
 
 
 def encode_response(
@@ -193,11 +151,8 @@ def encode_response(
     domain: str | None = None,
     go_request: Request | None = None,
 ) -> bytes:
-    """The response's wire bytes, built as a list of parts joined once (bytes
-    concatenation of a few parts is cheaper than growing a bytearray field by field).
-    One loop without calls where it can: this runs per descriptor of every answer.
-    ``domain``: the request's, to write the decision metadata (None: none written);
-    ``go_request``: the request, to write envoyproxy/ratelimit's keys in it too."""
+    """The response's wire bytes, in one loop without calls where it can. ``domain``: to write the
+    decision metadata (None: none); ``go_request``: to add envoyproxy/ratelimit's keys."""
     parts = [_OVERALL, _OVERALL_CODES[response.overall]]
     small, codes, durations, highs = _SMALL, _CODES, _DURATIONS, _HIGHS
     by_code = heads.by_code
@@ -212,7 +167,7 @@ def encode_response(
                 remaining = UINT32_MAX
             high = highs.get(remaining >> 7)
             if high is None:
-                high = _high_part(remaining >> 7)
+                high = _kept(highs, MAX_CACHED_HIGHS, remaining >> 7, _varint(remaining >> 7))
             tail = _CONTINUED[remaining & 0x7F] + high
         limit = status.limit
         if limit is None:
@@ -234,8 +189,7 @@ def encode_response(
         size = len(body)
         parts += (_STATUSES, small[size] if size < 0x80 else _varint(size), body)
     for key, value in headers or ():
-        header = _field(_HEADER_KEY, key.encode()) + _field(_HEADER_VALUE, value.encode())
-        parts.append(_field(_HEADERS, header))
+        parts.append(_header(key.encode(), value.encode()))
     if heads.over_limit and response.overall is _OVER_LIMIT:
         parts.append(over_limit_field(response.decided, heads))
     if domain is not None:
@@ -243,25 +197,21 @@ def encode_response(
     return b"".join(parts)
 
 
-_OVER_LIMIT = Code.OVER_LIMIT
-
-
 def over_limit_fields(answer: OverLimitAnswer) -> bytes:
-    """A rule's 429 as RLS answer fields: ``raw_body`` and, with a content type, a
-    ``content-type`` in ``response_headers_to_add`` (Envoy puts it in place of its
-    local reply's own)."""
+    """A rule's 429 as RLS answer fields: ``raw_body`` and any ``content-type`` header."""
     fields = _field(_RAW_BODY, answer.body)
     if answer.content_type is not None:
-        header = _field(_HEADER_KEY, b"content-type") + _field(
-            _HEADER_VALUE, answer.content_type.encode()
-        )
-        fields += _field(_HEADERS, header)
+        fields += _header(b"content-type", answer.content_type.encode())
     return fields
 
 
+def _header(key: bytes, value: bytes) -> bytes:
+    """One ``response_headers_to_add`` field."""
+    return _field(_HEADERS, _field(_HEADER_KEY, key) + _field(_HEADER_VALUE, value))
+
+
 def over_limit_field(decided: DescriptorStatus | None, heads: LimitHeads) -> bytes:
-    """The over_limit answer of the rule that decided a denial (Response.decided), or
-    nothing when that rule has none."""
+    """The over_limit answer of the rule that decided a denial (Response.decided), if any."""
     if decided is None or decided.limit is None or decided.limit.over_limit is None:
         return b""
     fields = heads.over_limit.get(id(decided.limit))
@@ -296,8 +246,8 @@ def struct_entries(mapping: Mapping[str, Any]) -> bytes:
 
 
 def item_head(limit: RateLimit) -> bytes:
-    """A descriptor's item in the metadata's list (a Value holding a Struct: its
-    limit_facts and ``remaining``) up to the remaining count's 8 bytes, which come last."""
+    """A descriptor's item in the metadata's list (its limit_facts and ``remaining``) up
+    to the remaining count's 8 bytes, which come last."""
     body = struct_entries(limit_facts(limit)) + _REMAINING_HEAD
     value = _STRUCT + _varint(len(body) + 8) + body
     return _LIST_ITEM + _varint(len(value) + 8) + value
@@ -319,14 +269,10 @@ def metadata_field(
     domain: str, response: Response, heads: LimitHeads, go_request: Request | None = None
 ) -> bytes:
     """The whole ``dynamic_metadata`` field: core.decision.decision_metadata's content
-    (with envoyproxy/ratelimit's keys when ``go_request`` is given: an opt-in, so they
-    are encoded per answer, not kept). A shadow rule over its limit is rare: its item
-    is written whole, not from the kept parts."""
+    (envoyproxy/ratelimit's keys encoded per answer; a shadow rule over its limit whole)."""
     domain_entry = _DOMAINS.get(domain)
     if domain_entry is None:
-        if len(_DOMAINS) >= MAX_CACHED_DOMAINS:
-            _DOMAINS.clear()
-        domain_entry = _DOMAINS[domain] = _entry("domain", _value(domain))
+        domain_entry = _kept(_DOMAINS, MAX_CACHED_DOMAINS, domain, _entry("domain", _value(domain)))
     parts = [domain_entry]
     statuses, decided = response.statuses, response.decided
     if decided is not None and decided.limit is not None:
@@ -359,16 +305,12 @@ def metadata_field(
     return _field(_METADATA, b"".join(parts))
 
 
-def _high_part(high: int) -> bytes:
-    field = _varint(high)
-    if len(_HIGHS) >= MAX_CACHED_HIGHS:
-        _HIGHS.clear()
-    _HIGHS[high] = field
-    return field
-
-
-_DURATIONS: dict[int, bytes] = {}
-MAX_CACHED_DURATIONS = 65_536
+def _kept(cache: dict[Any, bytes], most: int, key: Any, value: bytes) -> bytes:
+    """``value``, kept in ``cache`` under ``key`` (cleared when it holds ``most``)."""
+    if len(cache) >= most:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def _duration_field(millis: int) -> bytes:
@@ -379,16 +321,11 @@ def _duration_field(millis: int) -> bytes:
         payload = _SECONDS + _varint(seconds)
     if rest:
         payload += _NANOS + _varint(rest * 1_000_000)
-    field = _RESET + _SMALL[len(payload)] + payload
-    if len(_DURATIONS) >= MAX_CACHED_DURATIONS:
-        _DURATIONS.clear()
-    _DURATIONS[millis] = field
-    return field
+    return _kept(_DURATIONS, MAX_CACHED_DURATIONS, millis, _RESET + _SMALL[len(payload)] + payload)
 
 
 class RequestCache:
-    """Converted requests by their bytes (see the module docstring). ``convert`` turns
-    bytes into a validated Request or raises; only successes are kept."""
+    """Converted requests by their bytes; ``convert`` raises on an invalid one (not kept)."""
 
     def __init__(self, convert: Callable[[bytes], Request]) -> None:
         self._convert = convert

@@ -1,8 +1,6 @@
 """Wiring and lifecycle: build the limiter, store, reconciler, gRPC and admin listeners,
-start them, and stop them gracefully (health NOT_SERVING first, then drain).
-
-The garbage collector's policy for the serving process is server/gc_policy.py's
-(:class:`~ratelimit_service.server.gc_policy.Tenuring`), installed at start."""
+start them (with server/gc_policy.py's collector policy), and stop them gracefully
+(health NOT_SERVING first, then drain)."""
 
 from __future__ import annotations
 
@@ -52,7 +50,7 @@ from ratelimit_service.server.explain_page import explain_page
 from ratelimit_service.server.gc_policy import Tenuring
 from ratelimit_service.server.go_http import GoEndpoints
 from ratelimit_service.server.grpc_calls import grpc_call_metrics
-from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
+from ratelimit_service.server.http_server import INDEX, HttpServer, Page, pages, query_page
 from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.status_page import status_routes
 from ratelimit_service.server.tls import CertificateReloader
@@ -75,10 +73,13 @@ def load_rules(settings: Settings) -> RateLimitConfig:
             "no rule file (*.yaml, *.yml) in %s: no domain is limited until one appears",
             settings.config_path,
         )
+    return load_files(settings, files)
+
+
+def load_files(settings: Settings, files: list[ConfigFile]) -> RateLimitConfig:
+    """Rule files (ours or a config source's) loaded with the service's settings."""
     return load_config(
-        files,
-        default_mode=settings.mode,
-        merge_domains=settings.merge_domain_config,
+        files, default_mode=settings.mode, merge_domains=settings.merge_domain_config
     )
 
 
@@ -97,8 +98,7 @@ def start_tracing(settings: Settings) -> Tracing | None:
 
 
 def make_store(settings: Settings) -> tuple[Store, ZoneAggregator | None]:
-    """The embedded store, one Redis, or (``--zone``) a zone's Redis under a global one
-    with the zone's aggregator beside them."""
+    """The embedded store, one Redis, or (``--zone``) a zone's Redis and its aggregator."""
     if not settings.redis_url:
         return EmbeddedStore(max_keys=settings.max_buckets), None
     options: dict[str, Any] = {
@@ -135,11 +135,9 @@ class RateLimitService:
         self.store = store
         self.store_name = store.metrics().name
         """The store's kind (embedded, redis, zoned), for logs, spans and the health page."""
-        self.local = LocalBuckets(
-            max_buckets=settings.max_buckets,
-            # Never stale between two normal syncs, whatever the flags say.
-            stale_after=max(settings.stale_after, 4 * settings.sync_interval),
-        )
+        # Never stale between two normal syncs, whatever the flags say.
+        stale_after = max(settings.stale_after, 4 * settings.sync_interval)
+        self.local = LocalBuckets(max_buckets=settings.max_buckets, stale_after=stale_after)
         self.limiter = RateLimiter(
             config,
             self.store,
@@ -167,7 +165,10 @@ class RateLimitService:
         self.xds: XdsConfigSource | None = None
         if settings.xds is not None:
             self.xds = XdsConfigSource(
-                settings.xds, load=self._load_files, install=self.install_rules, stats=self.stats
+                settings.xds,
+                load=lambda files: load_files(settings, files),
+                install=self.install_rules,
+                stats=self.stats,
             )
         else:
             self.watcher = ConfigWatcher(
@@ -192,18 +193,15 @@ class RateLimitService:
                 self.zone_aggregator,
             )
         )
-        self.admin = HttpServer(
-            pages(
-                {
-                    "/healthcheck": self._healthcheck_page,
-                    "/metrics": self._metrics_stream,
-                    "/rlconfig": self._rlconfig_page,
-                    **status_routes(self.status),
-                    "/": self._index_page,
-                }
-            )
-            | {"/explain": query_page(self._explain_page)}
-        )
+        admin: dict[str, Page] = {
+            "/healthcheck": self._healthcheck_page,
+            "/metrics": self._metrics_stream,
+            "/rlconfig": self._rlconfig_page,
+            **status_routes(self.status),
+            "/": lambda: (200, "text/plain", INDEX),
+        }
+        explain = query_page(lambda query: explain_page(self.limiter, query))
+        self.admin = HttpServer(pages(admin) | {"/explain": explain})
         # envoyproxy/ratelimit's own ports and its statsd stats, when asked for.
         self.http: HttpServer | None = None
         self.debug: HttpServer | None = None
@@ -211,21 +209,16 @@ class RateLimitService:
         if settings.prometheus_addr:
             self.prometheus = HttpServer(pages({settings.prometheus_path: self._metrics_stream}))
         if settings.debug_addr:
-            self.debug = HttpServer(
-                pages(
-                    {
-                        "/rlconfig": self._rlconfig_page,
-                        "/metrics": self._metrics_stream,
-                        "/": self._debug_index_page,
-                    }
-                )
-            )
+            debug: dict[str, Page] = {
+                "/rlconfig": self._rlconfig_page,
+                "/metrics": self._metrics_stream,
+            }
+            index = (200, "text/plain", b"/rlconfig\n/metrics\n")
+            self.debug = HttpServer(pages({**debug, "/": lambda: index}))
         self.statsd: StatsdSink | None = None
         if settings.statsd_addr:
-            statsd_host, statsd_port = _split_addr(settings.statsd_addr)
-            self.statsd = StatsdSink(
-                self.stats, statsd_host, statsd_port, settings.statsd_flush_interval
-            )
+            host, port = _split_addr(settings.statsd_addr)
+            self.statsd = StatsdSink(self.stats, host, port, settings.statsd_flush_interval)
         self.metrics = StatsCollector(self.stats, self._gauges)
         self._server: grpc.aio.Server | None = None
         self.servicer: RateLimitServicer | None = None
@@ -234,26 +227,23 @@ class RateLimitService:
         self._health_updates: set[asyncio.Task[None]] = set()
         self.grpc_port = 0
 
-    # -- lifecycle -----------------------------------------------------------------
-
     async def start(self) -> None:
+        settings = self.settings
         if self.xds is not None:
             self.xds.start()
-            if not self.settings.force_start_without_initial_config:
+            if not settings.force_start_without_initial_config:
                 server_url = self.xds.settings.server_url
                 log.info("waiting for the first rules from xDS server %s", server_url)
                 await self.xds.wait_first()
-        # Port sharing only for --workers; otherwise a second server on the port must fail.
-        reuse = 1 if self.settings.reuse_port else 0
-        server = grpc.aio.server(options=self._grpc_options(reuse))
+        server = grpc.aio.server(options=self._grpc_options())
         servicer = self.servicer = RateLimitServicer(
             self.limiter,
-            self.settings.response_headers,
-            self.settings.header_names,
-            self.settings.deadline_margin,
+            settings.response_headers,
+            settings.header_names,
+            settings.deadline_margin,
             self.loop_lag,
             self.tracing,
-            self.settings.go_dynamic_metadata,
+            settings.go_dynamic_metadata,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
         quota = QuotaServicer(self.quota, self.tracing)
@@ -267,8 +257,8 @@ class RateLimitService:
         except RuntimeError:
             self.grpc_port = 0
         if self.grpc_port == 0:
-            why = _bind_error(self.settings.grpc_addr, bool(self.settings.reuse_port))
-            raise OSError(f"cannot listen on {self.settings.grpc_addr} (gRPC): {why}")
+            why = _bind_error(settings.grpc_addr, bool(settings.reuse_port))
+            raise OSError(f"cannot listen on {settings.grpc_addr} (gRPC): {why}")
         await server.start()
         self._server = server
         try:
@@ -285,38 +275,35 @@ class RateLimitService:
         self.reconciler.start()
         self.quota.start()
         self._loop_lag_task.start()
-        if self.watcher is not None and self.settings.watch_interval > 0:
+        if self.watcher is not None and settings.watch_interval > 0:
             self.watcher.start()
         if self.statsd is not None:
             self.statsd.start()
         self._serving = True
         await self._publish_health()
+        grpc_at = settings.grpc_addr
         log.info(
             "serving RLS on %s, admin on %s, store=%s, default mode=%s, domains=%s",
-            self.settings.grpc_addr
-            if self.settings.grpc_addr.startswith("unix:")
-            else f"port {self.grpc_port}",
-            f"{self.settings.admin_addr} (port {self.admin.port})"
-            if self.settings.admin_addr
-            else "(off)",
+            grpc_at if grpc_at.startswith("unix:") else f"port {self.grpc_port}",
+            f"{settings.admin_addr} (port {self.admin.port})" if settings.admin_addr else "(off)",
             self.store_name,
-            self.settings.mode.value,
+            settings.mode.value,
             ",".join(sorted(self.limiter.config.domains)) or "(none)",
         )
 
-    def _grpc_options(self, reuse: int) -> list[tuple[str, int]]:
+    def _grpc_options(self) -> list[tuple[str, int]]:
         settings = self.settings
         options = [
-            ("grpc.so_reuseport", reuse),
+            # Port sharing only for --workers; else a second server on the port must fail.
+            ("grpc.so_reuseport", 1 if settings.reuse_port else 0),
             ("grpc.max_receive_message_length", settings.max_request_bytes),
         ]
-        if settings.grpc_max_connection_age is not None:
-            options.append(
-                ("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age * 1000))
-            )
-        if settings.grpc_max_connection_age_grace is not None:
-            grace = int(settings.grpc_max_connection_age_grace * 1000)
-            options.append(("grpc.max_connection_age_grace_ms", grace))
+        for name, seconds in (
+            ("grpc.max_connection_age_ms", settings.grpc_max_connection_age),
+            ("grpc.max_connection_age_grace_ms", settings.grpc_max_connection_age_grace),
+        ):
+            if seconds is not None:
+                options.append((name, int(seconds * 1000)))
         return options
 
     async def _start_admin(self) -> None:
@@ -325,33 +312,20 @@ class RateLimitService:
             (self.admin, self.settings.admin_addr, "admin"),
             (self.prometheus, self.settings.prometheus_addr, "prometheus"),
         ):
-            if server is None or not addr:
-                continue
-            host, port = _split_addr(addr)
-            try:
-                await server.start(host, port)
-            except OSError as exc:
-                raise OSError(f"cannot listen on {addr} ({role}): {exc}") from exc
+            if server is not None and addr:
+                await _listen(server, addr, role)
 
     async def _start_go_ports(self, servicer: RateLimitServicer) -> None:
         """The Go service's HTTP and debug listeners, those that are asked for."""
         settings = self.settings
         if settings.http_addr:
-            endpoints = GoEndpoints(servicer, self.healthy)
-            http = HttpServer(endpoints.routes(), max_body=settings.max_request_bytes)
-            host, port = _split_addr(settings.http_addr)
-            try:
-                await http.start(host, port, reuse_port=settings.reuse_port)
-            except OSError as exc:
-                raise OSError(f"cannot listen on {settings.http_addr} (http): {exc}") from exc
+            routes = GoEndpoints(servicer, self.healthy).routes()
+            http = HttpServer(routes, max_body=settings.max_request_bytes)
+            host = await _listen(http, settings.http_addr, "http", settings.reuse_port)
             self.http = http
             log.info("serving /healthcheck and /json on %s:%d", host, http.port)
         if self.debug is not None and settings.debug_addr:
-            host, port = _split_addr(settings.debug_addr)
-            try:
-                await self.debug.start(host, port)
-            except OSError as exc:
-                raise OSError(f"cannot listen on {settings.debug_addr} (debug): {exc}") from exc
+            host = await _listen(self.debug, settings.debug_addr, "debug")
             log.info("serving /rlconfig and /metrics on %s:%d", host, self.debug.port)
 
     async def _stop_listeners(self) -> None:
@@ -372,9 +346,8 @@ class RateLimitService:
         return int(server.add_secure_port(settings.grpc_addr, self.tls.credentials()))
 
     async def stop(self, drain: bool = False) -> None:
-        """Report NOT_SERVING, (``drain``: keep answering until callers have moved
-        on, see Settings.drain_timeout), stop taking calls, let in-flight ones
-        finish, release."""
+        """Report NOT_SERVING, (``drain``: keep answering until callers have moved on), stop taking
+        calls, let in-flight ones finish, release."""
         self._serving = False
         await self.health.enter_graceful_shutdown()
         if drain and self.settings.drain_timeout > 0:
@@ -399,8 +372,7 @@ class RateLimitService:
             await asyncio.to_thread(self.tracing.shutdown)  # the last spans go out
 
     async def _drain(self) -> None:
-        """Answer calls while NOT_SERVING until none came for ``drain_quiet`` seconds,
-        or ``drain_timeout`` has passed."""
+        """Answer while NOT_SERVING until no call came for drain_quiet s, or drain_timeout."""
         settings, stats = self.settings, self.stats
         loop = asyncio.get_running_loop()
         started = last_call = loop.time()
@@ -446,12 +418,9 @@ class RateLimitService:
         await self.tenuring.uninstall()
         log.info("stopped")
 
-    # -- admin pages ---------------------------------------------------------------
-
     def healthy(self) -> bool:
-        """Serving calls. A store outage does not make the service unhealthy: every rule
-        still answers (by its failure_mode), and taking all replicas out of rotation at
-        once would only move the decision to Envoy's own failure mode."""
+        """Serving calls, store outage or not: every rule still answers (by its failure_mode), and
+        taking all replicas out would only hand the decision to Envoy's failure mode."""
         if self.settings.healthy_with_at_least_one_config_loaded:
             return self._serving and bool(self.limiter.config.domains)
         return self._serving
@@ -470,17 +439,10 @@ class RateLimitService:
         else:
             log.info("SIGHUP: rules come from xDS; nothing to reload")
 
-    def _load_files(self, files: list[ConfigFile]) -> RateLimitConfig:
-        """Rule files from a config source loaded as the service loads its own."""
-        settings = self.settings
-        return load_config(
-            files, default_mode=settings.mode, merge_domains=settings.merge_domain_config
-        )
-
     def _initial_rules(self) -> RateLimitConfig:
-        """The rules at start; with force_start_without_initial_config, rules that do
-        not load are logged and the service starts with none (the watcher keeps looking).
-        Rules by xDS start empty: the first response brings them."""
+        """The rules at start (none by xDS until it sends them). With
+        force_start_without_initial_config, rules that fail to load are logged and the service
+        starts with none."""
         if self.settings.xds is not None:
             return load_config([])
         try:
@@ -496,8 +458,7 @@ class RateLimitService:
         return config
 
     def install_rules(self, config: RateLimitConfig) -> None:
-        """A config source's new rules: swapped in, and health follows when it depends
-        on them (healthy_with_at_least_one_config_loaded)."""
+        """A config source's new rules, swapped in; health follows when it depends on them."""
         self.limiter.swap_config(config)
         if self._serving and self.settings.healthy_with_at_least_one_config_loaded:
             task = asyncio.get_running_loop().create_task(self._publish_health())
@@ -506,10 +467,8 @@ class RateLimitService:
 
     def _healthcheck_page(self) -> tuple[int, str, bytes]:
         store = "healthy" if self.store.healthy() else "unavailable (rules use failure_mode)"
-        detail = f"store: {self.store_name} {store}\n".encode()
-        if self.healthy():
-            return 200, "text/plain", b"OK\n" + detail
-        return 503, "text/plain", b"NOT SERVING\n" + detail
+        status, head = (200, b"OK\n") if self.healthy() else (503, b"NOT SERVING\n")
+        return status, "text/plain", head + f"store: {self.store_name} {store}\n".encode()
 
     def _metrics_stream(self) -> tuple[int, str, Iterator[bytes]]:
         """The page in pieces: the HTTP server returns to the event loop between two."""
@@ -517,19 +476,6 @@ class RateLimitService:
 
     def _rlconfig_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; charset=utf-8", self.limiter.config.dump().encode()
-
-    def _index_page(self) -> tuple[int, str, bytes]:
-        return (
-            200,
-            "text/plain",
-            b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n/explain\n",
-        )
-
-    async def _explain_page(self, query: str) -> PageResult:
-        return await explain_page(self.limiter, query)
-
-    def _debug_index_page(self) -> tuple[int, str, bytes]:
-        return 200, "text/plain", b"/rlconfig\n/metrics\n"
 
     def _gauges(self) -> Iterator[Metric | None]:
         yield from rule_limit_metrics(self.limiter.config)
@@ -564,6 +510,16 @@ def _bind_error(addr: str, reuse_port: bool) -> str:
     except (OSError, ValueError) as exc:
         return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
     return "the address is not available"
+
+
+async def _listen(server: HttpServer, addr: str, role: str, reuse_port: bool = False) -> str:
+    """Start ``server`` on ``addr``; returns the host. An OSError names the listener."""
+    host, port = _split_addr(addr)
+    try:
+        await server.start(host, port, reuse_port=reuse_port)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {addr} ({role}): {exc}") from exc
+    return host
 
 
 def _split_addr(addr: str) -> tuple[str, int]:

@@ -1,34 +1,20 @@
 """The garbage collector's policy for a serving process (:class:`Tenuring`, installed
 by server/app.py at start): collections that hold the event loop briefly, whatever the
-number of keys, where CPython's defaults would hold it past Envoy's deadline.
+number of keys.
 
-Why: CPython's oldest-generation pass scans every tracked object, and a limiter keeps
-tracked objects per key: probabilistic buckets, stats keys, cached requests and their
-plans, the store's entries. Over many keys that pass grows with them, frees almost
-nothing and holds the event loop, so calls in flight miss Envoy's 20 ms deadline (the
-pass's length at 50,000 keys and at the caps: docs/benchmarks.md, "Soak"). The other
-options fall short:
+CPython's oldest-generation pass scans every tracked object, and a limiter keeps some per
+key: over many keys that pass frees almost nothing and holds the loop past Envoy's 20 ms
+deadline (docs/benchmarks.md, "Soak"). ``gc.freeze()`` at start-up misses the per-key
+state that comes later, ``gc.set_threshold`` changes how often the pass runs, not how
+long, and CPython 3.11 cannot run a full pass in steps.
 
-- ``gc.freeze()`` after start-up alone keeps modules and config out of the scans, but
-  the per-key state arrives later: the pass still grows with the keys.
-- ``gc.set_threshold`` changes how often the pass runs, not how long it holds the loop.
-- Per-key state made cheap to scan (numbers in arrays, atomic tuples): the state lives
-  in several layers (buckets, stats, request cache, each store's own tables), and
-  entries whose values hold no references still cost a pass that grows with them.
-- CPython 3.11 cannot run a full pass in steps.
-
-So the process *tenures*: every second, at a moment when every task running has been
-running since the round before at least (background loops, RLQS streams, kept-alive
-connections; no call or scrape is half-done), it collects everything not yet tenured
-(what was made since: a short pass) and freezes what survived. Full passes then scan
-only what is newer than the last tenure, whatever the number of keys. Garbage is never
-frozen (the collection comes first), only objects that were alive at a quiet moment:
-per-key state, which holds no cycles and is freed by reference counting when evicted,
-and long-lived service objects. The cost: a cycle formed later among tenured objects is
-not collected; the process's memory stays flat over the soak (docs/benchmarks.md).
-``ratelimit_gc_pause_seconds`` times every collection;
-``ratelimit_gc_tenured_objects_total`` counts the objects tenured (counting those still
-alive, ``gc.get_freeze_count()``, walks them all: a pause of its own)."""
+So the process *tenures*: every second, at a moment when every running task has been
+running since the round before (no call or scrape half-done), it collects what is not
+yet tenured (a short pass) and freezes what survived, only objects alive at a quiet
+moment: per-key state, which holds no cycles and is freed by reference counting, and
+long-lived service objects. A cycle formed later among them is not collected; memory
+stays flat over the soak.
+"""
 
 from __future__ import annotations
 
@@ -49,16 +35,13 @@ from ratelimit_service.engine.stats import histogram_family
 log = logging.getLogger(__name__)
 
 TENURE_INTERVAL = 1.0
-"""Seconds between two tenures (see the module docstring)."""
 QUIET_TRIES = 100
 """Looks for a quiet moment per tenure, QUIET_WAIT apart, before the round is skipped."""
 QUIET_WAIT = 0.001
 
 
 class Tenuring:
-    """The collector's policy for a serving process (see the module docstring): times
-    every collection, and tenures the survivors every ``interval`` at a quiet moment.
-    Process-wide: :meth:`install` once, in the process that serves."""
+    """See the module docstring. :meth:`install` once, in the process that serves."""
 
     def __init__(self, interval: float = TENURE_INTERVAL) -> None:
         self.interval = interval
@@ -90,9 +73,7 @@ class Tenuring:
             self.pauses.observe(time.perf_counter() - self._started)
 
     def tenure(self) -> None:
-        """Collect what is not tenured yet, then tenure what survived (counted: the
-        survivors are few, where counting every tenured object would take a pause of
-        its own)."""
+        """Collect what is not tenured yet, then tenure (and count) what survived."""
         gc.collect()
         self.tenured_objects += len(gc.get_objects(generation=2))
         gc.freeze()
@@ -129,7 +110,7 @@ class Tenuring:
         yield CounterMetricFamily(
             "ratelimit_gc_tenures",
             "Tenures: survivors frozen out of later collections",
-            value=self.tenures,
+            self.tenures,
         )
         yield CounterMetricFamily(
             "ratelimit_gc_tenures_skipped",

@@ -1,17 +1,11 @@
 """envoyproxy/ratelimit's HTTP endpoints: ``/healthcheck`` and ``/json`` (its ``PORT``).
 
-``POST /json`` takes a RateLimitRequest in the protobuf JSON mapping (field names in
-lowerCamelCase or as in the .proto, as the Go service's protojson accepts them) and
-answers the RateLimitResponse in JSON: 200 for OK, 429 for OVER_LIMIT, 500 for
-UNKNOWN; a body that is not such a request, or a request the service refuses, is a
-400 with the reason. The decision is the gRPC one: the JSON becomes the request's wire
-bytes and goes through the same :class:`RateLimitServicer` (same parsing, limiter,
-counters and response headers), whose wire bytes become JSON again.
-
-``GET /healthcheck`` is 200 ``OK`` while the service serves and 500 once it is not
-(draining after SIGTERM, or stopping), as the Go service answers.
-
-Served by server/http.py's HttpServer.
+``POST /json`` takes a RateLimitRequest in the protobuf JSON mapping (as the Go service's
+protojson accepts it) and answers the RateLimitResponse in JSON: 200 for OK, 429 for
+OVER_LIMIT, 500 for UNKNOWN, 400 with the reason for a body that is no such request or a
+request the service refuses. The decision is the gRPC one: the request goes through the
+same :class:`RateLimitServicer` as wire bytes. ``GET /healthcheck`` is 200 ``OK`` while
+the service serves and 500 once it is not (draining or stopping), as the Go service's.
 """
 
 from __future__ import annotations
@@ -31,15 +25,9 @@ from ratelimit_service.server.http_server import Handler, PageResult
 
 log = logging.getLogger(__name__)
 
-_OVERALL_STATUS = {
-    rls_pb2.RateLimitResponse.OK: 200,
-    rls_pb2.RateLimitResponse.OVER_LIMIT: 429,
-    rls_pb2.RateLimitResponse.UNKNOWN: 500,
-}
-_ABORT_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
-}
+_RESPONSE = rls_pb2.RateLimitResponse
+_OVERALL_STATUS = {_RESPONSE.OK: 200, _RESPONSE.OVER_LIMIT: 429, _RESPONSE.UNKNOWN: 500}
+_ABORT_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 503}
 
 
 class _Aborted(Exception):
@@ -49,8 +37,7 @@ class _Aborted(Exception):
 
 
 class _JsonCallContext:
-    """What RateLimitServicer.should_rate_limit uses of a gRPC call's context: abort,
-    and the time left (an HTTP call has no deadline: the store's bound applies)."""
+    """What should_rate_limit uses of a call's context (an HTTP call has no deadline)."""
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise _Aborted(code, details)
@@ -78,19 +65,17 @@ class GoEndpoints:
         try:
             message = json_format.Parse(body.decode("utf-8"), rls_pb2.RateLimitRequest())
         except (json_format.ParseError, UnicodeDecodeError, RecursionError) as exc:
-            return _bad_request(f"not a JSON RateLimitRequest: {exc}")
+            log.debug("/json: not a JSON RateLimitRequest: %s", exc)
+            return _error(400, f"not a JSON RateLimitRequest: {exc}")
         context = cast(grpc.aio.ServicerContext, _JsonCallContext())
         try:
             raw = await self.servicer.should_rate_limit(message.SerializeToString(), context)
         except _Aborted as exc:
-            status = _ABORT_STATUS.get(exc.code, 500)
-            text = f"{HTTPStatus(status).phrase}: {exc}\n"
-            return status, "text/plain; charset=utf-8", text.encode()
-        response = rls_pb2.RateLimitResponse.FromString(raw)
+            return _error(_ABORT_STATUS.get(exc.code, 500), str(exc))
+        response = _RESPONSE.FromString(raw)
         text = json.dumps(json_format.MessageToDict(response), separators=(",", ":"))
         return _OVERALL_STATUS.get(response.overall_code, 500), "application/json", text.encode()
 
 
-def _bad_request(message: str) -> PageResult:
-    log.debug("/json: %s", message)
-    return 400, "text/plain; charset=utf-8", f"Bad Request: {message}\n".encode()
+def _error(status: int, message: str) -> PageResult:
+    return status, "text/plain; charset=utf-8", f"{HTTPStatus(status).phrase}: {message}\n".encode()

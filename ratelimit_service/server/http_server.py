@@ -1,17 +1,14 @@
 """The one HTTP/1.1 server of the service: admin pages, the metrics listener, and
 envoyproxy/ratelimit's HTTP and debug ports.
 
-Small on purpose, on asyncio streams and the service's own event loop: a handful of
-read-only pages and one JSON endpoint do not justify a web framework. Keep-alive,
-request bodies (Content-Length or chunked, bounded), ``Expect: 100-continue``, and a
-timeout for each request and for idle connections.
+Small on purpose, on asyncio streams and the service's own loop: a handful of read-only
+pages and one JSON endpoint do not justify a web framework. Keep-alive, bounded request
+bodies (Content-Length or chunked), ``Expect: 100-continue``, and timeouts.
 
-A page may answer with its body in pieces (an iterator of bytes, /metrics), so that a
-large page never holds the calls the same loop answers: the server takes the pieces in
-stretches that leave the loop to the calls between (engine/background.in_stretches),
-and writes the page in blocks the same way. The page is sent with a Content-Length, as
-every page is (the simplest clients, the supervisor's among them, need no chunked
-coding).
+A page may answer with its body in pieces (/metrics): the server takes them and writes
+the page in stretches that leave the loop to the calls between them
+(engine/background.in_stretches). Every page has a Content-Length (the simplest
+clients, the supervisor's among them, need no chunked coding).
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ REQUEST_TIMEOUT = 10.0
 """Seconds one request may take to arrive, once its first line has."""
 BLOCK = 1 << 18
 """Bytes written at a time of a page in pieces."""
+_PHRASES = {status.value: status.phrase for status in HTTPStatus}
 
 
 class BadRequest(Exception):
@@ -47,8 +45,7 @@ class BadRequest(Exception):
 
 
 class HttpServer:
-    """Routes by exact path; every method goes to the route's handler, which gets
-    the method, the body and the query string."""
+    """Routes by exact path; a handler gets the method, the body and the query string."""
 
     def __init__(self, routes: dict[str, Handler], max_body: int = 1 << 20) -> None:
         self.routes = routes
@@ -58,8 +55,7 @@ class HttpServer:
         self._closing = False
         """Stopping: a request still being answered is answered with Connection: close."""
         self._idle: set[asyncio.StreamWriter] = set()
-        """Kept-alive connections waiting for their next request (closed at stop; a
-        connection that has not sent its first request yet is still answered)."""
+        """Kept-alive connections waiting for their next request (closed at stop)."""
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         self._server = await asyncio.start_server(
@@ -113,7 +109,7 @@ class HttpServer:
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = await self._read_body(reader, headers)
         except BadRequest as exc:
-            body = f"{HTTPStatus(exc.status).phrase}: {exc}\n".encode()
+            body = f"{_PHRASES[exc.status]}: {exc}\n".encode()
             await _respond(writer, method, exc.status, "text/plain", body, False)
             return False
         path, _, query = target.partition("?")
@@ -186,10 +182,7 @@ async def _respond(
     body: Body,
     keep: bool,
 ) -> None:
-    try:
-        reason = HTTPStatus(status).phrase
-    except ValueError:
-        reason = ""
+    reason = _PHRASES.get(status, "")
     blocks = [body] if isinstance(body, bytes) else await _in_blocks(body)
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
@@ -225,25 +218,25 @@ Page = Callable[[], PageResult | Awaitable[PageResult]]
 """A read-only page: GET (and HEAD) only."""
 
 
+QueryPage = Callable[[str], Awaitable[PageResult]]
+"""A read-only page that reads its query string."""
+INDEX = b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n/explain\n"
+"""The admin port's index page (the service's and the supervisor's)."""
+
+
 def pages(routes: dict[str, Page]) -> dict[str, Handler]:
     """Handlers for read-only pages: other methods get 405."""
-    return {path: _page_handler(page) for path, page in routes.items()}
+    return {path: query_page(_without_query(page)) for path, page in routes.items()}
 
 
-def _page_handler(page: Page) -> Handler:
-    async def handle(method: str, body: bytes, query: str) -> PageResult:
-        if method not in ("GET", "HEAD"):
-            return 405, "text/plain", b"method not allowed\n"
+def _without_query(page: Page) -> QueryPage:
+    async def read(query: str) -> PageResult:
         result = page()
         if inspect.isawaitable(result):
             return await result
         return result
 
-    return handle
-
-
-QueryPage = Callable[[str], Awaitable[PageResult]]
-"""A read-only page that reads its query string."""
+    return read
 
 
 def query_page(page: QueryPage) -> Handler:

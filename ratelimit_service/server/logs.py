@@ -1,8 +1,7 @@
 """Logging set-up: human text, or one JSON object per line for log pipelines.
 
-INFO is the default level. At INFO the service logs its start-up (what was loaded,
-which store and default mode are in use), each reload and its shutdown, and nothing
-per request; problems are WARNING or ERROR.
+At INFO, the default level, the service logs its start-up, each reload and its
+shutdown, and nothing per request; problems are WARNING or ERROR.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ from ratelimit_service.core.settings_table import default
 
 
 class JsonFormatter(logging.Formatter):
-    """``{"@timestamp", "level", "logger", "@message"}`` plus ``exception`` when there is one
-    (field names as envoyproxy/ratelimit's JSON logs)."""
+    """``@timestamp``, ``level``, ``logger``, ``@message``, ``exception``: the Go service's."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -32,22 +30,13 @@ class JsonFormatter(logging.Formatter):
 
 
 class LateAnswers(logging.Filter):
-    """Drops grpc's ERROR for an answer that came after its call ended (the caller's
-    deadline passed, or it went away): grpc's core refuses to send it, and grpc logs
-    ``ExecuteBatchError`` with a traceback. The caller had already stopped waiting and
-    its policy (Envoy's failure mode) answered; a slow answer shows in the latency
-    histogram and the loop-lag metric, not as a traceback per call. Counted in
-    ``dropped``."""
+    """Drops (and counts) grpc's ERROR for an answer after its call ended (Envoy had answered)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropped = 0
+    dropped = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        late = type(error).__name__ == "ExecuteBatchError" or (
-            "ExecuteBatchError" in str(record.msg)
-        )
+        late = type(error).__name__ == "ExecuteBatchError" or "ExecuteBatchError" in str(record.msg)
         if late:
             self.dropped += 1
         return not late
@@ -61,10 +50,8 @@ def configure_logging(
     level: str = default("--log-level"), log_format: str = default("--log-format")
 ) -> None:
     handler = logging.StreamHandler()
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    text = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler.setFormatter(JsonFormatter() if log_format == "json" else text)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -1,7 +1,6 @@
 """What a running service needs: :class:`Settings`, one field per setting of
-core/settings_table.py that fills one (its default and meaning are declared there),
-and the few no single flag fills. The command line builds it with :func:`fields_from`.
-"""
+core/settings_table.py that fills one (declared there), and the few no single flag
+fills. The command line builds it with :func:`fields_from`."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from ratelimit_service.core.settings_table import SETTINGS, default
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """The service's settings; a field named like a flag's (``--redis-timeout``:
-    ``redis_timeout``) is that flag's, with its declared default."""
+    """The service's settings; a field named like a flag (``redis_timeout``) is that flag's."""
 
     config_path: str = default("--config")
     grpc_addr: str = default("--grpc-addr")
@@ -80,24 +78,13 @@ class Settings:
     shutdown_grace: float = 5.0
     """Seconds calls in flight may take to finish once draining is over (no flag)."""
     xds: XdsSettings | None = None
-    """Rules from an xDS server (the --xds-* flags; the Go service's
-    CONFIG_TYPE=GRPC_XDS_SOTW) instead of files; config_path is then unused. Unless
-    force_start_without_initial_config, the service listens only once the first rules
-    are installed."""
+    """Rules from an xDS server (the --xds-* flags; CONFIG_TYPE=GRPC_XDS_SOTW) instead of files;
+    without force_start_without_initial_config, listening waits for them."""
 
 
 def fields_from(values: dict[str, Any]) -> dict[str, Any]:
-    """Settings fields from parsed values by flag ``dest``: every declared field, and
-    the header names (four flags, one field)."""
-    fields = {}
-    for setting in SETTINGS:
-        if setting.fills is None:
-            continue
-        fields[setting.fills] = setting.field(values[setting.dest])
-    fields["header_names"] = HeaderNames(
-        values["header_limit"],
-        values["header_remaining"],
-        values["header_reset"],
-        values["header_rule"],
-    )
+    """Settings fields from parsed values by flag ``dest``, the four header flags as one."""
+    fields = {s.fills: s.field(values[s.dest]) for s in SETTINGS if s.fills is not None}
+    headers = (values[f"header_{part}"] for part in ("limit", "remaining", "reset", "rule"))
+    fields["header_names"] = HeaderNames(*headers)
     return fields

@@ -1,17 +1,14 @@
 """``serve --workers N``: N service processes sharing one gRPC port, behind one admin port.
 
 Python serves one core per process, so N processes bind the same gRPC address with
-SO_REUSEPORT and the kernel spreads connections over them (Envoy keeps long-lived
-HTTP/2 connections, so the spread is per connection). They must share their state
-through Redis: with the embedded store each worker would allow the full limit, so
-that combination is refused.
+SO_REUSEPORT and the kernel spreads connections over them. They share their state
+through Redis (with the embedded store each would allow the full limit: refused).
 
-This parent process runs no limiter. It starts the workers (each with a private
-admin port on loopback), restarts one that dies, forwards SIGHUP and SIGTERM, and
-serves the public admin port: ``/healthcheck`` is 200 only while every worker is,
-``/metrics`` adds the workers' counters and histograms up (gauges keep a ``worker``
-label), ``/rlconfig`` is the first worker's, ``/status.json`` holds every worker's
-snapshot (the ``/status`` page shows one at a time).
+This parent runs no limiter. It starts the workers (each with a private admin port on
+loopback), restarts one that dies, forwards SIGHUP and SIGTERM, and serves the public
+admin port: ``/healthcheck`` is 200 only while every worker is, ``/metrics`` adds the
+workers' counters and histograms up (gauges keep a ``worker`` label), ``/rlconfig`` is
+the first worker's, ``/status.json`` holds every worker's snapshot.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from collections.abc import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratelimit_service.core.address import listen_host, split_host_port
-from ratelimit_service.server.http_server import HttpServer, PageResult, pages, query_page
+from ratelimit_service.server.http_server import INDEX, HttpServer, Page, pages, query_page
 from ratelimit_service.server.status_page import HTML, JSON, PAGE, workers_json
 
 log = logging.getLogger(__name__)
@@ -35,13 +32,10 @@ log = logging.getLogger(__name__)
 RESTART_DELAY = 1.0
 """Seconds before a worker that died is started again."""
 STOP_TIMEOUT = 30.0
-"""Seconds the workers get to drain and stop before they are killed (their
---drain-timeout, 15 s by default, plus the in-flight grace)."""
+"""Seconds the workers get to stop (their --drain-timeout and grace) before they are killed."""
 FETCH_TIMEOUT = 2.0
 METRICS_FETCH_TIMEOUT = 8.0
-"""A worker's /metrics at the stats keys' cap is 8 MB, made in stretches that leave the
-worker's loop to its calls: it takes longer than a page (under Prometheus's default
-10 s scrape timeout)."""
+"""A worker's /metrics at the stats keys' cap takes longer (under Prometheus's 10 s timeout)."""
 SUMMED_TYPES = ("counter", "histogram", "summary")
 
 
@@ -138,19 +132,15 @@ class Supervisor:
         self.workers = [Worker(i, argv) for i in range(workers)]
         self.admin_addr = admin_addr
         self.stopping = False
-        self.admin = HttpServer(
-            pages(
-                {
-                    "/healthcheck": self._health,
-                    "/metrics": self._metrics,
-                    "/rlconfig": self._rlconfig,
-                    "/status": lambda: (200, HTML, PAGE),
-                    "/status.json": self._status,
-                    "/": self._index,
-                }
-            )
-            | {"/explain": query_page(self._explain)}
-        )
+        routes: dict[str, Page] = {
+            "/healthcheck": self._health,
+            "/metrics": self._metrics,
+            "/rlconfig": self._rlconfig,
+            "/status": lambda: (200, HTML, PAGE),
+            "/status.json": self._status,
+            "/": lambda: (200, "text/plain", INDEX),
+        }
+        self.admin = HttpServer(pages(routes) | {"/explain": query_page(self._explain)})
 
     async def _health(self) -> tuple[int, str, bytes]:
         results = await asyncio.gather(*(fetch(w.admin_port, "/healthcheck") for w in self.workers))
@@ -161,9 +151,7 @@ class Supervisor:
         return 503, "text/plain", b"NOT SERVING\n" + body
 
     async def _metrics(self) -> tuple[int, str, bytes]:
-        """The workers' pages merged. In a thread: parsing and merging the pages of two
-        workers at the stats keys' cap takes seconds of CPU, and this loop answers
-        /healthcheck meanwhile."""
+        """The workers' pages merged in a thread (seconds of CPU), leaving this loop free."""
         results = await asyncio.gather(
             *(fetch(w.admin_port, "/metrics", METRICS_FETCH_TIMEOUT) for w in self.workers)
         )
@@ -182,21 +170,13 @@ class Supervisor:
         answered = [body if status == 200 else None for status, body in results]
         return 200, JSON, workers_json(answered)
 
-    async def _explain(self, query: str) -> PageResult:
-        """Worker 0's page: the same rules, the store's counts for exact rules, and its
-        own view of the fleet's for probabilistic ones."""
+    async def _explain(self, query: str) -> tuple[int, str, bytes]:
+        """Worker 0's page: the same rules and store, its own view of the fleet."""
         status, body = await fetch(self.workers[0].admin_port, f"/explain?{query}")
         if status == 0:
             return 503, "text/plain", b"worker 0 is not answering\n"
         kind = "application/json" if body.startswith(b"{") else "text/plain; charset=utf-8"
         return status, kind, body
-
-    async def _index(self) -> tuple[int, str, bytes]:
-        return (
-            200,
-            "text/plain",
-            b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n/explain\n",
-        )
 
     def _forward(self, sig: int) -> None:
         for worker in self.workers:

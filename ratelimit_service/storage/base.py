@@ -24,15 +24,12 @@ class StoreUnavailable(Exception):
 
 
 class StoreOverloaded(Exception):
-    """This process has more exact requests waiting for the store than its bound:
-    nothing was sent. Not a store failure (the store may be answering well), so the
-    failure policy does not apply; callers answer it explicitly (see the limiter)."""
+    """Too many exact requests wait: nothing sent, no failure policy (see the limiter)."""
 
 
 @dataclass(frozen=True)
 class BreakerState:
-    """One circuit breaker of a store, as the status page shows it (a Redis store has
-    one; with --zone the zone's Redis has its own beside the global one)."""
+    """One circuit breaker of a store, as the status page shows it."""
 
     name: str
     open: bool
@@ -44,10 +41,7 @@ class BreakerState:
 
 @dataclass(frozen=True)
 class StoreMetrics:
-    """What a store tells the metrics and status pages: its name, gauges and counters
-    by name (e.g. keys, evictions), histograms by name (a remote store: ``reply``, the
-    seconds from writing a call to reading its reply as this process saw them) and its
-    breakers."""
+    """What a store shows the metrics and status pages: name, figures, histograms and breakers."""
 
     name: str
     figures: dict[str, float]
@@ -56,8 +50,7 @@ class StoreMetrics:
 
 
 class Store(Protocol):
-    """Seven members, each one a reason in every backend. What only one backend needs
-    (an in-process store's sweeping, the Redis store's batching) it does itself."""
+    """Seven members, each a reason in every backend; what one backend needs it does itself."""
 
     def hit(
         self,
@@ -66,48 +59,29 @@ class Store(Protocol):
         owe: bool = False,
         deadline: float | None = None,
     ) -> Awaitable[list[ExactResult]]:
-        """Decide ``hits`` (index-aligned results) and count them as core/exact.py
-        ``counts`` says, unless ``commit`` is CHECK (False): DECIDE (True) counts the
-        admitted hits of a request that goes through, and its costs whatever the
-        answer; DENIED (the request is denied by descriptors decided elsewhere) counts
-        its costs only. ``owe``: the caller admits the request if the store
-        fails, so a store that can should count its hits later (see owed_hits).
-        ``deadline``: the event loop's time after which the caller cannot use the
-        answer (None: the store's own bound); a store that must wait raises
-        StoreUnavailable then.
-        Raises StoreUnavailable when the store fails, and StoreOverloaded when too
-        many requests are already waiting for it. Any awaitable will do (an ``async
-        def``, or a future a store resolves itself: no coroutine layer on the request
-        path)."""
-        ...
+        """Decide ``hits`` (index-aligned results) and count them as ``commit`` says (core/exact.py:
+        CHECK, DECIDE, DENIED). ``owe``: the caller admits the request if the store fails, so a
+        store that can should count its hits later (see owed_hits). ``deadline``: the loop's time
+        after which the answer is of no use (None: the store's own bound). Raises StoreUnavailable
+        when the store fails or must wait past it, StoreOverloaded when too many requests wait. Any
+        awaitable will do: no coroutine layer needed on the request path."""
 
     async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         """Add ``reports`` to the fleet totals; return the live node count and each
         bucket's fleet view. Runs even with no reports: it is the node's heartbeat."""
-        ...
 
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
-        """RLQS tiers: record one member's totals per counter (its demand, instances and
-        the hits they allowed since its last publish) and return the sums over every
-        member heard from within ``forget_after`` seconds, this one included. The work
-        per call does not grow with the number of members (core/tiers.py)."""
-        ...
+        """RLQS tiers: record one member's totals per counter and return the sums over every member
+        heard from within ``forget_after`` seconds, at a cost that does not grow with them."""
 
     async def start(self) -> None:
-        """Connect and load what the store needs before traffic, outside any request's
-        deadline, and start what the store runs beside its calls. Never raises: a store
-        that is away is marked unhealthy (requests answer by failure_mode) and tried
-        again until it answers."""
-        ...
+        """Connect and start the store's work before traffic; never raises (unhealthy until up)."""
 
     def healthy(self) -> bool:
         """Whether the store answers (the health check and the status page)."""
-        ...
 
     def metrics(self) -> StoreMetrics:
         """The store's name, figures, histograms and breakers, read now."""
-        ...
 
     async def close(self) -> None:
         """Stop what :meth:`start` started and close connections."""
-        ...

@@ -1,12 +1,11 @@
 """A circuit breaker with jittered exponential backoff and health hysteresis.
 
-When the store fails several times in a row, callers fail fast (no connection
-attempt) until the backoff expires; then one trial call goes through. So a fleet does not hammer a
-recovering Redis, and the request path never waits on a store known to be down.
-Health changes only after several results in a row, so it does not flap, and each
-change is logged once: a WARNING when the store becomes unavailable, a summary at most
-every ``summary_every`` seconds while it stays so, and an INFO line when it answers
-again (not a line per failed call: a fleet's outage would flood the log).
+When the store fails several times in a row, callers fail fast until the backoff
+expires; then one trial call goes through: a fleet does not hammer a recovering Redis,
+and the request path never waits on a store known to be down. Health changes only after
+several results in a row, and each change is logged once: a WARNING when the store
+becomes unavailable, a summary at most every ``summary_every`` seconds while it stays
+so, an INFO line when it answers again (a line per failed call would flood the log).
 """
 
 from __future__ import annotations
@@ -63,10 +62,8 @@ class CircuitBreaker:
         self._summary_at = 0.0
 
     def allow(self) -> bool:
-        """Whether a call may go to the store now. While open, one trial call at a time
-        once the backoff has passed; a trial whose outcome was never told (a call given
-        up without a verdict on the store) is over after ``trial_timeout``, so no lost
-        trial keeps the circuit open for ever."""
+        """Whether a call may go to the store now. While open, one trial call at a time once the
+        backoff has passed, a trial never told of over after ``trial_timeout``."""
         if self._backoff == 0.0:
             return True
         now = self._clock()
@@ -98,8 +95,7 @@ class CircuitBreaker:
             )
 
     def failure(self, reason: str = "", evidence: bool = False) -> None:
-        """A failed call. ``evidence``: it proves the store gone (see down), so the
-        outage's first log line gives the reason, not a count."""
+        """A failed call. ``evidence`` (see down): the outage's first log line gives the reason."""
         self.total_failures += 1
         self._trial_running = False
         self.successes_in_row = 0
@@ -113,9 +109,7 @@ class CircuitBreaker:
         self._open_until = self._clock() + self._backoff * jitter
 
     def down(self, reason: str) -> None:
-        """Evidence that the store is gone, not merely slow (a connection silent with
-        calls outstanding): unhealthy and open at once, without waiting for more
-        failures in a row."""
+        """Evidence that the store is gone, not merely slow: unhealthy and open at once."""
         self.failures_in_row = max(self.failures_in_row, self.flip_after, self.open_after) - 1
         self.failure(reason, evidence=True)
 
@@ -130,12 +124,8 @@ class CircuitBreaker:
                 return
             self._flaps = 0
             self._down_since = self._summary_at = now
-            cause = (
-                f"({reason})"
-                if evidence
-                else f"after {self.failures_in_row} failed calls in a row"
-                f" ({reason or 'no reason given'})"
-            )
+            count = f"after {self.failures_in_row} failed calls in a row "
+            cause = f"({reason})" if evidence else f"{count}({reason or 'no reason given'})"
             log.warning(
                 "%s unavailable %s: exact rules answer by their failure_mode,"
                 " probabilistic rules keep their last drop ratios",
@@ -153,9 +143,8 @@ class CircuitBreaker:
             )
 
     def _flapping(self, now: float, reason: str) -> None:
-        """Down again soon after a recovery (a Cluster with one node away answers some
-        calls and fails others): one summary line at most every ``summary_every``
-        instead of a line per transition; the metrics count every one."""
+        """Down again soon after a recovery (a Cluster with one node away): one summary
+        line at most every ``summary_every``; the metrics count every transition."""
         self._flaps += 1
         self._down_since = now
         if self._flaps == 1 or now - self._summary_at >= self.summary_every:

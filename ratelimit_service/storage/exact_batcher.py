@@ -1,47 +1,26 @@
 """Group commit for exact mode: concurrent requests share one script call.
 
-Each script call costs a write and a read system call, a wake-up of this process and of
-Redis, and a Lua start-up, whatever it carries. So calls are paced: one leaves at most
-every ``gap`` seconds (``--exact-batch-hold``, 1 ms). A request that comes when the
-last call left a gap ago or more goes out at once (no added latency at a low rate);
-one that comes sooner opens a batch that leaves when the gap is over, and the requests
-that come meanwhile join it, as one EVALSHA of exact_window.lua. The script decides
-them one after the other, so the outcome is the same as separate calls. Batches grow
-with the load by themselves, with no sensor to switch: about rate x gap requests a call
-(one at 1,000 req/s, eight at 8,000), and no request waits longer than the gap for
-company. Sending at once instead would mean one request per call however high the
-load: grpc.aio starts about one RPC per turn of the event loop and Redis answers
-within a turn, so a request never finds another to travel with. Calls are pipelined
-on one connection, up to MAX_IN_FLIGHT at a time: a slow Redis (milliseconds away)
-adds its round trip, not a queue of round trips; past that, a batch waits for a call
-to come back. A full batch (MAX_BATCH_DESCRIPTORS) leaves at once.
+Each script call costs system calls, wake-ups of this process and of Redis, and a Lua
+start-up, whatever it carries. So calls are paced, one at most every ``gap`` seconds
+(``--exact-batch-hold``): a request that comes sooner after the last call opens a batch
+that leaves when the gap is over, joined by the requests that come meanwhile, as one
+EVALSHA of exact_window.lua (which decides them one by one: the outcome of separate
+calls). Batches grow with the load by themselves (about rate x gap requests a call);
+sending at once would mean one request per call however high the load, as grpc.aio
+starts about one RPC per loop turn and Redis answers within a turn. Calls are pipelined,
+up to MAX_IN_FLIGHT at a time; a full batch (MAX_BATCH_DESCRIPTORS) leaves at once.
 
-Each request waits for its reply until its own deadline: the caller's (the gRPC
-deadline less a margin, which the limiter passes down) or, without one, ``timeout``
-after it was submitted. One timer serves every request. When it fires, the channel
-first reads what is already on the socket (Channel.poll): a reply that arrived while
-the process was descheduled or its loop busy is used, not taken for a Redis failure.
-Only then are the requests past their deadline answered with StoreUnavailable (their
-rules' failure_mode applies). A request that could only be given up is answered so at
-once, not at its deadline (an answer given at the last moment often reaches its caller
-too late, and the call would cost Redis and this process for nothing): one that has
-less time left than Redis's prompt answers take lately (``late``: a slow Redis, or a
-request that waited long for this process before it got here), and one that arrives
-while Redis has already been silent for longer than it can wait (``hopeless``: during
-the second before a silent Redis counts as down, callers do not each wait out their
-whole deadline). Giving up on a
-request says nothing about Redis, so it is no breaker event; the channel decides from
-evidence (errors, a silent connection) when Redis is down. The number of requests
-waiting is bounded too (``max_pending``): past it, :meth:`ExactBatcher.submit` refuses
-at once with :class:`StoreOverloaded`, which the limiter answers explicitly.
+Each request waits until its own deadline (the caller's, at most ``timeout``); one timer
+serves them all, and reads the socket first (Channel.poll) so that a reply that came
+while the loop was busy is used. A request that could only be given up is answered so
+at once (``late``, ``hopeless``): an answer at the last moment comes too late, and the
+call costs Redis for nothing. Giving up is no breaker event: the channel decides from
+evidence when Redis is down. Past ``max_pending`` waiting requests, :meth:`submit
+<ExactBatcher.submit>` raises :class:`StoreOverloaded`. Hits of requests whose rules
+fail open are kept for Redis when it fails (see owed_hits).
 
-A request whose caller admits it when Redis fails (``owe``: its rules fail open) is
-not lost to the window when that happens: see owed_hits, which the batcher feeds. A
-reply that comes after its request was given up still tells whether Redis counted it.
-
-The batcher is written with callbacks, not tasks: at one request per batch (a lightly
-loaded service) a task and a chain of coroutines per call cost more CPU than the
-rest of the exact-mode path.
+Callbacks, not tasks: at one request per batch, a task and a chain of coroutines per
+call would cost more CPU than the rest of the exact-mode path.
 """
 
 from __future__ import annotations
@@ -51,6 +30,7 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ratelimit_service.core.exact import ExactResult, request_denied
@@ -70,19 +50,13 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 32
 """Script calls outstanding at once; further requests queue into the next batch."""
 MAX_BATCH_DESCRIPTORS = 256
-"""Descriptors per script call: bounds how long one Lua call holds Redis. A full
-batch goes out at once, even while another call is in flight."""
+"""Descriptors per script call: bounds how long one Lua call holds Redis."""
 LONE_BATCHES = 2
-"""Held batches in a row that left with one request each, after which a request within
-the gap goes at once all the same while no call is out: nobody came to share the wait
-(a client that sends its calls one after the other, whose next call comes only once
-this one is answered). The next held batch that finds company, or a request that comes
-while a call is out, brings the wait back."""
+"""Held batches in a row that left with one request each (a client that waits for each answer),
+after which a request goes at once while no call is out. Company brings the wait back."""
 PROMPT_WINDOW = 1.0
 """Seconds of replies over which ExactBatcher.prompt takes the quickest (this window and
-the one before): the quick end of what Redis and this process manage lately, not a
-typical reply, so that only requests that could not be answered in time are turned
-away at once."""
+the one before): it follows a slower Redis within two windows, a quicker one at once."""
 
 
 class Channel(Protocol):
@@ -91,81 +65,59 @@ class Channel(Protocol):
     def send(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
         """Send one script call now; ``deliver`` gets its flat reply, or the exception
         it failed with, exactly once (perhaps before ``send`` returns)."""
-        ...
 
     def settle(self, reply: Any) -> Any:
         """A delivered reply's value, after accounting; or raise StoreUnavailable."""
-        ...
 
     def poll(self) -> None:
-        """Deliver now the replies already received (read the socket), and fail the
-        calls of a connection known to be dead."""
-        ...
+        """Deliver the replies already on the socket; fail the calls of a dead connection."""
 
     def silent_longer_than(self, seconds: float) -> bool:
-        """Whether Redis has sent no byte for longer than ``seconds`` while calls wait
-        for it (after reading what the socket holds): a request that can wait only that
-        long would most likely wait in vain, so it is answered at once."""
-        ...
+        """Whether Redis has sent no byte for longer than ``seconds`` while calls wait for it."""
 
     def ready(self) -> bool:
-        """Whether a call sent now would go to Redis (the circuit is closed): owed hits
-        ride only on calls that can carry them."""
-        ...
+        """Whether a call sent now would go to Redis: owed hits ride only on those."""
 
     def timed_out(self, requests: int) -> None:
         """Account requests given up at their deadline."""
-        ...
 
 
 FORCE = 2
 """``commit`` of a request counted whatever the window holds (owed hits)."""
 
 
+@dataclass(slots=True, eq=False)
 class _Waiter:
     """A request in a batch."""
 
-    __slots__ = ("count", "deadline", "future", "open", "since", "submitted")
-
-    def __init__(
-        self,
-        future: asyncio.Future[list[ExactResult]] | None,
-        count: int,
-        since: float | None,
-        deadline: float,
-        submitted: float,
-    ) -> None:
-        self.future = future
-        """Who waits for its results (None: owed hits, nobody)."""
-        self.count = count
-        """Its descriptors."""
-        self.since = since
-        """If its hits are owed to Redis should the call fail, since when (an owed
-        request sent again keeps its first time, so it still expires with its window
-        however long Redis stays away)."""
-        self.deadline = deadline
-        self.submitted = submitted
-        self.open = future is not None
-        """Counted in ``pending``: not answered, given up or cancelled yet."""
+    future: asyncio.Future[list[ExactResult]] | None
+    """Who waits for its results (None: owed hits, nobody)."""
+    count: int
+    """Its descriptors."""
+    since: float | None
+    """If its hits are owed to Redis should the call fail, since when (kept when it is
+    sent again, so it expires with its window however long Redis stays away)."""
+    deadline: float
+    submitted: float
+    open: bool = True
+    """Counted in ``pending``: not answered, given up or cancelled yet (owed hits: never)."""
 
 
+@dataclass(slots=True, eq=False)
 class _Batch:
-    __slots__ = ("args", "done", "due", "forced", "keys", "release", "sent_at", "waiters")
-
-    def __init__(self, slices: int) -> None:
-        self.release: asyncio.TimerHandle | None = None
-        """The end of its hold, while held."""
-        self.due = False
-        """Not held (any more): it goes as soon as a call slot is free."""
-        self.keys: list[str] = []
-        self.args: list[Any] = exact_batch_args(slices)
-        self.waiters: list[_Waiter] = []
-        self.done = False
-        """Its call slot is free: answered, or every caller gave up (a reply may
-        still come and tell what Redis did with owed hits)."""
-        self.forced = 0
-        """Owed requests in it (nobody waits for them)."""
-        self.sent_at = 0.0
+    args: list[Any]
+    """The script call's ARGV (exact_batch_args), each request's part added."""
+    release: asyncio.TimerHandle | None = None
+    """The end of its hold, while held."""
+    due: bool = False
+    """Not held (any more): it goes as soon as a call slot is free."""
+    keys: list[str] = field(default_factory=list)
+    waiters: list[_Waiter] = field(default_factory=list)
+    done: bool = False
+    """Its call slot is free: answered, or every caller gave up."""
+    forced: int = 0
+    """Owed requests in it (nobody waits for them)."""
+    sent_at: float = 0.0
 
     def add(self, waiter: _Waiter, keys: Sequence[str], commit: int, args: Sequence[Any]) -> None:
         self.waiters.append(waiter)
@@ -199,8 +151,7 @@ class ExactBatcher:
         max_pending: int = default("--exact-max-pending"),
         gap: float = 0.0,
     ) -> None:
-        """``timeout``: how long a request without a deadline of its own waits, and the
-        longest any request waits. ``gap``: see :attr:`gap`."""
+        """``timeout``: the longest any request waits, and a request without a deadline."""
         self._channel = channel
         self._slices = slices
         self._timeout = timeout
@@ -212,34 +163,26 @@ class ExactBatcher:
         self.given_up = 0
         """Requests answered with StoreUnavailable at their deadline."""
         self.hopeless = 0
-        """Requests answered with StoreUnavailable at once: Redis had been silent for
-        longer than they could wait."""
+        """Requests answered with StoreUnavailable at once: Redis silent too long."""
         self.late = 0
-        """Requests answered with StoreUnavailable at once: they had less time left
-        than Redis's prompt answers take lately (see :attr:`prompt`)."""
+        """Requests answered with StoreUnavailable at once: less time left than prompt."""
         self.prompt = 0.0
-        """Seconds from sending a call to its reply being read, the quickest seen in the
-        last PROMPT_WINDOW or two (0 before the first reply): a request with less time
-        left could only be given up. It includes this process's own delays (a busy loop
-        reads replies late), and follows a Redis that has become slower within two
-        windows, one that has become quicker at once."""
+        """Seconds from sending a call to reading its reply (this process's delays included), the
+        quickest in the last PROMPT_WINDOW or two; 0 before the first reply."""
         self._quickest = -1.0
         self._previous_quickest = 0.0
         self._window_end = 0.0
         self.owed = OwedHits()
         self._open: _Batch | None = None
         self._in_flight = 0
-        # Batches sent and not yet answered, oldest first, and one timer for the
-        # earliest deadline: a timer per request would cost more than the rest of the
-        # batcher.
+        # Batches sent and not yet answered, oldest first, and one timer for the earliest
+        # deadline: a timer per request would cost more than the rest of the batcher.
         self._flying: deque[_Batch] = deque()
         self._timer: asyncio.Handle | None = None
         self._timer_at = 0.0
         """When the timer fires (uvloop's handles for a time already past do not say)."""
         self.gap = gap
-        """Seconds from one script call to the next at least: a batch that opens sooner
-        after the last call left waits for the rest of the gap, gathering the requests
-        that come meanwhile (0: every batch leaves at once)."""
+        """Seconds from one script call to the next at least (0: no batch waits)."""
         self._last_sent = -gap
         """When the last script call left (the loop's clock)."""
         self._lone = 0
@@ -257,24 +200,20 @@ class ExactBatcher:
         owe: bool = False,
         deadline: float | None = None,
     ) -> asyncio.Future[list[ExactResult]]:
-        """One request: its keys and its hits' ARGV part (:func:`hit_args`). ``owe``:
-        the caller admits the request if the call fails, so its hits are owed to Redis
-        then (see owed_hits). ``deadline`` (the loop's clock): when the caller can no
-        longer use the answer; at most ``timeout`` from now. Raises StoreOverloaded,
-        sending nothing, when ``max_pending`` requests are waiting."""
+        """One request: its keys and its hits' ARGV part (:func:`hit_args`). ``owe``: the caller
+        admits it if the call fails. ``deadline`` (the loop's clock): at most ``timeout`` away.
+        Raises StoreOverloaded, sending nothing, past ``max_pending``."""
         if self.pending >= self.max_pending:
             self.overloaded += 1
             raise StoreOverloaded(f"redis: {self.pending} exact requests already waiting")
         loop = asyncio.get_running_loop()
         now = loop.time()
         latest = now + self._timeout
-        if deadline is None or deadline > latest:
-            deadline = latest
+        deadline = latest if deadline is None else min(deadline, latest)
         left = deadline - now
         if left <= 0 or (self._in_flight and left < self.prompt):
-            # Not even a call sent now would be answered in time: failure_mode at once,
-            # not at the deadline (the call would cost Redis and this process for
-            # nothing). With nothing in flight a call goes, so `prompt` stays current.
+            # Not even a call sent now would be answered in time. With nothing in flight
+            # a call goes, so `prompt` stays current.
             self.late += 1
             if owe and commit:
                 self.owed.add(keys, args, now)
@@ -289,7 +228,7 @@ class ExactBatcher:
             raise StoreUnavailable("redis: silent for longer than the caller can wait")
         batch = self._open
         if batch is None:
-            batch = self._open = _Batch(self._slices)
+            batch = self._open = _Batch(exact_batch_args(self._slices))
             due_at = self._last_sent + self.gap
             if due_at > now and (self._lone < LONE_BATCHES or self._in_flight):
                 # A call left less than `gap` ago: gather company until the gap is over
@@ -311,25 +250,22 @@ class ExactBatcher:
         return future
 
     def _add_owed(self, batch: _Batch, now: float, deadline: float) -> None:
-        """A chunk of the owed hits into ``batch`` (at most a batch's descriptors): the
-        work a batch does for an outage is bounded, however long it lasted."""
+        """Owed hits into ``batch``: at most a batch's descriptors, however long the outage."""
         for keys, args, since in self.owed.take(MAX_BATCH_DESCRIPTORS, now):
-            batch.add(_Waiter(None, len(keys), since, deadline, now), keys, FORCE, args)
+            batch.add(_Waiter(None, len(keys), since, deadline, now, False), keys, FORCE, args)
 
     def _repay(self, loop: asyncio.AbstractEventLoop) -> None:
         """Redis has just answered: owed hits left go out in a batch of their own, if a
-        call slot is free and no batch is open to carry them (so they land without
-        waiting for traffic, and never on a request's account)."""
+        call slot is free and no batch is open to carry them."""
         if not self.owed or self._open is not None or self._in_flight >= MAX_IN_FLIGHT:
             return
         now = loop.time()
-        batch = self._open = _Batch(self._slices)
+        batch = self._open = _Batch(exact_batch_args(self._slices))
         self._add_owed(batch, now, now + self._timeout)
         self._send(loop)
 
     def close(self) -> None:
-        """Fail the batch not sent yet and stop holding: nothing goes out after the
-        store has closed its connection (a held batch would reopen it)."""
+        """Fail the batch not sent yet and stop holding (a held batch would reconnect)."""
         self.gap = 0.0
         batch, self._open = self._open, None
         if batch is not None:
@@ -388,8 +324,7 @@ class ExactBatcher:
         self._send_queued(asyncio.get_running_loop())  # what queued meanwhile goes out now
 
     def _timed(self, now: float, took: float) -> None:
-        """A reply read ``took`` seconds after its call was sent: :attr:`prompt` is the
-        quickest of this window and the one before."""
+        """A reply read ``took`` seconds after its call was sent: keep :attr:`prompt` current."""
         if now >= self._window_end:
             self._window_end = now + PROMPT_WINDOW
             self._previous_quickest = self._quickest if self._quickest >= 0 else took
@@ -399,10 +334,7 @@ class ExactBatcher:
         self.prompt = min(self._previous_quickest, self._quickest)
 
     def _settle(self, batch: _Batch, raw: Any, error: str) -> None:
-        """Hand each request its results (or ``error`` when ``raw`` is None). Hits of
-        requests admitted on failure are owed to Redis when the call failed, or when
-        their caller gave up and the reply shows Redis did not count them (its
-        failure_mode admitted them)."""
+        """Hand each request its results (or ``error``); owe admitted hits Redis did not count."""
         start = 0
         for waiter, keys, args in batch.requests():
             future = waiter.future
@@ -413,20 +345,18 @@ class ExactBatcher:
                     future.set_exception(StoreUnavailable(error))
                 if waiter.since is not None and not (future is not None and future.cancelled()):
                     self.owed.add(keys, args, waiter.since)
-            else:
-                if future is not None:
-                    if not future.done():
-                        future.set_result(exact_reply(raw, start, waiter.count))
-                    elif waiter.since is not None and not future.cancelled():
-                        self._owe_if_denied(waiter, keys, args, raw, start)
+            elif future is not None:
+                if not future.done():
+                    future.set_result(exact_reply(raw, start, waiter.count))
+                elif waiter.since is not None and not future.cancelled():
+                    self._owe_if_denied(waiter, keys, args, raw, start)
             self._finish(waiter)
             start += waiter.count
 
     def _owe_if_denied(
         self, waiter: _Waiter, keys: list[str], args: list[Any], raw: Any, start: int
     ) -> None:
-        """A request given up and admitted by failure_mode: owe its hits if Redis,
-        deciding it late, did not count them (its costs it counted: not owed)."""
+        """A given-up request admitted on failure: owe its hits (not costs) if Redis denied it."""
         assert waiter.since is not None
         admitted = [r.admitted for r in exact_reply(raw, start, waiter.count)]
         if request_denied(hit_roles(args), admitted):
@@ -438,10 +368,8 @@ class ExactBatcher:
             self.pending -= 1
 
     def _check_deadlines(self) -> None:
-        """Read what Redis has already answered, then answer every request past its
-        deadline with StoreUnavailable; a batch in flight whose callers have all given
-        up frees its call slot (its reply still settles owed hits). Then wait for the
-        next deadline."""
+        """Read what Redis has answered, then answer every request past its deadline with
+        StoreUnavailable (a batch nobody waits for frees its slot); then wait for the next."""
         self._timer = None
         loop = asyncio.get_running_loop()
         self._channel.poll()

@@ -51,15 +51,12 @@ class ExactChannel:
         pipe = self._calls.pipe
         if pipe is None or pipe.silent_for() < seconds:  # the common case: one look
             return False
-        self.poll()  # a reply may be waiting while this process was busy; or the
-        # silence is long enough to drop the connection (and open the breaker)
+        self.poll()  # a reply may be waiting; or the silence drops the connection
         return pipe.silent_for() >= seconds
 
     def poll(self) -> None:
-        """Read the replies already on the socket; drop a connection that has been
-        silent too long (every call on it fails, and the breaker opens)."""
-        calls = self._calls
-        pipe = calls.pipe
+        """Read the replies on the socket; drop a connection silent too long (the breaker opens)."""
+        calls, pipe = self._calls, self._calls.pipe
         if pipe is None:
             return
         pipe.poll()

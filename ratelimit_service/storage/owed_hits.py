@@ -1,44 +1,33 @@
 """Exact hits admitted without Redis, kept until Redis can count them.
 
-When Redis fails (no answer in time, connection lost, circuit open) an exact rule with
-``failure_mode: open`` admits the request unchecked. Its hits must still land in the
-window, or the window would hold fewer hits than were admitted and the next decisions
-would admit beyond the limit again once Redis answers. So the batcher keeps them here
-and, once a reply proves Redis answering, sends them as forced hits (``commit`` 2 in
-exact_window.lua: counted whether they fit or not), a batch at a time, off the request
-path. A call that timed out but whose reply comes later tells exactly which requests
-Redis itself counted; only the others are kept.
-
-Requests with the same keys and limits are kept as one entry whose hits add up, so
-keeping one more admitted request costs a dict look-up and a few additions, and the
-work and memory of an outage grow with the keys it touched, not with its length.
-
-Bounded: at most ``max_entries`` distinct requests are kept (one more is dropped,
-counted), and an entry's hits are dropped unsent once its shortest window has passed
-since the first of them: by then they would count against a window they were never
-part of.
+When Redis fails, an exact rule with ``failure_mode: open`` admits the request
+unchecked. Its hits must still land in the window, or the next decisions would admit
+beyond the limit once Redis answers: the batcher keeps them here and, once Redis
+answers, sends them as forced hits (``commit`` 2 in exact_window.lua), a batch at a time.
+Requests with the same keys and limits are kept as one entry whose hits add up: an
+outage costs work and memory by the keys it touched, not by its length. Bounded: at
+most ``max_entries`` entries, and an entry's hits are dropped unsent (counted) once its
+shortest window has passed since the first of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 MAX_OWED = 10_000
 """Distinct requests (keys and limits) kept at most."""
 
 Owed = tuple[tuple[str, ...], tuple[Any, ...], float]
-"""One entry to send: its keys, its ARGV part with the hits added up, and since when
-its first hit was admitted."""
+"""One entry to send: its keys, its ARGV part with the hits added up, and since when."""
 
 
+@dataclass(slots=True, eq=False)
 class _Entry:
-    __slots__ = ("hits", "shortest", "since")
-
-    def __init__(self, hits: list[int], shortest: float, since: float) -> None:
-        self.hits = hits
-        self.shortest = shortest
-        self.since = since
+    hits: list[int]
+    shortest: float
+    since: float
 
 
 class OwedHits:
@@ -71,22 +60,18 @@ class OwedHits:
                 self.dropped += 1
                 entry.hits = [0] * len(entry.hits)
                 entry.since = since
-            for i, hits in enumerate(args[2::4]):
-                entry.hits[i] += hits
+            entry.hits = [kept + hits for kept, hits in zip(entry.hits, args[2::4], strict=True)]
             entry.since = min(entry.since, since)
         self.added += 1
 
     def take(self, descriptors: int, now: float) -> list[Owed]:
-        """Entries still worth sending, oldest kept first, up to ``descriptors``
-        descriptors in all (at least one entry); they are no longer kept. Entries
-        whose window has passed are dropped on the way."""
+        """Entries worth sending (no longer kept), oldest first: ``descriptors`` at most, or one."""
         out: list[Owed] = []
         count = 0
-        for shape in list(self._owed):
-            keys, shaped = shape
+        for keys, shaped in list(self._owed):
             if out and count + len(keys) > descriptors:
                 break
-            entry = self._owed.pop(shape)
+            entry = self._owed.pop((keys, shaped))
             if now - entry.since >= entry.shortest:
                 self.dropped += 1
                 continue

@@ -1,14 +1,12 @@
-"""The call plumbing of a Redis store: every script call bounded by its timeout and
-kept out of the way of the next (shielded, collected), a circuit breaker over the
-store and one per Cluster node, connections dropped when they reach the wrong server,
-and a Cluster's slot map followed off the request path after a failover.
+"""The call plumbing of a Redis store: every script call bounded by its timeout and kept
+out of the way of the next (shielded, collected), a circuit breaker over the store and
+one per Cluster node, connections dropped when they reach the wrong server, and a
+Cluster's slot map followed off the request path after a failover.
 
-The breaker opens on evidence that Redis is down, never on a slow reply: errors,
-refused or reset connections, or no byte at all from Redis for ``silence`` seconds
-while calls are outstanding. A call given up at its deadline is only counted
-(``timeouts``): on a busy machine most late replies are late because this process
-was not running, and any reply proves Redis alive. The time each reply took, as this
-process saw it, goes to the ``reply_time`` histogram.
+The breaker opens on evidence that Redis is down, never on a slow reply: errors, refused
+or reset connections, or no byte from Redis for ``silence`` seconds while calls are
+outstanding. A call given up at its deadline is only counted (``timeouts``): on a busy
+machine most late replies are late because this process was not running.
 """
 
 from __future__ import annotations
@@ -29,25 +27,16 @@ from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.storage.base import BreakerState, StoreUnavailable
 from ratelimit_service.storage.breaker import CircuitBreaker
 from ratelimit_service.storage.redis_connect import connect
-from ratelimit_service.storage.redis_pipe import RedisPipe, supports
+from ratelimit_service.storage.redis_pipe import RedisPipe, forget, supports
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
 
-def forget(task: asyncio.Future[Any]) -> None:
-    """Collect the outcome of a command nobody waits for any more."""
-    if not task.cancelled():
-        task.exception()
-
-
 LATE_TURNS = 3
-"""Loop turns (each polls the sockets, without waiting) that a redis-py call past its
-deadline gets to finish before it is given up: a reply that came while the loop was
-busy elsewhere needs a poll to be read and a turn or two for redis-py's task to parse
-it (redis-py's sockets are not ours to read directly, as the request path's pipe is).
-Turns, not milliseconds: the answer must still reach the caller within its deadline."""
+"""Loop turns (each polls the sockets) a redis-py call past its deadline gets before it is given up,
+for a reply that came while the loop was busy; turns, not milliseconds, to end in time."""
 
 
 async def _answered_late(command: asyncio.Future[Any]) -> bool:
@@ -71,41 +60,32 @@ MAX_REASON = 200
 
 
 def describe(exc: BaseException) -> str:
-    """An error in one short line: redis-py appends the repr of its client (a kilobyte
-    of connection pools) to some messages, such as Sentinel's "No master found"."""
-    text = " ".join((str(exc) or type(exc).__name__).split())
-    text = text.split(" : <redis.", 1)[0]
+    """An error in one short line: redis-py appends a kilobyte of its client's repr to some."""
+    text = " ".join((str(exc) or type(exc).__name__).split()).split(" : <redis.", 1)[0]
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 
 RECONNECT_ON = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "MOVED", "ASK", "TRYAGAIN")
-"""Error replies that say the connection reaches a server that cannot take the call: a
-replica (a failover moved the master elsewhere), one loading its data, a cluster node
-that no longer owns the slot. A fresh connection may reach the right one."""
+"""Error replies of a server that cannot take the call (a replica, loading, not the slot's)."""
 
 
 MAX_NODE_GATES = 1000
 """Cluster nodes with a breaker of their own, at most (cleared when full)."""
 FOLLOW_EVERY = 0.1
-"""Seconds between two looks at a Cluster's slot ranges while a node fails (see
-ScriptCalls._follow_topology): a promotion is seen within this much of the node that
-answers knowing it."""
+"""Seconds between two looks at a Cluster's slot ranges while a node fails."""
 WARM_CONNECTIONS = 4
 """Connections opened to a promoted master before it gets its slots."""
 FOLLOW_FOR = 2.0
-"""Seconds the slot ranges are still looked at after the last failed call on a Cluster
-(an error reply such as CLUSTERDOWN says the topology is changing)."""
+"""Seconds the slot ranges are still followed after a Cluster call's error reply."""
 REDIAL_EVERY = 0.25
 """Seconds between two drops of redis-py's pool (and log lines) at most."""
 
 
 def wrong_server(exc: BaseException) -> bool:
     """Whether ``exc`` is an error reply of RECONNECT_ON, or a connection reset."""
-    if isinstance(exc, ConnectionResetError):
-        return True
-    if not isinstance(exc, ResponseError):
-        return False
-    return str(exc).split(" ", 1)[0].upper() in RECONNECT_ON
+    return isinstance(exc, ConnectionResetError) or (
+        isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0].upper() in RECONNECT_ON
+    )
 
 
 def display(url: str) -> str:
@@ -122,8 +102,7 @@ def script_text(name: str) -> str:
 
 @dataclass(slots=True)
 class Group:
-    """Keys that one script call may touch together (one slot in a cluster), with the
-    indexes of their items in the whole call and the items."""
+    """Keys one script call may touch together (one Cluster slot), their items and indexes."""
 
     indexes: list[int]
     keys: list[str]
@@ -131,8 +110,7 @@ class Group:
 
 
 class ScriptCalls:
-    """Script calls to one Redis (single server, Sentinel or Cluster), each bounded and
-    accounted, through the store's breaker or, on a Cluster, the node's own."""
+    """Script calls to one Redis (server, Sentinel or Cluster), each bounded and accounted."""
 
     def __init__(
         self,
@@ -160,8 +138,7 @@ class ScriptCalls:
         self._node_gates: dict[str, CircuitBreaker] = {}
         """A Cluster's nodes by name, each with its own breaker (see _node_gate)."""
         self.node_failures = 0
-        """Calls to a Cluster node that failed while other nodes worked (see
-        _node_failed); the store's breaker counts the others."""
+        """Failed calls to a Cluster node while other nodes worked (see _node_failed)."""
         self._follower: asyncio.Future[None] | None = None
         self._follow_until = 0.0
         self._follows = 0
@@ -169,8 +146,7 @@ class ScriptCalls:
         self.calls = 0
         self.timeouts = 0
         self.dropped_connections = 0
-        """Times the connections were dropped for an error reply naming the wrong server
-        (see wrong_server)."""
+        """Times the connections were dropped for reaching the wrong server."""
         self._redialed_at = -REDIAL_EVERY
         self._redial_said = False
         self.silences = 0
@@ -213,20 +189,15 @@ class ScriptCalls:
         elif not gate.allow():  # a Cluster node: its own breaker, and no other
             raise StoreUnavailable(f"redis: {gate.name} failing: circuit open")
         self.calls += 1
-        # The command runs as its own task and is shielded from our deadline: when the
-        # deadline passes we answer without it, but the command finishes in the
-        # background and its connection goes back to the pool intact. Cancelling it
-        # instead would drop the connection, and the next call would pay a new
-        # connection's handshake (several round trips) inside its own deadline: under a
-        # slow Redis that spirals into every call timing out.
+        # Its own task, shielded from our deadline: it finishes in the background with its
+        # connection intact, where cancelling it would make the next call pay a handshake
+        # inside its deadline (under a slow Redis, every call would time out).
         command = asyncio.ensure_future(
             self.run_timed(script, keys, args)
             if node is None
             else self._run_on_node(node, script, keys, args)
         )
-        # Its outcome is collected even if our caller is cancelled meanwhile (gRPC
-        # cancels a call past its deadline) and nobody awaits it any more.
-        command.add_done_callback(forget)
+        command.add_done_callback(forget)  # even if gRPC cancels our caller meanwhile
         try:
             try:
                 async with asyncio.timeout(timeout):
@@ -239,8 +210,7 @@ class ScriptCalls:
                 raw = command.result()
         except StoreUnavailable:  # no answer in time: no verdict on Redis (see _timed_out)
             raise
-        except Exception as exc:  # RedisError, OSError, and redis-py's own troubles in a
-            # failover (a RuntimeError on a transport it closed): the call failed
+        except Exception as exc:  # RedisError, OSError, redis-py's RuntimeError in a failover
             if node is not None and gate is not None:
                 raise self._node_failed(node, gate, exc) from exc
             raise self.failed(exc) from exc
@@ -250,9 +220,7 @@ class ScriptCalls:
         return raw
 
     def _node_for(self, keys: list[str]) -> Any:
-        """The Cluster node that serves ``keys`` in the slot map now, or None (no key,
-        the map not loaded yet, the slot not covered): redis-py's client then routes
-        the call itself."""
+        """The node serving ``keys`` in the slot map now, or None: redis-py then routes the call."""
         if not keys or not self._initialized:
             return None
         try:
@@ -261,17 +229,9 @@ class ScriptCalls:
             return None
 
     async def _run_on_node(self, node: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
-        """A script call on one Cluster node's own connections, its reply time observed.
-
-        Not through redis-py's RedisCluster.execute_command: on CLUSTERDOWN (every
-        node's answer, by default, while a master is flagged failed and not yet
-        replaced) that sleeps 0.25 s and then rebuilds the whole slot map (16,384
-        slots, about 4 ms of this loop in one piece) before it raises, so every call
-        to a live master waits for its deadline; on a refused connection it asks for a
-        rebuild that the next command to any node runs. Here a failure is this node's
-        alone (see _node_failed), and the slot map is followed off the request path
-        (see _follow_topology). A redirect (MOVED, ASK: slots migrating) is left to
-        redis-py, which follows it."""
+        """A script call on one Cluster node's own connections, its reply time observed: not
+        RedisCluster.execute_command, which on CLUSTERDOWN sleeps 0.25 s and rebuilds the whole slot
+        map before it raises. Redirects (MOVED, ASK) are left to redis-py."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -284,10 +244,8 @@ class ScriptCalls:
         return reply
 
     def _watch_silence(self, command: asyncio.Future[Any], gate: CircuitBreaker) -> None:
-        """A Cluster call given up at its deadline: if it still has no reply ``silence``
-        seconds on, its node counts as down (a hung or cut-off node; --redis-silence), so the
-        calls to its slots fail fast on its breaker instead of each waiting for its
-        deadline. One timer per call given up, only then."""
+        """A Cluster call given up at its deadline: with no reply ``silence`` seconds on, its node
+        counts as down, so calls to its slots fail fast instead of waiting for their deadline."""
 
         def check() -> None:
             if not command.done():
@@ -298,10 +256,8 @@ class ScriptCalls:
         asyncio.get_running_loop().call_later(self.silence, check)
 
     def _node_gate(self, name: str) -> CircuitBreaker:
-        """A Cluster node's own breaker: calls to a node that just failed fail at once
-        for a backoff, then one goes through, while the other nodes are called as
-        usual. Without it a master that is away until its replica is promoted costs
-        every call to its slots a connection attempt."""
+        """A Cluster node's own breaker: calls to a node that just failed fail at once for a
+        backoff, instead of each costing a connection attempt; other nodes are called as usual."""
         gate = self._node_gates.get(name)
         if gate is None:
             if len(self._node_gates) >= MAX_NODE_GATES:
@@ -312,13 +268,8 @@ class ScriptCalls:
         return gate
 
     def _node_failed(self, node: Any, gate: CircuitBreaker, exc: BaseException) -> StoreUnavailable:
-        """A call to a Cluster node failed. An error reply (CLUSTERDOWN, TRYAGAIN...)
-        came from a node that is there and answers at once: the call is answered by
-        failure_mode, and the node stays open to calls (it serves again the moment
-        the cluster does). A failed connection is the node's alone: its breaker opens,
-        its idle connections are dialled again on their next use. Either way the slot
-        ranges are followed for a while (a promotion moves them), and the store as a
-        whole counts a failure only when no node it calls works."""
+        """A Cluster node's call failed: a failed connection (not an error reply) opens its breaker;
+        the ranges are followed; the store fails only when no node works."""
         reason = describe(exc)
         self._follow_until = asyncio.get_running_loop().time() + FOLLOW_FOR
         self._follow_topology_soon()
@@ -344,13 +295,8 @@ class ScriptCalls:
             self._follower.add_done_callback(forget)
 
     async def _follow_topology(self) -> None:
-        """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY:
-        the slot ranges as a node that answers sees them (CLUSTER SLOTS, a few
-        hundred bytes), and the slot map changed only when they name another master
-        than the map does: a promoted replica takes its ranges in place (see
-        _promote), anything else rebuilds the map. One look at a time, each within
-        ``sync_timeout``, off the request path; a look that fails is tried again with
-        the next node."""
+        """While a node fails (or FOLLOW_FOR after an error reply), every FOLLOW_EVERY: the slot
+        ranges as a node that answers sees them, the map changed where they differ."""
         loop = asyncio.get_running_loop()
         while loop.time() < self._follow_until or any(
             not gate.healthy for gate in self._node_gates.values()
@@ -367,9 +313,8 @@ class ScriptCalls:
                 continue
 
     async def _moved_ranges(self) -> list[tuple[int, int, str, int]] | None:
-        """The slot ranges (first, last, the master's host and port as announced) for
-        which a node that answers names another master than the slot map does; None
-        when no node is known to answer (the map is then rebuilt from the seeds)."""
+        """The slot ranges (first, last, announced host and port) a node that answers gives another
+        master than the map does; None when no node is known to answer (the map is then rebuilt)."""
         nodes = self.client.nodes_manager
         failing = {name for name, gate in self._node_gates.items() if not gate.healthy}
         asked = [node for node in self.client.get_nodes() if node.name not in failing]
@@ -390,15 +335,8 @@ class ScriptCalls:
         return moved
 
     async def _promote(self, moved: list[tuple[int, int, str, int]]) -> bool:
-        """The ranges in ``moved`` given to their new masters in place, when each is a
-        failover: the new master serves no other slot (a promoted replica, known to
-        the map or not). Each new master is readied first (see _ready_master); then
-        its slots get a new node list, the new master first and the old one as a
-        replica, each slot assigned (5,461 of them for a third of the slots: a
-        fraction of a millisecond). The whole map's rebuild instead holds this loop
-        about 4 ms (16,384 slots, twice over), one more stall for every call in
-        flight. False, with nothing changed, when a range is no failover (slots
-        migrated to another master): the map is then rebuilt."""
+        """The ranges in ``moved`` given in place to their readied new masters when each is a
+        failover (far cheaper than a rebuild); False, nothing changed, when slots migrated."""
         nodes = self.client.nodes_manager
         slots = nodes.slots_cache
         targets = []
@@ -426,26 +364,20 @@ class ScriptCalls:
         return True
 
     async def _ready_master(self, node: Any) -> None:
-        """A promoted master readied before it gets its slots: WARM_CONNECTIONS
-        connections opened, and the scripts loaded (a replica never ran them, and
-        SCRIPT LOAD is not replicated). Otherwise the calls in flight when its slots
-        arrive each dial a connection of their own and are refused NOSCRIPT, inside
-        their deadlines."""
+        """A promoted master readied before it gets its slots (WARM_CONNECTIONS, the scripts
+        loaded), lest calls in flight each dial and be refused NOSCRIPT."""
         await asyncio.gather(*(node.execute_command("PING") for _ in range(WARM_CONNECTIONS)))
         for script in self.scripts:
             await node.execute_command("SCRIPT", "LOAD", script.script)
 
     def _forget_gone_nodes(self) -> None:
-        """After the slot map changed: the breakers of nodes that serve no slot any
-        more (a dead master whose replica was promoted) are dropped, so the store no
-        longer counts them unavailable."""
+        """Drop the breakers of nodes that serve no slot any more (dead masters, replaced)."""
         masters = {node.name for node in self.client.get_primaries()}
         for name in [name for name in self._node_gates if name not in masters]:
             del self._node_gates[name]
 
     def failed(self, exc: BaseException) -> StoreUnavailable:
-        """A call failed: a breaker event, and a connection that answered that it is
-        the wrong server (or not ready) is dropped, so the next call dials again."""
+        """A call failed: a breaker event, and connections to the wrong server dropped."""
         reason = describe(exc)
         self.breaker.failure(reason)
         if wrong_server(exc):
@@ -453,12 +385,8 @@ class ScriptCalls:
         return StoreUnavailable(f"redis: {reason}")
 
     def _redial(self, reason: str) -> None:
-        """Drop the connections that gave ``reason``: the request path's pipe at once
-        (its outstanding calls fail with it, so no later reply of that connection drops
-        the next one), redis-py's pool at most every REDIAL_EVERY seconds (every call
-        on it answers the same). After a failover that moved an address, a new
-        connection reaches the new master; the old ones would reach the demoted one for
-        ever."""
+        """Drop the connections that gave ``reason``, so a new one reaches the new master: the pipe
+        at once (its calls fail with it), redis-py's pool at most every REDIAL_EVERY seconds."""
         now = asyncio.get_running_loop().time()
         if self.pipe is not None:
             self.pipe.drop(f"redis connection dropped: {reason}")
@@ -515,8 +443,7 @@ class ScriptCalls:
         return reply
 
     async def initialize(self) -> None:
-        """Discover the cluster once, before concurrent use: redis-py's lazy discovery
-        races when several first commands start together."""
+        """Discover the cluster once, before concurrent use (redis-py's lazy discovery races)."""
         async with self._init_lock:
             if not self._initialized:
                 await self.client.initialize()
@@ -524,13 +451,10 @@ class ScriptCalls:
 
     def breaker_state(self) -> BreakerState:
         """The store's breaker as the status page shows it."""
+        b = self.breaker
+        errors = float(b.total_failures + self.node_failures)
         return BreakerState(
-            "store",
-            self.breaker.open,
-            self.breaker.healthy,
-            float(self.breaker.total_failures + self.node_failures),
-            float(self.breaker.outages),
-            float(self.breaker.recoveries),
+            "store", b.open, b.healthy, errors, float(b.outages), float(b.recoveries)
         )
 
     def figures(self) -> dict[str, float]:

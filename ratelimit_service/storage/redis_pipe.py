@@ -1,29 +1,18 @@
 """One pipelined connection to one Redis server, for the exact-mode request path.
 
-redis-py's asyncio client spends more CPU per command (connection pool, per-command
-locking, stream reads) than the rest of a ShouldRateLimit call.
-Redis answers the commands of one connection in order, so one connection can carry
-any number of outstanding commands: this module writes each command to the socket
-at once and, as replies arrive (hiredis parses them), hands each to the callback its
-command came with, in order. The request path needs no future per command, and the
-reply reaches the batcher in the same loop turn that read it. A caller that gives up
-early leaves nothing broken: its reply is read and dropped.
+redis-py's asyncio client spends more CPU per command than the rest of a ShouldRateLimit
+call. Redis answers a connection's commands in order, so this module writes each command
+at once and hands each reply (parsed by hiredis) to its command's callback in the loop
+turn that read it: no future per command; a caller that gives up leaves nothing broken.
 
-The socket is read by this module itself (``loop.add_reader``, and TLS through an
-``ssl.SSLObject`` on memory buffers), not through an asyncio transport, so that
-:meth:`RedisPipe.poll` can read what the kernel already holds at any moment. A caller
-about to give up on a reply polls first: a reply that came while this process was
-descheduled or its loop busy elsewhere is used, not charged to Redis as a timeout
-(uvloop runs due timers before it polls for I/O, so a timer alone would not see it).
+The socket is read here (``loop.add_reader``; TLS through an ``ssl.SSLObject`` on memory
+buffers), not through an asyncio transport, so that :meth:`RedisPipe.poll` can read what
+the kernel holds at any moment: a caller about to give up polls first (uvloop runs due
+timers before it polls for I/O). :meth:`RedisPipe.silent_for` gives the evidence of a
+peer gone without a reset: no byte for a while with commands outstanding.
 
-The connection also knows when it last read a byte: "no byte at all for a while with
-commands outstanding" (:meth:`RedisPipe.silent_for`) is the evidence that a peer is
-gone without a reset, which a slow reply is not.
-
-Only single-server URLs (``redis://``, ``rediss://``, ``unix://``) use it; Sentinel
-and Cluster stay with redis-py, which follows failovers and slots. Reconnecting is
-lazy (the next command after a loss) and one at a time; the store's circuit breaker
-decides how often that may happen.
+Only single-server URLs (``redis://``, ``rediss://``, ``unix://``) use it; Sentinel and
+Cluster stay with redis-py. Reconnecting is lazy and one at a time.
 """
 
 from __future__ import annotations
@@ -48,7 +37,6 @@ log = logging.getLogger(__name__)
 MAX_OUTSTANDING = 10_000
 """Commands waiting for a reply on the connection; beyond it, new commands fail."""
 RECV_SIZE = 256 * 1024
-"""Bytes asked of the socket per read."""
 
 
 def supports(url: str) -> bool:
@@ -56,9 +44,7 @@ def supports(url: str) -> bool:
 
 
 Deliver = Callable[[Any], None]
-"""Receives a command's reply exactly once: the reply's value, or the exception it
-failed with (ResponseError for an error reply, ConnectionError for a lost connection).
-It runs inside the connection's reading, so it must be quick and must not raise."""
+"""Gets a command's reply once (value, ResponseError, ConnectionError): quick, never raising."""
 Observe = Callable[[float], None]
 """Gets the seconds from a command's write to its reply's read, for each reply."""
 
@@ -88,8 +74,7 @@ class _Tls:
         await _send_all(loop, sock, self.outgoing.read())
 
     def decrypt(self, data: bytes) -> bytes:
-        """The plain bytes ``data`` completes (may be none). Raises ssl.SSLError,
-        SSLZeroReturnError when the server closed the TLS session."""
+        """The plain bytes ``data`` completes (maybe none); ssl.SSLError, also on TLS close."""
         self.incoming.write(data)
         chunks = []
         while True:
@@ -125,15 +110,12 @@ class _Connection:
         self._tls = tls
         self._observe = observe
         self._reader = hiredis.Reader()
-        # (whom to deliver to, sent at, the script and EVALSHA command to retry as EVAL
-        # on NOSCRIPT)
+        # (whom to deliver to, sent at, the script and EVALSHA to retry as EVAL on NOSCRIPT)
         self._waiting: deque[tuple[Deliver, float, _Retry | None]] = deque()
         self._unsent = bytearray()
         self.closed = False
         self.last_read = loop.time()
         loop.add_reader(self._fd, self.poll)
-
-    # -- reading -------------------------------------------------------------------
 
     def poll(self) -> None:
         """Read everything the socket holds now and deliver the replies in it."""
@@ -185,8 +167,6 @@ class _Connection:
         except hiredis.ProtocolError as exc:
             self._fail(RedisConnectionError(f"redis protocol error: {exc!r}"))
 
-    # -- writing -------------------------------------------------------------------
-
     def request(self, packed: bytes, deliver: Deliver, retry: _Retry | None = None) -> None:
         """Send a command; ``deliver`` gets its reply (at once if it cannot be sent)."""
         if self.closed:
@@ -236,11 +216,8 @@ class _Connection:
         if not self._unsent:
             self._loop.remove_writer(self._fd)
 
-    # -- state ---------------------------------------------------------------------
-
     def silent_for(self) -> float:
-        """Seconds since both the last byte read and the oldest command outstanding
-        was sent; 0 with nothing outstanding."""
+        """Seconds since the last byte read and the oldest command's sending; 0: none out."""
         if not self._waiting:
             return 0.0
         since = max(self.last_read, self._waiting[0][1])
@@ -282,15 +259,17 @@ class RedisPipe:
         self._connecting: asyncio.Task[_Connection] | None = None
         self.connects = 0
 
+    def _live(self) -> _Connection | None:
+        connection = self._connection
+        return connection if connection is not None and not connection.closed else None
+
     async def connected(self) -> _Connection:
-        """The open connection, opening one if needed. The attempt runs as its own
-        task, shared by every caller and shielded from their deadlines: a request's
-        few milliseconds may be too short for a TLS handshake, and cancelling
-        attempts one after the other would never connect."""
+        """The open connection, opened if needed in a task shared by every caller and shielded from
+        their deadlines: attempts cancelled one after another would never connect."""
         task = self._connecting
         if task is None or task.done():
             task = self._connecting = asyncio.ensure_future(self._connect())
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(forget)
         return await asyncio.shield(task)
 
     async def evalsha(self, sha: str, script: str, keys: list[str], args: list[Any]) -> Any:
@@ -303,38 +282,31 @@ class RedisPipe:
     def evalsha_now(
         self, sha: str, script: str, keys: list[str], args: list[Any], deliver: Deliver
     ) -> bool:
-        """Like :meth:`evalsha` but with neither a coroutine nor a future: ``deliver``
-        gets the reply. False, and nothing sent, when there is no open connection (use
-        :meth:`evalsha` then)."""
-        connection = self._connection
-        if connection is None or connection.closed:
+        """:meth:`evalsha` by callback; False, and nothing sent, when no connection is open."""
+        connection = self._live()
+        if connection is None:
             return False
         _evalsha(connection, sha, script, keys, args, deliver)
         return True
 
     def poll(self) -> None:
         """Read and deliver the replies already on the socket, now."""
-        connection = self._connection
-        if connection is not None and not connection.closed:
+        if (connection := self._live()) is not None:
             connection.poll()
 
     def silent_for(self) -> float:
         """Seconds with commands outstanding and no byte read (see _Connection)."""
-        connection = self._connection
-        if connection is None or connection.closed:
-            return 0.0
-        return connection.silent_for()
+        connection = self._live()
+        return 0.0 if connection is None else connection.silent_for()
 
     def drop(self, reason: str) -> None:
-        """Close the connection: every outstanding command fails with ``reason``, and
-        the next command opens a fresh one."""
-        connection = self._connection
-        if connection is not None and not connection.closed:
+        """Close the connection (its commands fail with ``reason``; the next one reopens)."""
+        if (connection := self._live()) is not None:
             connection.abort(reason)
 
     async def _connect(self) -> _Connection:
-        if self._connection is not None and not self._connection.closed:
-            return self._connection
+        if (live := self._live()) is not None:
+            return live
         async with asyncio.timeout(self._connect_timeout):
             connection = await self._open()
             await self._handshake(connection)
@@ -366,11 +338,9 @@ class RedisPipe:
     async def _handshake(self, connection: _Connection) -> None:
         options = self._options
         commands: list[tuple[Any, ...]] = []
-        if options.get("password") is not None:
+        if (password := options.get("password")) is not None:
             user = options.get("username")
-            commands.append(
-                ("AUTH", user, options["password"]) if user else ("AUTH", options["password"])
-            )
+            commands.append(("AUTH", user, password) if user else ("AUTH", password))
         if int(options.get("db", 0)):
             commands.append(("SELECT", int(options["db"])))
         try:
@@ -430,15 +400,14 @@ def _pack_eval(retry: _Retry) -> bytes:
     return packed
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Collect a failed attempt's error: callers may all have given up on it."""
+def forget(task: asyncio.Future[Any]) -> None:
+    """Collect the outcome of a task nobody may wait for any more."""
     if not task.cancelled():
         task.exception()
 
 
 def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
-    """The TLS settings of a ``rediss://`` URL's query, with redis-py's defaults
-    (certificate and host name verified), so both clients of the store agree."""
+    """A ``rediss://`` URL's TLS settings, with redis-py's defaults: both clients agree."""
     names = ("keyfile", "certfile", "cert_reqs", "ca_certs", "ca_data", "ca_path", "check_hostname")
     kwargs: dict[str, Any] = {"cert_reqs": "required", "check_hostname": True}
     kwargs.update({name: options[f"ssl_{name}"] for name in names if f"ssl_{name}" in options})

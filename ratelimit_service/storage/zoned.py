@@ -1,14 +1,9 @@
-"""The zone tier's storage (``serve --zone NAME``): a replica's stores when replicas are
-grouped in zones, each zone with its own Redis and one global Redis above them.
-
-:class:`ZoneRedisStore` is the zone's Redis: a RedisStore given the zone's keys, so its
-replicas' RLQS publishes and probabilistic syncs keep the indexes the aggregator reads
-(quota_tier.lua, fleet_sync.lua), and the aggregator's own calls: its lease, its reads
-of the zone's sums, its write-back of the zone's parts. :class:`ZonedStore` is the
-store seam for a replica in a zone: exact rules on the global store (exactness needs
-one counter per window for the whole fleet), RLQS and probabilistic rules on the
-zone's store. The aggregator itself (its lease, its passes) is engine/zone_aggregator.py;
-its arithmetic core/zones.py.
+"""The zone tier's storage (``serve --zone NAME``): each zone of replicas with its own
+Redis, one global Redis above them. :class:`ZoneRedisStore` is the zone's Redis: a
+RedisStore that keeps the indexes its aggregator (engine/zone_aggregator.py) reads, and
+answers its lease, reads and write-backs. :class:`ZonedStore` is a replica's store seam:
+exact rules on the global store (one counter per window for the whole fleet), RLQS and
+probabilistic rules on the zone's.
 """
 
 from __future__ import annotations
@@ -44,14 +39,11 @@ from ratelimit_service.storage.script_calls import (
 )
 
 MOST_COUNTERS = 10_000
-"""Counters (and buckets) one aggregation pass reads from the zone store at most (the
-least recently published first)."""
+"""Counters (and buckets) an aggregation pass reads at most (least recently published first)."""
 
 
 class ZoneRedisStore(RedisStore):
-    """The zone store: a RedisStore that keeps the zone's indexes (its ZoneKeys), and
-    answers the aggregator's lease, reads and writes. Every aggregator call is bounded
-    by the deadline (the event loop's time) or timeout it is given."""
+    """Every aggregator call is bounded by the deadline (the loop's time) or timeout given."""
 
     def __init__(self, url: str, zone: str, **options: Any) -> None:
         keys = ZoneKeys.of(options.get("prefix", default("--redis-key-prefix")), zone)
@@ -73,8 +65,7 @@ class ZoneRedisStore(RedisStore):
         return zone_read_reply(raw)
 
     async def zone_buckets(self, forget_after: float, deadline: float) -> ZoneBuckets:
-        """The store's time, the zone's live replicas, and every probabilistic bucket a
-        replica of the zone synced within ``forget_after``."""
+        """The store's time, the zone's live replicas and buckets synced within ``forget_after``."""
         keys = [self.keys.buckets, self.prefix + "nodes"]
         args = zone_read_args(int(forget_after * 1_000_000), MOST_COUNTERS)
         raw = await self.redis.call(self._read_fleet, keys, args, self.redis.time_left(deadline))
@@ -83,16 +74,15 @@ class ZoneRedisStore(RedisStore):
     async def write_back(
         self, shares: Sequence[tuple[str, ZoneShare]], zones: int, token: int, deadline: float
     ) -> int | Fenced:
-        """Write back each counter's zone part and the fleet's allowed hits, and the
-        number of zones (with the first chunk), as the holder of ``token``: refused
-        (and nothing more written) when the zone has seen a higher token. Returns the
-        counters written."""
+        """Write back each counter's zone part, the fleet's allowed hits and the number of zones, as
+        the holder of ``token`` (refused past a higher one). Returns the counters written."""
         keep_ms = round(2 * ZONE_FORGET_AFTER * 1000)
         written = 0
         for start in range(0, max(1, len(shares)), CALL_CHUNK):
             chunk = shares[start : start + CALL_CHUNK]
-            shares_now = [share for _, share in chunk]
-            args = write_args(shares_now, None if start else zones, keep_ms, token)
+            args = write_args(
+                [share for _, share in chunk], None if start else zones, keep_ms, token
+            )
             keys = [self.keys.zones, self.keys.fence, *(key for key, _ in chunk)]
             raw = await self.redis.call(self._write, keys, args, self.redis.time_left(deadline))
             answer = zone_write_reply(raw)
@@ -110,9 +100,7 @@ class ZoneRedisStore(RedisStore):
 
 
 class ZonedStore:
-    """The Store seam for a replica in a zone: RLQS and probabilistic rules on the zone
-    store, exact rules on the global store. The zone's aggregator runs beside it
-    (engine/zone_aggregator.py, wired by server/app.py)."""
+    """The Store seam for a replica in a zone (its aggregator wired by server/app.py)."""
 
     def __init__(self, zone_store: ZoneRedisStore, global_store: RedisStore) -> None:
         self.zone_store = zone_store
@@ -141,8 +129,7 @@ class ZonedStore:
         return self.zone_store.healthy()
 
     def metrics(self) -> StoreMetrics:
-        """The global store's figures and histograms with the zone store's beside them
-        (``zone_store_`` and ``zone_`` before their names), and both breakers."""
+        """Both stores' metrics (the zone's named ``zone_store_``, ``zone_``) and breakers."""
         above, zone = self.global_store.metrics(), self.zone_store.metrics()
         figures = {**above.figures, **{f"zone_store_{k}": v for k, v in zone.figures.items()}}
         histograms = {**above.histograms, **{f"zone_{k}": v for k, v in zone.histograms.items()}}
