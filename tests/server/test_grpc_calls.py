@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from envoy.service.ratelimit.v3 import rls_pb2
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
 from ratelimit_harness.envoy import ServiceProcess
 from ratelimit_harness.fixtures import make_request
@@ -46,11 +46,7 @@ async def test_calls_that_expire_in_a_paused_process_are_counted_as_failed(
     service = ServiceProcess(rules, tmp_path).start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel:
-            call = channel.unary_unary(
-                "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=rls_pb2.RateLimitResponse.FromString,
-            )
+            call = rls_pb2_grpc.RateLimitServiceStub(channel).ShouldRateLimit
             request = make_request("calls", [("k", "v")])
             for _ in range(3):
                 assert (await call(request, timeout=5)).overall_code == 1
