@@ -322,9 +322,7 @@ class RedisStore:
         timeout: float,
     ) -> list[TierTotals] | Fenced:
         index = self.zone_keys.counters if self.zone_keys is not None else None
-        call_keys: list[str] = []
-        for key in keys:
-            call_keys += tier_keys(key)
+        call_keys = [name for key in keys for name in tier_keys(key)]
         if index is not None:
             call_keys.append(index)
         args = tier_args(reports, int(forget_after * 1_000_000), token, index is not None)
@@ -355,7 +353,6 @@ class RedisStore:
             )
         except (RedisError, RedisClusterException, OSError) as exc:
             reason = describe(exc)
-            # The breaker says it once; calls go on trying, and the first reply closes it.
             self.redis.breaker.down(f"not reachable at start-up: {reason}; tried until it answers")
 
     def _exact_key(self, bucket_key: str, window_seconds: int) -> str:
