@@ -58,12 +58,12 @@ class _FleetBucket:
         self.touched = now
         self.zone_part: int | None = None
         """In a zone's store, the zone's part of the limit (thousandths of a hit per
-        second) written by its aggregator; never set here (no zones in process)."""
+        second); never set here (no zones in process)."""
         self.ends_at: float | None = None
         """A calendar budget's: when its period ends (it is forgotten then)."""
         self.allot: float | None = None
         """A calendar budget's in a zone's store: the admitted total the zone may reach
-        (fleet_sync.lua's 'T'), written by its aggregator; never set here."""
+        (fleet_sync.lua's 'T'); never set here."""
         self.admitted_total = 0
         """Hits admitted, a monotonic count (fleet_sync.lua's 'a', kept in a zone)."""
 
@@ -150,9 +150,7 @@ class EmbeddedStore:
 
     async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         now = self._clock()
-        views: list[FleetView] = []
-        for report in reports:
-            views.append(self._fleet_bucket(report, now).update(report, now))
+        views = [self._fleet_bucket(report, now).update(report, now) for report in reports]
         self._sweep_a_piece()
         return SyncResult(nodes=1, views=views)
 
