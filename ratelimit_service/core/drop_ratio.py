@@ -106,10 +106,9 @@ def zone_limit(
     limit: float, full: float, zone_part: int | None, window_us: int, zones: int | None = None
 ) -> tuple[float, float]:
     """The limit and capacity a zone's fleet bucket refills at: the zone's part of the
-    limit (``zone_part``, thousandths of a hit per second, set by the zone's
-    aggregator) when it is below the limit, the capacity in proportion; before the
-    bucket's first part, the limit over the number of ``zones`` (a new hot bucket
-    in ten zones would otherwise start at ten times the limit). The twin of
+    limit (``zone_part``, thousandths of a hit per second) when below the limit, the
+    capacity in proportion; before the first part, the limit over the ``zones`` (or a
+    new hot bucket in ten zones would start at ten times the limit). The twin of
     fleet_sync.lua's zone branch: the same operations, in the same order."""
     if zone_part is not None:
         part = zone_part * window_us / 1_000_000_000

@@ -266,7 +266,7 @@ class LocalBuckets:
         ends_at: float | None = None,
     ) -> ProbabilisticBucket:
         """The bucket of ``key``, made if there is none; ``ends_at``: a calendar budget's
-        period end (its key is the period's, core/calendar.py counted_under)."""
+        period end (its key is the period's)."""
         bucket = self._buckets.get(key)
         if bucket is None or bucket.window_seconds != window_seconds:
             # New, or a reload changed the unit: counts of another window mean nothing.
@@ -314,9 +314,8 @@ class LocalBuckets:
     @staticmethod
     def fail(bucket: ProbabilisticBucket, hits: int, admit: bool) -> bool:
         """Decide by failure policy (store out of reach too long). Offered hits still count
-        (the rate estimate needs them); hits let through by the policy are not charged to
-        the fleet bucket, or a long outage would come back as a debt that blocks the
-        bucket well after the store has recovered."""
+        (the rate estimate needs them); admitted ones are not charged, or a long outage
+        would come back as a debt that blocks the bucket after the store recovers."""
         bucket.offered += hits
         _mark_used(bucket)
         return admit
