@@ -1,9 +1,7 @@
 """Rate-limit response headers, chosen the way envoyproxy/ratelimit chooses them.
 
-The descriptor reported is the one that decided the answer (core.decision's
-verdict, which the response carries: Response.decided): on a denial the last enforcing
-descriptor over its limit, else (every quota descriptor over) the last quota one;
-otherwise the one with the smallest remaining count.
+The descriptor reported is the one that decided the answer (Response.decided, see
+core/decision.py).
 """
 
 from __future__ import annotations
@@ -36,9 +34,7 @@ def rate_limit_headers(
     """Header name/value pairs for Envoy to add to the client response, for the
     answer's deciding ``status`` (Response.decided); empty when off or when no
     descriptor had a limit."""
-    if style is HeaderStyle.OFF and not names.rule:
-        return []
-    if status is None or status.limit is None:
+    if status is None or status.limit is None or (style is HeaderStyle.OFF and not names.rule):
         return []
     headers = _count_headers(status, style, names)
     if names.rule:

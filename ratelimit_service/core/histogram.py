@@ -1,13 +1,5 @@
 """A histogram of durations as plain counts: observed on the request path at the cost
-of a bisect and three additions, turned into a Prometheus family at scrape time.
-
-The service's latency histogram (``ratelimit_server_should_rate_limit_response_time_
-seconds``) is one: each ShouldRateLimit call's time from its handler's start to its
-answer, plus what the call waited behind a pause of the event loop before its handler
-started (rls/servicer.py says how that is known). Its buckets reach 10 s, so that a
-call held by a pause shows where its caller saw it, not in a last bucket at 1 s; one
-bound sits at 20 ms, Envoy's ratelimit filter timeout: above it a caller behind Envoy
-has given up."""
+of a bisect and three additions, turned into a Prometheus family at scrape time."""
 
 from __future__ import annotations
 
@@ -16,7 +8,9 @@ from bisect import bisect_left
 LATENCY_BOUNDS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
-"""Upper bounds (seconds) of the buckets; one more bucket holds everything above."""
+"""Upper bounds (seconds) of the buckets; one more bucket holds everything above. They
+reach 10 s, so that a call held by a pause of the event loop shows where its caller saw
+it; one sits at 20 ms, Envoy's ratelimit filter timeout (above it the caller gave up)."""
 
 
 class Histogram:

@@ -3,15 +3,12 @@
 A decision is a dict lookup, one comparison against the cached drop ratio and one
 against the bucket's credit: no I/O, no lock (the event loop is single-threaded),
 no allocation for a known bucket. Counts accumulate here until the reconciler
-takes them with :meth:`LocalBuckets.take_reports` and hands back the fleet's view
-with :meth:`LocalBuckets.apply`.
+takes them (:meth:`LocalBuckets.take_reports`) and hands back the fleet's view
+(:meth:`LocalBuckets.apply`).
 
-A sync costs what was used since the previous one, not what is held: a bucket puts
-itself on its table's list of the sync period the first time it counts a hit in it (a
-comparison per decision, an append per bucket and period), so the buckets to report are
-that list; idle ones are looked for from the least recently used end, a bounded number
-per sync. Walking all 100,000 buckets the table may hold took 60 ms, four times a
-second, on the event loop that answers calls.
+A sync costs the buckets used since the previous one, not those held: a bucket joins its
+table's list for the sync period the first time it counts a hit in it, and idle buckets are
+looked for from the least recently used end, a bounded number per sync.
 """
 
 from __future__ import annotations
@@ -32,24 +29,21 @@ from ratelimit_service.core.drop_ratio import (
 from ratelimit_service.core.settings_table import default
 
 IDLE_SECONDS = 30.0
-"""How long a bucket no request used is kept (at least its window). A process that
-sees a key now and then keeps the key's last fleet view and carried credit in
-between; dropped sooner, each hit would meet a fresh bucket and its initial credit,
-and a key spread over a large fleet (each process seeing it every few seconds) would
-get about one hit per process per visit whatever its limit."""
+"""How long a bucket no request used is kept (at least its window), so a process that
+sees a key now and then keeps its fleet view and carried credit in between; dropped
+sooner, a key spread over a large fleet would meet a fresh bucket (and its initial
+credit) on each visit: about one hit per process per visit whatever its limit."""
 
 MAX_IDLE_EXAMINED = 2000
-"""Buckets looked at per sync for idleness, at most (a bounded pause: about 1 ms).
-Eviction keeps up with 8,000 keys going idle a second; past that the table's size bound
-evicts the least recently used."""
+"""Buckets looked at per sync for idleness, at most (a bounded pause); past that many
+keys going idle per sync, the table's size bound evicts the least recently used."""
 
 GOLDEN_RATIO = 0.6180339887498949
 """The fractional part of the golden ratio: the step of the buckets' draw sequences."""
 
 
 class SyncPeriod:
-    """A table's current sync period: its number, and the buckets that counted hits in
-    it (each once, see ProbabilisticBucket.take)."""
+    """A table's current sync period: its number, and the buckets that counted hits in it."""
 
     __slots__ = ("number", "used")
 
@@ -140,21 +134,17 @@ class ProbabilisticBucket:
         self.epoch = 0
         """The number of the last period it counted hits in."""
         self.ends_at = ends_at
-        """A calendar budget's bucket (one per period, its key says which): when its
-        period ends, in epoch seconds. Its fleet bucket does not refill before then,
-        and its credit is not renewed while the store is away (a renewal is a refill).
-        None: a rolling bucket."""
+        """A calendar budget's bucket (one per period): when its period ends, in epoch
+        seconds. Its fleet bucket does not refill before then, nor is its credit renewed
+        while the store is away (a renewal is a refill). None: a rolling bucket."""
 
     def next_draw(self) -> float:
         """The next number of this bucket's golden-ratio (Weyl) sequence, in [0, 1).
 
-        Drawn against the drop ratio instead of independent random numbers: the
-        sequence is spread evenly, so among any n consecutive decisions of a bucket
-        the share dropped is the ratio to within about 1/n, where independent draws
-        scatter by sqrt(n) (binomially). At 100 admissions per sync interval that is
-        the difference between about 1 % and 8 % of noise on the admitted count. It is
-        also even over any regular subsequence (every k-th request: k times the golden
-        ratio is irrational), so a client's share does not depend on when it sends."""
+        Drawn against the drop ratio instead of independent random numbers: among any n
+        consecutive decisions the share dropped is the ratio to within about 1/n (where
+        independent draws scatter by sqrt(n)), over any regular subsequence too (every
+        k-th request), so a client's share does not depend on when it sends."""
         phase = self.phase + GOLDEN_RATIO
         if phase >= 1.0:
             phase -= 1.0
@@ -163,12 +153,11 @@ class ProbabilisticBucket:
 
     def take(self, hits: int, draw: float | None) -> bool:
         """Offer ``hits``; admit them or not. ``draw`` is uniform in [0, 1); None: the
-        bucket's own sequence (:meth:`next_draw`). Hits of 0 are a check (a usage
-        budget's, before its cost is reported): admitted while the fleet's bucket, as
-        this process last saw it, holds one more hit (:meth:`remaining`), as exact mode
-        checks the window. Not this process's credit: a check takes nothing, and a
-        process that only checks a budget is granted no share of it. The bucket is
-        reported at the next sync all the same, so that its view stays fresh."""
+        bucket's own sequence (:meth:`next_draw`). Hits of 0 are a check (a usage budget's,
+        before its cost is reported): admitted while the fleet's bucket as last seen holds
+        one more hit (:meth:`remaining`), not this process's credit (a check takes nothing,
+        and a process that only checks is granted no share). Still reported at the next
+        sync, so that its view stays fresh."""
         if draw is None:
             draw = self.next_draw()
         self.offered += hits
@@ -186,9 +175,8 @@ class ProbabilisticBucket:
 
     def charge(self, hits: int) -> None:
         """Count ``hits`` that :meth:`take` did not admit: a cost, already spent, is
-        counted whatever the answer (core/exact.py counts). They reach the fleet with
-        the admitted hits at the next sync; the credit may go below 0, and calls are
-        denied until a sync grants more."""
+        counted whatever the answer (core/exact.py counts). The credit may go below 0:
+        calls are denied until a sync grants more."""
         self.credit -= hits
         self.admitted += hits
 
@@ -229,9 +217,8 @@ class BucketReport:
     burst: int | None = None
     """The rule's burst: what the fleet bucket holds when full (None: the limit)."""
     ends_in: float | None = None
-    """A calendar budget's bucket: seconds from the report to its period's end. Its
-    fleet bucket starts full, does not refill, and is gone after the end (None: a
-    rolling bucket, refilled at the limit per window)."""
+    """A calendar budget's bucket: seconds from the report to its period's end (its fleet
+    bucket starts full, never refills, and is gone after the end); None: a rolling one."""
 
     @property
     def refills(self) -> bool:
@@ -279,7 +266,7 @@ class LocalBuckets:
         ends_at: float | None = None,
     ) -> ProbabilisticBucket:
         """The bucket of ``key``, made if there is none; ``ends_at``: a calendar budget's
-        period end (its key is the period's, core/calendar.py counted_under)."""
+        period end (its key is the period's)."""
         bucket = self._buckets.get(key)
         if bucket is None or bucket.window_seconds != window_seconds:
             # New, or a reload changed the unit: counts of another window mean nothing.
@@ -302,11 +289,10 @@ class LocalBuckets:
                 and (bucket.ratio == 0.0 or self.nodes <= 1)
                 and bucket.ends_at is None  # a calendar budget never refills
             ):
-                # Unused here for a whole window, and the fleet was not dropping (or is
-                # this process alone): its bucket has refilled; a fresh bucket's credit
-                # at least. A key the fleet was dropping keeps its view until the next
-                # sync, or a key spread thin over many processes would get a fresh
-                # credit on each visit to each process.
+                # Unused here for a whole window, the fleet not dropping (or this process
+                # alone): its bucket has refilled. A key the fleet was dropping keeps its
+                # view until the next sync, or a key spread thin would get a fresh credit
+                # on each visit to each process.
                 bucket.credit = max(bucket.credit, initial_credit(bucket.capacity, self.nodes))
                 bucket.ratio = 0.0
             if bucket.limit != limit or bucket.burst != burst:
@@ -328,17 +314,15 @@ class LocalBuckets:
     @staticmethod
     def fail(bucket: ProbabilisticBucket, hits: int, admit: bool) -> bool:
         """Decide by failure policy (store out of reach too long). Offered hits still count
-        (the rate estimate needs them); hits let through by the policy are not charged to
-        the fleet bucket, or a long outage would come back as a debt that blocks the
-        bucket well after the store has recovered."""
+        (the rate estimate needs them); admitted ones are not charged, or a long outage
+        would come back as a debt that blocks the bucket after the store recovers."""
         bucket.offered += hits
         _mark_used(bucket)
         return admit
 
     def take_reports(self, now: float, interval: float) -> list[BucketReport]:
         """Counts of every bucket used since the last sync (in order of use); idle
-        buckets are dropped. Costs the buckets used, not the buckets held (see the module
-        docstring)."""
+        buckets are dropped."""
         period = self._period
         used, closed = period.used, period.number
         period.used = []
@@ -376,8 +360,7 @@ class LocalBuckets:
         """Drop idle buckets from the least recently used end, MAX_IDLE_EXAMINED at
         most. A bucket is idle when unused for its window (or past its calendar period)
         and IDLE_SECONDS, with nothing left to report; the walk ends at the first bucket
-        used within IDLE_SECONDS (the rest were used later still). A bucket with a long
-        window that is not idle yet is stepped over."""
+        used within IDLE_SECONDS (the rest were used later still)."""
         idle: list[str] = []
         for examined, (key, bucket) in enumerate(self._buckets.items()):
             if examined >= MAX_IDLE_EXAMINED or now - bucket.last_used <= IDLE_SECONDS:
@@ -405,16 +388,13 @@ class LocalBuckets:
             self.apply(report.key, view, now, interval)
 
     def renew(self) -> None:
-        """A sync failed: grant every bucket its last interval's credit again, so it
-        keeps admitting at its last rate (its last ratio) instead of running dry and
-        denying everything until the staleness bound switches to failure_mode.
-
-        Granted when each bucket is next touched (:meth:`_catch_up`), not by a pass over
-        every bucket now: the same credit (renewals in between change nothing, as
-        ``max`` with an unchanged grant is idempotent), at a cost that does not grow with
-        the buckets held. Not to a calendar budget's bucket: its budget does not come
-        back within the period, so it admits what it was granted, and every admission is
-        charged once the store answers (:meth:`restore`)."""
+        """A sync failed: grant every bucket its last interval's credit again, so it keeps
+        admitting at its last rate instead of running dry until the staleness bound
+        switches to failure_mode. Granted when each bucket is next touched
+        (:meth:`_catch_up`), at a cost that does not grow with the buckets held (renewals
+        in between change nothing: ``max`` with an unchanged grant). Not to a calendar
+        budget's bucket: its budget does not come back within the period, and every
+        admission is charged once the store answers (:meth:`restore`)."""
         self.renewals += 1
 
     def credit(self, bucket: ProbabilisticBucket) -> float:
@@ -443,13 +423,11 @@ class LocalBuckets:
                 bucket.admitted = 0
 
     def restore(self, reports: list[BucketReport]) -> None:
-        """Put back the offered counts of a sync that failed, so the rate estimate sees
-        them next time. Admitted counts are not carried over: while the store is away the
-        buckets run on renewed credit at their last rate, and charging all of it at once
-        when the store returns (its token bucket capped at the limit meanwhile) would
-        come back as a debt that starves the bucket right after the recovery. A
-        calendar budget's are: its bucket runs on no renewed credit, so what it
-        admitted was granted from the budget, and is charged at the next sync."""
+        """Put back the offered counts of a sync that failed, so the next rate estimate
+        sees them. Admitted counts are not: the buckets run on renewed credit meanwhile,
+        and charging it all when the store returns would leave a debt that starves the
+        bucket after the recovery. A calendar budget's are (it runs on no renewed credit:
+        what it admitted was granted), and are charged at the next sync."""
         for report in reports:
             bucket = self._buckets.get(report.key)
             if bucket is not None:
@@ -462,9 +440,8 @@ class LocalBuckets:
                 _mark_used(bucket)
 
     def give_back(self, taken: list[tuple[ProbabilisticBucket, int]]) -> None:
-        """Return the hits a request took (it was denied, or not decided). A bucket
-        whose counts were reported meanwhile (the request waited for the store across
-        a sync) reports the return at the next sync."""
+        """Return the hits a request took (it was denied, or not decided); a bucket
+        reported meanwhile reports the return at the next sync."""
         for bucket, hits in taken:
             if bucket.renewed != self.renewals:
                 self._catch_up(bucket)

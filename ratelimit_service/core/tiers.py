@@ -1,37 +1,20 @@
 """Tiers: a member's part of a limit from totals, never from a list of every instance
 (pure; engine/quota.py publishes, the stores keep the totals).
 
-A *member* of a tier is what publishes to one store: a replica (its own Envoys'
-demand summed) to the store its replicas share. Each member publishes, per counter,
-its demand (hits per second), how many instances stand behind it, the hits they
-allowed since its last publish, and the limit; the store keeps one entry per member
-and running sums, and hands the member its part in the same call, in work that does
-not grow with the fleet:
+A *member* of a tier is what publishes to one store: a replica (its own Envoys' demand
+summed) to the store its replicas share. Per counter it publishes its demand (hits per
+second), its instances, the hits they allowed since its last publish, and the limit; the
+store keeps one entry per member and running sums, and hands back the member's part
+(:func:`fair_part`, grown only into what the others hold: :func:`capped_part`) and the
+window's allowed hits fleet-wide (windows aligned to the epoch), in work that does not
+grow with the fleet. Within a member, the part is divided among its instances max-min by
+demand (core/shares.py).
 
-* **The part** (:func:`fair_part`): the member's demand when the fleet asks for less
-  than the limit, plus the spare in proportion to its instances (every instance keeps
-  room to grow until the next publish); the limit in proportion to demand when the
-  fleet asks for more (every member's instances then see the same drop ratio, the
-  design's global drop ratio). Within a member, the part is divided among its own
-  instances max-min by demand (core/shares.py).
-* **Never more than the limit in all** (:func:`capped_part`): a part grows only into
-  what the other members do not hold (their parts as last handed out), so members
-  that publish at different moments, each with the others' demands up to one
-  interval old, do not hand out the limit twice over after a step in load. A member
-  heard from for the first time gets at least its even share by instances (a
-  replica that starts beside others that hold the whole limit is not starved until
-  they next publish; the overshoot is one even share, for one interval).
-* **The window's allowed hits**, fleet-wide (windows aligned to the epoch).
-
-**Zones** (``serve --zone``) stack the same arithmetic twice: the replicas of a zone
-are the members of the zone store, where their parts divide the zone's part; the
-zones are the members of the global store, published by one aggregator per zone
-with the zone's sums, which brings back the zone's part and the fleet's allowed hits
-(core/zones.py). A zone's aggregator writes with a fencing token: the store refuses a
-member's write whose token is lower than one it has seen from that member
-(:class:`Fenced`), so a deposed aggregator's late write cannot overwrite its
-successor's. The global store's work per hot bucket grows with zones, the zone
-store's with its replicas; neither with the Envoys.
+**Zones** (``serve --zone``) stack the same arithmetic twice: a zone's replicas are the
+members of the zone store; the zones, each published by one aggregator with the zone's
+sums, are the members of the global store (core/zones.py). An aggregator writes with a
+fencing token, so a deposed one's late write cannot overwrite its successor's
+(:class:`Fenced`). See docs/design.md, "RLQS", and docs/scale.md.
 
 Demands, limits and parts travel as integer thousandths of a hit per second, so the
 running sums are exact and the arithmetic below gives the same numbers in Python and
@@ -94,7 +77,8 @@ def member_demand(measured: list[float], unmeasured: int, even: float) -> float:
 
 def fair_part(limit: int, demand: int, instances: int, fleet_demand: int, everyone: int) -> float:
     """A member's fair part of ``limit`` (all rates in thousandths): fleet under the
-    limit, its demand plus the spare by instances; over it, the limit by demand; no
+    limit, its demand plus the spare by instances (room to grow until the next publish);
+    over it, the limit by demand (every instance then sees the same drop ratio); no
     demand anywhere yet, by instances. ``everyone``: the fleet's instances, at least 1."""
     if fleet_demand <= 0:
         return limit * instances / everyone
@@ -105,8 +89,10 @@ def fair_part(limit: int, demand: int, instances: int, fleet_demand: int, everyo
 
 def capped_part(fair: float, room: int, even: float, first: bool) -> int:
     """The part handed out (thousandths): the fair one, grown only into ``room`` (the
-    limit less the other members' parts); a member heard from for the first time
-    gets at least ``even`` (its share by instances)."""
+    limit less the other members' parts, as last handed out), so members publishing at
+    different moments do not hand out the limit twice over after a step in load. A
+    member heard from for the first time gets at least ``even`` (its share by
+    instances): not starved until the others next publish, for one even share over."""
     most = max(room, even) if first else max(room, 0)
     return math.floor(min(fair, most))
 
@@ -114,8 +100,7 @@ def capped_part(fair: float, room: int, even: float, first: bool) -> int:
 @dataclass(frozen=True, slots=True)
 class Fenced:
     """A write refused: it carried a fencing token lower than one the store has seen
-    from the same member (a zone's aggregator that was deposed while its write was on
-    the way). Nothing of the call was written."""
+    from the same member (a deposed zone aggregator's). Nothing of the call was written."""
 
     highest: int
     """The highest token the store has seen from that member."""

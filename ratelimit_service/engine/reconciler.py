@@ -20,8 +20,7 @@ log = logging.getLogger(__name__)
 LATE_AFTER = 0.2
 """A sync is late once it has taken this share of the interval (a sync on a healthy
 Redis takes milliseconds): the buckets' credit, granted for one interval, is renewed
-then rather than a whole interval later, which left a gap of almost no admissions
-each time Redis froze."""
+then, not a whole interval later, so a frozen Redis leaves no gap in admissions."""
 
 
 class Reconciler:
@@ -57,9 +56,8 @@ class Reconciler:
         reports = self.local.take_reports(now, self.interval)
         sent_while_failing = self.failing
         if sent_while_failing:
-            # Calls sent while the store is away may run late, all at once, when it
-            # returns; they must not charge the hits admitted on renewed credit. A
-            # calendar budget's bucket is never renewed: its hits were granted, and count.
+            # Sent while the store is away, this call may run late: it must not charge
+            # hits admitted on renewed credit (a calendar budget's are granted, and count).
             reports = [replace(r, admitted=0) if r.refills else r for r in reports]
         self.bucket_updates += len(reports)
         self.last_updates = len(reports)
@@ -71,14 +69,11 @@ class Reconciler:
             self.failing = True
             self.local.restore(reports)
             self.local.renew()
-            # The store's breaker logs the outage once, then a summary now and then.
             log.debug("sync failed, keeping last drop ratios: %s", exc)
             return 0
         now = self._clock()
         if sent_while_failing:
-            # This answer may come long after it was asked for (a frozen Redis that
-            # resumed); the hits admitted meanwhile ran on renewed credit, which is not
-            # charged, so they must not eat the new credit either.
+            # A late answer (a frozen Redis that resumed): see LocalBuckets.forgive.
             self.local.forgive(reports)
         self.local.apply_all(reports, result, now, self.interval)
         self.syncs += 1

@@ -1,10 +1,9 @@
 """TLS for the gRPC listener, with optional client certificates and live rotation.
 
-gRPC asks the fetcher before every new connection's handshake; we answer with a
-new certificate configuration only when a file changed on disk (an ``os.stat`` per
-connection, which Envoy's long-lived connections make rare), so rotated
-certificates (cert-manager, a Kubernetes secret update) apply without a restart
-and existing connections are left alone.
+gRPC asks the fetcher before every new connection's handshake; it answers with a new
+certificate configuration only when a file changed on disk (an ``os.stat`` per
+connection, rare with Envoy's long-lived ones), so rotated certificates apply without
+a restart and existing connections are left alone.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The in-process store: the default when no Redis is configured.
-
-It makes ``serve --config config/`` work on a laptop with no dependencies, and
-its fleet is this one process. With several worker processes each would have its
-own store, so the service must not run more than one process on it.
+"""The in-process store, the default when no Redis is configured: its fleet is this one
+process, so the service must not run more than one process on it.
 """
 
 from __future__ import annotations
@@ -58,23 +55,22 @@ class _FleetBucket:
         self.touched = now
         self.zone_part: int | None = None
         """In a zone's store, the zone's part of the limit (thousandths of a hit per
-        second) written by its aggregator; never set here (no zones in process)."""
+        second); never set here (no zones in process)."""
         self.ends_at: float | None = None
         """A calendar budget's: when its period ends (it is forgotten then)."""
         self.allot: float | None = None
         """A calendar budget's in a zone's store: the admitted total the zone may reach
-        (fleet_sync.lua's 'T'), written by its aggregator; never set here."""
+        (fleet_sync.lua's 'T'); never set here."""
         self.admitted_total = 0
         """Hits admitted, a monotonic count (fleet_sync.lua's 'a', kept in a zone)."""
 
     def update(
         self, report: BucketReport, now: float, zones: int | None = None, zoned: bool = False
     ) -> FleetView:
-        """Refill since the last report at the limit the bucket refills at (the rule's;
-        in a zone's store, see drop_ratio.zone_limit, with ``zones`` sharing the fleet),
-        or not at all for a calendar budget; take the admitted hits, count the offered
-        ones. ``zoned``: as a zone's store keeps it (a calendar budget's tokens are then
-        the zone's allotment less what it admitted)."""
+        """Refill since the last report (at the rule's limit, or drop_ratio.zone_limit's
+        with ``zones`` sharing the fleet; not for a calendar budget), take the admitted
+        hits, count the offered ones. ``zoned``: as a zone's store keeps it (a calendar
+        budget's tokens are then the zone's allotment less what it admitted)."""
         window = report.window_seconds
         full = capacity(report.limit, report.burst)
         limit, full = zone_limit(report.limit, full, self.zone_part, window * 1_000_000, zones)
@@ -107,8 +103,7 @@ class _FleetBucket:
 class EmbeddedStore:
     """Exact windows, fleet buckets and RLQS tables in this process's memory, each map
     bounded (least recently used out first). What holds nothing any more is forgotten
-    a piece at a time, one piece per sync: the sync is this store's heartbeat, and a
-    piece is short enough to leave the loop to calls (core/lru.py SWEEP_PIECE)."""
+    one piece per sync, short enough to leave the loop to calls (core/lru.py)."""
 
     def __init__(
         self,
@@ -150,9 +145,7 @@ class EmbeddedStore:
 
     async def sync(self, reports: Sequence[BucketReport]) -> SyncResult:
         now = self._clock()
-        views: list[FleetView] = []
-        for report in reports:
-            views.append(self._fleet_bucket(report, now).update(report, now))
+        views = [self._fleet_bucket(report, now).update(report, now) for report in reports]
         self._sweep_a_piece()
         return SyncResult(nodes=1, views=views)
 
@@ -196,4 +189,4 @@ class EmbeddedStore:
         return StoreMetrics("embedded", figures)  # nothing remote, no breaker
 
     async def close(self) -> None:
-        return None
+        """Nothing to close."""

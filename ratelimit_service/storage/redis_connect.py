@@ -1,9 +1,8 @@
 """Turn ``--redis-url`` into a redis-py asyncio client: single node, Sentinel or Cluster
 (the URL forms: core/redis_url.py).
 
-Retries are off everywhere (``Retry(NoBackoff(), 0)``): our own circuit breaker
-decides when to try again, and a client-side retry would blow the request-path
-time bound.
+Retries are off everywhere (``Retry(NoBackoff(), 0)``): the circuit breaker decides
+when to try again, and a client-side retry would blow the request-path time bound.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The Redis store: exact sliding windows in one Lua call per request (concurrent
-requests share calls: exact_batcher, over exact_channel; on a single server over the
-request path's own pipelined connection: redis_pipe), the fleet totals of probabilistic
-mode in one round trip per sync, and RLQS tiers (quota_tier.lua).
+requests share calls: exact_batcher), the fleet totals of probabilistic mode in one
+round trip per sync, and RLQS tiers (quota_tier.lua).
 
-Time is Redis's (``TIME`` inside the scripts), so service clocks need not agree.
-Every call is bounded (on the request path by the caller's deadline, at most
-``request_timeout``; ``sync_timeout`` for the reconciler) and goes through a circuit
-breaker (redis_calls); a failure surfaces as :class:`StoreUnavailable`, which callers
-turn into their failure policy.
+Time is Redis's (``TIME`` inside the scripts), so service clocks need not agree. Every
+call is bounded (by the caller's deadline, at most ``request_timeout``; ``sync_timeout``
+for the reconciler) and goes through a circuit breaker (redis_calls); a failure surfaces
+as :class:`StoreUnavailable`, which callers turn into their failure policy.
 """
 
 from __future__ import annotations
@@ -59,9 +57,8 @@ log = logging.getLogger(__name__)
 _R = TypeVar("_R")
 
 CALL_CHUNK = 256
-"""Items per script call of a batched store call: the store itself splits every batch
-(a sync's buckets, a publish's counters, a zone's write-back) into calls of at most
-this many, so each Lua call is short and Redis stays responsive."""
+"""Items per script call at most when the store splits a batch (a sync's buckets, a
+publish's counters, a zone's write-back): each Lua call is short, Redis responsive."""
 
 
 def _reorder(groups: Sequence[Group], results: Sequence[Sequence[_R]], size: int) -> list[_R]:
@@ -267,10 +264,9 @@ class RedisStore:
     async def publish_fenced(
         self, reports: Sequence[TierReport], forget_after: float, token: int, deadline: float
     ) -> list[TierTotals] | Fenced:
-        """:meth:`publish` for a member that writes with a fencing token (a zone's
-        aggregator), by ``deadline`` (the event loop's time): each call (of at most
-        CALL_CHUNK counters) is refused whole when the store has seen a higher token
-        from the member on any of its counters; the first refusal ends it."""
+        """:meth:`publish` with a fencing token (a zone's aggregator's), by ``deadline``
+        (the event loop's time): each call is refused whole when the store has seen a
+        higher token from the member on any of its counters; the first refusal ends it."""
         return await self._publish_chunks(reports, forget_after, token, deadline)
 
     async def _publish_chunks(
@@ -322,9 +318,7 @@ class RedisStore:
         timeout: float,
     ) -> list[TierTotals] | Fenced:
         index = self.zone_keys.counters if self.zone_keys is not None else None
-        call_keys: list[str] = []
-        for key in keys:
-            call_keys += tier_keys(key)
+        call_keys = [name for key in keys for name in tier_keys(key)]
         if index is not None:
             call_keys.append(index)
         args = tier_args(reports, int(forget_after * 1_000_000), token, index is not None)
@@ -334,9 +328,8 @@ class RedisStore:
     async def start(self, connections: int = 4) -> None:
         """Open a few connections and load the scripts before traffic, outside any
         request deadline. A Redis that refuses or errs is marked down (the breaker says
-        so once) and tried again by the calls that follow; one that is only slow to
-        answer is no evidence of an outage: said once, and left to the request path.
-        """
+        so once) and tried again by the calls that follow; one only slow to answer is
+        no evidence of an outage: said once, and left to the request path."""
         try:
             async with asyncio.timeout(self.sync_timeout * 2):
                 await self.redis.initialize()
@@ -355,7 +348,6 @@ class RedisStore:
             )
         except (RedisError, RedisClusterException, OSError) as exc:
             reason = describe(exc)
-            # The breaker says it once; calls go on trying, and the first reply closes it.
             self.redis.breaker.down(f"not reachable at start-up: {reason}; tried until it answers")
 
     def _exact_key(self, bucket_key: str, window_seconds: int) -> str:

@@ -1,7 +1,6 @@
-"""Each Lua script's call, its arguments encoded and its reply decoded side by side: the
-only place that knows each script's ARGV and reply layout (the script's header says the
-same), one section per script. Production calls every script through these, and the
-tests that hold a script equal to its twin use them too.
+"""Each Lua script's ARGV encoded and its reply decoded, one section per script: the only
+place that knows those layouts (the script's header says the same), used by production
+and by the tests that hold a script equal to its twin.
 
 Redis hands a Lua table back as a list of integers and byte strings (a Lua number is
 truncated to an integer). A refused fenced write is the two numbers
@@ -75,7 +74,7 @@ def add_exact_request(args: list[Any], commit: int, hit_part: Sequence[Any]) -> 
 
 def hit_args(hits: Sequence[ExactHit]) -> tuple[Any, ...]:
     """The per-descriptor part of a request's ARGV: the same for the same hits, so
-    callers may keep it (RedisStore does, per request plan)."""
+    callers may keep it."""
     args: list[Any] = []
     for hit in hits:
         role = int(hit.role) + COST_FLAG if hit.cost else int(hit.role)
