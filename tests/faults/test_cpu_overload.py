@@ -1,0 +1,142 @@
+"""Exact mode past its CPU capacity, with real processes: the service pinned to one
+core that a busy loop shares, its Redis and a grpc.aio client on the other, calls at a
+fixed rate (open loop) with Envoy's 20 ms deadline, about three times what the starved
+service can take. What a caller and an operator must be able to rely on then:
+
+- every call is accounted for: each one the client sent reached the gRPC runtime and
+  ended there, and every call that never reached a handler (most of them: they wait in
+  gRPC's core past their deadline) is among the runtime's failed calls on /metrics,
+  which the client saw time out;
+- overload is said: calls that reach the service with too little time left for Redis
+  are answered at once by the rule's failure_mode (closed here: OVER_LIMIT, so the
+  client can tell them from decisions), each counted as such.
+
+Not held here (docs/operations.md): an answer the starved process writes in time by
+its own clock may still reach the client late, and the runtime counts it succeeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
+from ratelimit_harness.envoy import ServiceProcess
+from ratelimit_harness.fixtures import make_request
+from ratelimit_harness.fleet import redis_server, scrape
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
+RULES = """\
+domain: faults
+descriptors:
+  - key: load
+    mode: exact
+    failure_mode: closed
+    rate_limit: {unit: minute, requests_per_unit: 100000000}
+"""
+RATE = 3_000
+"""Calls a second: more than the service decides on half a core."""
+SECONDS = 4.0
+DEADLINE = 0.020
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of ``pid`` onto ``cpu``."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(thread), {cpu})
+
+
+def figures(admin_port: int) -> dict[str, float]:
+    page = scrape(admin_port)
+    wanted = {
+        "started": 'ratelimit_grpc_server_calls_total{result="started"}',
+        "succeeded": 'ratelimit_grpc_server_calls_total{result="succeeded"}',
+        "failed": 'ratelimit_grpc_server_calls_total{result="failed"}',
+        "requests": "ratelimit_server_should_rate_limit_total_requests_total",
+        "denied_by_failure_mode": (
+            'ratelimit_service_rate_limit_failure_mode_denied_total{key="faults.load"}'
+        ),
+        "late": 'ratelimit_store{name="exact_late",store="redis"}',
+    }
+    return {name: page.get(metric, 0.0) for name, metric in wanted.items()}
+
+
+async def open_loop(port: int) -> Counter[str]:
+    """RATE calls a second for SECONDS, each awaited to its end; their outcomes."""
+    loop = asyncio.get_running_loop()
+    outcomes: Counter[str] = Counter()
+    request = make_request("faults", [("load", "v")])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = rls_pb2_grpc.RateLimitServiceStub(channel).ShouldRateLimit
+
+        async def one() -> None:
+            try:
+                answer = await call(request, timeout=DEADLINE)
+            except grpc.aio.AioRpcError as exc:
+                outcomes[exc.code().name] += 1
+            else:
+                outcomes[rls_pb2.RateLimitResponse.Code.Name(answer.overall_code)] += 1
+
+        start, tasks = loop.time(), []
+        for n in range(int(RATE * SECONDS)):
+            due = start + n / RATE
+            if due > loop.time():
+                await asyncio.sleep(due - loop.time())
+            tasks.append(asyncio.ensure_future(one()))
+        await asyncio.gather(*tasks)
+    return outcomes
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+async def test_past_capacity_every_call_is_accounted_for_and_overload_is_said(
+    tmp_path: Path,
+) -> None:
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "rules.yaml").write_text(RULES)
+    cpus = sorted(os.sched_getaffinity(0))
+    service_cpu, other_cpu = cpus[0], cpus[1]
+    with redis_server(tmp_path / "redis") as redis:
+        assert redis.process is not None
+        pin(redis.process.pid, other_cpu)
+        service = ServiceProcess(rules, tmp_path, "--redis-url", redis.url).start()
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        before_affinity = os.sched_getaffinity(0)
+        try:
+            assert service.process is not None
+            pin(service.process.pid, service_cpu)
+            pin(busy.pid, service_cpu)
+            os.sched_setaffinity(0, {other_cpu})
+            before = figures(service.admin_port)
+            outcomes = await open_loop(service.grpc_port)
+            after = figures(service.admin_port)
+        finally:
+            os.sched_setaffinity(0, before_affinity)
+            busy.kill()
+            busy.wait()
+            service.stop()
+    sent = int(RATE * SECONDS)
+    delta = {name: after[name] - before[name] for name in after}
+    summary = (outcomes, delta)
+    assert sum(outcomes.values()) == sent
+    assert set(outcomes) <= {"OK", "OVER_LIMIT", "DEADLINE_EXCEEDED"}, summary
+    # Past capacity: some calls are lost, some answered by failure_mode.
+    assert outcomes["DEADLINE_EXCEEDED"] > 0 and outcomes["OVER_LIMIT"] > 0, summary
+    # Every call reached the runtime (a client starved of CPU may give up on one before
+    # writing it) and ended there.
+    assert sent * 0.99 <= delta["started"] <= sent, summary
+    assert delta["succeeded"] + delta["failed"] == delta["started"], summary
+    # The calls no handler saw are all counted failed, and the client saw them fail.
+    never_reached = delta["started"] - delta["requests"]
+    assert never_reached > 0 and delta["failed"] >= never_reached, summary
+    assert outcomes["DEADLINE_EXCEEDED"] >= delta["failed"] - sent * 0.005, summary
+    # Overload said: each OVER_LIMIT is a failure_mode answer, counted.
+    assert delta["denied_by_failure_mode"] >= outcomes["OVER_LIMIT"], summary
