@@ -30,7 +30,6 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ratelimit_service.core.exact import ExactResult, request_denied
@@ -86,38 +85,48 @@ FORCE = 2
 """``commit`` of a request counted whatever the window holds (owed hits)."""
 
 
-@dataclass(slots=True, eq=False)
 class _Waiter:
     """A request in a batch."""
 
-    future: asyncio.Future[list[ExactResult]] | None
-    """Who waits for its results (None: owed hits, nobody)."""
-    count: int
-    """Its descriptors."""
-    since: float | None
-    """If its hits are owed to Redis should the call fail, since when (kept when it is
-    sent again, so it expires with its window however long Redis stays away)."""
-    deadline: float
-    submitted: float
-    open: bool = True
-    """Counted in ``pending``: not answered, given up or cancelled yet (owed hits: never)."""
+    __slots__ = ("count", "deadline", "future", "open", "since", "submitted")
+
+    def __init__(
+        self,
+        future: asyncio.Future[list[ExactResult]] | None,
+        count: int,
+        since: float | None,
+        deadline: float,
+        submitted: float,
+    ) -> None:
+        self.future = future
+        """Who waits for its results (None: owed hits, nobody)."""
+        self.count = count
+        """Its descriptors."""
+        self.since = since
+        """If its hits are owed to Redis should the call fail, since when (kept when it is
+        sent again, so it expires with its window however long Redis stays away)."""
+        self.deadline = deadline
+        self.submitted = submitted
+        self.open = future is not None
+        """Counted in ``pending``: not answered, given up or cancelled yet."""
 
 
-@dataclass(slots=True, eq=False)
 class _Batch:
-    args: list[Any]
-    """The script call's ARGV (exact_batch_args), each request's part added."""
-    release: asyncio.TimerHandle | None = None
-    """The end of its hold, while held."""
-    due: bool = False
-    """Not held (any more): it goes as soon as a call slot is free."""
-    keys: list[str] = field(default_factory=list)
-    waiters: list[_Waiter] = field(default_factory=list)
-    done: bool = False
-    """Its call slot is free: answered, or every caller gave up."""
-    forced: int = 0
-    """Owed requests in it (nobody waits for them)."""
-    sent_at: float = 0.0
+    __slots__ = ("args", "done", "due", "forced", "keys", "release", "sent_at", "waiters")
+
+    def __init__(self, slices: int) -> None:
+        self.release: asyncio.TimerHandle | None = None
+        """The end of its hold, while held."""
+        self.due = False
+        """Not held (any more): it goes as soon as a call slot is free."""
+        self.keys: list[str] = []
+        self.args: list[Any] = exact_batch_args(slices)
+        self.waiters: list[_Waiter] = []
+        self.done = False
+        """Its call slot is free: answered, or every caller gave up."""
+        self.forced = 0
+        """Owed requests in it (nobody waits for them)."""
+        self.sent_at = 0.0
 
     def add(self, waiter: _Waiter, keys: Sequence[str], commit: int, args: Sequence[Any]) -> None:
         self.waiters.append(waiter)
@@ -228,7 +237,7 @@ class ExactBatcher:
             raise StoreUnavailable("redis: silent for longer than the caller can wait")
         batch = self._open
         if batch is None:
-            batch = self._open = _Batch(exact_batch_args(self._slices))
+            batch = self._open = _Batch(self._slices)
             due_at = self._last_sent + self.gap
             if due_at > now and (self._lone < LONE_BATCHES or self._in_flight):
                 # A call left less than `gap` ago: gather company until the gap is over
@@ -252,7 +261,7 @@ class ExactBatcher:
     def _add_owed(self, batch: _Batch, now: float, deadline: float) -> None:
         """Owed hits into ``batch``: at most a batch's descriptors, however long the outage."""
         for keys, args, since in self.owed.take(MAX_BATCH_DESCRIPTORS, now):
-            batch.add(_Waiter(None, len(keys), since, deadline, now, False), keys, FORCE, args)
+            batch.add(_Waiter(None, len(keys), since, deadline, now), keys, FORCE, args)
 
     def _repay(self, loop: asyncio.AbstractEventLoop) -> None:
         """Redis has just answered: owed hits left go out in a batch of their own, if a
@@ -260,7 +269,7 @@ class ExactBatcher:
         if not self.owed or self._open is not None or self._in_flight >= MAX_IN_FLIGHT:
             return
         now = loop.time()
-        batch = self._open = _Batch(exact_batch_args(self._slices))
+        batch = self._open = _Batch(self._slices)
         self._add_owed(batch, now, now + self._timeout)
         self._send(loop)
 

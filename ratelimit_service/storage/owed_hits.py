@@ -68,10 +68,11 @@ class OwedHits:
         """Entries worth sending (no longer kept), oldest first: ``descriptors`` at most, or one."""
         out: list[Owed] = []
         count = 0
-        for keys, shaped in list(self._owed):
+        for shape in list(self._owed):
+            keys, shaped = shape
             if out and count + len(keys) > descriptors:
                 break
-            entry = self._owed.pop((keys, shaped))
+            entry = self._owed.pop(shape)
             if now - entry.since >= entry.shortest:
                 self.dropped += 1
                 continue
