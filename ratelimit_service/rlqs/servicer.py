@@ -123,8 +123,7 @@ async def incoming(
     closing: asyncio.Event,
     pushed: asyncio.Queue[list[Action]],
 ) -> AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports | list[Action]]:
-    """The stream's reports, and the assignments pushed to it, until the client ends it or
-    ``closing`` is set: the wait for the next report must give way."""
+    """The stream's reports and pushed assignments, until the client ends it or ``closing``."""
     stop = asyncio.ensure_future(closing.wait())
     next_message: asyncio.Future[rlqs_pb2.RateLimitQuotaUsageReports] | None = None
     next_push: asyncio.Future[list[Action]] | None = None

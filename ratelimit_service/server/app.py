@@ -1,6 +1,5 @@
-"""Wiring and lifecycle: build the limiter, store, reconciler, gRPC and admin listeners,
-start them (with server/gc_policy.py's collector policy), and stop them gracefully
-(health NOT_SERVING first, then drain)."""
+"""Wiring and lifecycle: build the limiter, store, reconciler and listeners, start them (with
+server/gc_policy.py's collector policy), stop them gracefully (NOT_SERVING, then drain)."""
 
 from __future__ import annotations
 
@@ -496,8 +495,7 @@ class RateLimitService:
 
 
 def _bind_error(addr: str, reuse_port: bool) -> str:
-    """Why gRPC could not bind ``addr``, in the system's words (gRPC's own message
-    only points at its debug log): bind a socket there ourselves and report the error."""
+    """Why gRPC could not bind ``addr`` (its message points at its debug log): bind it ourselves."""
     if addr.startswith("unix:"):
         return "cannot bind the socket path"
     try:

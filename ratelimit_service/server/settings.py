@@ -1,6 +1,5 @@
-"""What a running service needs: :class:`Settings`, one field per setting of
-core/settings_table.py that fills one (declared there), and the few no single flag
-fills. The command line builds it with :func:`fields_from`."""
+"""What a running service needs: :class:`Settings`, a field per setting of
+core/settings_table.py that fills one, and a few no flag fills; built by :func:`fields_from`."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ class Settings:
     shutdown_grace: float = 5.0
     """Seconds calls in flight may take to finish once draining is over (no flag)."""
     xds: XdsSettings | None = None
-    """Rules from an xDS server (the --xds-* flags; CONFIG_TYPE=GRPC_XDS_SOTW) instead of files;
-    without force_start_without_initial_config, listening waits for them."""
+    """Rules from an xDS server (--xds-*; CONFIG_TYPE=GRPC_XDS_SOTW) instead of files."""
 
 
 def fields_from(values: dict[str, Any]) -> dict[str, Any]:

@@ -51,19 +51,16 @@ MAX_IN_FLIGHT = 32
 MAX_BATCH_DESCRIPTORS = 256
 """Descriptors per script call: bounds how long one Lua call holds Redis."""
 LONE_BATCHES = 2
-"""Held batches in a row that left with one request each (a client that waits for each answer),
-after which a request goes at once while no call is out. Company brings the wait back."""
+"""Held batches in a row that left alone, after which a request goes at once if no call is out."""
 PROMPT_WINDOW = 1.0
-"""Seconds of replies over which ExactBatcher.prompt takes the quickest (this window and
-the one before): it follows a slower Redis within two windows, a quicker one at once."""
+"""Seconds of replies over which ExactBatcher.prompt takes the quickest (and the window before)."""
 
 
 class Channel(Protocol):
     """How the batcher reaches Redis (exact_channel.ExactChannel)."""
 
     def send(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
-        """Send one script call now; ``deliver`` gets its flat reply, or the exception
-        it failed with, exactly once (perhaps before ``send`` returns)."""
+        """Send one script call now; ``deliver`` gets its reply or exception once, maybe at once."""
 
     def settle(self, reply: Any) -> Any:
         """A delivered reply's value, after accounting; or raise StoreUnavailable."""

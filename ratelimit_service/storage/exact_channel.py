@@ -1,6 +1,5 @@
-"""The exact batcher's channel to Redis (exact_batcher.Channel): callbacks, no
-coroutines, on the request path's pipelined connection when there is one (redis_pipe),
-through redis-py otherwise (Sentinel), each call through the store's breaker."""
+"""The exact batcher's channel to Redis (exact_batcher.Channel): callbacks on the pipelined
+connection (redis_pipe), or redis-py (Sentinel), each call through the store's breaker."""
 
 from __future__ import annotations
 

@@ -35,8 +35,7 @@ _T = TypeVar("_T")
 
 
 LATE_TURNS = 3
-"""Loop turns (each polls the sockets) a redis-py call past its deadline gets before it is given up,
-for a reply that came while the loop was busy; turns, not milliseconds, to end in time."""
+"""Loop turns (not ms: the answer must still come in time) a late redis-py call gets to finish."""
 
 
 async def _answered_late(command: asyncio.Future[Any]) -> bool:
