@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from ratelimit_harness.redis import free_port
-from ratelimit_harness.waiting import eventually
+from ratelimit_harness.waiting import eventually, stop_process
 
 Address = tuple[str, int]
 _BASE_IDS = itertools.count(1)
@@ -264,13 +264,7 @@ class Envoy:
     def stop(self) -> None:
         if self.process is None:
             return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self.process = None
 
     def log(self, tail: int = 200) -> str:
@@ -486,14 +480,8 @@ class ServiceProcess:
         return self.process.wait(timeout)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
 
     def log(self, tail: int = 80) -> str:
         if not self.log_path.exists():

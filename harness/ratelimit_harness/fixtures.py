@@ -25,6 +25,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from ratelimit_harness.fleet import redis_server as redis_process
 from ratelimit_harness.redis import RedisServer, free_port
+from ratelimit_harness.waiting import stop_process
 from ratelimit_service.server.app import RateLimitService
 from ratelimit_service.server.settings import Settings
 
@@ -177,12 +178,7 @@ def ratelimit_command(env: Mapping[str, str], log: Path) -> Iterator[subprocess.
     try:
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 20)
 
 
 PROCESS_FIXTURES = frozenset(

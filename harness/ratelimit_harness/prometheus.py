@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ratelimit_harness.redis import free_port
+from ratelimit_harness.waiting import stop_process
 
 
 def prometheus_missing() -> str | None:
@@ -141,10 +142,5 @@ class Prometheus:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            stop_process(self.process)
             self.process = None

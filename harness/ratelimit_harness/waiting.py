@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
@@ -89,6 +90,19 @@ async def eventually_async(
         if time.monotonic() > deadline:
             raise NotYet(_message(what or repr(check), timeout, context))
         await asyncio.sleep(INTERVAL)
+
+
+def stop_process(process: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGTERM, and SIGKILL when ``process`` has not ended within ``timeout`` seconds
+    (nothing when it has ended already)."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _message(what: str, timeout: float, context: Callable[[], str] | None) -> str:
