@@ -36,29 +36,17 @@ def rate_limit_headers(
     descriptor had a limit."""
     if status is None or status.limit is None or (style is HeaderStyle.OFF and not names.rule):
         return []
-    headers = _count_headers(status, style, names)
+    headers: list[tuple[str, str]] = []
+    if style is not HeaderStyle.OFF:
+        count = status.limit.requests_per_unit
+        shown, limit = names, str(count)
+        if style is HeaderStyle.DRAFT03:
+            shown, limit = DRAFT03_NAMES, f"{count}, {count};w={status.limit.window_seconds}"
+        headers = [
+            (shown.limit, limit),
+            (shown.remaining, str(status.remaining)),
+            (shown.reset, str(math.ceil(status.reset_after or 0.0))),
+        ]
     if names.rule:
         headers.append((names.rule, rule_name(status.limit)))
     return headers
-
-
-def _count_headers(
-    status: DescriptorStatus, style: HeaderStyle, names: HeaderNames
-) -> list[tuple[str, str]]:
-    assert status.limit is not None
-    if style is HeaderStyle.OFF:
-        return []
-    count = status.limit.requests_per_unit
-    reset = str(math.ceil(status.reset_after or 0.0))
-    if style is HeaderStyle.DRAFT03:
-        window = status.limit.window_seconds
-        return [
-            (DRAFT03_NAMES.limit, f"{count}, {count};w={window}"),
-            (DRAFT03_NAMES.remaining, str(status.remaining)),
-            (DRAFT03_NAMES.reset, reset),
-        ]
-    return [
-        (names.limit, str(count)),
-        (names.remaining, str(status.remaining)),
-        (names.reset, reset),
-    ]
