@@ -90,11 +90,7 @@ def find_limits(domain: DomainConfig, entries: Entries) -> tuple[Match, ...]:
         return ()
     values = bucket_key(domain.name, path, entries)
     return tuple(
-        Match(
-            limit=limit,
-            stats_key=stats_key(domain.name, path, entries, limit),
-            bucket_key=with_window(values, limit),
-        )
+        Match(limit, stats_key(domain.name, path, entries, limit), with_window(values, limit))
         for limit in path[-1].limits
     )
 
