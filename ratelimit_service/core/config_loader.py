@@ -176,10 +176,6 @@ class _FileLoader:
             return False
         return value
 
-    def plain(self, node: yaml.Node) -> Any:
-        """Any YAML value as plain Python (used for ``metadata``)."""
-        return self._constructor.construct_object(node, deep=True)
-
     # -- the format ------------------------------------------------------------------
 
     def load(self) -> DomainConfig | None:
@@ -291,7 +287,7 @@ class _FileLoader:
 
     def rule_flags(self, fields: dict[str, yaml.Node]) -> _RuleFlags:
         node = fields.get("metadata")
-        metadata = None if node is None else self.plain(node)
+        metadata = None if node is None else self._constructor.construct_object(node, deep=True)
         if metadata is not None and not isinstance(metadata, dict):
             self.error(node, "error parsing metadata: 'metadata' must be a mapping")
             metadata = None
@@ -417,7 +413,7 @@ class _FileLoader:
                 limit_fields["unit_multiplier"], "should not specify unit_multiplier when unlimited"
             )
             return None
-        multiplier = self.unit_multiplier(limit_fields.get("unit_multiplier"))
+        multiplier = self.positive(limit_fields.get("unit_multiplier"), "unit_multiplier", 1)
         if multiplier is None:
             return None
         if not unlimited and unit is None:
@@ -470,12 +466,10 @@ class _FileLoader:
             return 0
         return value
 
-    def unit_multiplier(self, node: yaml.Node | None) -> int | None:
-        """Ours: the period is this many units (default 1); None after an error."""
-        return 1 if node is None else self.positive(node, "unit_multiplier")
-
-    def positive(self, node: yaml.Node, field: str) -> int | None:
-        """A whole number of at least 1; None after an error."""
+    def positive(self, node: yaml.Node | None, field: str, absent: int | None = None) -> int | None:
+        """A whole number of at least 1 (``absent`` when not given); None after an error."""
+        if node is None:
+            return absent
         value = self.scalar(node)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             message = f"{field} must be a whole number of at least 1, found {_describe(node)}"
@@ -514,8 +508,6 @@ class _FileLoader:
 
     def burst(self, node: yaml.Node | None, requests_per_unit: int) -> int | None:
         """Our extension: the most a fresh key admits at once in probabilistic mode."""
-        if node is None:
-            return None
         value = self.positive(node, "burst")
         if value is not None and value > requests_per_unit:
             self.error(
