@@ -90,16 +90,10 @@ def smoothed_rate(previous: float | None, measured: float, decay: float) -> floa
 
 
 def refill(
-    tokens: float,
-    elapsed: float,
-    limit: float,
-    window_seconds: float,
-    burst: float | None = None,
+    tokens: float, elapsed: float, limit: float, window_seconds: float, burst: float | None = None
 ) -> float:
-    """The token bucket ``elapsed`` seconds later: refilled at limit/T, capped at its
-    capacity."""
-    full = capacity(limit, burst)
-    return min(full, tokens + max(0.0, elapsed) * limit / window_seconds)
+    """The token bucket ``elapsed`` seconds later: refilled at limit/T, capped at its capacity."""
+    return min(capacity(limit, burst), tokens + max(0.0, elapsed) * limit / window_seconds)
 
 
 def zone_limit(
