@@ -64,19 +64,18 @@ def bucket_entries(domain: DomainConfig, bucket: Mapping[str, str]) -> Entries:
     left = dict(bucket)
     children: NodeChildren | None = domain.root
     while left and children is not None:
-        step = next(
+        node = next(
             (
-                (node.key, node)
+                found
                 for candidate in children
                 if candidate.key in left
-                and (node := _child(children, candidate.key, left[candidate.key])) is not None
+                and (found := _child(children, candidate.key, left[candidate.key])) is not None
             ),
             None,
         )
-        if step is None:
+        if node is None:
             break
-        key, node = step
-        entries.append((key, left.pop(key)))
+        entries.append((node.key, left.pop(node.key)))
         children = node.children
     entries += sorted(left.items())
     return tuple(entries)
