@@ -176,6 +176,15 @@ class _FileLoader:
             return False
         return value
 
+    def items(self, node: yaml.Node | None, field: str) -> list[yaml.Node]:
+        """A list field's items: none when it is absent or empty, or not a list (an error)."""
+        if node is None or self.empty(node):
+            return []
+        if not isinstance(node, yaml.SequenceNode):
+            self.error(node, f"'{field}' must be a list, found {_describe(node)}")
+            return []
+        return list(node.value)
+
     # -- the format ------------------------------------------------------------------
 
     def load(self) -> DomainConfig | None:
@@ -185,8 +194,7 @@ class _FileLoader:
         if document is None or self.empty(document):
             self.error(None, "config file cannot have empty domain")
             return None
-        fields = self.mapping(document, DOMAIN_KEYS)
-        if fields is None:
+        if (fields := self.mapping(document, DOMAIN_KEYS)) is None:
             return None
         domain = self.text(fields.get("domain"), "domain")
         if "domain" in fields:
@@ -220,12 +228,7 @@ class _FileLoader:
     def descriptors(
         self, node: yaml.Node | None, into: NodeChildren, path: str, inherited: _Inherited
     ) -> None:
-        if node is None or self.empty(node):
-            return
-        if not isinstance(node, yaml.SequenceNode):
-            self.error(node, f"'descriptors' must be a list, found {_describe(node)}")
-            return
-        for item in node.value:
+        for item in self.items(node, "descriptors"):
             if not isinstance(item, yaml.MappingNode):
                 self.error(
                     item,
@@ -237,8 +240,7 @@ class _FileLoader:
     def descriptor(
         self, node: yaml.MappingNode, into: NodeChildren, path: str, parent: _Inherited
     ) -> None:
-        fields = self.mapping(node, DESCRIPTOR_KEYS)
-        if fields is None:
+        if (fields := self.mapping(node, DESCRIPTOR_KEYS)) is None:
             return
         key = self.text(fields.get("key"), "key")
         if not key:
@@ -303,10 +305,7 @@ class _FileLoader:
     def usage(self, node: yaml.Node | None) -> UsageSource | None:
         """Ours: ``usage: {from_header: NAME}`` or ``usage: {from_metadata: {namespace,
         key}}``, where Envoy reads what a response cost."""
-        if node is None:
-            return None
-        fields = self.mapping(node, USAGE_KEYS)
-        if fields is None:
+        if node is None or (fields := self.mapping(node, USAGE_KEYS)) is None:
             return None
         if len(fields) != 1:
             self.error(node, "usage takes one of from_header or from_metadata")
@@ -321,8 +320,7 @@ class _FileLoader:
                 )
                 return None
             return UsageSource(header=header)
-        source = self.mapping(fields["from_metadata"], METADATA_KEYS)
-        if source is None:
+        if (source := self.mapping(fields["from_metadata"], METADATA_KEYS)) is None:
             return None
         namespace = self.text(source.get("namespace"), "namespace")
         key = self.text(source.get("key"), "key")
@@ -337,10 +335,7 @@ class _FileLoader:
 
     def over_limit(self, node: yaml.Node | None) -> OverLimitAnswer | None:
         """Ours: ``over_limit: {body, content_type}``, what the rule's 429 says."""
-        if node is None:
-            return None
-        fields = self.mapping(node, OVER_LIMIT_KEYS)
-        if fields is None:
+        if node is None or (fields := self.mapping(node, OVER_LIMIT_KEYS)) is None:
             return None
         body = self.text(fields.get("body"), "body")
         if not body:
@@ -399,8 +394,7 @@ class _FileLoader:
     ) -> RateLimit | None:
         if node is None or self.empty(node):
             return None  # an empty `rate_limit:` is no limit, as in the Go loader
-        limit_fields = self.mapping(node, RATE_LIMIT_KEYS)
-        if limit_fields is None:
+        if (limit_fields := self.mapping(node, RATE_LIMIT_KEYS)) is None:
             return None
         unlimited = self.flag(limit_fields.get("unlimited"), "unlimited")
         unit_text = self.text(limit_fields.get("unit"), "unit")
@@ -519,15 +513,9 @@ class _FileLoader:
         return value
 
     def replaces(self, node: yaml.Node | None, own_name: str) -> frozenset[str]:
-        if node is None or self.empty(node):
-            return frozenset()
-        if not isinstance(node, yaml.SequenceNode):
-            self.error(node, f"'replaces' must be a list, found {_describe(node)}")
-            return frozenset()
         names: set[str] = set()
-        for item in node.value:
-            entry = self.mapping(item, REPLACES_KEYS)
-            if entry is None:
+        for item in self.items(node, "replaces"):
+            if (entry := self.mapping(item, REPLACES_KEYS)) is None:
                 continue
             name = self.text(entry.get("name"), "name")
             if not name:
