@@ -290,9 +290,7 @@ class PassPlan:
 
 @dataclass(slots=True)
 class ZonePass:
-    """The aggregator's arithmetic, pass after pass (:meth:`plan`, :meth:`shares`). It
-    keeps each probabilistic bucket's offered count between passes (a bucket's demand is
-    the rate between two passes)."""
+    """The aggregator's arithmetic, pass after pass (:meth:`plan`, :meth:`shares`)."""
 
     zone: str
     interval: float
@@ -302,8 +300,7 @@ class ZonePass:
 
     def plan(self, counters: Sequence[ZoneTotals], buckets: ZoneBuckets) -> PassPlan:
         measured = self._bucket_reports(buckets)
-        reports = [self.presence(), *(self._report(t) for t in counters)]
-        reports += [report for report, _ in measured]
+        reports = [self.presence(), *(self._report(t) for t in counters), *(r for r, _ in measured)]
         return PassPlan(list(counters), measured, buckets.now_us, reports)
 
     def shares(
