@@ -118,8 +118,7 @@ class _Member:
 @dataclass(slots=True)
 class TierTable:
     """One counter as a store keeps it: each member's last publish and part, running
-    sums, and the current window's allowed hits (the twin of ``quota_tier.lua``, whose
-    calls :func:`publish_fenced` makes; the embedded store's counters)."""
+    sums, and the current window's allowed hits."""
 
     members: dict[str, _Member] = field(default_factory=dict)
     demand: int = 0
