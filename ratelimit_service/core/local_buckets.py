@@ -186,8 +186,7 @@ class ProbabilisticBucket:
         return max(0, int(self.tokens) - self.admitted)
 
     def used(self) -> int:
-        """Hits the fleet has taken from the bucket as this process sees it: its capacity
-        (the limit, or the burst) less :meth:`remaining`."""
+        """Hits the fleet has taken from the bucket as this process sees it."""
         return max(0, int(self.capacity) - self.remaining())
 
     def reset_estimate(self, now: float) -> float:
@@ -451,8 +450,7 @@ class LocalBuckets:
 
     def apply(self, key: str, view: FleetView, now: float, interval: float) -> None:
         """Set a bucket's ratio and credit from the fleet's totals."""
-        bucket = self._buckets.get(key)
-        if bucket is None:
+        if (bucket := self._buckets.get(key)) is None:
             return
         if bucket.renewed != self.renewals:
             self._catch_up(bucket)  # renewed before this sync's answer came
