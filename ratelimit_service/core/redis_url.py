@@ -80,10 +80,8 @@ def normalize_url(text: str, socket_type: str = "tcp") -> str:
             " or HOST:PORT"
         )
     parsed = urlparse(text)
-    if scheme == "unix":
-        if not parsed.path:
-            raise ValueError("unix:// needs a socket path")
-        return text
+    if scheme == "unix" and not parsed.path:
+        raise ValueError("unix:// needs a socket path")
     if scheme in ("redis", "rediss"):
         try:
             port = parsed.port
@@ -93,8 +91,8 @@ def normalize_url(text: str, socket_type: str = "tcp") -> str:
             raise ValueError("no host given")
         if port == 0:
             raise ValueError("port 0")
-        return text
-    parse_target(text)
+    elif scheme != "unix":
+        parse_target(text)
     return text
 
 
