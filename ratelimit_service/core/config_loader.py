@@ -140,14 +140,12 @@ class _FileLoader:
             key = self.scalar(key_node)
             if not isinstance(key, str):
                 self.error(key_node, f"config error, key is not of type string: {key_node.value}")
-                continue
-            if key not in allowed:
+            elif key not in allowed:
                 self.error(key_node, f"config error, unknown key '{key}'{_suggest(key, allowed)}")
-                continue
-            if key in result:
+            elif key in result:
                 self.error(key_node, f"config error, duplicate key '{key}'")
-                continue
-            result[key] = value_node
+            else:
+                result[key] = value_node
         return result
 
     def scalar(self, node: yaml.Node) -> Any:
@@ -476,8 +474,6 @@ class _FileLoader:
     ) -> str | None:
         """Ours: count by the calendar in a time zone (core/calendar.py); None when
         absent or after an error."""
-        if node is None:
-            return None
         name = self.text(node, "calendar")
         if name is None:
             if isinstance(node, yaml.ScalarNode):  # empty; text() names any other kind
@@ -520,11 +516,10 @@ class _FileLoader:
             name = self.text(entry.get("name"), "name")
             if not name:
                 self.error(item, "should not have an empty replaces entry")
-                continue
-            if name == own_name:
+            elif name == own_name:
                 self.error(entry["name"], "replaces should not contain name of same descriptor")
-                continue
-            names.add(name)
+            else:
+                names.add(name)
         return frozenset(names)
 
 
