@@ -122,10 +122,8 @@ class Explanation:
         missing = "" if self.domain_found else ": not in the loaded rules (every descriptor is OK)"
         lines = [f"domain {self.domain}{missing}"]
         for report in self.descriptors:
-            if not report.rules:
-                lines.append(f"  {report.label}: no rule matches")
-            for rule in report.rules:
-                lines.append(f"  {report.label}: {rule.text()}")
+            texts = [rule.text() for rule in report.rules] or ["no rule matches"]
+            lines += (f"  {report.label}: {text}" for text in texts)
         return "\n".join(lines) + "\n"
 
 
