@@ -51,8 +51,7 @@ def time_zone(name: str) -> zoneinfo.ZoneInfo:
 
 
 def _period_bounds(unit: Unit, local: datetime) -> tuple[datetime, datetime]:
-    """The local midnights that start the calendar ``unit`` holding ``local`` and the
-    next one."""
+    """The local midnights that start the calendar ``unit`` holding ``local`` and the next one."""
     day = local.replace(hour=0, minute=0, second=0, microsecond=0, fold=0)
     if unit is Unit.DAY:
         return day, day + timedelta(days=1)

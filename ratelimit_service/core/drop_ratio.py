@@ -35,7 +35,6 @@ interval. Each node sees the others' admissions up to one interval late, so hand
 out all the tokens at once would let a burst overshoot them, and the debt would then
 starve the bucket; spending half per interval drains them geometrically instead."""
 
-
 TOKEN_RESERVE = 1.0
 """Stored tokens, in intervals of refill, that the fleet keeps rather than spends. Each
 node's view misses the others' admissions since their last sync, about an interval's

@@ -24,8 +24,7 @@ class HitRole(enum.IntEnum):
 
 
 CHECK = 0
-"""``commit`` of a call that only looks: nothing is counted (explain, a Cluster's
-first pass)."""
+"""``commit`` of a call that only looks: nothing is counted (explain, a Cluster's first pass)."""
 DECIDE = 1
 """``commit`` of a request decided here: counted as :func:`counts` says."""
 DENIED = 3

@@ -27,8 +27,7 @@ class Seen:
     """Hits per second it offered over its last measured report; None: not yet."""
     idle: int = 0
     bucket: Mapping[str, str] | None = None
-    """The bucket id the instance last reported for the counter (what a pushed
-    assignment names)."""
+    """The bucket id the instance last reported for the counter (what a pushed assignment names)."""
     sent: TokenBucket | None = None
     """The token bucket the instance holds (None: none yet, or a blanket rule)."""
     saved: float | None = None
