@@ -77,8 +77,7 @@ class CalendarPeriod:
             raise ValueError(f"{unit.name.lower()} is not a calendar unit")
         self.unit = unit
         self.zone = time_zone(zone)
-        self.start = 0.0
-        self.end = 0.0
+        self.start = self.end = 0.0
 
     def at(self, now: float) -> tuple[float, float]:
         """The period holding ``now``: its start and end in epoch seconds."""

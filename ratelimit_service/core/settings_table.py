@@ -393,8 +393,7 @@ def default(flag: str) -> Any:
 
 def choices_of(flag: str) -> tuple[str, ...]:
     """The values ``flag`` takes (a flag with a fixed set of them)."""
-    values = BY_FLAG[flag].choices
-    if values is None:
+    if (values := BY_FLAG[flag].choices) is None:
         raise KeyError(f"{flag} takes any value")
     return values
 
