@@ -6,10 +6,9 @@ from __future__ import annotations
 def split_host_port(
     text: str, *, need_host: bool = False, any_port: bool = False
 ) -> tuple[str, int]:
-    """(host, port) of ``HOST:PORT``: an IPv6 host is written in brackets and returned
-    without them; an empty host (``:9090``) is returned empty unless ``need_host``.
-    The port is 1 to 65535 (0 too with ``any_port``: the system picks one). Raises
-    ValueError naming what is wrong."""
+    """(host, port) of ``HOST:PORT``: an IPv6 host is written in brackets and returned without them;
+    an empty host (``:9090``) is returned empty unless ``need_host``. The port is 1 to 65535 (0 too
+    with ``any_port``: the system picks one). Raises ValueError naming what is wrong."""
     host, sep, port = text.strip().rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {text!r}")

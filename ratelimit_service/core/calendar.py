@@ -66,9 +66,8 @@ def _period_bounds(unit: Unit, local: datetime) -> tuple[datetime, datetime]:
 
 
 class CalendarPeriod:
-    """The current period of one calendar unit in one time zone, as epoch seconds
-    [start, end), worked out again only once ``now`` leaves it (a request reads two
-    floats)."""
+    """The current period of one calendar unit in one time zone, as epoch seconds [start, end),
+    worked out again only once ``now`` leaves it (a request reads two floats)."""
 
     __slots__ = ("end", "start", "unit", "zone")
 
@@ -94,12 +93,11 @@ class CalendarPeriod:
 def counted_under(
     key: str, window_seconds: int, period: CalendarPeriod | None, now: float
 ) -> tuple[str, int]:
-    """The store key and window length an exact hit is counted under: the rule's own
-    key and rolling window, or, for a calendar rule, a key of the current period's
-    (``key@start``) with a window as long as the period. A sliding window that long
-    over a key that only holds this period's hits counts every one of them: a fixed
-    window, with no change to the stores or their script; the period before expires
-    with its key."""
+    """The store key and window length an exact hit is counted under: the rule's own key and rolling
+    window, or, for a calendar rule, a key of the current period's (``key@start``) with a window as
+    long as the period. A sliding window that long over a key that only holds this period's hits
+    counts every one of them: a fixed window, with no change to the stores or their script; the
+    period before expires with its key."""
     if period is None:
         return key, window_seconds
     start, end = period.at(now)

@@ -55,10 +55,9 @@ class OverLimitAnswer:
 
 @dataclass(frozen=True, slots=True)
 class UsageSource:
-    """Where Envoy finds what a response cost (YAML ``usage``): a response header, or a
-    dynamic metadata key (namespace, key). ``envoy-config`` sends such a rule's
-    descriptors twice: a check at cost 0 before the request, and the cost once the
-    stream is done."""
+    """Where Envoy finds what a response cost (YAML ``usage``): a response header, or a dynamic
+    metadata key (namespace, key). ``envoy-config`` sends such a rule's descriptors twice: a check
+    at cost 0 before the request, and the cost once the stream is done."""
 
     header: str | None = None
     metadata: tuple[str, str] | None = None
@@ -185,9 +184,8 @@ class DescriptorNode:
     detailed_metric: bool = False
     line: int | None = None
     limits: tuple[RateLimit, ...] = ()
-    """Every limit of the node: none, the one of ``rate_limit``, or each of
-    ``rate_limits`` (a request is denied if any of them is over). An ``unlimited``
-    limit is only ever alone."""
+    """Every limit of the node: none, the one of ``rate_limit``, or each of ``rate_limits`` (a
+    request is denied if any of them is over). An ``unlimited`` limit is only ever alone."""
 
     def stats_element(self) -> str:
         """The part of the roll-up stats key this node contributes (``key`` or ``key_value``)."""

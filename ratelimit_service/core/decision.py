@@ -61,12 +61,11 @@ def role_of(limit: RateLimit) -> HitRole:
 
 
 def verdict(statuses: Sequence[DescriptorStatus]) -> tuple[Code, DescriptorStatus | None]:
-    """The answer's overall code (OVER_LIMIT when core/exact.py :func:`denies` says so)
-    and the status of the rule that decided it, in one pass. On a denial, the last
-    enforcing descriptor over, else the last quota descriptor over; otherwise the limited
-    descriptor with the least remaining, the first of equals (the rule nearest to denying,
-    as envoyproxy/ratelimit picks the descriptor its rate-limit headers report). None when
-    no descriptor has a limit."""
+    """The answer's overall code (OVER_LIMIT when core/exact.py :func:`denies` says so) and the
+    status of the rule that decided it, in one pass. On a denial, the last enforcing descriptor
+    over, else the last quota descriptor over; otherwise the limited descriptor with the least
+    remaining, the first of equals (the rule nearest to denying, as envoyproxy/ratelimit picks the
+    descriptor its rate-limit headers report). None when no descriptor has a limit."""
     nearest = enforce_over = quota_over = None
     quota_admitted = False
     for status in statuses:
@@ -118,14 +117,13 @@ SHADOW_OVER = "OVER_LIMIT"
 def decision_metadata(
     domain: str, response: Response, go_request: Request | None = None
 ) -> dict[str, Any]:
-    """The response's ``dynamic_metadata`` (Envoy's ratelimit filter puts it under its
-    namespace for access logs): the domain, the deciding rule (absent when no descriptor
-    has a finite limit), ``shadow: OVER_LIMIT`` when the answer is Response.shadowed, and
-    under ``descriptors``, per descriptor in request order, its rule's :func:`limit_facts`
-    and ``remaining`` (with ``shadow: OVER_LIMIT`` for a shadow rule over its limit), or
-    None without a finite limit. With ``go_request`` (``--go-dynamic-metadata``),
-    :func:`go_metadata` too, whose ``descriptors`` move ours to ``limits``. rls/wire.py
-    writes the same content straight to bytes."""
+    """The response's ``dynamic_metadata`` (Envoy's ratelimit filter puts it under its namespace for
+    access logs): the domain, the deciding rule (absent when no descriptor has a finite limit),
+    ``shadow: OVER_LIMIT`` when the answer is Response.shadowed, and under ``descriptors``, per
+    descriptor in request order, its rule's :func:`limit_facts` and ``remaining`` (with
+    ``shadow: OVER_LIMIT`` for a shadow rule over its limit), or None without a finite limit. With
+    ``go_request`` (``--go-dynamic-metadata``), :func:`go_metadata` too, whose ``descriptors`` move
+    ours to ``limits``. rls/wire.py writes the same content straight to bytes."""
     metadata: dict[str, Any] = {"domain": domain}
     statuses, decided = response.statuses, response.decided
     if decided is not None and decided.limit is not None:

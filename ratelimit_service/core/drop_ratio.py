@@ -166,11 +166,10 @@ def control(
 
 
 MIN_CREDIT = 1.0
-"""The least credit a node holds for a bucket whose fleet has tokens: one hit. An equal
-share of a small bucket over many processes (10 over 40) is under one hit, and without
-this floor a key's light traffic spread over the fleet would be denied almost entirely.
-The cost: a burst on a fresh key that reaches every process at once admits at most one
-hit per process."""
+"""The least credit a node holds for a bucket whose fleet has tokens: one hit. An equal share of a
+small bucket over many processes (10 over 40) is under one hit, and without this floor a key's light
+traffic spread over the fleet would be denied almost entirely. The cost: a burst on a fresh key that
+reaches every process at once admits at most one hit per process."""
 
 
 def initial_credit(full: float, nodes: int) -> float:

@@ -43,12 +43,11 @@ def is_cost(hits_addend: int | None, count_denied_costs: bool) -> bool:
 
 
 def counts(admitted: bool, cost: bool) -> bool:
-    """Whether a decided hit is counted in its window: when ``admitted`` (it fits and its
-    request goes through, so a denied request never eats quota of its other descriptors,
-    unlike envoyproxy/ratelimit: its issues #185 and #440), or when it is a ``cost``
-    (:func:`is_cost`: usage already spent), whatever the request's other descriptors
-    decided. A cost may so take its window past the limit; checks of that budget are
-    denied until it has room again."""
+    """Whether a decided hit is counted in its window: when ``admitted`` (it fits and its request
+    goes through, so a denied request never eats quota of its other descriptors, unlike
+    envoyproxy/ratelimit: its issues #185 and #440), or when it is a ``cost`` (:func:`is_cost`:
+    usage already spent), whatever the request's other descriptors decided. A cost may so take its
+    window past the limit; checks of that budget are denied until it has room again."""
     return admitted or cost
 
 
@@ -72,11 +71,10 @@ class ExactResult:
     """Hits in the window before this request."""
     remaining: int
     reset_after: float
-    """Seconds until the window next frees room (over: until this request would fit), at
-    most the window: a rule's reset is never longer than its unit. (A slice leaves the
-    window up to one slice width after the window has passed since its hits, see
-    core/window.py, so a client back after a reset of the whole window may still find
-    it counted, for less than a slice.)"""
+    """Seconds until the window next frees room (over: until this request would fit), at most the
+    window: a rule's reset is never longer than its unit. (A slice leaves the window up to one slice
+    width after the window has passed since its hits, see core/window.py, so a client back after a
+    reset of the whole window may still find it counted, for less than a slice.)"""
 
 
 def fits(window_count: int, hits: int, limit: int) -> bool:

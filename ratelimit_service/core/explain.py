@@ -32,10 +32,9 @@ class RuleState:
     shadow_mode: bool
     quota_mode: bool
     count: int | None
-    """Hits counted in the current window as the service knows them (exact: the
-    store's window; probabilistic: the fleet's count at the last sync plus this
-    process's since); None when not known (rules read from files alone, the store
-    not answering, or an unlimited rule)."""
+    """Hits counted in the current window as the service knows them (exact: the store's window;
+    probabilistic: the fleet's count at the last sync plus this process's since); None when not
+    known (rules read from files alone, the store not answering, or an unlimited rule)."""
 
     @classmethod
     def of(cls, limit: RateLimit, count: int | None) -> RuleState:

@@ -31,9 +31,8 @@ DRAFT03_NAMES = HeaderNames("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-Rat
 def rate_limit_headers(
     status: DescriptorStatus | None, style: HeaderStyle, names: HeaderNames
 ) -> list[tuple[str, str]]:
-    """Header name/value pairs for Envoy to add to the client response, for the
-    answer's deciding ``status`` (Response.decided); empty when off or when no
-    descriptor had a limit."""
+    """Header name/value pairs for Envoy to add to the client response, for the answer's deciding
+    ``status`` (Response.decided); empty when off or when no descriptor had a limit."""
     if status is None or status.limit is None or (style is HeaderStyle.OFF and not names.rule):
         return []
     headers: list[tuple[str, str]] = []

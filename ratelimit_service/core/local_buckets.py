@@ -190,9 +190,8 @@ class ProbabilisticBucket:
         return max(0, int(self.capacity) - self.remaining())
 
     def reset_estimate(self, now: float) -> float:
-        """Seconds until the bucket would be full again with no more traffic: for a
-        calendar budget, until its period ends (a budget of the next period starts
-        full then)."""
+        """Seconds until the bucket would be full again with no more traffic: for a calendar budget,
+        until its period ends (a budget of the next period starts full then)."""
         if self.ends_at is not None:
             return max(0.0, self.ends_at - now)
         missing = self.capacity - self.tokens + self.admitted
@@ -387,13 +386,12 @@ class LocalBuckets:
             self.apply(report.key, view, now, interval)
 
     def renew(self) -> None:
-        """A sync failed: grant every bucket its last interval's credit again, so it keeps
-        admitting at its last rate instead of running dry until the staleness bound
-        switches to failure_mode. Granted when each bucket is next touched
-        (:meth:`_catch_up`), at a cost that does not grow with the buckets held (renewals
-        in between change nothing: ``max`` with an unchanged grant). Not to a calendar
-        budget's bucket: its budget does not come back within the period, and every
-        admission is charged once the store answers (:meth:`restore`)."""
+        """A sync failed: grant every bucket its last interval's credit again, so it keeps admitting
+        at its last rate instead of running dry until the staleness bound switches to failure_mode.
+        Granted when each bucket is next touched (:meth:`_catch_up`), at a cost that does not grow
+        with the buckets held (renewals in between change nothing: ``max`` with an unchanged grant).
+        Not to a calendar budget's bucket: its budget does not come back within the period, and
+        every admission is charged once the store answers (:meth:`restore`)."""
         self.renewals += 1
 
     def credit(self, bucket: ProbabilisticBucket) -> float:

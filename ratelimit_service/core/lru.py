@@ -1,6 +1,5 @@
-"""A size-bounded mapping that forgets the least recently used entry first, so that
-high-cardinality descriptor values (client addresses, user ids) cannot grow a per-key
-table without bound."""
+"""A size-bounded mapping that forgets the least recently used entry first, so that high-cardinality
+descriptor values (client addresses, user ids) cannot grow a per-key table without bound."""
 
 from __future__ import annotations
 
@@ -37,11 +36,10 @@ class LruMap(Generic[V]):
         return value
 
     def remove_if(self, predicate: Callable[[V], bool], piece: int = SWEEP_PIECE) -> Iterator[int]:
-        """Drop the entries for which ``predicate`` holds, ``piece`` entries at a time:
-        yields how many each piece removed, so a caller can leave the event loop to other
-        work between pieces. The keys are listed first: the map may change between pieces
-        (a key added since waits for the next pass); an entry is judged as its piece finds
-        it."""
+        """Drop the entries for which ``predicate`` holds, ``piece`` entries at a time: yields how
+        many each piece removed, so a caller can leave the event loop to other work between pieces.
+        The keys are listed first: the map may change between pieces (a key added since waits for
+        the next pass); an entry is judged as its piece finds it."""
         data = self._data
         keys = list(data)
         for start in range(0, len(keys), piece):

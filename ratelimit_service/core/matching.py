@@ -55,11 +55,10 @@ def _child(children: NodeChildren, key: str, value: str) -> DescriptorNode | Non
 
 
 def bucket_entries(domain: DomainConfig, bucket: Mapping[str, str]) -> Entries:
-    """An RLQS bucket id (a map, unordered) as descriptor entries, in the order the
-    rules nest its keys: at each level the first key (in the level's order: exact
-    values, wildcards, defaults) that the bucket has and that matches a rule; keys
-    no rule nests come last, sorted, so they reach no limit (as a request that goes
-    deeper than the config)."""
+    """An RLQS bucket id (a map, unordered) as descriptor entries, in the order the rules nest its
+    keys: at each level the first key (in the level's order: exact values, wildcards, defaults) that
+    the bucket has and that matches a rule; keys no rule nests come last, sorted, so they reach no
+    limit (as a request that goes deeper than the config)."""
     entries: list[tuple[str, str]] = []
     left = dict(bucket)
     children: NodeChildren | None = domain.root

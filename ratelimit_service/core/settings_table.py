@@ -149,9 +149,8 @@ class Setting:
 
     @property
     def kind(self) -> str:
-        """What the value is: a switch, a choice, a share (0 to 1), seconds (every other
-        number with a fraction), a count, or a text; the Go environment reads each kind
-        in Go's syntax."""
+        """What the value is: a switch, a choice, a share (0 to 1), seconds (every other number with
+        a fraction), a count, or a text; the Go environment reads each kind in Go's syntax."""
         if self.switch:
             return "switch"
         if self.choices is not None:
@@ -384,9 +383,8 @@ GROUPS = tuple(dict.fromkeys(setting.group for setting in SETTINGS))
 
 
 def default(flag: str) -> Any:
-    """The value ``flag`` stands for when it is not given, as its Settings field holds it
-    (an enum, None for an empty address, False for a switch): what a keyword default
-    for the setting reads."""
+    """The value ``flag`` stands for when it is not given, as its Settings field holds it (an enum,
+    None for an empty address, False for a switch): what a keyword default for the setting reads."""
     setting = BY_FLAG[flag]
     return setting.field(False if setting.switch else setting.default)
 

@@ -78,9 +78,8 @@ def burst_part(share: float, limit: int, burst: int | None = None) -> float:
 
 
 SMOOTH_SECONDS = 0.25
-"""A new bucket holds at least this many seconds of the instance's share (up to its
-part of the burst), so that an instance at its share does not deny hits that come
-in clumps."""
+"""A new bucket holds at least this many seconds of the instance's share (up to its part of the
+burst), so that an instance at its share does not deny hits that come in clumps."""
 
 
 def token_bucket(
@@ -138,11 +137,10 @@ def next_bucket(
     window_seconds: int,
     burst: int | None = None,
 ) -> TokenBucket:
-    """The bucket to send an instance that holds ``held`` (None: none yet, or a
-    blanket rule) and whose share is now ``share``; ``worth``: what it has stored
-    plus what it lost to a full bucket (None: a new instance, whose first bucket
-    starts full). The held bucket when the rate is the same and max_tokens need not
-    grow (RAISE_AT), else a new one holding ``worth``."""
+    """The bucket to send an instance that holds ``held`` (None: none yet, or a blanket rule) and
+    whose share is now ``share``; ``worth``: what it has stored plus what it lost to a full bucket
+    (None: a new instance, whose first bucket starts full). The held bucket when the rate is the
+    same and max_tokens need not grow (RAISE_AT), else a new one holding ``worth``."""
     new = token_bucket(share, limit, window_seconds, burst, worth)
     rate = (new.tokens_per_fill, new.fill_seconds)
     if held is None or (held.tokens_per_fill, held.fill_seconds) != rate:
@@ -183,11 +181,10 @@ def settle_share(fair: float, held: float | None, room: float) -> float:
 
 
 def counted_share(share: float, demand: float | None, even: float) -> float:
-    """What an instance's share counts for in the others' room: in full once its demand
-    is measured, else at most ``even`` (the limit over the instances seen now). A first
-    share is given before anyone knows how many will come (the first of a fleet starting
-    together gets the whole limit, the second half of it ...): counted in full, they would
-    add up to several times the limit and leave no room for anyone. The price: until such
-    an instance reports, it may use its larger first bucket beside the others' grown ones
-    (docs/benchmarks.md measures both sides)."""
+    """What an instance's share counts for in the others' room: in full once its demand is measured,
+    else at most ``even`` (the limit over the instances seen now). A first share is given before
+    anyone knows how many will come (the first of a fleet starting together gets the whole limit,
+    the second half of it ...): counted in full, they would add up to several times the limit and
+    leave no room for anyone. The price: until such an instance reports, it may use its larger first
+    bucket beside the others' grown ones (docs/benchmarks.md measures both sides)."""
     return min(share, even) if demand is None else share

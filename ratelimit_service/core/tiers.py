@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 MILLI = 1000
 """Rates travel and are summed as integer thousandths of a hit per second."""
 EXPIRE_PER_CALL = 16
-"""Members silent past the forget time that one publish removes at most (each
-member is removed once, so the work per call stays bounded; a burst of departures
-is cleared over the next calls)."""
+"""Members silent past the forget time that one publish removes at most (each member is removed
+once, so the work per call stays bounded; a burst of departures is cleared over the next calls)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +126,8 @@ class TierTable:
     window: int | None = None
     used: int = 0
     zone_part: int | None = None
-    """In a zone's store: the zone's part of the limit (thousandths), which the
-    members' parts divide; written by the zone's aggregator (zone_write.lua, a
-    ZoneShare), never in process."""
+    """In a zone's store: the zone's part of the limit (thousandths), which the members' parts
+    divide; written by the zone's aggregator (zone_write.lua, a ZoneShare), never in process."""
     global_used: int = 0
     global_window: int | None = None
     forwarded: int = 0
@@ -200,10 +198,9 @@ def publish_fenced(
     forget_us: int,
     token: int | None,
 ) -> list[TierTotals] | Fenced:
-    """One call of quota_tier.lua: each report into its table (index-aligned). With a
-    ``token``, the call is refused as a whole, before anything is written, when any of
-    the tables has seen a higher token from the member (the highest of those is
-    named)."""
+    """One call of quota_tier.lua: each report into its table (index-aligned). With a ``token``, the
+    call is refused as a whole, before anything is written, when any of the tables has seen a higher
+    token from the member (the highest of those is named)."""
     if token is not None:
         refusals = [
             highest

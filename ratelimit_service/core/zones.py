@@ -207,11 +207,10 @@ class Change(Enum):
 
 @dataclass(slots=True)
 class Leadership:
-    """Whether this replica acts as its zone's aggregator, on its own clock (seconds,
-    monotonic). It does from a successful renewal (or take) until the time that call
-    was sent plus ``ttl`` less ``margin``: the store started the lease's time to live
-    no earlier than the call was sent, so the replica stops before the lease can
-    expire there and another take it."""
+    """Whether this replica acts as its zone's aggregator, on its own clock (seconds, monotonic). It
+    does from a successful renewal (or take) until the time that call was sent plus ``ttl`` less
+    ``margin``: the store started the lease's time to live no earlier than the call was sent, so the
+    replica stops before the lease can expire there and another take it."""
 
     ttl: float
     margin: float
@@ -357,13 +356,12 @@ class ZonePass:
         self, report: TierReport, bucket: ZoneBucket, fleet: TierTotals, budget: FleetView,
         zones: int,
     ) -> float:  # fmt: skip
-        """A calendar budget's allotment to the zone until the next pass: the admitted total
-        it may reach, what it admitted so far and its credit in the global fleet bucket
-        (drop_ratio.control without refill, the zones as the nodes, by the zone's demand
-        against the fleet's), so the allotments together stay within what the budget has
-        left; the zone's replicas divide its own (fleet_sync.lua). A zone not heard yet may
-        hold what a new bucket holds (the budget over the zones), unseen in the global
-        bucket: that much is not allotted until it is heard."""
+        """A calendar budget's allotment to the zone until the next pass: the admitted total it may
+        reach, what it admitted so far and its credit in the global fleet bucket (drop_ratio.control
+        without refill, the zones as the nodes, by the zone's demand against the fleet's), so the
+        allotments together stay within what the budget has left; the zone's replicas divide its own
+        (fleet_sync.lua). A zone not heard yet may hold what a new bucket holds (the budget over the
+        zones), unseen in the global bucket: that much is not allotted until it is heard."""
         unheard = max(0, zones - fleet.members)
         credit = control(
             limit=bucket.limit,
