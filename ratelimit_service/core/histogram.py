@@ -4,6 +4,7 @@ of a bisect and three additions, turned into a Prometheus family at scrape time.
 from __future__ import annotations
 
 from bisect import bisect_left
+from itertools import accumulate
 
 LATENCY_BOUNDS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -30,8 +31,4 @@ class Histogram:
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, count at or below it) per bucket, the last bound infinite."""
-        total, out = 0, []
-        for bound, count in zip((*self.bounds, float("inf")), self.buckets, strict=True):
-            total += count
-            out.append((bound, total))
-        return out
+        return list(zip((*self.bounds, float("inf")), accumulate(self.buckets), strict=True))
