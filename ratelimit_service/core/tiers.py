@@ -154,8 +154,7 @@ class TierTable:
         )
         for _, name in stale[:EXPIRE_PER_CALL]:
             self._leave(self.members.pop(name))
-        old = self.members.pop(report.member, None)
-        if old is not None:
+        if (old := self.members.pop(report.member, None)) is not None:
             self._leave(old)
         demand, limit = round(report.demand * MILLI), round(report.limit * MILLI)
         if self.zone_part is not None and self.zone_part < limit:
