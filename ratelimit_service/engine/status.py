@@ -59,8 +59,7 @@ Work = Generator[None, None, _T]
 """Work done in pieces: it yields None where it may return to the event loop."""
 Json = dict[str, Any]
 Counts = tuple[int, ...]
-"""A stats key's counters the rules table shows (engine/counters.py: those with a
-status key), in the catalogue's order."""
+"""A stats key's counters with a status key (engine/counters.py), in the catalogue's order."""
 _SHOWN = [(c.attr, c.status) for c in KEY_COUNTERS if c.status is not None]
 _COUNTS = attrgetter(*(attr for attr, _ in _SHOWN))
 _ROW_KEYS = [key for _, key in _SHOWN]
@@ -291,7 +290,7 @@ def _rules(
             rank: tuple[float, ...] = (now_counts[_HITS],)
             delta = None
         else:
-            delta = _minus(now_counts, earlier.get(key, NONE))
+            delta = tuple([a - b for a, b in zip(now_counts, earlier.get(key, NONE), strict=True)])
             hits, over = hits + delta[_HITS], over + delta[_DENIED]
             rank = (delta[_HITS], now_counts[_HITS])
         top.offer(rank, (key, now_counts, delta))
@@ -304,10 +303,6 @@ def _rules(
     table["rate"] = None if interval is None else _num(hits / interval)
     table["denied_share"] = None if interval is None else _share(over, hits)
     return sample, table
-
-
-def _minus(now: Counts, before: Counts) -> Counts:
-    return tuple([a - b for a, b in zip(now, before, strict=True)])
 
 
 def _rule_row(
@@ -364,10 +359,8 @@ def _closest_keys(
         if limit.requests_per_unit <= 0:
             continue
         demand = _fleet_demand(view)
-        if limit.window_seconds > 1:
-            rank = (view.used / limit.requests_per_unit, demand)
-        else:
-            rank = (demand / limit.requests_per_unit, demand)
+        used = view.used if limit.window_seconds > 1 else demand  # a rule per second: its demand
+        rank = (used / limit.requests_per_unit, demand)
         if top.wants(rank):
             top.keep(rank, _key_row(view.key, view.stats_key, "rlqs", rank, limit_text(limit)))
     return top.table(top.best())
@@ -420,13 +413,11 @@ class _Envoy:
     share: float = 0.0
     """Its shares of its counters' limits, per second: the division by demand."""
     assigned: float = 0.0
-    """The token buckets it holds, per second: the shares in whole tokens and seconds,
-    as Envoy enforces them."""
+    """Its token buckets per second: the shares in whole tokens and seconds, as Envoy has them."""
     buckets: int = 0
     """Counters it holds a token bucket for (the others: a blanket rule)."""
     busiest: tuple[float, CounterView, float | None] | None = None
-    """Its counter of highest demand, that demand and the share it holds of it (set by the
-    first :meth:`add`)."""
+    """Its busiest counter: (that demand, the counter, its share of it); set by the first add."""
 
     def add(
         self, view: CounterView, demand: float | None, share: float | None, bucket: float | None
