@@ -50,6 +50,10 @@ FLUSH_TIMEOUT_MS = 5000
 """How long stopping waits for the last spans to leave."""
 _NEEDS = "pip install 'ratelimit-service[tracing]'"
 REINSTALL_PROTO = "pip install --force-reinstall --no-deps opentelemetry-proto"
+_Metadata = Sequence[tuple[str, str | bytes]] | None
+"""A call's gRPC metadata (``invocation_metadata()``)."""
+_Traced = AbstractContextManager[Any] | None
+"""A span to enter, or None for a call not traced."""
 
 
 class TracingUnavailable(RuntimeError):
@@ -99,26 +103,15 @@ class Tracing:
         self._client = sdk.SpanKind.CLIENT
         self._stopped = False
 
-    def decision(
-        self, metadata: Sequence[tuple[str, str | bytes]] | None
-    ) -> AbstractContextManager[Any] | None:
-        """The span of one ShouldRateLimit call, to enter (the store's span goes under it);
-        None for a call not to be traced."""
+    def decision(self, metadata: _Metadata) -> _Traced:
+        """The span of one ShouldRateLimit call (the store's span goes under it)."""
         return self._span(RLS_SPAN, metadata, _RPC)
 
-    def report(
-        self, metadata: Sequence[tuple[str, str | bytes]] | None, attributes: dict[str, Any]
-    ) -> AbstractContextManager[Any] | None:
-        """The span of one RLQS usage report, under the stream's opening trace context; None
-        when not traced."""
+    def report(self, metadata: _Metadata, attributes: dict[str, Any]) -> _Traced:
+        """The span of one RLQS usage report, under the stream's opening trace context."""
         return self._span(RLQS_SPAN, metadata, {**_RLQS, **attributes})
 
-    def _span(
-        self,
-        name: str,
-        metadata: Sequence[tuple[str, str | bytes]] | None,
-        attributes: dict[str, Any],
-    ) -> AbstractContextManager[Any] | None:
+    def _span(self, name: str, metadata: _Metadata, attributes: dict[str, Any]) -> _Traced:
         """A SERVER span, sampled as the module docstring says; calls not traced are told
         apart here, before the SDK (whose unsampled span costs more)."""
         carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
@@ -139,8 +132,7 @@ class Tracing:
     def traced_hit(
         self, hit: Callable[..., Awaitable[Any]], store_name: str
     ) -> Callable[..., Awaitable[Any]]:
-        """``hit`` (Store.hit) with a CLIENT span per call under the current (decision's)
-        span when that one is traced."""
+        """``hit`` (Store.hit) with a CLIENT span per call under a traced decision's span."""
         tracer, kind, current = self.tracer, self._client, self._current
 
         async def traced(
