@@ -164,7 +164,6 @@ class StatsdSink:
             raise ValueError("statsd flush interval must be positive")
         self.host, self.port, self.interval = host, port, interval
         self.deltas = StatsdDeltas(stats)
-        self.flushes = 0
         self.datagrams_sent = 0
         self.datagrams_dropped = 0
         self._failing = False
@@ -192,7 +191,6 @@ class StatsdSink:
         async for piece in in_stretches(self.deltas.pieces()):
             lines += piece
         datagrams = pack(lines)
-        self.flushes += 1
         if not datagrams:
             return 0
         sent = 0
