@@ -51,8 +51,7 @@ class RuleStats:
     within_limit: int
     shadow_mode: int
     failure_mode_allowed: int
-    """Hits admitted by failure_mode open: the store failed (exact) or the last sync is too
-    old (probabilistic)."""
+    """Hits failure_mode open admitted: the store failed (exact), a stale sync (probabilistic)."""
     failure_mode_denied: int
     """Hits denied by failure_mode closed, for the same reasons."""
     overloaded: int
@@ -222,7 +221,7 @@ def _help(text: str) -> str:
 
 def _escape(value: str) -> str:
     """A label value escaped as the text format wants it (and generate_latest does)."""
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return _help(value).replace('"', r"\"")
 
 
 class _One:
