@@ -77,9 +77,7 @@ def _count(
         return 0  # decided in the process, never counted
     if limit.mode is Mode.EXACT:
         return exact.get(match.bucket_key)
-    key = match.bucket_key
-    if limit.calendar is not None:  # the current period's bucket
-        period = CalendarPeriod(limit.unit, limit.calendar)
-        key, _ = counted_under(key, limit.window_seconds, period, limiter.now())
+    period = CalendarPeriod(limit.unit, limit.calendar) if limit.calendar is not None else None
+    key, _ = counted_under(match.bucket_key, limit.window_seconds, period, limiter.now())
     bucket = limiter.local.peek(key)
     return 0 if bucket is None else bucket.used()

@@ -66,8 +66,7 @@ ABANDON_AFTER = 3
 FORGET_AFTER = 3 * REPORT_INTERVAL
 """Seconds after which an instance that stopped reporting a bucket loses its share."""
 MIN_ELAPSED = 0.5
-"""Seconds since the previous report under which a report measures no demand (Envoy's
-first report of a bucket comes at once)."""
+"""Seconds since the last report under which a report measures no demand (a first comes at once)."""
 
 
 class Kind(enum.Enum):
@@ -255,8 +254,7 @@ class QuotaCoordinator:
         counter.resplit()
 
     def _add_used(self, counter: QuotaCounter, allowed: int) -> None:
-        """Count allowed hits in the fleet's window (a new window starts at 0, on time,
-        with or without the store)."""
+        """Count allowed hits in the fleet's window (a new one starts at 0, store or not)."""
         index = window_index(self._wall(), counter.window_seconds)
         if index != counter.window:
             counter.window, counter.used = index, 0

@@ -52,8 +52,7 @@ class Reconciler:
     async def sync_once(self) -> int:
         """One reconciliation; returns the number of buckets synced."""
         started = time.perf_counter()
-        now = self._clock()
-        reports = self.local.take_reports(now, self.interval)
+        reports = self.local.take_reports(self._clock(), self.interval)
         sent_while_failing = self.failing
         if sent_while_failing:
             # Sent while the store is away, this call may run late: it must not charge
