@@ -330,7 +330,6 @@ class QuotaCoordinator:
         """Publish ``counters``' totals and take the new parts; False when the store is away
         (parts kept; one never published gets the whole limit, as RLS's failure_mode)."""
         reports = [self._totals(counter) for counter in counters]
-        sent = [report.allowed for report in reports]
         self.bucket_updates += len(reports)
         try:
             answers = await self._store.publish(reports, FORGET_AFTER)
@@ -343,10 +342,10 @@ class QuotaCoordinator:
                     counter.resplit()
             return False
         self.publishes += 1
-        for counter, totals, allowed in zip(counters, answers, sent, strict=True):
+        for counter, report, totals in zip(counters, reports, answers, strict=True):
             window = counter.window_seconds
             index = window_index(self._wall(), window)
-            counter.unpublished -= allowed
+            counter.unpublished -= report.allowed
             if index != counter.window:
                 counter.window, counter.unpublished = index, 0
             counter.used = totals.used + counter.unpublished
