@@ -39,8 +39,7 @@ class Reconciler:
         self._clock = clock
         self.syncs = 0
         self.bucket_updates = 0
-        """Bucket reports sent to the store, a monotonic count (the store's work grows
-        with them: docs/scale.md)."""
+        """Bucket reports sent to the store, ever (its work grows with them: docs/scale.md)."""
         self.last_updates = 0
         """Bucket reports the last round sent."""
         self.errors = 0

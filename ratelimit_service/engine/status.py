@@ -277,8 +277,7 @@ def _rules(
     now: float,
     interval: float | None,
 ) -> Work[tuple[Sample, Json]]:
-    """Every stats key's counters sampled, and the busiest TOP over the interval (by
-    hits since the start while there is no interval yet)."""
+    """Every stats key's counters sampled; the busiest TOP over the interval (else by hits)."""
     earlier = reference.counts if reference is not None else None
     counts: dict[str, Counts] = {}
     top: Top[tuple[str, Counts, Counts | None]] = Top()

@@ -143,8 +143,7 @@ class ZoneAggregator:
     async def aggregate(self) -> None:
         """One pass, if this replica holds the lease: the zone's sums (RLQS counters and
         probabilistic buckets) to the global store, its parts back, within pass_timeout."""
-        started = self._now()
-        token = self.leadership.term(started)
+        token = self.leadership.term(self._now())
         if token is None:
             return
         deadline = asyncio.get_running_loop().time() + self.pass_timeout
