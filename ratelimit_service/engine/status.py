@@ -295,13 +295,11 @@ def _rules(
         top.offer(rank, (key, now_counts, delta))
         if count % SLICE == 0:
             yield None
-    sample = Sample(now, counts, stats.total_requests)
-    rows = [_rule_row(key, c, d, limits.get(key), interval) for key, c, d in top.best()]
-    table = top.table(rows)
+    table = top.table([_rule_row(key, c, d, limits.get(key), interval) for key, c, d in top.best()])
     table["loaded"] = len(limits)
     table["rate"] = None if interval is None else _num(hits / interval)
     table["denied_share"] = None if interval is None else _share(over, hits)
-    return sample, table
+    return Sample(now, counts, stats.total_requests), table
 
 
 def _rule_row(
@@ -328,9 +326,8 @@ def _rule_row(
 def _closest_keys(
     local: LocalBuckets, near_keys: list[tuple[str, NearKey]], views: list[CounterView], now: float
 ) -> Work[Json]:
-    """The TOP keys with the largest share of their limit in use: probabilistic buckets,
-    exact keys last seen near or over their limit (Stats.near_keys: ``used`` as of that
-    call), RLQS counters."""
+    """The TOP keys using the largest share of their limit: probabilistic buckets, exact keys
+    last seen near or over it (Stats.near_keys: ``used`` as of that call), RLQS counters."""
     top: Top[Json] = Top()
     for count, bucket in enumerate(local.buckets(), 1):
         if bucket.capacity > 0:
@@ -397,7 +394,7 @@ def _envoys(views: list[CounterView]) -> Work[Json]:
             yield None
     top: Top[_Envoy] = Top()
     for count, envoy in enumerate(envoys.values(), 1):
-        top.offer((envoy.demand if envoy.measured else -1.0, envoy.counters), envoy)
+        top.offer((-1.0 if envoy.demand is None else envoy.demand, envoy.counters), envoy)
         if count % SLICE == 0:
             yield None
     return top.table([envoy.row() for envoy in top.best()])
@@ -407,14 +404,12 @@ def _envoys(views: list[CounterView]) -> Work[Json]:
 class _Envoy:
     name: str
     counters: int = 0
-    demand: float = 0.0
-    measured: bool = False
+    demand: float | None = None
+    """Hits per second it offers its counters (None: not measured yet)."""
     share: float = 0.0
     """Its shares of its counters' limits, per second: the division by demand."""
-    assigned: float = 0.0
-    """Its token buckets per second: the shares in whole tokens and seconds, as Envoy has them."""
-    buckets: int = 0
-    """Counters it holds a token bucket for (the others: a blanket rule)."""
+    assigned: float | None = None
+    """Its token buckets per second: shares in whole tokens and seconds (None: blanket rules)."""
     busiest: tuple[float, CounterView, float | None] | None = None
     """Its busiest counter: (that demand, the counter, its share of it); set by the first add."""
 
@@ -423,13 +418,11 @@ class _Envoy:
     ) -> None:
         self.counters += 1
         if demand is not None:
-            self.demand += demand
-            self.measured = True
+            self.demand = (self.demand or 0.0) + demand
         if share is not None:
             self.share += share / view.limit.window_seconds
         if bucket is not None:
-            self.assigned += bucket
-            self.buckets += 1
+            self.assigned = (self.assigned or 0.0) + bucket
         if self.busiest is None or (demand or 0.0) > self.busiest[0]:
             self.busiest = (demand or 0.0, view, share)
 
@@ -439,9 +432,9 @@ class _Envoy:
         return {
             "name": self.name,
             "counters": self.counters,
-            "demand": _num(self.demand) if self.measured else None,
+            "demand": _num(self.demand),
             "share": _num(self.share),
-            "assigned": _num(self.assigned) if self.buckets else None,
+            "assigned": _num(self.assigned),
             "busiest": readable_bucket(view.key),
             "busiest_share": _num(share),
             "busiest_limit": limit_text(view.limit),
