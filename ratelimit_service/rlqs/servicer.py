@@ -165,8 +165,7 @@ def bucket_action(action: Action) -> Any:
     bucket_id = rlqs_pb2.BucketId(bucket=dict(action.bucket))
     if action.kind == ABANDON:
         return _Action(bucket_id=bucket_id, abandon_action=_Action.AbandonAction())
-    if action.token_bucket is not None:
-        tb = action.token_bucket
+    if (tb := action.token_bucket) is not None:
         strategy = _Strategy(
             token_bucket=token_bucket_pb2.TokenBucket(
                 max_tokens=tb.max_tokens,
