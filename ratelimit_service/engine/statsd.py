@@ -201,17 +201,16 @@ class StatsdSink:
                 sock.sendto(datagram, address)
                 sent += 1
         except OSError as exc:
-            self.datagrams_sent += sent
             self.datagrams_dropped += len(datagrams) - sent
             if not self._failing:
                 log.warning("statsd: cannot send to %s:%d: %s", self.host, self.port, exc)
             self._failing = True
-            return sent
-        self.datagrams_sent += sent
-        if self._failing:
-            log.info("statsd: sending to %s:%d again", self.host, self.port)
+        else:
+            if self._failing:
+                log.info("statsd: sending to %s:%d again", self.host, self.port)
             self._failing = False
-        return len(datagrams)
+        self.datagrams_sent += sent
+        return sent
 
     async def _resolve(self) -> tuple[int, tuple[str, int]]:
         infos = await asyncio.get_running_loop().getaddrinfo(
