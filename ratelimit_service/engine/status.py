@@ -125,8 +125,7 @@ class Top(Generic[_Item]):
     def wants(self, rank: tuple[float, ...]) -> bool:
         """Whether an item of ``rank`` would be kept (counted as offered): make it only then."""
         self.offered += 1
-        heap = self._heap
-        return len(heap) < self.size or (rank, -self.offered) > heap[0][:2]
+        return len(self._heap) < self.size or (rank, -self.offered) > self._heap[0][:2]
 
     def keep(self, rank: tuple[float, ...], item: _Item) -> None:
         """Keep an item :meth:`wants` just wanted."""

@@ -133,8 +133,7 @@ async def incoming(
                 next_message = asyncio.ensure_future(anext(messages))
             if next_push is None:
                 next_push = asyncio.ensure_future(pushed.get())
-            waiting = (next_message, next_push, stop)
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((next_message, next_push, stop), return_when=asyncio.FIRST_COMPLETED)
             if closing.is_set():
                 return
             if next_push.done():
