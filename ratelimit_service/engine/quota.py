@@ -466,8 +466,6 @@ class QuotaCoordinator:
         for key in list(self._of.get(instance, ())):
             self._drop(instance, self._counters[key])
 
-    # -- the read-out: the status page and /metrics ------------------------------------
-
     def view(self) -> Iterator[CounterView | None]:
         """Each counter reported here, copied; a None every SLICE instances, a point to yield."""
         wall, copied = self._wall(), 0

@@ -227,8 +227,6 @@ class ZoneAggregator:
             self.global_errors += 1
             return None
 
-    # -- lifecycle -------------------------------------------------------------------
-
     async def _lease_loop(self) -> None:
         await every(self.renew_every, self.renew, f"zone {self.zone}: lease call")
 
