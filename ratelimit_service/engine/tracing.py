@@ -77,7 +77,7 @@ class Tracing:
         (HTTP posts to its ``/v1/traces``); None: the exporter's own default."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"tracing protocol: choose grpc or http, got {protocol!r}")
-        sdk = _import_sdk(protocol)
+        sdk = _Sdk(protocol)
         resource = sdk.Resource.create(
             {
                 "service.name": service_name,
@@ -184,22 +184,25 @@ def outcome_attributes(
 
 
 class _Sdk:
-    """The opentelemetry names this module uses, imported on demand."""
+    """The opentelemetry names this module uses, imported on demand (else TracingUnavailable)."""
 
     def __init__(self, protocol: str) -> None:
-        from opentelemetry.propagators.b3 import B3MultiFormat, B3SingleFormat
-        from opentelemetry.propagators.composite import CompositePropagator
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider, sampling
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace import SpanKind, get_current_span
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        try:
+            from opentelemetry.propagators.b3 import B3MultiFormat, B3SingleFormat
+            from opentelemetry.propagators.composite import CompositePropagator
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider, sampling
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace import SpanKind, get_current_span
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        exporter: Any
-        if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as exporter
-        else:
-            from opentelemetry.exporter.otlp.proto.http import trace_exporter as exporter
+            exporter: Any
+            if protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as exporter
+            else:
+                from opentelemetry.exporter.otlp.proto.http import trace_exporter as exporter
+        except ImportError as exc:
+            raise TracingUnavailable(_unavailable(exc)) from None
         self.Resource = Resource
         self.TracerProvider = TracerProvider
         self.BatchSpanProcessor = BatchSpanProcessor
@@ -223,17 +226,9 @@ class _Sdk:
 def check_sdk() -> None:
     """Raise TracingUnavailable unless both exporters and the receivers' protos import."""
     for protocol in PROTOCOLS:
-        _import_sdk(protocol)
+        _Sdk(protocol)
     try:
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: F401
-    except ImportError as exc:
-        raise TracingUnavailable(_unavailable(exc)) from None
-
-
-def _import_sdk(protocol: str) -> _Sdk:
-    """The SDK, or TracingUnavailable saying what is missing."""
-    try:
-        return _Sdk(protocol)
     except ImportError as exc:
         raise TracingUnavailable(_unavailable(exc)) from None
 
