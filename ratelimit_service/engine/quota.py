@@ -1,27 +1,26 @@
 """RLQS: the coordinator that divides each limit among the Envoys that report usage.
 
-Envoy's rate_limit_quota filter enforces token buckets itself and reports, per bucket,
-what it allowed and denied, every 5 s (Envoy 1.40's fixed interval), and at once for a
-new bucket. For every report the coordinator
+Envoy's rate_limit_quota filter enforces token buckets itself and reports, per bucket, what it
+allowed and denied, every 5 s (Envoy 1.40's fixed interval), and at once for a new bucket. For every
+report the coordinator
 
-1. maps each bucket id to the YAML rule an RLS descriptor would meet
-   (core.matching.bucket_entries, then find_limits): same limits, shadow mode, reload;
-2. measures each instance's demand per bucket, (allowed + denied) per second on the
-   service's clock (Envoy's ``time_elapsed`` is whole seconds, and 0 on a first report);
-3. divides the limit among the instances reporting the bucket by demand, and answers
-   with the instance's token bucket, with a TTL of a few report intervals; rules of a
-   minute or longer also count the fleet's allowed hits per fixed window and answer
-   DENY_ALL once it is used up, until it resets. Buckets no rule limits get ALLOW_ALL;
-   shadow rules ALLOW_ALL and count what the limit would have denied.
+1. maps each bucket id to the YAML rule an RLS descriptor would meet (core.matching.bucket_entries,
+   then find_limits): same limits, shadow mode, reload;
+2. measures each instance's demand per bucket, (allowed + denied) per second on the service's clock
+   (Envoy's ``time_elapsed`` is whole seconds, and 0 on a first report);
+3. divides the limit among the instances reporting the bucket by demand, and answers with the
+   instance's token bucket, with a TTL of a few report intervals; rules of a minute or longer also
+   count the fleet's allowed hits per fixed window and answer DENY_ALL once it is used up, until it
+   resets. Buckets no rule limits get ALLOW_ALL; shadow rules ALLOW_ALL and count what the limit
+   would have denied.
 
-The division has two tiers (core/tiers.py). Every ``interval`` this replica publishes
-per counter its totals to the store (its instances' demand and count, the hits they
-allowed) and reads back the fleet's sums, which set its part of the limit. Between
-publishes a report is answered from that part, divided among the replica's instances
-max-min by demand (core/shares.py), without a store call; a counter's first report
-waits for one publish, so a restarted replica does not hand out the whole limit again.
-With the store away each replica keeps its last part (fail-static). On the embedded
-store the one process is the whole fleet.
+The division has two tiers (core/tiers.py). Every ``interval`` this replica publishes per counter
+its totals to the store (its instances' demand and count, the hits they allowed) and reads back the
+fleet's sums, which set its part of the limit. Between publishes a report is answered from that
+part, divided among the replica's instances max-min by demand (core/shares.py), without a store
+call; a counter's first report waits for one publish, so a restarted replica does not hand out the
+whole limit again. With the store away each replica keeps its last part (fail-static). On the
+embedded store the one process is the whole fleet.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """statsd: the service's counters under envoyproxy/ratelimit's stat names, over UDP.
 
-Nothing is added to the request path: every flush interval a background task reads the
-counters (engine/stats.py), turns what changed since the last flush into statsd lines,
-and sends them in datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go
-service's, declared in engine/counters.py; counters it does not have stay on /metrics.
-A flush reads every stats key in pieces of SLICE keys (background.in_stretches).
+Nothing is added to the request path: every flush interval a background task reads the counters
+(engine/stats.py), turns what changed since the last flush into statsd lines, and sends them in
+datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go service's, declared in
+engine/counters.py; counters it does not have stay on /metrics. A flush reads every stats key in
+pieces of SLICE keys (background.in_stretches).
 
-The timer comes from the latency histogram: each bucket that gained ``n`` calls is one
-sample with sample rate ``1/n`` (statsd counts it ``n`` times), its value the interval's
-mean latency held inside that bucket's bounds. Counts are exact; each value lies in its
-call's bucket.
+The timer comes from the latency histogram: each bucket that gained ``n`` calls is one sample with
+sample rate ``1/n`` (statsd counts it ``n`` times), its value the interval's mean latency held
+inside that bucket's bounds. Counts are exact; each value lies in its call's bucket.
 """
 
 from __future__ import annotations

@@ -1,23 +1,21 @@
-"""The status page's data (``/status.json``; the page itself is resources/status.html):
-one read-only snapshot of what the engine already tracks, for a person at a browser.
+"""The status page's data (``/status.json``; the page itself is resources/status.html): one
+read-only snapshot of what the engine already tracks, for a person at a browser.
 
-- **Rules**: each stats key's calls per second over a recent interval, the share denied
-  and the hits near the limit: engine/stats.py's counters less an earlier copy
-  (:class:`Baselines`), so nothing new is counted on the request path.
-- **Keys closest to their limit**: probabilistic buckets (the share of the fleet's token
-  bucket in use, as last synced less what this process admitted since), RLQS counters
-  (the fleet's allowed hits in the window; for a rule per second, the fleet's demand
-  over the limit), and exact keys last seen near or over their limit within their
-  window (Stats.near_keys: their counts live in the store).
-- **State**: the store's figures (its circuit breakers), the reconciler, the zone's
-  aggregator.
+- **Rules**: each stats key's calls per second over a recent interval, the share denied and the hits
+  near the limit: engine/stats.py's counters less an earlier copy (:class:`Baselines`), so nothing
+  new is counted on the request path.
+- **Keys closest to their limit**: probabilistic buckets (the share of the fleet's token bucket in
+  use, as last synced less what this process admitted since), RLQS counters (the fleet's allowed
+  hits in the window; for a rule per second, the fleet's demand over the limit), and exact keys last
+  seen near or over their limit within their window (Stats.near_keys: their counts live in the
+  store).
+- **State**: the store's figures (its circuit breakers), the reconciler, the zone's aggregator.
 - **RLQS**: the Envoys that report here (demand, assigned share) and their counters.
 
-Bounded: each table is its TOP rows by rate or closeness, with the total and how many
-more, so the JSON stays under 64 KB at 10,000 stats keys and 1,000 RLQS Envoys. The
-snapshot is made off the request path when a page asks, at most once per FRESH_FOR
-seconds (readers meanwhile share it), in pieces that return to the event loop
-(engine/background.in_stretches), as /metrics is.
+Bounded: each table is its TOP rows by rate or closeness, with the total and how many more, so the
+JSON stays under 64 KB at 10,000 stats keys and 1,000 RLQS Envoys. The snapshot is made off the
+request path when a page asks, at most once per FRESH_FOR seconds (readers meanwhile share it), in
+pieces that return to the event loop (engine/background.in_stretches), as /metrics is.
 """
 
 from __future__ import annotations

@@ -1,21 +1,20 @@
 """OpenTelemetry spans for decisions, exported over OTLP (``serve --tracing``).
 
-Off by default, and then free: nothing imports opentelemetry until :class:`Tracing` is
-built, and the service installs the traced paths (the servicer's handler, the limiter's
-store call) only then.
+Off by default, and then free: nothing imports opentelemetry until :class:`Tracing` is built, and
+the service installs the traced paths (the servicer's handler, the limiter's store call) only then.
 
-Each ShouldRateLimit call (and each RLQS usage report) is one SERVER span, a child of
-the caller's span when its gRPC metadata carries a context (W3C ``traceparent`` /
-``tracestate``, or B3 as ``b3`` or ``x-b3-*``), as Envoy's ratelimit filter sends it. A
-decision that asks the store has a CLIENT span for that call under its own; the
-outcome goes on the decision's span (:func:`outcome_attributes`).
+Each ShouldRateLimit call (and each RLQS usage report) is one SERVER span, a child of the caller's
+span when its gRPC metadata carries a context (W3C ``traceparent`` / ``tracestate``, or B3 as ``b3``
+or ``x-b3-*``), as Envoy's ratelimit filter sends it. A decision that asks the store has a CLIENT
+span for that call under its own; the outcome goes on the decision's span
+(:func:`outcome_attributes`).
 
-Sampling: a call its caller sampled out is not traced (a span of ours would hang from
-nothing), nor a store call outside a traced decision. Any other call is traced with
-probability ``sampling_rate``: drawn here for a root span, decided on the trace id
-otherwise, so services with the same rate keep the same traces. Spans leave in batches
-from an SDK thread (BatchSpanProcessor: a bounded queue), never on the request path;
-``OTEL_BSP_*`` tune it and the exporters read ``OTEL_EXPORTER_OTLP_*`` themselves.
+Sampling: a call its caller sampled out is not traced (a span of ours would hang from nothing), nor
+a store call outside a traced decision. Any other call is traced with probability ``sampling_rate``:
+drawn here for a root span, decided on the trace id otherwise, so services with the same rate keep
+the same traces. Spans leave in batches from an SDK thread (BatchSpanProcessor: a bounded queue),
+never on the request path; ``OTEL_BSP_*`` tune it and the exporters read ``OTEL_EXPORTER_OTLP_*``
+themselves.
 """
 
 from __future__ import annotations

@@ -1,22 +1,20 @@
-"""The zone's aggregator (``serve --zone``): two loops on every replica of a zone, beside
-the server on the same event loop.
+"""The zone's aggregator (``serve --zone``): two loops on every replica of a zone, beside the server
+on the same event loop.
 
-- **The lease**, every RENEW_SHARE of the interval, each call bounded by as long: the
-  holder renews the zone's lease in the zone store, the others try to take it. Nothing
-  else runs in this loop, so a global store that hangs or is cut off cannot cost the
-  zone its aggregator. A replica aggregates only while its
-  :class:`~ratelimit_service.core.zones.Leadership` says so (its last renewal's send
-  time plus the lease's TTL, less a margin, on this process's clock), so one that
-  cannot renew stops before another can take the lease.
-- **The pass**, every interval, on the holder only, bounded by PASS_SHARE of the
-  interval: read the zone's sums, publish them to the global store as the zone, fold
-  the zone's calendar budgets into the global store's, write back the zone's parts and
-  allotments (core/zones.py ZonePass). Every write carries the term's fencing token; a
-  store that has seen a later one refuses it, and this replica stops aggregating.
+- **The lease**, every RENEW_SHARE of the interval, each call bounded by as long: the holder renews
+  the zone's lease in the zone store, the others try to take it. Nothing else runs in this loop, so
+  a global store that hangs or is cut off cannot cost the zone its aggregator. A replica aggregates
+  only while its :class:`~ratelimit_service.core.zones.Leadership` says so (its last renewal's send
+  time plus the lease's TTL, less a margin, on this process's clock), so one that cannot renew stops
+  before another can take the lease.
+- **The pass**, every interval, on the holder only, bounded by PASS_SHARE of the interval: read the
+  zone's sums, publish them to the global store as the zone, fold the zone's calendar budgets into
+  the global store's, write back the zone's parts and allotments (core/zones.py ZonePass). Every
+  write carries the term's fencing token; a store that has seen a later one refuses it, and this
+  replica stops aggregating.
 
-The global store away, the zone keeps its last parts (fail-static). Every transition is
-counted in :meth:`ZoneAggregator.stats` (``ratelimit_store{store="zoned",name=...}``)
-and logged once.
+The global store away, the zone keeps its last parts (fail-static). Every transition is counted in
+:meth:`ZoneAggregator.stats` (``ratelimit_store{store="zoned",name=...}``) and logged once.
 """
 
 from __future__ import annotations
