@@ -249,22 +249,19 @@ class _Timing:
 
     def timed(self, work: Work[_T]) -> Work[_T]:
         clock = time.thread_time
-        started = clock()
-        try:
-            while True:
+        while True:
+            started = clock()
+            try:
                 next(work)
-                self._piece(clock() - started)
-                yield None
-                started = clock()
-        except StopIteration as done:
-            self._piece(clock() - started)
-            result: _T = done.value
-            return result
-
-    def _piece(self, seconds: float) -> None:
-        self.work += seconds
-        self.longest = max(self.longest, seconds)
-        self.pieces += 1
+            except StopIteration as done:
+                result: _T = done.value
+                return result
+            finally:
+                seconds = clock() - started
+                self.work += seconds
+                self.longest = max(self.longest, seconds)
+                self.pieces += 1
+            yield None
 
 
 def _rules(
