@@ -318,7 +318,10 @@ class QuotaCoordinator:
 
     async def tick(self) -> None:
         """One publish round: forget silent instances, publish, push grown shares."""
-        self._forget_silent(self._clock())
+        now = self._clock()
+        for counter in list(self._counters.values()):
+            for name in [n for n, s in counter.seen.items() if now - s.last_report > FORGET_AFTER]:
+                self._drop(name, counter)
         counters = [c for c in self._counters.values() if c.part is not None]
         self.last_updates = len(counters)
         if counters and await self._publish(counters):  # the store splits it into calls
@@ -397,12 +400,6 @@ class QuotaCoordinator:
             else:
                 self.pushes_dropped += 1  # the instance keeps the bucket it holds
                 seen.sent, seen.saved, seen.lost, seen.saved_at = before
-
-    def _forget_silent(self, now: float) -> None:
-        """Instances that stopped reporting a counter (stream still open) lose their share."""
-        for counter in list(self._counters.values()):
-            for name in [n for n, s in counter.seen.items() if now - s.last_report > FORGET_AFTER]:
-                self._drop(name, counter)
 
     def _drop(self, instance: str, counter: QuotaCounter) -> None:
         """``instance`` no longer reports ``counter``; a counter nobody reports goes."""
