@@ -33,16 +33,15 @@ INSTRUMENTATION = "ratelimit_service"
 RLS_SPAN = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 RLQS_SPAN = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService report"
 STORE_SPAN = "ratelimit store hit"
-_RPC = {
-    "rpc.system": "grpc",
-    "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
-    "rpc.method": "ShouldRateLimit",
-}
-_RLQS = {
-    "rpc.system": "grpc",
-    "rpc.service": "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
-    "rpc.method": "StreamRateLimitQuotas",
-}
+
+
+def _rpc(service: str, method: str) -> dict[str, str]:
+    """A gRPC server span's RPC attributes."""
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+
+
+_RPC = _rpc("envoy.service.ratelimit.v3.RateLimitService", "ShouldRateLimit")
+_RLQS = _rpc("envoy.service.rate_limit_quota.v3.RateLimitQuotaService", "StreamRateLimitQuotas")
 _PROPAGATED = frozenset({"traceparent", "b3", "x-b3-traceid"})
 """Metadata keys that carry a caller's trace context (W3C, B3 single, B3 multi)."""
 FLUSH_TIMEOUT_MS = 5000
