@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 
 from ratelimit_service.core.config_model import RateLimit, RateLimitConfig, period_text
 from ratelimit_service.core.local_buckets import LocalBuckets
-from ratelimit_service.core.units import UNIT_SECONDS, Unit
+from ratelimit_service.core.units import UNIT_SECONDS
 from ratelimit_service.engine.background import result_in_stretches
 from ratelimit_service.engine.counters import CATALOGUE, KEY_COUNTERS, Label
 from ratelimit_service.engine.quota import CounterView, QuotaCoordinator
@@ -541,10 +541,8 @@ LONGEST_FIRST = sorted(UNIT_SECONDS.items(), key=lambda item: -item[1])
 def _period(seconds: int) -> str:
     """A window of ``seconds`` in words, as RateLimit.period says a rule's period: in
     the longest unit it is a whole number of (``minute``, ``10 minutes``)."""
-    for unit, length in LONGEST_FIRST:
-        if seconds % length == 0:
-            return period_text(unit, seconds // length)
-    return period_text(Unit.SECOND, seconds)
+    unit, length = next((u, n) for u, n in LONGEST_FIRST if seconds % n == 0)  # seconds at worst
+    return period_text(unit, seconds // length)
 
 
 def _share(part: int, whole: int) -> float | None:
@@ -553,6 +551,4 @@ def _share(part: int, whole: int) -> float | None:
 
 def _num(value: float | None, digits: int = 3) -> float | None:
     """A figure for JSON: rounded, None when unknown or not finite."""
-    if value is None or not math.isfinite(value):
-        return None
-    return round(value, digits)
+    return None if value is None or not math.isfinite(value) else round(value, digits)
