@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from ratelimit_service.core.drop_ratio import FleetView
 from ratelimit_service.core.local_buckets import BucketReport
@@ -92,9 +93,12 @@ class ZoneAggregator:
         self.global_errors = 0
         self.zone_errors = 0
         self.global_away = False
+        zone = f"zone {self.zone}"
+        lease = partial(every, self.renew_every, self.renew, f"{zone}: lease call")
+        passes = partial(every, self.interval, self.aggregate, f"{zone}: aggregation pass")
         self._tasks = [
-            BackgroundTask(f"zone-{self.zone}-lease", self._lease_loop),
-            BackgroundTask(f"zone-{self.zone}-pass", self._pass_loop),
+            BackgroundTask(f"zone-{self.zone}-lease", lease),
+            BackgroundTask(f"zone-{self.zone}-pass", passes),
         ]
 
     def _now(self) -> float:
@@ -224,12 +228,6 @@ class ZoneAggregator:
         except StoreUnavailable:
             self.global_errors += 1
             return None
-
-    async def _lease_loop(self) -> None:
-        await every(self.renew_every, self.renew, f"zone {self.zone}: lease call")
-
-    async def _pass_loop(self) -> None:
-        await every(self.interval, self.aggregate, f"zone {self.zone}: aggregation pass")
 
     def start(self) -> None:
         for task in self._tasks:
