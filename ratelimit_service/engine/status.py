@@ -25,6 +25,7 @@ import heapq
 import json
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -377,26 +378,24 @@ def _fleet_demand(view: CounterView) -> float:
 
 def _envoys(views: list[CounterView]) -> Work[Json]:
     """The TOP RLQS Envoys reporting here by demand, with their counters, shares and buckets."""
-    envoys: dict[str, _Envoy] = {}
+    envoys: defaultdict[str, _Envoy] = defaultdict(_Envoy)
     for count, view in enumerate(views, 1):
         for name, demand, share, bucket in view.instances:
-            envoy = envoys.get(name)
-            if envoy is None:
-                envoy = envoys[name] = _Envoy(name)
-            envoy.add(view, demand, share, bucket)
+            envoys[name].add(view, demand, share, bucket)
         if count % SLICE == 0:
             yield None
-    top: Top[_Envoy] = Top()
-    for count, envoy in enumerate(envoys.values(), 1):
-        top.offer((-1.0 if envoy.demand is None else envoy.demand, envoy.counters), envoy)
+    top: Top[tuple[str, _Envoy]] = Top()
+    for count, (name, envoy) in enumerate(envoys.items(), 1):
+        top.offer((-1.0 if envoy.demand is None else envoy.demand, envoy.counters), (name, envoy))
         if count % SLICE == 0:
             yield None
-    return top.table([envoy.row() for envoy in top.best()])
+    return top.table([{"name": name, **envoy.row()} for name, envoy in top.best()])
 
 
 @dataclass(slots=True)
 class _Envoy:
-    name: str
+    """An RLQS Envoy's counters, summed over those it reports here."""
+
     counters: int = 0
     demand: float | None = None
     """Hits per second it offers its counters (None: not measured yet)."""
@@ -424,7 +423,6 @@ class _Envoy:
         assert self.busiest is not None
         _, view, share = self.busiest
         return {
-            "name": self.name,
             "counters": self.counters,
             "demand": _num(self.demand),
             "share": _num(self.share),
