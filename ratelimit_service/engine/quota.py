@@ -180,8 +180,7 @@ class QuotaCoordinator:
     async def report(self, instance: str, domain: str, usages: Iterable[Usage]) -> list[Action]:
         """Account one report of ``instance`` and answer each of its buckets."""
         self.reports += 1
-        now, config = self._clock(), self._config()
-        rules = config.domains.get(domain)
+        now, rules = self._clock(), self._config().domains.get(domain)
         if rules is None:
             self._stats.count_domain_not_found(domain)
         answers: list[Action | _Pending] = []
@@ -466,9 +465,8 @@ class QuotaCoordinator:
         """Each counter reported here, copied; a None every SLICE instances, a point to yield."""
         wall, copied = self._wall(), 0
         for counter in list(self._counters.values()):
-            shares = counter.shares
             instances = tuple(
-                (name, seen.demand, shares.get(name), _per_second(seen.sent))
+                (name, seen.demand, counter.shares.get(name), _per_second(seen.sent))
                 for name, seen in list(counter.seen.items())
             )
             current = window_index(wall, counter.window_seconds) == counter.window
