@@ -362,8 +362,7 @@ class QuotaCoordinator:
         rate = counter.match.limit.requests_per_unit / window
         everyone = counter.totals.instances if counter.totals else len(counter.seen)
         measured = [s.demand for s in counter.seen.values() if s.demand is not None]
-        unmeasured = len(counter.seen) - len(measured)
-        demand = member_demand(measured, unmeasured, rate / max(1, everyone))
+        demand = member_demand(measured, len(counter.seen) - len(measured), rate / max(1, everyone))
         return TierReport(
             counter.key, self.member, demand, len(counter.seen), counter.unpublished, window, rate
         )
@@ -391,9 +390,8 @@ class QuotaCoordinator:
             bucket = self._bucket(counter, seen, share)
             if bucket == before[0]:
                 continue  # the same bucket (rounded): Envoy has it
-            action = Action(seen.bucket, TOKEN_BUCKET, bucket)
             log.debug("pushed to %s: %s", name, seen.bucket)
-            if self._pushers[name]([action]):
+            if self._pushers[name]([Action(seen.bucket, TOKEN_BUCKET, bucket)]):
                 self.pushed += 1
                 self.assignments += 1
             else:
