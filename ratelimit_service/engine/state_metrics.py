@@ -212,8 +212,7 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric | None]:
                 share.add_metric([label, name], assigned)
         if view.part is not None:
             part.add_metric([label], view.part)
-            totals = view.totals
-            if totals is not None:
+            if (totals := view.totals) is not None:
                 fleet.add_metric([label, "demand"], totals.demand)
                 fleet.add_metric([label, "instances"], totals.instances)
                 fleet.add_metric([label, "replicas"], totals.members)
