@@ -66,6 +66,22 @@ def _per_key(attr: str, *, statsd: bool = False, status: str | None = None) -> C
     )
 
 
+def _service(attr: str, help_text: str, status: str) -> Counter:
+    """A service-wide counter: ``ratelimit_service_<attr>``, ``ratelimit.service.<attr>``."""
+    return Counter(attr, f"ratelimit_service_{attr}", help_text, f"{_SERVICE}.{attr}", status)
+
+
+def _call(attr: str, help_text: str, status: str, statsd: str | None = None) -> Counter:
+    """A counter of ShouldRateLimit calls; ``statsd``: the Go service's name for it (None: none)."""
+    return Counter(
+        attr,
+        f"ratelimit_service_call_should_rate_limit_{attr}",
+        help_text,
+        f"{_SERVICE}.call.should_rate_limit.{statsd}" if statsd is not None else None,
+        status,
+    )
+
+
 KEY_COUNTERS = (
     _per_key("failure_mode_allowed"),
     _per_key("failure_mode_denied"),
@@ -88,47 +104,18 @@ DOMAIN_NOT_FOUND = Counter(
 )
 
 SERVICE_COUNTERS = (
-    Counter(
-        "config_load_success",
-        "ratelimit_service_config_load_success",
-        "Configs loaded",
-        statsd=f"{_SERVICE}.config_load_success",
-        status="config_loads",
+    _service("config_load_success", "Configs loaded", "config_loads"),
+    _service("config_load_error", "Configs rejected", "config_errors"),
+    _service(
+        "global_shadow_mode", "Requests let through by global shadow mode", "global_shadow_mode"
     ),
-    Counter(
-        "config_load_error",
-        "ratelimit_service_config_load_error",
-        "Configs rejected",
-        statsd=f"{_SERVICE}.config_load_error",
-        status="config_errors",
-    ),
-    Counter(
-        "global_shadow_mode",
-        "ratelimit_service_global_shadow_mode",
-        "Requests let through by global shadow mode",
-        statsd=f"{_SERVICE}.global_shadow_mode",
-        status="global_shadow_mode",
-    ),
-    Counter(
-        "service_error",
-        "ratelimit_service_call_should_rate_limit_service_error",
-        "Invalid requests",
-        statsd=f"{_SERVICE}.call.should_rate_limit.service_error",
-        status="service_errors",
-    ),
-    Counter(
-        "store_error",
-        "ratelimit_service_call_should_rate_limit_store_error",
-        "Requests that met a store error",
-        # The Go service's name, whichever the store.
-        statsd=f"{_SERVICE}.call.should_rate_limit.redis_error",
-        status="store_errors",
-    ),
-    Counter(
+    _call("service_error", "Invalid requests", "service_errors", "service_error"),
+    # The Go service's name, whichever the store.
+    _call("store_error", "Requests that met a store error", "store_errors", "redis_error"),
+    _call(
         "store_overloaded",
-        "ratelimit_service_call_should_rate_limit_store_overloaded",
         "Requests with exact descriptors that found too many others waiting for the store",
-        status="store_overloaded",
+        "store_overloaded",
     ),
     Counter(
         "total_requests",

@@ -31,13 +31,10 @@ async def explain(limiter: RateLimiter, request: Request, counts: bool = True) -
         empty = tuple(DescriptorReport(d.entries, ()) for d in request.descriptors)
         return Explanation(request.domain, False, empty)
     matched = limiter.matches(domain, request.descriptors)
-    exact = await _exact_counts(limiter, matched) if counts else {}
+    exact = await _exact_counts(limiter, matched) if counts else None
     reports = []
     for descriptor, kept in zip(request.descriptors, matched, strict=True):
-        rules = []
-        for limit, match in kept:
-            count = _count(limiter, limit, match, exact) if counts else None
-            rules.append(RuleState.of(limit, count))
+        rules = [RuleState.of(limit, _count(limiter, limit, match, exact)) for limit, match in kept]
         reports.append(DescriptorReport(descriptor.entries, tuple(rules)))
     return Explanation(request.domain, True, tuple(reports))
 
@@ -68,18 +65,16 @@ async def _exact_counts(
 
 
 def _count(
-    limiter: RateLimiter, limit: RateLimit, match: Match, exact: dict[str, int]
+    limiter: RateLimiter, limit: RateLimit, match: Match, exact: dict[str, int] | None
 ) -> int | None:
-    """Hits in the rule's current window, or None when not known."""
-    if limit.unlimited:
+    """Hits in the rule's current window, or None when not known (``exact`` None: no counts)."""
+    if exact is None or limit.unlimited:
         return None
     if limit.requests_per_unit == 0:
         return 0  # decided in the process, never counted
     if limit.mode is Mode.EXACT:
         return exact.get(match.bucket_key)
-    key = match.bucket_key
-    if limit.calendar is not None:  # the current period's bucket
-        period = CalendarPeriod(limit.unit, limit.calendar)
-        key, _ = counted_under(key, limit.window_seconds, period, limiter.now())
+    period = CalendarPeriod(limit.unit, limit.calendar) if limit.calendar is not None else None
+    key, _ = counted_under(match.bucket_key, limit.window_seconds, period, limiter.now())
     bucket = limiter.local.peek(key)
     return 0 if bucket is None else bucket.used()

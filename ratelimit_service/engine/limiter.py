@@ -1,10 +1,9 @@
 """ShouldRateLimit in core types: match, decide in each rule's mode, build the response.
 
-Probabilistic rules are decided locally first (no await); exact rules go to the
-store in one batched call. If the request ends up denied, probabilistic hits are
-given back, so a denied request consumes no quota anywhere, except its costs: a
-descriptor's explicit hits_addend of 1 or more is usage already spent, counted
-whatever the answer (core/exact.py is_cost and counts).
+Probabilistic rules are decided locally first (no await); exact rules go to the store in one batched
+call. If the request ends up denied, probabilistic hits are given back, so a denied request consumes
+no quota anywhere, except its costs: a descriptor's explicit hits_addend of 1 or more is usage
+already spent, counted whatever the answer (core/exact.py is_cost and counts).
 """
 
 from __future__ import annotations

@@ -1,27 +1,26 @@
 """RLQS: the coordinator that divides each limit among the Envoys that report usage.
 
-Envoy's rate_limit_quota filter enforces token buckets itself and reports, per bucket,
-what it allowed and denied, every 5 s (Envoy 1.40's fixed interval), and at once for a
-new bucket. For every report the coordinator
+Envoy's rate_limit_quota filter enforces token buckets itself and reports, per bucket, what it
+allowed and denied, every 5 s (Envoy 1.40's fixed interval), and at once for a new bucket. For every
+report the coordinator
 
-1. maps each bucket id to the YAML rule an RLS descriptor would meet
-   (core.matching.bucket_entries, then find_limits): same limits, shadow mode, reload;
-2. measures each instance's demand per bucket, (allowed + denied) per second on the
-   service's clock (Envoy's ``time_elapsed`` is whole seconds, and 0 on a first report);
-3. divides the limit among the instances reporting the bucket by demand, and answers
-   with the instance's token bucket, with a TTL of a few report intervals; rules of a
-   minute or longer also count the fleet's allowed hits per fixed window and answer
-   DENY_ALL once it is used up, until it resets. Buckets no rule limits get ALLOW_ALL;
-   shadow rules ALLOW_ALL and count what the limit would have denied.
+1. maps each bucket id to the YAML rule an RLS descriptor would meet (core.matching.bucket_entries,
+   then find_limits): same limits, shadow mode, reload;
+2. measures each instance's demand per bucket, (allowed + denied) per second on the service's clock
+   (Envoy's ``time_elapsed`` is whole seconds, and 0 on a first report);
+3. divides the limit among the instances reporting the bucket by demand, and answers with the
+   instance's token bucket, with a TTL of a few report intervals; rules of a minute or longer also
+   count the fleet's allowed hits per fixed window and answer DENY_ALL once it is used up, until it
+   resets. Buckets no rule limits get ALLOW_ALL; shadow rules ALLOW_ALL and count what the limit
+   would have denied.
 
-The division has two tiers (core/tiers.py). Every ``interval`` this replica publishes
-per counter its totals to the store (its instances' demand and count, the hits they
-allowed) and reads back the fleet's sums, which set its part of the limit. Between
-publishes a report is answered from that part, divided among the replica's instances
-max-min by demand (core/shares.py), without a store call; a counter's first report
-waits for one publish, so a restarted replica does not hand out the whole limit again.
-With the store away each replica keeps its last part (fail-static). On the embedded
-store the one process is the whole fleet.
+The division has two tiers (core/tiers.py). Every ``interval`` this replica publishes per counter
+its totals to the store (its instances' demand and count, the hits they allowed) and reads back the
+fleet's sums, which set its part of the limit. Between publishes a report is answered from that
+part, divided among the replica's instances max-min by demand (core/shares.py), without a store
+call; a counter's first report waits for one publish, so a restarted replica does not hand out the
+whole limit again. With the store away each replica keeps its last part (fail-static). On the
+embedded store the one process is the whole fleet.
 """
 
 from __future__ import annotations
@@ -66,8 +65,7 @@ ABANDON_AFTER = 3
 FORGET_AFTER = 3 * REPORT_INTERVAL
 """Seconds after which an instance that stopped reporting a bucket loses its share."""
 MIN_ELAPSED = 0.5
-"""Seconds since the previous report under which a report measures no demand (Envoy's
-first report of a bucket comes at once)."""
+"""Seconds since the last report under which a report measures no demand (a first comes at once)."""
 
 
 class Kind(enum.Enum):
@@ -182,8 +180,7 @@ class QuotaCoordinator:
     async def report(self, instance: str, domain: str, usages: Iterable[Usage]) -> list[Action]:
         """Account one report of ``instance`` and answer each of its buckets."""
         self.reports += 1
-        now, config = self._clock(), self._config()
-        rules = config.domains.get(domain)
+        now, rules = self._clock(), self._config().domains.get(domain)
         if rules is None:
             self._stats.count_domain_not_found(domain)
         answers: list[Action | _Pending] = []
@@ -255,8 +252,7 @@ class QuotaCoordinator:
         counter.resplit()
 
     def _add_used(self, counter: QuotaCounter, allowed: int) -> None:
-        """Count allowed hits in the fleet's window (a new window starts at 0, on time,
-        with or without the store)."""
+        """Count allowed hits in the fleet's window (a new one starts at 0, store or not)."""
         index = window_index(self._wall(), counter.window_seconds)
         if index != counter.window:
             counter.window, counter.used = index, 0
@@ -321,7 +317,10 @@ class QuotaCoordinator:
 
     async def tick(self) -> None:
         """One publish round: forget silent instances, publish, push grown shares."""
-        self._forget_silent(self._clock())
+        now = self._clock()
+        for counter in list(self._counters.values()):
+            for name in [n for n, s in counter.seen.items() if now - s.last_report > FORGET_AFTER]:
+                self._drop(name, counter)
         counters = [c for c in self._counters.values() if c.part is not None]
         self.last_updates = len(counters)
         if counters and await self._publish(counters):  # the store splits it into calls
@@ -332,7 +331,6 @@ class QuotaCoordinator:
         """Publish ``counters``' totals and take the new parts; False when the store is away
         (parts kept; one never published gets the whole limit, as RLS's failure_mode)."""
         reports = [self._totals(counter) for counter in counters]
-        sent = [report.allowed for report in reports]
         self.bucket_updates += len(reports)
         try:
             answers = await self._store.publish(reports, FORGET_AFTER)
@@ -345,10 +343,10 @@ class QuotaCoordinator:
                     counter.resplit()
             return False
         self.publishes += 1
-        for counter, totals, allowed in zip(counters, answers, sent, strict=True):
+        for counter, report, totals in zip(counters, reports, answers, strict=True):
             window = counter.window_seconds
             index = window_index(self._wall(), window)
-            counter.unpublished -= allowed
+            counter.unpublished -= report.allowed
             if index != counter.window:
                 counter.window, counter.unpublished = index, 0
             counter.used = totals.used + counter.unpublished
@@ -364,8 +362,7 @@ class QuotaCoordinator:
         rate = counter.match.limit.requests_per_unit / window
         everyone = counter.totals.instances if counter.totals else len(counter.seen)
         measured = [s.demand for s in counter.seen.values() if s.demand is not None]
-        unmeasured = len(counter.seen) - len(measured)
-        demand = member_demand(measured, unmeasured, rate / max(1, everyone))
+        demand = member_demand(measured, len(counter.seen) - len(measured), rate / max(1, everyone))
         return TierReport(
             counter.key, self.member, demand, len(counter.seen), counter.unpublished, window, rate
         )
@@ -393,20 +390,13 @@ class QuotaCoordinator:
             bucket = self._bucket(counter, seen, share)
             if bucket == before[0]:
                 continue  # the same bucket (rounded): Envoy has it
-            action = Action(seen.bucket, TOKEN_BUCKET, bucket)
             log.debug("pushed to %s: %s", name, seen.bucket)
-            if self._pushers[name]([action]):
+            if self._pushers[name]([Action(seen.bucket, TOKEN_BUCKET, bucket)]):
                 self.pushed += 1
                 self.assignments += 1
             else:
                 self.pushes_dropped += 1  # the instance keeps the bucket it holds
                 seen.sent, seen.saved, seen.lost, seen.saved_at = before
-
-    def _forget_silent(self, now: float) -> None:
-        """Instances that stopped reporting a counter (stream still open) lose their share."""
-        for counter in list(self._counters.values()):
-            for name in [n for n, s in counter.seen.items() if now - s.last_report > FORGET_AFTER]:
-                self._drop(name, counter)
 
     def _drop(self, instance: str, counter: QuotaCounter) -> None:
         """``instance`` no longer reports ``counter``; a counter nobody reports goes."""
@@ -469,15 +459,12 @@ class QuotaCoordinator:
         for key in list(self._of.get(instance, ())):
             self._drop(instance, self._counters[key])
 
-    # -- the read-out: the status page and /metrics ------------------------------------
-
     def view(self) -> Iterator[CounterView | None]:
         """Each counter reported here, copied; a None every SLICE instances, a point to yield."""
         wall, copied = self._wall(), 0
         for counter in list(self._counters.values()):
-            shares = counter.shares
             instances = tuple(
-                (name, seen.demand, shares.get(name), _per_second(seen.sent))
+                (name, seen.demand, counter.shares.get(name), _per_second(seen.sent))
                 for name, seen in list(counter.seen.items())
             )
             current = window_index(wall, counter.window_seconds) == counter.window

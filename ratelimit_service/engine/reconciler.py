@@ -39,8 +39,7 @@ class Reconciler:
         self._clock = clock
         self.syncs = 0
         self.bucket_updates = 0
-        """Bucket reports sent to the store, a monotonic count (the store's work grows
-        with them: docs/scale.md)."""
+        """Bucket reports sent to the store, ever (its work grows with them: docs/scale.md)."""
         self.last_updates = 0
         """Bucket reports the last round sent."""
         self.errors = 0
@@ -52,8 +51,7 @@ class Reconciler:
     async def sync_once(self) -> int:
         """One reconciliation; returns the number of buckets synced."""
         started = time.perf_counter()
-        now = self._clock()
-        reports = self.local.take_reports(now, self.interval)
+        reports = self.local.take_reports(self._clock(), self.interval)
         sent_while_failing = self.failing
         if sent_while_failing:
             # Sent while the store is away, this call may run late: it must not charge

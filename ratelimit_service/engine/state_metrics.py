@@ -25,8 +25,7 @@ MAX_BUCKET_SERIES = 1000
 def readable_bucket(bucket_key: str) -> str:
     """``domain.key=value.key2=value2/60s`` for a metric label."""
     values, _, window = bucket_key.rpartition("\x1f")
-    readable = values.replace("\x1f", ".").replace("\x1e", "=").replace("\x1d", "#")
-    return readable + f"/{window}s"
+    return values.replace("\x1f", ".").replace("\x1e", "=").replace("\x1d", "#") + f"/{window}s"
 
 
 def bucket_metrics(local: LocalBuckets) -> Iterator[Metric | None]:
@@ -213,8 +212,7 @@ def quota_metrics(quota: QuotaCoordinator) -> Iterator[Metric | None]:
                 share.add_metric([label, name], assigned)
         if view.part is not None:
             part.add_metric([label], view.part)
-            totals = view.totals
-            if totals is not None:
+            if (totals := view.totals) is not None:
                 fleet.add_metric([label, "demand"], totals.demand)
                 fleet.add_metric([label, "instances"], totals.instances)
                 fleet.add_metric([label, "replicas"], totals.members)

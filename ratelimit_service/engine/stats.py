@@ -1,15 +1,14 @@
 """Counters kept as plain attributes on the request path and exported at scrape time.
 
-prometheus_client's labelled counters take a lock and a dict lookup per ``inc``; the
-request path instead bumps slot attributes, and a collector makes metric families when
-``/metrics`` is read. Names follow envoyproxy/ratelimit's stats as the Prometheus statsd
-exporter would name them.
+prometheus_client's labelled counters take a lock and a dict lookup per ``inc``; the request path
+instead bumps slot attributes, and a collector makes metric families when ``/metrics`` is read.
+Names follow envoyproxy/ratelimit's stats as the Prometheus statsd exporter would name them.
 
-A scrape runs on the event loop that answers calls, so the text is made in pieces of at
-most :data:`SLICE` samples (:meth:`StatsCollector.exposition`), the server returning to
-the loop between two. The per-key families are written straight from the counters (far
-cheaper than prometheus_client's samples), byte for byte what ``generate_latest`` prints
-for :meth:`StatsCollector.collect`.
+A scrape runs on the event loop that answers calls, so the text is made in pieces of at most
+:data:`SLICE` samples (:meth:`StatsCollector.exposition`), the server returning to the loop between
+two. The per-key families are written straight from the counters (far cheaper than
+prometheus_client's samples), byte for byte what ``generate_latest`` prints for
+:meth:`StatsCollector.collect`.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ class RuleStats:
     within_limit: int
     shadow_mode: int
     failure_mode_allowed: int
-    """Hits admitted by failure_mode open: the store failed (exact) or the last sync is too
-    old (probabilistic)."""
+    """Hits failure_mode open admitted: the store failed (exact), a stale sync (probabilistic)."""
     failure_mode_denied: int
     """Hits denied by failure_mode closed, for the same reasons."""
     overloaded: int
@@ -222,7 +220,7 @@ def _help(text: str) -> str:
 
 def _escape(value: str) -> str:
     """A label value escaped as the text format wants it (and generate_latest does)."""
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return _help(value).replace('"', r"\"")
 
 
 class _One:

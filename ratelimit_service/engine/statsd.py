@@ -1,15 +1,14 @@
 """statsd: the service's counters under envoyproxy/ratelimit's stat names, over UDP.
 
-Nothing is added to the request path: every flush interval a background task reads the
-counters (engine/stats.py), turns what changed since the last flush into statsd lines,
-and sends them in datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go
-service's, declared in engine/counters.py; counters it does not have stay on /metrics.
-A flush reads every stats key in pieces of SLICE keys (background.in_stretches).
+Nothing is added to the request path: every flush interval a background task reads the counters
+(engine/stats.py), turns what changed since the last flush into statsd lines, and sends them in
+datagrams of at most :data:`MAX_DATAGRAM` bytes. The names are the Go service's, declared in
+engine/counters.py; counters it does not have stay on /metrics. A flush reads every stats key in
+pieces of SLICE keys (background.in_stretches).
 
-The timer comes from the latency histogram: each bucket that gained ``n`` calls is one
-sample with sample rate ``1/n`` (statsd counts it ``n`` times), its value the interval's
-mean latency held inside that bucket's bounds. Counts are exact; each value lies in its
-call's bucket.
+The timer comes from the latency histogram: each bucket that gained ``n`` calls is one sample with
+sample rate ``1/n`` (statsd counts it ``n`` times), its value the interval's mean latency held
+inside that bucket's bounds. Counts are exact; each value lies in its call's bucket.
 """
 
 from __future__ import annotations
@@ -164,7 +163,6 @@ class StatsdSink:
             raise ValueError("statsd flush interval must be positive")
         self.host, self.port, self.interval = host, port, interval
         self.deltas = StatsdDeltas(stats)
-        self.flushes = 0
         self.datagrams_sent = 0
         self.datagrams_dropped = 0
         self._failing = False
@@ -192,7 +190,6 @@ class StatsdSink:
         async for piece in in_stretches(self.deltas.pieces()):
             lines += piece
         datagrams = pack(lines)
-        self.flushes += 1
         if not datagrams:
             return 0
         sent = 0
@@ -203,17 +200,16 @@ class StatsdSink:
                 sock.sendto(datagram, address)
                 sent += 1
         except OSError as exc:
-            self.datagrams_sent += sent
             self.datagrams_dropped += len(datagrams) - sent
             if not self._failing:
                 log.warning("statsd: cannot send to %s:%d: %s", self.host, self.port, exc)
             self._failing = True
-            return sent
-        self.datagrams_sent += sent
-        if self._failing:
-            log.info("statsd: sending to %s:%d again", self.host, self.port)
+        else:
+            if self._failing:
+                log.info("statsd: sending to %s:%d again", self.host, self.port)
             self._failing = False
-        return len(datagrams)
+        self.datagrams_sent += sent
+        return sent
 
     async def _resolve(self) -> tuple[int, tuple[str, int]]:
         infos = await asyncio.get_running_loop().getaddrinfo(

@@ -1,23 +1,21 @@
-"""The status page's data (``/status.json``; the page itself is resources/status.html):
-one read-only snapshot of what the engine already tracks, for a person at a browser.
+"""The status page's data (``/status.json``; the page itself is resources/status.html): one
+read-only snapshot of what the engine already tracks, for a person at a browser.
 
-- **Rules**: each stats key's calls per second over a recent interval, the share denied
-  and the hits near the limit: engine/stats.py's counters less an earlier copy
-  (:class:`Baselines`), so nothing new is counted on the request path.
-- **Keys closest to their limit**: probabilistic buckets (the share of the fleet's token
-  bucket in use, as last synced less what this process admitted since), RLQS counters
-  (the fleet's allowed hits in the window; for a rule per second, the fleet's demand
-  over the limit), and exact keys last seen near or over their limit within their
-  window (Stats.near_keys: their counts live in the store).
-- **State**: the store's figures (its circuit breakers), the reconciler, the zone's
-  aggregator.
+- **Rules**: each stats key's calls per second over a recent interval, the share denied and the hits
+  near the limit: engine/stats.py's counters less an earlier copy (:class:`Baselines`), so nothing
+  new is counted on the request path.
+- **Keys closest to their limit**: probabilistic buckets (the share of the fleet's token bucket in
+  use, as last synced less what this process admitted since), RLQS counters (the fleet's allowed
+  hits in the window; for a rule per second, the fleet's demand over the limit), and exact keys last
+  seen near or over their limit within their window (Stats.near_keys: their counts live in the
+  store).
+- **State**: the store's figures (its circuit breakers), the reconciler, the zone's aggregator.
 - **RLQS**: the Envoys that report here (demand, assigned share) and their counters.
 
-Bounded: each table is its TOP rows by rate or closeness, with the total and how many
-more, so the JSON stays under 64 KB at 10,000 stats keys and 1,000 RLQS Envoys. The
-snapshot is made off the request path when a page asks, at most once per FRESH_FOR
-seconds (readers meanwhile share it), in pieces that return to the event loop
-(engine/background.in_stretches), as /metrics is.
+Bounded: each table is its TOP rows by rate or closeness, with the total and how many more, so the
+JSON stays under 64 KB at 10,000 stats keys and 1,000 RLQS Envoys. The snapshot is made off the
+request path when a page asks, at most once per FRESH_FOR seconds (readers meanwhile share it), in
+pieces that return to the event loop (engine/background.in_stretches), as /metrics is.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ import heapq
 import json
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -34,7 +33,7 @@ from typing import Any, Generic, TypeVar
 
 from ratelimit_service.core.config_model import RateLimit, RateLimitConfig, period_text
 from ratelimit_service.core.local_buckets import LocalBuckets
-from ratelimit_service.core.units import UNIT_SECONDS, Unit
+from ratelimit_service.core.units import UNIT_SECONDS
 from ratelimit_service.engine.background import result_in_stretches
 from ratelimit_service.engine.counters import CATALOGUE, KEY_COUNTERS, Label
 from ratelimit_service.engine.quota import CounterView, QuotaCoordinator
@@ -59,8 +58,7 @@ Work = Generator[None, None, _T]
 """Work done in pieces: it yields None where it may return to the event loop."""
 Json = dict[str, Any]
 Counts = tuple[int, ...]
-"""A stats key's counters the rules table shows (engine/counters.py: those with a
-status key), in the catalogue's order."""
+"""A stats key's counters with a status key (engine/counters.py), in the catalogue's order."""
 _SHOWN = [(c.attr, c.status) for c in KEY_COUNTERS if c.status is not None]
 _COUNTS = attrgetter(*(attr for attr, _ in _SHOWN))
 _ROW_KEYS = [key for _, key in _SHOWN]
@@ -126,8 +124,7 @@ class Top(Generic[_Item]):
     def wants(self, rank: tuple[float, ...]) -> bool:
         """Whether an item of ``rank`` would be kept (counted as offered): make it only then."""
         self.offered += 1
-        heap = self._heap
-        return len(heap) < self.size or (rank, -self.offered) > heap[0][:2]
+        return len(self._heap) < self.size or (rank, -self.offered) > self._heap[0][:2]
 
     def keep(self, rank: tuple[float, ...], item: _Item) -> None:
         """Keep an item :meth:`wants` just wanted."""
@@ -253,22 +250,19 @@ class _Timing:
 
     def timed(self, work: Work[_T]) -> Work[_T]:
         clock = time.thread_time
-        started = clock()
-        try:
-            while True:
+        while True:
+            started = clock()
+            try:
                 next(work)
-                self._piece(clock() - started)
-                yield None
-                started = clock()
-        except StopIteration as done:
-            self._piece(clock() - started)
-            result: _T = done.value
-            return result
-
-    def _piece(self, seconds: float) -> None:
-        self.work += seconds
-        self.longest = max(self.longest, seconds)
-        self.pieces += 1
+            except StopIteration as done:
+                result: _T = done.value
+                return result
+            finally:
+                seconds = clock() - started
+                self.work += seconds
+                self.longest = max(self.longest, seconds)
+                self.pieces += 1
+            yield None
 
 
 def _rules(
@@ -278,8 +272,7 @@ def _rules(
     now: float,
     interval: float | None,
 ) -> Work[tuple[Sample, Json]]:
-    """Every stats key's counters sampled, and the busiest TOP over the interval (by
-    hits since the start while there is no interval yet)."""
+    """Every stats key's counters sampled; the busiest TOP over the interval (else by hits)."""
     earlier = reference.counts if reference is not None else None
     counts: dict[str, Counts] = {}
     top: Top[tuple[str, Counts, Counts | None]] = Top()
@@ -291,23 +284,17 @@ def _rules(
             rank: tuple[float, ...] = (now_counts[_HITS],)
             delta = None
         else:
-            delta = _minus(now_counts, earlier.get(key, NONE))
+            delta = tuple([a - b for a, b in zip(now_counts, earlier.get(key, NONE), strict=True)])
             hits, over = hits + delta[_HITS], over + delta[_DENIED]
             rank = (delta[_HITS], now_counts[_HITS])
         top.offer(rank, (key, now_counts, delta))
         if count % SLICE == 0:
             yield None
-    sample = Sample(now, counts, stats.total_requests)
-    rows = [_rule_row(key, c, d, limits.get(key), interval) for key, c, d in top.best()]
-    table = top.table(rows)
+    table = top.table([_rule_row(key, c, d, limits.get(key), interval) for key, c, d in top.best()])
     table["loaded"] = len(limits)
     table["rate"] = None if interval is None else _num(hits / interval)
     table["denied_share"] = None if interval is None else _share(over, hits)
-    return sample, table
-
-
-def _minus(now: Counts, before: Counts) -> Counts:
-    return tuple([a - b for a, b in zip(now, before, strict=True)])
+    return Sample(now, counts, stats.total_requests), table
 
 
 def _rule_row(
@@ -334,9 +321,8 @@ def _rule_row(
 def _closest_keys(
     local: LocalBuckets, near_keys: list[tuple[str, NearKey]], views: list[CounterView], now: float
 ) -> Work[Json]:
-    """The TOP keys with the largest share of their limit in use: probabilistic buckets,
-    exact keys last seen near or over their limit (Stats.near_keys: ``used`` as of that
-    call), RLQS counters."""
+    """The TOP keys using the largest share of their limit: probabilistic buckets, exact keys
+    last seen near or over it (Stats.near_keys: ``used`` as of that call), RLQS counters."""
     top: Top[Json] = Top()
     for count, bucket in enumerate(local.buckets(), 1):
         if bucket.capacity > 0:
@@ -364,10 +350,8 @@ def _closest_keys(
         if limit.requests_per_unit <= 0:
             continue
         demand = _fleet_demand(view)
-        if limit.window_seconds > 1:
-            rank = (view.used / limit.requests_per_unit, demand)
-        else:
-            rank = (demand / limit.requests_per_unit, demand)
+        used = view.used if limit.window_seconds > 1 else demand  # a rule per second: its demand
+        rank = (used / limit.requests_per_unit, demand)
         if top.wants(rank):
             top.keep(rank, _key_row(view.key, view.stats_key, "rlqs", rank, limit_text(limit)))
     return top.table(top.best())
@@ -394,52 +378,44 @@ def _fleet_demand(view: CounterView) -> float:
 
 def _envoys(views: list[CounterView]) -> Work[Json]:
     """The TOP RLQS Envoys reporting here by demand, with their counters, shares and buckets."""
-    envoys: dict[str, _Envoy] = {}
+    envoys: defaultdict[str, _Envoy] = defaultdict(_Envoy)
     for count, view in enumerate(views, 1):
         for name, demand, share, bucket in view.instances:
-            envoy = envoys.get(name)
-            if envoy is None:
-                envoy = envoys[name] = _Envoy(name)
-            envoy.add(view, demand, share, bucket)
+            envoys[name].add(view, demand, share, bucket)
         if count % SLICE == 0:
             yield None
-    top: Top[_Envoy] = Top()
-    for count, envoy in enumerate(envoys.values(), 1):
-        top.offer((envoy.demand if envoy.measured else -1.0, envoy.counters), envoy)
+    top: Top[tuple[str, _Envoy]] = Top()
+    for count, (name, envoy) in enumerate(envoys.items(), 1):
+        top.offer((-1.0 if envoy.demand is None else envoy.demand, envoy.counters), (name, envoy))
         if count % SLICE == 0:
             yield None
-    return top.table([envoy.row() for envoy in top.best()])
+    return top.table([{"name": name, **envoy.row()} for name, envoy in top.best()])
 
 
 @dataclass(slots=True)
 class _Envoy:
-    name: str
+    """An RLQS Envoy's counters, summed over those it reports here."""
+
     counters: int = 0
-    demand: float = 0.0
-    measured: bool = False
+    demand: float | None = None
+    """Hits per second it offers its counters (None: not measured yet)."""
     share: float = 0.0
     """Its shares of its counters' limits, per second: the division by demand."""
-    assigned: float = 0.0
-    """The token buckets it holds, per second: the shares in whole tokens and seconds,
-    as Envoy enforces them."""
-    buckets: int = 0
-    """Counters it holds a token bucket for (the others: a blanket rule)."""
+    assigned: float | None = None
+    """Its token buckets per second: shares in whole tokens and seconds (None: blanket rules)."""
     busiest: tuple[float, CounterView, float | None] | None = None
-    """Its counter of highest demand, that demand and the share it holds of it (set by the
-    first :meth:`add`)."""
+    """Its busiest counter: (that demand, the counter, its share of it); set by the first add."""
 
     def add(
         self, view: CounterView, demand: float | None, share: float | None, bucket: float | None
     ) -> None:
         self.counters += 1
         if demand is not None:
-            self.demand += demand
-            self.measured = True
+            self.demand = (self.demand or 0.0) + demand
         if share is not None:
             self.share += share / view.limit.window_seconds
         if bucket is not None:
-            self.assigned += bucket
-            self.buckets += 1
+            self.assigned = (self.assigned or 0.0) + bucket
         if self.busiest is None or (demand or 0.0) > self.busiest[0]:
             self.busiest = (demand or 0.0, view, share)
 
@@ -447,11 +423,10 @@ class _Envoy:
         assert self.busiest is not None
         _, view, share = self.busiest
         return {
-            "name": self.name,
             "counters": self.counters,
-            "demand": _num(self.demand) if self.measured else None,
+            "demand": _num(self.demand),
             "share": _num(self.share),
-            "assigned": _num(self.assigned) if self.buckets else None,
+            "assigned": _num(self.assigned),
             "busiest": readable_bucket(view.key),
             "busiest_share": _num(share),
             "busiest_limit": limit_text(view.limit),
@@ -564,10 +539,8 @@ LONGEST_FIRST = sorted(UNIT_SECONDS.items(), key=lambda item: -item[1])
 def _period(seconds: int) -> str:
     """A window of ``seconds`` in words, as RateLimit.period says a rule's period: in
     the longest unit it is a whole number of (``minute``, ``10 minutes``)."""
-    for unit, length in LONGEST_FIRST:
-        if seconds % length == 0:
-            return period_text(unit, seconds // length)
-    return period_text(Unit.SECOND, seconds)
+    unit, length = next((u, n) for u, n in LONGEST_FIRST if seconds % n == 0)  # seconds at worst
+    return period_text(unit, seconds // length)
 
 
 def _share(part: int, whole: int) -> float | None:
@@ -576,6 +549,4 @@ def _share(part: int, whole: int) -> float | None:
 
 def _num(value: float | None, digits: int = 3) -> float | None:
     """A figure for JSON: rounded, None when unknown or not finite."""
-    if value is None or not math.isfinite(value):
-        return None
-    return round(value, digits)
+    return None if value is None or not math.isfinite(value) else round(value, digits)

@@ -1,21 +1,20 @@
 """OpenTelemetry spans for decisions, exported over OTLP (``serve --tracing``).
 
-Off by default, and then free: nothing imports opentelemetry until :class:`Tracing` is
-built, and the service installs the traced paths (the servicer's handler, the limiter's
-store call) only then.
+Off by default, and then free: nothing imports opentelemetry until :class:`Tracing` is built, and
+the service installs the traced paths (the servicer's handler, the limiter's store call) only then.
 
-Each ShouldRateLimit call (and each RLQS usage report) is one SERVER span, a child of
-the caller's span when its gRPC metadata carries a context (W3C ``traceparent`` /
-``tracestate``, or B3 as ``b3`` or ``x-b3-*``), as Envoy's ratelimit filter sends it. A
-decision that asks the store has a CLIENT span for that call under its own; the
-outcome goes on the decision's span (:func:`outcome_attributes`).
+Each ShouldRateLimit call (and each RLQS usage report) is one SERVER span, a child of the caller's
+span when its gRPC metadata carries a context (W3C ``traceparent`` / ``tracestate``, or B3 as ``b3``
+or ``x-b3-*``), as Envoy's ratelimit filter sends it. A decision that asks the store has a CLIENT
+span for that call under its own; the outcome goes on the decision's span
+(:func:`outcome_attributes`).
 
-Sampling: a call its caller sampled out is not traced (a span of ours would hang from
-nothing), nor a store call outside a traced decision. Any other call is traced with
-probability ``sampling_rate``: drawn here for a root span, decided on the trace id
-otherwise, so services with the same rate keep the same traces. Spans leave in batches
-from an SDK thread (BatchSpanProcessor: a bounded queue), never on the request path;
-``OTEL_BSP_*`` tune it and the exporters read ``OTEL_EXPORTER_OTLP_*`` themselves.
+Sampling: a call its caller sampled out is not traced (a span of ours would hang from nothing), nor
+a store call outside a traced decision. Any other call is traced with probability ``sampling_rate``:
+drawn here for a root span, decided on the trace id otherwise, so services with the same rate keep
+the same traces. Spans leave in batches from an SDK thread (BatchSpanProcessor: a bounded queue),
+never on the request path; ``OTEL_BSP_*`` tune it and the exporters read ``OTEL_EXPORTER_OTLP_*``
+themselves.
 """
 
 from __future__ import annotations
@@ -34,22 +33,25 @@ INSTRUMENTATION = "ratelimit_service"
 RLS_SPAN = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 RLQS_SPAN = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService report"
 STORE_SPAN = "ratelimit store hit"
-_RPC = {
-    "rpc.system": "grpc",
-    "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
-    "rpc.method": "ShouldRateLimit",
-}
-_RLQS = {
-    "rpc.system": "grpc",
-    "rpc.service": "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
-    "rpc.method": "StreamRateLimitQuotas",
-}
+
+
+def _rpc(service: str, method: str) -> dict[str, str]:
+    """A gRPC server span's RPC attributes."""
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+
+
+_RPC = _rpc("envoy.service.ratelimit.v3.RateLimitService", "ShouldRateLimit")
+_RLQS = _rpc("envoy.service.rate_limit_quota.v3.RateLimitQuotaService", "StreamRateLimitQuotas")
 _PROPAGATED = frozenset({"traceparent", "b3", "x-b3-traceid"})
 """Metadata keys that carry a caller's trace context (W3C, B3 single, B3 multi)."""
 FLUSH_TIMEOUT_MS = 5000
 """How long stopping waits for the last spans to leave."""
 _NEEDS = "pip install 'ratelimit-service[tracing]'"
 REINSTALL_PROTO = "pip install --force-reinstall --no-deps opentelemetry-proto"
+_Metadata = Sequence[tuple[str, str | bytes]] | None
+"""A call's gRPC metadata (``invocation_metadata()``)."""
+_Traced = AbstractContextManager[Any] | None
+"""A span to enter, or None for a call not traced."""
 
 
 class TracingUnavailable(RuntimeError):
@@ -73,7 +75,7 @@ class Tracing:
         (HTTP posts to its ``/v1/traces``); None: the exporter's own default."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"tracing protocol: choose grpc or http, got {protocol!r}")
-        sdk = _import_sdk(protocol)
+        sdk = _Sdk(protocol)
         resource = sdk.Resource.create(
             {
                 "service.name": service_name,
@@ -99,26 +101,15 @@ class Tracing:
         self._client = sdk.SpanKind.CLIENT
         self._stopped = False
 
-    def decision(
-        self, metadata: Sequence[tuple[str, str | bytes]] | None
-    ) -> AbstractContextManager[Any] | None:
-        """The span of one ShouldRateLimit call, to enter (the store's span goes under it);
-        None for a call not to be traced."""
+    def decision(self, metadata: _Metadata) -> _Traced:
+        """The span of one ShouldRateLimit call (the store's span goes under it)."""
         return self._span(RLS_SPAN, metadata, _RPC)
 
-    def report(
-        self, metadata: Sequence[tuple[str, str | bytes]] | None, attributes: dict[str, Any]
-    ) -> AbstractContextManager[Any] | None:
-        """The span of one RLQS usage report, under the stream's opening trace context; None
-        when not traced."""
+    def report(self, metadata: _Metadata, attributes: dict[str, Any]) -> _Traced:
+        """The span of one RLQS usage report, under the stream's opening trace context."""
         return self._span(RLQS_SPAN, metadata, {**_RLQS, **attributes})
 
-    def _span(
-        self,
-        name: str,
-        metadata: Sequence[tuple[str, str | bytes]] | None,
-        attributes: dict[str, Any],
-    ) -> AbstractContextManager[Any] | None:
+    def _span(self, name: str, metadata: _Metadata, attributes: dict[str, Any]) -> _Traced:
         """A SERVER span, sampled as the module docstring says; calls not traced are told
         apart here, before the SDK (whose unsampled span costs more)."""
         carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
@@ -139,8 +130,7 @@ class Tracing:
     def traced_hit(
         self, hit: Callable[..., Awaitable[Any]], store_name: str
     ) -> Callable[..., Awaitable[Any]]:
-        """``hit`` (Store.hit) with a CLIENT span per call under the current (decision's)
-        span when that one is traced."""
+        """``hit`` (Store.hit) with a CLIENT span per call under a traced decision's span."""
         tracer, kind, current = self.tracer, self._client, self._current
 
         async def traced(
@@ -192,22 +182,25 @@ def outcome_attributes(
 
 
 class _Sdk:
-    """The opentelemetry names this module uses, imported on demand."""
+    """The opentelemetry names this module uses, imported on demand (else TracingUnavailable)."""
 
     def __init__(self, protocol: str) -> None:
-        from opentelemetry.propagators.b3 import B3MultiFormat, B3SingleFormat
-        from opentelemetry.propagators.composite import CompositePropagator
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider, sampling
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace import SpanKind, get_current_span
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        try:
+            from opentelemetry.propagators.b3 import B3MultiFormat, B3SingleFormat
+            from opentelemetry.propagators.composite import CompositePropagator
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider, sampling
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace import SpanKind, get_current_span
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        exporter: Any
-        if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as exporter
-        else:
-            from opentelemetry.exporter.otlp.proto.http import trace_exporter as exporter
+            exporter: Any
+            if protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as exporter
+            else:
+                from opentelemetry.exporter.otlp.proto.http import trace_exporter as exporter
+        except ImportError as exc:
+            raise TracingUnavailable(_unavailable(exc)) from None
         self.Resource = Resource
         self.TracerProvider = TracerProvider
         self.BatchSpanProcessor = BatchSpanProcessor
@@ -231,17 +224,9 @@ class _Sdk:
 def check_sdk() -> None:
     """Raise TracingUnavailable unless both exporters and the receivers' protos import."""
     for protocol in PROTOCOLS:
-        _import_sdk(protocol)
+        _Sdk(protocol)
     try:
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: F401
-    except ImportError as exc:
-        raise TracingUnavailable(_unavailable(exc)) from None
-
-
-def _import_sdk(protocol: str) -> _Sdk:
-    """The SDK, or TracingUnavailable saying what is missing."""
-    try:
-        return _Sdk(protocol)
     except ImportError as exc:
         raise TracingUnavailable(_unavailable(exc)) from None
 

@@ -1,22 +1,20 @@
-"""The zone's aggregator (``serve --zone``): two loops on every replica of a zone, beside
-the server on the same event loop.
+"""The zone's aggregator (``serve --zone``): two loops on every replica of a zone, beside the server
+on the same event loop.
 
-- **The lease**, every RENEW_SHARE of the interval, each call bounded by as long: the
-  holder renews the zone's lease in the zone store, the others try to take it. Nothing
-  else runs in this loop, so a global store that hangs or is cut off cannot cost the
-  zone its aggregator. A replica aggregates only while its
-  :class:`~ratelimit_service.core.zones.Leadership` says so (its last renewal's send
-  time plus the lease's TTL, less a margin, on this process's clock), so one that
-  cannot renew stops before another can take the lease.
-- **The pass**, every interval, on the holder only, bounded by PASS_SHARE of the
-  interval: read the zone's sums, publish them to the global store as the zone, fold
-  the zone's calendar budgets into the global store's, write back the zone's parts and
-  allotments (core/zones.py ZonePass). Every write carries the term's fencing token; a
-  store that has seen a later one refuses it, and this replica stops aggregating.
+- **The lease**, every RENEW_SHARE of the interval, each call bounded by as long: the holder renews
+  the zone's lease in the zone store, the others try to take it. Nothing else runs in this loop, so
+  a global store that hangs or is cut off cannot cost the zone its aggregator. A replica aggregates
+  only while its :class:`~ratelimit_service.core.zones.Leadership` says so (its last renewal's send
+  time plus the lease's TTL, less a margin, on this process's clock), so one that cannot renew stops
+  before another can take the lease.
+- **The pass**, every interval, on the holder only, bounded by PASS_SHARE of the interval: read the
+  zone's sums, publish them to the global store as the zone, fold the zone's calendar budgets into
+  the global store's, write back the zone's parts and allotments (core/zones.py ZonePass). Every
+  write carries the term's fencing token; a store that has seen a later one refuses it, and this
+  replica stops aggregating.
 
-The global store away, the zone keeps its last parts (fail-static). Every transition is
-counted in :meth:`ZoneAggregator.stats` (``ratelimit_store{store="zoned",name=...}``)
-and logged once.
+The global store away, the zone keeps its last parts (fail-static). Every transition is counted in
+:meth:`ZoneAggregator.stats` (``ratelimit_store{store="zoned",name=...}``) and logged once.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from ratelimit_service.core.drop_ratio import FleetView
 from ratelimit_service.core.local_buckets import BucketReport
@@ -94,9 +93,12 @@ class ZoneAggregator:
         self.global_errors = 0
         self.zone_errors = 0
         self.global_away = False
+        zone = f"zone {self.zone}"
+        lease = partial(every, self.renew_every, self.renew, f"{zone}: lease call")
+        passes = partial(every, self.interval, self.aggregate, f"{zone}: aggregation pass")
         self._tasks = [
-            BackgroundTask(f"zone-{self.zone}-lease", self._lease_loop),
-            BackgroundTask(f"zone-{self.zone}-pass", self._pass_loop),
+            BackgroundTask(f"zone-{self.zone}-lease", lease),
+            BackgroundTask(f"zone-{self.zone}-pass", passes),
         ]
 
     def _now(self) -> float:
@@ -143,8 +145,7 @@ class ZoneAggregator:
     async def aggregate(self) -> None:
         """One pass, if this replica holds the lease: the zone's sums (RLQS counters and
         probabilistic buckets) to the global store, its parts back, within pass_timeout."""
-        started = self._now()
-        token = self.leadership.term(started)
+        token = self.leadership.term(self._now())
         if token is None:
             return
         deadline = asyncio.get_running_loop().time() + self.pass_timeout
@@ -227,14 +228,6 @@ class ZoneAggregator:
         except StoreUnavailable:
             self.global_errors += 1
             return None
-
-    # -- lifecycle -------------------------------------------------------------------
-
-    async def _lease_loop(self) -> None:
-        await every(self.renew_every, self.renew, f"zone {self.zone}: lease call")
-
-    async def _pass_loop(self) -> None:
-        await every(self.interval, self.aggregate, f"zone {self.zone}: aggregation pass")
 
     def start(self) -> None:
         for task in self._tasks:

@@ -1,14 +1,13 @@
-"""envoy.service.rate_limit_quota.v3.RateLimitQuotaService over grpc.aio: usage
-reports in, bucket assignments out (the decisions are engine/quota.py's).
+"""envoy.service.rate_limit_quota.v3.RateLimitQuotaService over grpc.aio: usage reports in, bucket
+assignments out (the decisions are engine/quota.py's).
 
-One stream is one Envoy instance (Envoy 1.40 shares one RLQS stream per process, target
-and domain), named by its ``x-envoy-node-id`` initial metadata, else by its peer address
-and the stream. Every report is answered at once with an action for each of its
-buckets: the token bucket is re-sent each time, which renews its TTL (an identical
-bucket keeps its tokens in Envoy); never ``requests_per_time_unit``, which Envoy 1.40
-ignores. Between reports a stream also carries the larger buckets another Envoy's report
-made room for. When the service stops, every stream ends with UNAVAILABLE: an orderly
-end with a status, not the cancellation of gRPC's grace running out.
+One stream is one Envoy instance (Envoy 1.40 shares one RLQS stream per process, target and domain),
+named by its ``x-envoy-node-id`` initial metadata, else by its peer address and the stream. Every
+report is answered at once with an action for each of its buckets: the token bucket is re-sent each
+time, which renews its TTL (an identical bucket keeps its tokens in Envoy); never
+``requests_per_time_unit``, which Envoy 1.40 ignores. Between reports a stream also carries the
+larger buckets another Envoy's report made room for. When the service stops, every stream ends with
+UNAVAILABLE: an orderly end with a status, not the cancellation of gRPC's grace running out.
 """
 
 from __future__ import annotations
@@ -133,8 +132,7 @@ async def incoming(
                 next_message = asyncio.ensure_future(anext(messages))
             if next_push is None:
                 next_push = asyncio.ensure_future(pushed.get())
-            waiting = (next_message, next_push, stop)
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((next_message, next_push, stop), return_when=asyncio.FIRST_COMPLETED)
             if closing.is_set():
                 return
             if next_push.done():
@@ -165,8 +163,7 @@ def bucket_action(action: Action) -> Any:
     bucket_id = rlqs_pb2.BucketId(bucket=dict(action.bucket))
     if action.kind == ABANDON:
         return _Action(bucket_id=bucket_id, abandon_action=_Action.AbandonAction())
-    if action.token_bucket is not None:
-        tb = action.token_bucket
+    if (tb := action.token_bucket) is not None:
         strategy = _Strategy(
             token_bucket=token_bucket_pb2.TokenBucket(
                 max_tokens=tb.max_tokens,
