@@ -53,7 +53,5 @@ class CertificateReloader:
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
-            self.configuration(),
-            self.fetch,
-            require_client_authentication=self.require_client_auth,
+            self.configuration(), self.fetch, require_client_authentication=self.require_client_auth
         )

@@ -136,9 +136,7 @@ def sync_reply(raw: Sequence[Any]) -> SyncResult:
     thousandths)."""
     views = [
         FleetView(
-            tokens=int(raw[i]) / MILLI,
-            offered_total=int(raw[i + 1]),
-            limit=int(raw[i + 2]) / MILLI,
+            tokens=int(raw[i]) / MILLI, offered_total=int(raw[i + 1]), limit=int(raw[i + 2]) / MILLI
         )
         for i in range(1, len(raw), SYNC_STRIDE)
     ]
