@@ -183,7 +183,6 @@ def render_rlqs(
         " enforces",
         "# token buckets the service assigns, reporting usage every 5 s (no call per request).",
         "# One bucket per request: the first matcher that matches (longest rule chain first).",
-        "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
     if bootstrap:
         return with_header(header, _to_dict(build_rlqs_bootstrap(rules, options)))
