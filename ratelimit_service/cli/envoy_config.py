@@ -380,8 +380,7 @@ def _route(plan: RoutePlan, upstream_cluster: str) -> route_components_pb2.Route
 def build_bootstrap(
     domain: DomainConfig, options: EnvoyOptions = DEFAULT_OPTIONS
 ) -> bootstrap_pb2.Bootstrap:
-    """A complete Envoy bootstrap (:func:`bootstrap_around`) running the ratelimit filter
-    over the routes of ``plan_routes``."""
+    """A whole bootstrap (:func:`bootstrap_around`): the ratelimit filter over ``plan_routes``."""
     check_clusters(options)
     routes = [_route(plan, options.upstream_cluster) for plan in plan_routes(domain)]
     http_filter = ratelimit_filter(domain.name, options.cluster, options.timeout)

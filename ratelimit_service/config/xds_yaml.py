@@ -129,8 +129,7 @@ class DescriptorLines:
             self._walk(_get(item, "descriptors"), path)
 
     def path_at(self, line: int) -> str | None:
-        """The innermost descriptor holding ``line`` (the last to start), or None (domain
-        level)."""
+        """The innermost descriptor holding ``line`` (the last to start), or None (domain level)."""
         started = self._spans[: bisect.bisect_right(self._starts, line)]
         return next((span.path for span in reversed(started) if line <= span.end), None)
 

@@ -241,15 +241,13 @@ class RedisStore:
         timeout: float | None = None,
     ) -> SyncResult:
         zone = self.zone_keys
-        zoned = zone is not None
         node = self.node_id if heartbeat else ""
-        args = sync_args(reports, node, int(self.node_ttl * 1_000_000), zoned)
+        args = sync_args(reports, node, int(self.node_ttl * 1_000_000), zone is not None)
         call_keys = [self.prefix + "nodes", *keys] if heartbeat else list(keys)
         if zone is not None:
             call_keys += (zone.buckets, zone.zones)
         wait = self.sync_timeout if timeout is None else timeout
-        raw = await self.redis.call(self._sync, call_keys, args, wait)
-        return sync_reply(raw)
+        return sync_reply(await self.redis.call(self._sync, call_keys, args, wait))
 
     # -- RLQS --------------------------------------------------------------------
 

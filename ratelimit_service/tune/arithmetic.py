@@ -83,8 +83,7 @@ def should_promote(share: float, below: float, *, lowered: bool) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
-    """How a rule's demand per unit is read: rates over ``range_seconds`` windows,
-    every ``step_seconds``."""
+    """How a rule's demand per unit is read: rates over ``range_seconds`` every ``step_seconds``."""
 
     step_seconds: int
     range_seconds: int
