@@ -62,14 +62,12 @@ _Single = _Predicate.SinglePredicate
 def _input(key: str) -> extension_pb2.TypedExtensionConfig:
     """Where a key's value comes from, as an Envoy matching input."""
     if key in ("remote_address", "masked_remote_address"):
-        return extension_pb2.TypedExtensionConfig(
-            name="source_ip", typed_config=_pack(network_inputs_pb2.SourceIPInput())
-        )
-    header = header_for(key)
-    return extension_pb2.TypedExtensionConfig(
-        name=f"header {header}",
-        typed_config=_pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=header)),
-    )
+        name, source = "source_ip", _pack(network_inputs_pb2.SourceIPInput())
+    else:
+        header = header_for(key)
+        name = f"header {header}"
+        source = _pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=header))
+    return extension_pb2.TypedExtensionConfig(name=name, typed_config=source)
 
 
 def _regex(pattern: str) -> string_pb2.StringMatcher:
