@@ -66,8 +66,7 @@ def _from_files(request: Request, path: str, mode: Mode, merge_domains: bool) ->
     from ratelimit_service.engine.limiter import RateLimiter
     from ratelimit_service.storage.embedded import EmbeddedStore
 
-    files = read_config_files(path)
-    rules = load_config(files, default_mode=mode, merge_domains=merge_domains)
+    rules = load_config(read_config_files(path), default_mode=mode, merge_domains=merge_domains)
     limiter = RateLimiter(rules, EmbeddedStore(), default_mode=mode)
     return asyncio.run(explain(limiter, request, counts=False))
 

@@ -118,8 +118,7 @@ def _help_with_sources(flag: str, kwargs: dict[str, Any]) -> str:
     env_value = _env(flag)
     if env_value is not None:
         sources.append(f"now {env_value!r} from the environment")
-    text = f"{kwargs.get('help') or ''} ({'; '.join(sources)})".strip()
-    return text.replace("%", "%%")
+    return f"{kwargs.get('help') or ''} ({'; '.join(sources)})".strip().replace("%", "%%")
 
 
 class _Parser(argparse.ArgumentParser):
