@@ -337,14 +337,9 @@ def _chain_entry(chain: Chain, exact_path: str | None) -> RateLimitEntry | None:
 
 
 def _dedup(entries: Iterable[RateLimitEntry]) -> list[RateLimitEntry]:
-    seen: set[bytes] = set()
-    out = []
-    for entry in entries:
-        wire = entry.SerializeToString(deterministic=True)
-        if wire not in seen:
-            seen.add(wire)
-            out.append(entry)
-    return out
+    """Each distinct entry once, where it first appears."""
+    unique = {entry.SerializeToString(deterministic=True): entry for entry in entries}
+    return list(unique.values())
 
 
 def _pack(message: Message) -> any_pb2.Any:

@@ -250,8 +250,7 @@ class RulePlaces:
 
 
 _Found = tuple[str, tuple[yaml.Node, ...], yaml.Node | None, yaml.Node | None]
-"""A limit's stats key, the nodes an alias could share, requests_per_unit's and
-shadow_mode's nodes."""
+"""A stats key, the nodes an alias could share, and requests_per_unit's and shadow_mode's nodes."""
 
 
 def rule_places(text: str) -> dict[str, RulePlaces]:
