@@ -23,9 +23,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         errors = list(exc.errors)
     else:
         errors = check_config(files, merge_domains=bool(args.merge_domain_config))
-    for error in errors:
-        print(error)
     if errors:
+        print(*errors, sep="\n")
         return 1
     if not files:
         print(f"{args.path}: no rule file (*.yaml, *.yml) found")

@@ -301,7 +301,6 @@ def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
         "# every descriptor of every rule: on a route that some rules must not limit (a",
         "# /healthz only an `unlimited` rule covers) it limits too much; --bootstrap prints",
         "# whole routes, each with what its rules need.",
-        "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
     if on_filter:
         header[3:7] = [
@@ -310,8 +309,7 @@ def render(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) -> str:
             "# stream is done. Envoy then ignores the routes' and virtual hosts' rate_limits;",
             "# --bootstrap prints whole routes, each with what its rules need.",
         ]
-    header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
-    return with_header(header, snippet)
+    return with_header(header, snippet, skipped)
 
 
 def _chain_entries(chain: Chain, exact_path: str | None) -> list[RateLimitEntry]:
@@ -339,14 +337,9 @@ def _chain_entry(chain: Chain, exact_path: str | None) -> RateLimitEntry | None:
 
 
 def _dedup(entries: Iterable[RateLimitEntry]) -> list[RateLimitEntry]:
-    seen: set[bytes] = set()
-    out = []
-    for entry in entries:
-        wire = entry.SerializeToString(deterministic=True)
-        if wire not in seen:
-            seen.add(wire)
-            out.append(entry)
-    return out
+    """Each distinct entry once, where it first appears."""
+    unique = {entry.SerializeToString(deterministic=True): entry for entry in entries}
+    return list(unique.values())
 
 
 def _pack(message: Message) -> any_pb2.Any:
@@ -382,8 +375,7 @@ def _route(plan: RoutePlan, upstream_cluster: str) -> route_components_pb2.Route
 def build_bootstrap(
     domain: DomainConfig, options: EnvoyOptions = DEFAULT_OPTIONS
 ) -> bootstrap_pb2.Bootstrap:
-    """A complete Envoy bootstrap (:func:`bootstrap_around`) running the ratelimit filter
-    over the routes of ``plan_routes``."""
+    """A whole bootstrap (:func:`bootstrap_around`): the ratelimit filter over ``plan_routes``."""
     check_clusters(options)
     routes = [_route(plan, options.upstream_cluster) for plan in plan_routes(domain)]
     http_filter = ratelimit_filter(domain.name, options.cluster, options.timeout)
@@ -457,12 +449,14 @@ def render_bootstrap(config_path: str, options: EnvoyOptions = DEFAULT_OPTIONS) 
         "# The 'upstream' cluster is a placeholder: point it at your application.",
         "# Routes: one per path a rule names, then '/'; each sends the descriptors its rules",
         "# need (a path only `unlimited` rules cover sends only those, so it is never limited).",
-        "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
-    header += [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
-    return with_header(header, rendered)
+    return with_header(header, rendered, skipped)
 
 
-def with_header(header: list[str], document: Any) -> str:
-    """Comment lines, then ``document`` as YAML."""
-    return "\n".join(header) + "\n" + yaml.safe_dump(document, sort_keys=False)
+def with_header(header: list[str], document: Any, skipped: Sequence[str] = ()) -> str:
+    """Comment lines (``header``, the header names' convention, the config paths no action
+    yields), then ``document`` as YAML."""
+    notes = [f"# not emitted (no Envoy action yields it): {path}" for path in skipped]
+    convention = "# Header names follow the convention x-<key>; edit them to match your requests."
+    lines = [*header, convention, *notes]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(document, sort_keys=False)

@@ -62,14 +62,12 @@ _Single = _Predicate.SinglePredicate
 def _input(key: str) -> extension_pb2.TypedExtensionConfig:
     """Where a key's value comes from, as an Envoy matching input."""
     if key in ("remote_address", "masked_remote_address"):
-        return extension_pb2.TypedExtensionConfig(
-            name="source_ip", typed_config=_pack(network_inputs_pb2.SourceIPInput())
-        )
-    header = header_for(key)
-    return extension_pb2.TypedExtensionConfig(
-        name=f"header {header}",
-        typed_config=_pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=header)),
-    )
+        name, source = "source_ip", _pack(network_inputs_pb2.SourceIPInput())
+    else:
+        header = header_for(key)
+        name = f"header {header}"
+        source = _pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=header))
+    return extension_pb2.TypedExtensionConfig(name=name, typed_config=source)
 
 
 def _regex(pattern: str) -> string_pb2.StringMatcher:
@@ -183,7 +181,6 @@ def render_rlqs(
         " enforces",
         "# token buckets the service assigns, reporting usage every 5 s (no call per request).",
         "# One bucket per request: the first matcher that matches (longest rule chain first).",
-        "# Header names follow the convention x-<key>; edit them to match your requests.",
     ]
     if bootstrap:
         return with_header(header, _to_dict(build_rlqs_bootstrap(rules, options)))

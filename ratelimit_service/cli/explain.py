@@ -66,15 +66,15 @@ def _from_files(request: Request, path: str, mode: Mode, merge_domains: bool) ->
     from ratelimit_service.engine.limiter import RateLimiter
     from ratelimit_service.storage.embedded import EmbeddedStore
 
-    files = read_config_files(path)
-    rules = load_config(files, default_mode=mode, merge_domains=merge_domains)
+    rules = load_config(read_config_files(path), default_mode=mode, merge_domains=merge_domains)
     limiter = RateLimiter(rules, EmbeddedStore(), default_mode=mode)
     return asyncio.run(explain(limiter, request, counts=False))
 
 
 def _from_service(request: Request, admin: str) -> Explanation:
     query = [("domain", request.domain), ("format", "json")]
-    query += [("descriptor", _text(descriptor)) for descriptor in request.descriptors]
+    for descriptor in request.descriptors:
+        query.append(("descriptor", ",".join(f"{k}={v}" for k, v in descriptor.entries)))
     url = f"http://{admin}/explain?{urlencode(query)}"
     try:
         with urllib.request.urlopen(url, timeout=ADMIN_TIMEOUT) as answer:
@@ -91,7 +91,3 @@ def _from_service(request: Request, admin: str) -> Explanation:
         return Explanation.from_dict(json.loads(body))
     except (ValueError, KeyError, TypeError) as exc:
         raise _Unreachable(f"{admin}: not an /explain answer: {exc}") from None
-
-
-def _text(descriptor: Descriptor) -> str:
-    return ",".join(f"{key}={value}" for key, value in descriptor.entries)

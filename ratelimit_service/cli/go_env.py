@@ -159,6 +159,10 @@ class _Reader:
             raise GoSettingError(name, value, "not a port number (0-65535)")
         return int(value)
 
+    def error(self, name: str, reason: str) -> GoSettingError:
+        """``name``'s value refused for ``reason``."""
+        return GoSettingError(name, self.text(name), reason)
+
     def set(self, flag: str, value: object, source: str) -> None:
         self.out.values[flag] = GoValue(str(value), source)
 
@@ -274,9 +278,8 @@ def _ports(r: _Reader) -> None:
 
 def _grpc_tls(r: _Reader) -> None:
     if r.text("GRPC_CLIENT_TLS_SAN"):
-        raise GoSettingError(
+        raise r.error(
             "GRPC_CLIENT_TLS_SAN",
-            r.text("GRPC_CLIENT_TLS_SAN"),
             "not supported: client certificates are checked against the CA only; unset it",
         )
     if not r.boolean("GRPC_SERVER_USE_TLS"):
@@ -297,22 +300,18 @@ def _log_level(r: _Reader) -> None:
     level = r.text("LOG_LEVEL")
     if level:
         if level.lower() not in GO_LOG_LEVELS:
-            raise GoSettingError(
-                "LOG_LEVEL", level, f"unknown level; choose from {', '.join(GO_LOG_LEVELS)}"
-            )
+            raise r.error("LOG_LEVEL", f"unknown level; choose from {', '.join(GO_LOG_LEVELS)}")
         r.set("--log-level", GO_LOG_LEVELS[level.lower()], "LOG_LEVEL")
 
 
 def _backend(r: _Reader) -> None:
     backend = r.text("BACKEND_TYPE")
     if backend and backend.lower() != "redis":
-        raise GoSettingError(
-            "BACKEND_TYPE", backend, "only redis is supported (or no REDIS_URL: the embedded store)"
+        raise r.error(
+            "BACKEND_TYPE", "only redis is supported (or no REDIS_URL: the embedded store)"
         )
     if r.boolean("QUOTA_MODE"):
-        raise GoSettingError(
-            "QUOTA_MODE", r.text("QUOTA_MODE"), "not supported globally: set quota_mode per rule"
-        )
+        raise r.error("QUOTA_MODE", "not supported globally: set quota_mode per rule")
     if r.boolean("REDIS_PERSECOND"):
         r.warn(
             "REDIS_PERSECOND=true: one Redis (REDIS_URL) holds every unit's counters;"
@@ -336,12 +335,10 @@ def redis_url_from_go(r: _Reader) -> str:
         return url
     socket_type = r.text("REDIS_SOCKET_TYPE", "unix").lower() or "unix"
     if socket_type not in ("tcp", "unix"):
-        raise GoSettingError("REDIS_SOCKET_TYPE", r.text("REDIS_SOCKET_TYPE"), "choose tcp or unix")
+        raise r.error("REDIS_SOCKET_TYPE", "choose tcp or unix")
     kind = r.text("REDIS_TYPE", "single").lower() or "single"
     if kind not in ("single", "sentinel", "cluster"):
-        raise GoSettingError(
-            "REDIS_TYPE", r.text("REDIS_TYPE"), "choose SINGLE, SENTINEL or CLUSTER"
-        )
+        raise r.error("REDIS_TYPE", "choose SINGLE, SENTINEL or CLUSTER")
     tls = r.boolean("REDIS_TLS")
     auth = _userinfo(r.text("REDIS_AUTH"))
     if kind == "single" and socket_type == "unix" and ":" not in url:
@@ -351,9 +348,7 @@ def redis_url_from_go(r: _Reader) -> str:
         query = _tls_query(r) if tls else ""
         return f"{'rediss' if tls else 'redis'}://{auth}{url}{query}"
     if tls:
-        raise GoSettingError(
-            "REDIS_TLS", r.text("REDIS_TLS"), f"not supported with REDIS_TYPE={kind}"
-        )
+        raise r.error("REDIS_TLS", f"not supported with REDIS_TYPE={kind}")
     hosts = [part.strip() for part in url.split(",") if part.strip()]
     if kind == "sentinel" and len(hosts) < 2:
         raise GoSettingError(
@@ -443,7 +438,7 @@ def _stats(r: _Reader) -> None:
 def _xds(r: _Reader) -> None:
     config_type = r.text("CONFIG_TYPE", "FILE").upper() or "FILE"
     if config_type not in ("FILE", "GRPC_XDS_SOTW"):
-        raise GoSettingError("CONFIG_TYPE", r.text("CONFIG_TYPE"), "choose FILE or GRPC_XDS_SOTW")
+        raise r.error("CONFIG_TYPE", "choose FILE or GRPC_XDS_SOTW")
     if config_type == "FILE":
         return
     server = r.text("CONFIG_GRPC_XDS_SERVER_URL") or GO_SERVER_URL
@@ -454,9 +449,8 @@ def _xds(r: _Reader) -> None:
     size = r.text("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")
     if size:
         if not size.isdigit() or int(size) < MIN_MESSAGE_SIZE:
-            raise GoSettingError(
+            raise r.error(
                 "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES",
-                size,
                 f"expected a whole number, {MIN_MESSAGE_SIZE} or more",
             )
         r.set("--xds-max-message-size", size, "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES")

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
 from typing import Any, NoReturn
 
 import ratelimit_service
+from ratelimit_service.cli import tune as tune_command
 from ratelimit_service.cli.envoy_plan import DEFAULT_OPTIONS
 from ratelimit_service.cli.go_env import GoEnvironment
-from ratelimit_service.cli.tune import add_tune_parser
 from ratelimit_service.core.config_model import Mode
 from ratelimit_service.core.settings_table import (
     BY_FLAG,
@@ -26,6 +28,7 @@ from ratelimit_service.core.settings_table import (
     env_name,
     positive,
 )
+from ratelimit_service.tune.arithmetic import parse_duration, parse_stat
 
 MERGE_HELP = BY_FLAG["--merge-domain-config"].help
 
@@ -115,8 +118,7 @@ def _help_with_sources(flag: str, kwargs: dict[str, Any]) -> str:
     env_value = _env(flag)
     if env_value is not None:
         sources.append(f"now {env_value!r} from the environment")
-    text = f"{kwargs.get('help') or ''} ({'; '.join(sources)})".strip()
-    return text.replace("%", "%%")
+    return f"{kwargs.get('help') or ''} ({'; '.join(sources)})".strip().replace("%", "%%")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,7 +155,7 @@ def build_parser(go: GoEnvironment | None = None) -> argparse.ArgumentParser:
     _add_envoy_config(commands)
     _add_client(commands)
     _add_explain(commands)
-    add_tune_parser(commands)
+    _add_tune(commands)
     for command in commands.choices.values():
         command.formatter_class = _Formatter
     return parser
@@ -271,3 +273,127 @@ def _add_explain(commands: Any) -> None:
     )
     _add(explain, "--merge-domain-config", action="store_true", help=MERGE_HELP)
     explain.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _percent(text: str) -> float:
+    value = float(text.rstrip("% "))
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage from 0 to 100, got {text}")
+    return value / 100
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _when(text: str) -> float:
+    """Unix seconds or an ISO 8601 time with its zone."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected unix seconds or ISO 8601, got {text!r}"
+        ) from None
+    if moment.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"give the time zone too (Z or +00:00): {text!r}")
+    return moment.timestamp()
+
+
+def _add_tune(commands: Any) -> None:
+    """tune's flags (cli/tune.py runs the command)."""
+    duration = _arg_type(parse_duration)
+    tune = commands.add_parser(
+        "tune",
+        help="propose limits from the demand Prometheus observed (--write: apply them)",
+        description=(tune_command.__doc__ or "").replace("``", ""),
+    )
+    tune.add_argument("--prometheus", required=True, help="Prometheus base URL, http://HOST:PORT")
+    tune.add_argument("--config", required=True, help="rule file, or directory of *.yaml/*.yml")
+    tune.add_argument(
+        "--window",
+        type=duration,
+        default=parse_duration("14d"),
+        metavar="DURATION",
+        help="how far back to look (Prometheus durations: 14d, 36h, 2w; default 14d)",
+    )
+    tune.add_argument(
+        "--headroom",
+        type=_fraction,
+        default=0.3,
+        help="proposed = ceil(peak x (1 + HEADROOM)); default 0.3",
+    )
+    tune.add_argument(
+        "--stat",
+        type=_arg_type(parse_stat),
+        metavar="max|pNN",
+        help="the peak: max (default) or a quantile such as p99.9 (nearest rank)",
+    )
+    tune.add_argument(
+        "--min-samples",
+        type=_count,
+        default=60,
+        help="rules with fewer demand samples are listed and left alone (60)",
+    )
+    tune.add_argument(
+        "--floor",
+        type=_count,
+        help="never propose below this (default: the current limit; with"
+        " --allow-lower and no --floor: 1)",
+    )
+    tune.add_argument(
+        "--allow-lower",
+        action="store_true",
+        help="let a proposal go below the current limit (down to --floor)",
+    )
+    tune.add_argument(
+        "--promote",
+        action="store_true",
+        help="turn shadow_mode off for shadow rules whose would-deny share over"
+        " the window is below --promote-below",
+    )
+    tune.add_argument(
+        "--promote-below",
+        type=_percent,
+        default=0.001,
+        metavar="PERCENT",
+        help="percent of hits (default 0.1)",
+    )
+    tune.add_argument(
+        "--write",
+        action="store_true",
+        help="rewrite the rule files (atomically; live reload picks them up)",
+    )
+    tune.add_argument(
+        "--plot",
+        type=Path,
+        metavar="DIR",
+        help="one PNG per rule (demand, current and proposed limit) and index.html",
+    )
+    tune.add_argument(
+        "--scrape-interval",
+        type=duration,
+        metavar="DURATION",
+        help="default: measured from each rule's recent samples",
+    )
+    tune.add_argument(
+        "--end",
+        type=_when,
+        metavar="TIME",
+        help="the window's end, unix seconds or ISO 8601 (default: now)",
+    )
+    tune.add_argument("--timeout", type=float, default=30.0, help="seconds per Prometheus query")
+    tune.add_argument("--merge-domain-config", action="store_true")

@@ -74,12 +74,10 @@ class ConfigWatcher:
         log.info("config reloaded: domains=%s", ",".join(sorted(config.domains)) or "(none)")
         return True
 
-    def check(self) -> bool:
-        """Reload if the files changed since the last look. True when a reload ran."""
-        if fingerprint(self.path) == self._seen:
-            return False
-        self.reload()
-        return True
+    def check(self) -> None:
+        """Reload if the files changed since the last look."""
+        if fingerprint(self.path) != self._seen:
+            self.reload()
 
     async def run(self) -> None:
         while True:

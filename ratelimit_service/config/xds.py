@@ -70,7 +70,12 @@ class XdsConfigSource:
         self._load = load
         self._install = install
         self._stats = stats
-        self._backoff = Backoff.from_settings(settings)
+        self._backoff = Backoff(
+            settings.backoff_initial,
+            settings.backoff_max,
+            settings.backoff_random_factor,
+            settings.backoff_jitter,
+        )
         self._first = asyncio.Event()
         self._background = BackgroundTask("xds-config", self._run)
         self.version = ""

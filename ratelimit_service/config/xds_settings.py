@@ -99,15 +99,6 @@ class Backoff:
         self._draw = draw
         self._current = initial
 
-    @classmethod
-    def from_settings(cls, settings: XdsSettings) -> Backoff:
-        return cls(
-            settings.backoff_initial,
-            settings.backoff_max,
-            settings.backoff_random_factor,
-            settings.backoff_jitter,
-        )
-
     def reset(self) -> None:
         self._current = self.initial
 

@@ -29,19 +29,15 @@ TYPE_URL = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig"
 FILE_PREFIX = "xds:"
 
 
-def file_name(resource: Any) -> str:
-    """The name the loader uses in errors: the resource's name, else its domain."""
-    return f"{FILE_PREFIX}{resource.name or resource.domain}"
-
-
 def to_config_file(resource: Any) -> ConfigFile:
-    """One ``RateLimitConfig`` message as a rule file."""
+    """One ``RateLimitConfig`` message as a rule file, named (in the loader's errors) by the
+    resource's name, else its domain."""
     document = {
         "domain": resource.domain,
         "descriptors": [_descriptor(d) for d in resource.descriptors],
     }
     text = yaml.safe_dump(document, sort_keys=False, allow_unicode=True, width=2**31 - 1)
-    return ConfigFile(file_name(resource), text)
+    return ConfigFile(f"{FILE_PREFIX}{resource.name or resource.domain}", text)
 
 
 def _descriptor(message: Any) -> dict[str, Any]:
@@ -129,8 +125,7 @@ class DescriptorLines:
             self._walk(_get(item, "descriptors"), path)
 
     def path_at(self, line: int) -> str | None:
-        """The innermost descriptor holding ``line`` (the last to start), or None (domain
-        level)."""
+        """The innermost descriptor holding ``line`` (the last to start), or None (domain level)."""
         started = self._spans[: bisect.bisect_right(self._starts, line)]
         return next((span.path for span in reversed(started) if line <= span.end), None)
 

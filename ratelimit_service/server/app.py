@@ -329,11 +329,9 @@ class RateLimitService:
 
     async def _stop_listeners(self) -> None:
         """Every HTTP listener that was started (each stop is safe on one that was not)."""
-        for server in (self.admin, self.prometheus, self.debug):
+        for server in (self.admin, self.prometheus, self.debug, self.http):
             if server is not None:
                 await server.stop()
-        if self.http is not None:
-            await self.http.stop()
 
     def _bind(self, server: grpc.aio.Server) -> int:
         settings = self.settings

@@ -20,8 +20,7 @@ _PARAMETERS = frozenset({"domain", "descriptor", "format"})
 
 
 def request_from_query(query: str) -> tuple[Request, bool]:
-    """The request a query names, and whether JSON is asked for; ValueError (one line)
-    on anything else."""
+    """The request a query names and whether JSON is asked for; ValueError (one line) otherwise."""
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:

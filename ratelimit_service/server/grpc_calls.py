@@ -15,20 +15,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class GrpcCalls:
-    """The runtime's counts over every gRPC server in the process."""
-
-    started: int
-    succeeded: int
-    failed: int
 
 
 def _channelz_servers() -> Callable[[int], bytes] | None:
@@ -43,29 +33,19 @@ def _channelz_servers() -> Callable[[int], bytes] | None:
 
 
 _READ = _channelz_servers()
+_COUNTS = (("started", "callsStarted"), ("succeeded", "callsSucceeded"), ("failed", "callsFailed"))
+"""Each ``result`` label and the channelz server field that counts it."""
 
 
-def grpc_calls() -> GrpcCalls | None:
-    """The counts now, or None when the runtime cannot say (no channelz)."""
+def grpc_call_metrics() -> Iterator[CounterMetricFamily]:
+    """``ratelimit_grpc_server_calls_total{result}``: started, succeeded and failed over every
+    gRPC server in the process; nothing when the runtime cannot say (no channelz)."""
     if _READ is None:
-        return None
+        return
     try:
         servers = json.loads(_READ(0)).get("server", [])
     except (ValueError, RuntimeError) as exc:  # channelz disabled, or an unreadable answer
         log.debug("channelz gave no server counts: %s", exc)
-        return None
-    totals = {"callsStarted": 0, "callsSucceeded": 0, "callsFailed": 0}
-    for server in servers:
-        data = server.get("data", {})
-        for name in totals:
-            totals[name] += int(data.get(name, 0))  # proto3 JSON leaves out zeros
-    return GrpcCalls(totals["callsStarted"], totals["callsSucceeded"], totals["callsFailed"])
-
-
-def grpc_call_metrics() -> Iterator[CounterMetricFamily]:
-    """``ratelimit_grpc_server_calls_total{result}``: started, succeeded, failed."""
-    calls = grpc_calls()
-    if calls is None:
         return
     family = CounterMetricFamily(
         "ratelimit_grpc_server_calls",
@@ -73,7 +53,6 @@ def grpc_call_metrics() -> Iterator[CounterMetricFamily]:
         " whose deadline passed before an answer, those that never reached a handler too",
         labels=["result"],
     )
-    family.add_metric(["started"], calls.started)
-    family.add_metric(["succeeded"], calls.succeeded)
-    family.add_metric(["failed"], calls.failed)
+    for result, name in _COUNTS:  # proto3 JSON leaves out zeros
+        family.add_metric([result], sum(int(s.get("data", {}).get(name, 0)) for s in servers))
     yield family

@@ -216,8 +216,6 @@ async def _in_blocks(pieces: Iterator[bytes]) -> list[bytes]:
 
 Page = Callable[[], PageResult | Awaitable[PageResult]]
 """A read-only page: GET (and HEAD) only."""
-
-
 QueryPage = Callable[[str], Awaitable[PageResult]]
 """A read-only page that reads its query string."""
 INDEX = b"/healthcheck\n/metrics\n/rlconfig\n/status\n/status.json\n/explain\n"

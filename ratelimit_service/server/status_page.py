@@ -21,9 +21,6 @@ JSON = "application/json"
 def status_routes(board: StatusBoard) -> dict[str, Page]:
     """The page and its JSON, for pages()."""
 
-    def page() -> PageResult:
-        return 200, HTML, PAGE
-
     async def snapshot() -> PageResult:
         try:
             return 200, JSON, await board.json()
@@ -31,7 +28,7 @@ def status_routes(board: StatusBoard) -> dict[str, Page]:
             log.exception("status snapshot failed")
             return 500, "text/plain", f"status snapshot failed: {exc}\n".encode()
 
-    return {"/status": page, "/status.json": snapshot}
+    return {"/status": lambda: (200, HTML, PAGE), "/status.json": snapshot}
 
 
 def workers_json(snapshots: list[bytes | None]) -> bytes:

@@ -51,7 +51,6 @@ class Worker:
         self.admin_port = free_port()
         self.argv = argv
         self.process: asyncio.subprocess.Process | None = None
-        self.restarts = 0
 
     async def start(self) -> None:
         self.process = await asyncio.create_subprocess_exec(
@@ -189,7 +188,6 @@ class Supervisor:
             code = await worker.process.wait()
             if self.stopping:
                 return
-            worker.restarts += 1
             log.error("worker %d exited with %s; restarting", worker.index, code)
             await asyncio.sleep(RESTART_DELAY)
 

@@ -25,11 +25,8 @@ class CertificateReloader:
         self.reloads = 0
 
     def _stamps(self) -> tuple[tuple[int, int], ...]:
-        stamps = []
-        for path in self.paths:
-            info = os.stat(path)  # follows symlinks: a Secret volume's ..data swap shows
-            stamps.append((info.st_mtime_ns, info.st_ino))
-        return tuple(stamps)
+        # os.stat follows symlinks: a Secret volume's ..data swap shows.
+        return tuple((info.st_mtime_ns, info.st_ino) for info in map(os.stat, self.paths))
 
     def configuration(self) -> grpc.ServerCertificateConfiguration:
         cert, key = self.paths[0].read_bytes(), self.paths[1].read_bytes()
@@ -53,7 +50,5 @@ class CertificateReloader:
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
-            self.configuration(),
-            self.fetch,
-            require_client_authentication=self.require_client_auth,
+            self.configuration(), self.fetch, require_client_authentication=self.require_client_auth
         )

@@ -21,13 +21,7 @@ from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.lru import LruMap
 from ratelimit_service.core.settings_table import default
-from ratelimit_service.core.tiers import (
-    Fenced,
-    TierReport,
-    TierTable,
-    TierTotals,
-    publish_fenced,
-)
+from ratelimit_service.core.tiers import Fenced, TierReport, TierTable, TierTotals, publish_fenced
 from ratelimit_service.core.window import DEFAULT_SLICES, SlidingWindow
 from ratelimit_service.storage.base import StoreMetrics
 

@@ -47,7 +47,9 @@ class OwedHits:
     def add(self, keys: Sequence[str], args: Sequence[Any], since: float) -> None:
         """Keep one request's hits: ``args`` is its per-descriptor ARGV part (limit,
         window_us, hits, role per descriptor); ``since``: when it was admitted."""
-        shape = (tuple(keys), _without_hits(args))
+        without_hits = list(args)
+        without_hits[2::4] = [0] * (len(args) // 4)
+        shape = (tuple(keys), tuple(without_hits))
         entry = self._owed.get(shape)
         if entry is None:
             if len(self._owed) >= self.max_entries:
@@ -82,9 +84,3 @@ class OwedHits:
             count += len(keys)
         self.sent += len(out)
         return out
-
-
-def _without_hits(args: Sequence[Any]) -> tuple[Any, ...]:
-    shaped = list(args)
-    shaped[2::4] = [0] * (len(shaped) // 4)
-    return tuple(shaped)

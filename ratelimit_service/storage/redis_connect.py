@@ -54,10 +54,6 @@ def connect(
     # A blocking pool: a burst beyond max_connections waits for a free connection
     # (bounded by the caller's deadline) instead of failing at once.
     pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=None,
-        health_check_interval=0,
-        **common,
+        url, max_connections=max_connections, timeout=None, health_check_interval=0, **common
     )
     return aioredis.Redis.from_pool(pool), False

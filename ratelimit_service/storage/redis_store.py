@@ -214,8 +214,7 @@ class RedisStore:
             *(self._sync_call(k, r, heartbeat=True) for k, r in chunks or [([], [])])
         )
         return SyncResult(
-            nodes=max(r.nodes for r in results),
-            views=[view for r in results for view in r.views],
+            nodes=max(r.nodes for r in results), views=[view for r in results for view in r.views]
         )
 
     async def fold(self, reports: Sequence[BucketReport], deadline: float) -> list[FleetView]:
@@ -242,15 +241,13 @@ class RedisStore:
         timeout: float | None = None,
     ) -> SyncResult:
         zone = self.zone_keys
-        zoned = zone is not None
         node = self.node_id if heartbeat else ""
-        args = sync_args(reports, node, int(self.node_ttl * 1_000_000), zoned)
+        args = sync_args(reports, node, int(self.node_ttl * 1_000_000), zone is not None)
         call_keys = [self.prefix + "nodes", *keys] if heartbeat else list(keys)
         if zone is not None:
             call_keys += (zone.buckets, zone.zones)
         wait = self.sync_timeout if timeout is None else timeout
-        raw = await self.redis.call(self._sync, call_keys, args, wait)
-        return sync_reply(raw)
+        return sync_reply(await self.redis.call(self._sync, call_keys, args, wait))
 
     # -- RLQS --------------------------------------------------------------------
 
@@ -278,29 +275,18 @@ class RedisStore:
     ) -> list[TierTotals] | Fenced:
         answers: list[TierTotals] = []
         for start in range(0, len(reports), CALL_CHUNK):
+            timeout = self.redis.time_left(deadline)
             chunk = reports[start : start + CALL_CHUNK]
-            got = await self._publish(chunk, forget_after, token, self.redis.time_left(deadline))
-            if isinstance(got, Fenced):
-                return got
-            answers += got
+            keys = [self._tier_key(report.key) for report in chunk]
+            groups = self.redis.by_slot(keys, chunk)  # one group on a single server
+            got = await asyncio.gather(
+                *(self._publish_call(g, forget_after, token, timeout) for g in groups)
+            )
+            refused = [a.highest for a in got if isinstance(a, Fenced)]
+            if refused:
+                return Fenced(max(refused))
+            answers += _reorder(groups, [a for a in got if not isinstance(a, Fenced)], len(chunk))
         return answers
-
-    async def _publish(
-        self,
-        reports: Sequence[TierReport],
-        forget_after: float,
-        token: int | None,
-        timeout: float,
-    ) -> list[TierTotals] | Fenced:
-        keys = [self._tier_key(report.key) for report in reports]
-        groups = self.redis.by_slot(keys, reports)  # one group on a single server
-        answers = await asyncio.gather(
-            *(self._publish_call(g.keys, g.items, forget_after, token, timeout) for g in groups)
-        )
-        refused = [a.highest for a in answers if isinstance(a, Fenced)]
-        if refused:
-            return Fenced(max(refused))
-        return _reorder(groups, [a for a in answers if not isinstance(a, Fenced)], len(reports))
 
     def _tier_key(self, counter: str) -> str:
         """A counter's hash; its sorted set and its members' hash are the same name with
@@ -310,20 +296,14 @@ class RedisStore:
         return f"{self.prefix}qt{{{digest}}}"
 
     async def _publish_call(
-        self,
-        keys: list[str],
-        reports: Sequence[TierReport],
-        forget_after: float,
-        token: int | None,
-        timeout: float,
+        self, group: Group, forget_after: float, token: int | None, timeout: float
     ) -> list[TierTotals] | Fenced:
         index = self.zone_keys.counters if self.zone_keys is not None else None
-        call_keys = [name for key in keys for name in tier_keys(key)]
+        call_keys = [name for key in group.keys for name in tier_keys(key)]
         if index is not None:
             call_keys.append(index)
-        args = tier_args(reports, int(forget_after * 1_000_000), token, index is not None)
-        raw = await self.redis.call(self._tier, call_keys, args, timeout)
-        return tier_reply(raw)
+        args = tier_args(group.items, int(forget_after * 1_000_000), token, index is not None)
+        return tier_reply(await self.redis.call(self._tier, call_keys, args, timeout))
 
     async def start(self, connections: int = 4) -> None:
         """Open a few connections and load the scripts before traffic, outside any

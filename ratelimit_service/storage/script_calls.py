@@ -65,16 +65,14 @@ def exact_batch_args(slices: int) -> list[Any]:
 
 
 def add_exact_request(args: list[Any], commit: int, hit_part: Sequence[Any]) -> None:
-    """Add one request to a batch's ARGV: its commit, its descriptors' count and its
-    :func:`hit_args`."""
+    """Add one request to a batch's ARGV: its commit, descriptor count and :func:`hit_args`."""
     args[1] += 1
     args += (int(commit), len(hit_part) // HIT_STRIDE)
     args += hit_part
 
 
 def hit_args(hits: Sequence[ExactHit]) -> tuple[Any, ...]:
-    """The per-descriptor part of a request's ARGV: the same for the same hits, so
-    callers may keep it."""
+    """A request's per-descriptor ARGV: the same for the same hits, so callers may keep it."""
     args: list[Any] = []
     for hit in hits:
         role = int(hit.role) + COST_FLAG if hit.cost else int(hit.role)
@@ -114,8 +112,7 @@ def exact_reply(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]
 def sync_args(
     reports: Sequence[BucketReport], node: str, node_ttl_us: int, zoned: bool
 ) -> list[Any]:
-    """fleet_sync.lua's ARGV: ``node`` ('' for no heartbeat), then each bucket's report
-    (see the script's header)."""
+    """fleet_sync.lua's ARGV: ``node`` ('' for no heartbeat), then each bucket's report."""
     args: list[Any] = [node, node_ttl_us, "1" if zoned else ""]
     for report in reports:
         args += (
@@ -136,9 +133,7 @@ def sync_reply(raw: Sequence[Any]) -> SyncResult:
     thousandths)."""
     views = [
         FleetView(
-            tokens=int(raw[i]) / MILLI,
-            offered_total=int(raw[i + 1]),
-            limit=int(raw[i + 2]) / MILLI,
+            tokens=int(raw[i]) / MILLI, offered_total=int(raw[i + 1]), limit=int(raw[i + 2]) / MILLI
         )
         for i in range(1, len(raw), SYNC_STRIDE)
     ]
@@ -149,8 +144,7 @@ def sync_reply(raw: Sequence[Any]) -> SyncResult:
 
 
 def tier_keys(hash_key: str) -> tuple[str, str, str]:
-    """quota_tier.lua's KEYS for one counter: its hash, its members' sorted set and its
-    members' hash."""
+    """quota_tier.lua's KEYS for one counter: its hash, its members' sorted set and hash."""
     return hash_key, hash_key + ":m", hash_key + ":e"
 
 
@@ -217,8 +211,7 @@ def zone_read_reply(raw: Sequence[Any]) -> list[ZoneTotals]:
 
 
 def zone_read_fleet_reply(raw: Sequence[Any]) -> ZoneBuckets:
-    """zone_read_fleet.lua: the store's time, the zone's live replicas, every live
-    probabilistic bucket."""
+    """zone_read_fleet.lua: the store's time, the zone's live replicas and probabilistic buckets."""
     buckets = [
         ZoneBucket(
             store_key=text(raw[i]),

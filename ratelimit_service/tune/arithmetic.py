@@ -83,8 +83,7 @@ def should_promote(share: float, below: float, *, lowered: bool) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
-    """How a rule's demand per unit is read: rates over ``range_seconds`` windows,
-    every ``step_seconds``."""
+    """How a rule's demand per unit is read: rates over ``range_seconds`` every ``step_seconds``."""
 
     step_seconds: int
     range_seconds: int
@@ -251,8 +250,7 @@ class RulePlaces:
 
 
 _Found = tuple[str, tuple[yaml.Node, ...], yaml.Node | None, yaml.Node | None]
-"""A limit's stats key, the nodes an alias could share, requests_per_unit's and
-shadow_mode's nodes."""
+"""A stats key, the nodes an alias could share, and requests_per_unit's and shadow_mode's nodes."""
 
 
 def rule_places(text: str) -> dict[str, RulePlaces]:

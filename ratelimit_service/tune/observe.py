@@ -16,8 +16,7 @@ from ratelimit_service.tune.arithmetic import Resolution, Rule, excluded_pattern
 from ratelimit_service.tune.prometheus import PrometheusClient
 
 METRIC = RULE_PREFIX + "{}_total"
-"""The service's per-rule counters (engine/counters.py) as Prometheus exposes them
-(``_total`` added)."""
+"""The per-rule counters (engine/counters.py) as Prometheus names them: ``_total`` added."""
 TOP_KEYS = 5
 ASSUMED_SCRAPE = 60.0
 """Prometheus's default scrape_interval, used when no recent sample shows the real one."""

@@ -124,8 +124,7 @@ def resolutions(outcomes: Sequence[Outcome]) -> str:
 
 
 def shadow_report(outcomes: Sequence[Outcome], options: Options) -> str:
-    """For each shadow rule: how often its written limit would have denied, for whom,
-    and whether it is promoted."""
+    """Per shadow rule: how often its written limit would have denied, for whom, if promoted."""
     lines = []
     for outcome in outcomes:
         seen = outcome.seen
