@@ -261,12 +261,17 @@ def _to_dict(message: Message) -> dict[str, Any]:
 def _plain(value: Any) -> Any:
     """``value`` as plain dicts and lists, with ``failure_mode_deny: false`` written into
     every ratelimit filter (proto3 JSON drops a false bool; the reader should see the
-    fail-open choice)."""
+    fail-open choice) and an RLQS bucket's id builders in key order, so the same rules
+    give the same text."""
     if isinstance(value, list):
         return [_plain(item) for item in value]
     if not isinstance(value, dict):
         return value
     plain = {key: _plain(item) for key, item in value.items()}
+    ids = plain.get("bucket_id_builder")
+    if isinstance(ids, dict) and isinstance(ids.get("bucket_id_builder"), dict):
+        # A protobuf map iterates in an order of the process's: write its keys sorted.
+        ids["bucket_id_builder"] = dict(sorted(ids["bucket_id_builder"].items()))
     if plain.get("name") == RATELIMIT_FILTER and isinstance(plain.get("typed_config"), dict):
         plain["typed_config"]["failure_mode_deny"] = False
     return plain

@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -1024,3 +1026,31 @@ def test_the_zones_overlay_gives_each_zone_its_store_and_the_global_one() -> Non
         assert ("Service", "redis") in base
         headless = objects[("Service", f"ratelimit-{zone}-headless")]
         assert headless["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
+def _id_builders(value: Any) -> Iterator[dict[str, Any]]:
+    """Every RLQS bucket's id-builder map in a rendered document."""
+    if isinstance(value, list):
+        for item in value:
+            yield from _id_builders(item)
+    elif isinstance(value, dict):
+        ids = value.get("bucket_id_builder")
+        if isinstance(ids, dict) and isinstance(ids.get("bucket_id_builder"), dict):
+            yield ids["bucket_id_builder"]
+        for item in value.values():
+            yield from _id_builders(item)
+
+
+def test_rlqs_config_is_the_same_text_in_every_process() -> None:
+    """A bucket's id builders are a protobuf map, which each process iterates in an order
+    of its own: the generator writes them in key order, so a config kept in git does not
+    change when it is generated again from the same rules."""
+    command = [sys.executable, "-m", "ratelimit_service", "envoy-config", "--rlqs"]
+    command += ["--config", str(REPO / "config")]
+    texts = {subprocess.run(command, capture_output=True, text=True, check=True).stdout
+             for _ in range(5)}  # fmt: skip
+    assert len(texts) == 1
+    builders = list(_id_builders(yaml.safe_load(texts.pop())))
+    assert any(len(builder) > 1 for builder in builders)
+    for builder in builders:
+        assert list(builder) == sorted(builder)
