@@ -807,6 +807,72 @@ def many_prob_cell(
     }
 
 
+def in_process(buckets: int, per_envoy: int, rounds: int = 20) -> dict[str, Any]:
+    """A replica's own work without processes, sockets or Redis: one QuotaCoordinator on
+    the embedded store and an injected clock, holding ``buckets`` counters (reported by
+    enough other Envoys, ``per_envoy`` buckets each, to touch them all), times the
+    reports of 100 Envoys that each carry buckets 0 .. per_envoy - 1 (the same at any
+    N), and the publish rounds, ``rounds`` report intervals long."""
+    from ratelimit_service.core.config_loader import ConfigFile, load_config
+    from ratelimit_service.engine.quota import QuotaCoordinator, Usage
+    from ratelimit_service.engine.stats import Stats
+    from ratelimit_service.storage.embedded import EmbeddedStore
+
+    k = min(per_envoy, buckets)
+    config = load_config([ConfigFile("q.yaml", many_config(bucket_limits(buckets)))])
+    now = [1000.0]
+    clock = lambda: now[0]  # noqa: E731
+    store = EmbeddedStore(clock=clock)
+    quota = QuotaCoordinator(lambda: config, Stats(), store, clock=clock, wall=clock)
+    others = [
+        (f"o{n}", [Usage({"tenant": f"b{(n * k + i) % buckets}"}, 100, 100) for i in range(k)])
+        for n in range(-(-buckets // k))
+    ]
+    watched = [
+        (f"w{n}", [Usage({"tenant": f"b{i}"}, 100, 100) for i in range(k)]) for n in range(100)
+    ]
+    timed = {"report": 0.0, "tick": 0.0}
+
+    async def rounds_of(count: int, timing: bool) -> None:
+        for _ in range(count):
+            for name, usages in others:
+                await quota.report(name, DOMAIN, usages)
+            began = time.perf_counter()
+            for name, usages in watched:
+                await quota.report(name, DOMAIN, usages)
+            reported = time.perf_counter()
+            now[0] += REPORT_EVERY
+            await quota.tick()
+            if timing:
+                timed["report"] += reported - began
+                timed["tick"] += time.perf_counter() - reported
+
+    asyncio.run(rounds_of(3, False))  # every counter published, every demand measured
+    asyncio.run(rounds_of(rounds, True))
+    return {
+        "buckets": buckets,
+        "per_envoy": k,
+        "counters": len(quota._counters),
+        "us_per_report": 1e6 * timed["report"] / (rounds * len(watched)),
+        "ms_per_publish_round": 1e3 * timed["tick"] / rounds,
+        "us_per_counter_published": 1e6 * timed["tick"] / rounds / max(1, len(quota._counters)),
+    }
+
+
+def markdown_in_process(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"| hot buckets the replica holds | a report of {rows[0]['per_envoy']} buckets"
+        " (the same at every N) | a publish round | per counter published |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['counters']:,} | {r['us_per_report']:.0f} µs"
+            f" | {r['ms_per_publish_round']:.2f} ms | {r['us_per_counter_published']:.1f} µs |"
+        )
+    return "\n".join(lines)
+
+
 def _h2load_count(output: str, name: str) -> int:
     found = re.search(rf"(\d+) {name}", output)
     return int(found.group(1)) if found else 0
@@ -933,8 +999,17 @@ def main() -> None:
         help="spread: each bucket on every replica; pinned: replica 0's Envoys carry "
         "buckets 0 .. per-envoy - 1 whatever the fleet's (--buckets > 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--in-process", action="store_true",
+        help="time the replica's report and publish code in this process instead (--buckets)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=BENCH / "out")
     args = parser.parse_args()
+    if args.in_process:
+        rows = [in_process(n, args.per_envoy) for n in args.buckets]
+        print(json.dumps(rows, indent=1))
+        print(markdown_in_process(rows))
+        return
     progress = Progress()
     args.out.mkdir(parents=True, exist_ok=True)
     designs: list[tuple[str, Path | None]] = [("tiers", None)]
