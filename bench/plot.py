@@ -5,8 +5,8 @@
 
 Each plot is drawn only when its data file exists: throughput.json and
 redis_delay.json (bench/throughput.py), cost_growth.json (bench/cost_growth.py),
-tier_cost.json (bench/tier_cost.py), tier_simulation.json (bench/tier_simulation.py), and
-the fleet scenario CSVs overload/under/step/exact/outage.csv
+tier_cost.json and tier_cost_buckets.json (bench/tier_cost.py), tier_simulation.json
+(bench/tier_simulation.py), and the fleet scenario CSVs overload/under/step/exact/outage.csv
 (bench/fleet_scenarios.py), drawn together as fleet_accuracy.png.
 """
 
@@ -198,6 +198,41 @@ def tier_cost(data: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out)
 
 
+def tier_cost_buckets(data: list[dict[str, Any]], out: Path) -> None:
+    """Redis CPU and replica CPU per report against the fleet's hot buckets (RLQS, this
+    tree): every replica touching them all (spread), and replica 0 kept on its 10
+    (pinned) beside the others."""
+    rows = [r for r in data if r.get("mode", "rlqs") == "rlqs" and r["design"] == "tiers"]
+    if len({r["buckets"] for r in rows}) < 2:
+        return
+    envoys = min(r["envoys"] for r in rows)
+    rows = [r for r in rows if r["envoys"] == envoys]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    lines: list[tuple[str, str, Any]] = [
+        ("spread", "every replica (touches them all)", lambda r: r["replica_cpu_ms_per_report"]),
+        ("pinned", "replica 0 (touches its 10)", lambda r: r["per_replica_cpu_ms_per_report"][0]),
+        ("pinned", "replicas 1-3 (touch them all)",
+         lambda r: sum(r["per_replica_cpu_ms_per_report"][1:]) / 3),
+    ]  # fmt: skip
+    for layout, label, value in lines:
+        mine = sorted((r for r in rows if r["layout"] == layout), key=lambda r: r["buckets"])
+        right.plot([r["buckets"] for r in mine], [value(r) for r in mine], marker="o", label=label)
+    spread = sorted((r for r in rows if r["layout"] == "spread"), key=lambda r: r["buckets"])
+    left.plot([r["buckets"] for r in spread], [r["redis_cpu_pct"] for r in spread], marker="o")
+    sizes = sorted({r["buckets"] for r in rows})
+    for ax, title in ((left, "Redis CPU, % of a core"), (right, "replica CPU per report, ms")):
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel(f"hot buckets in the fleet ({envoys:,} Envoys, 10 buckets each)")
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    right.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out)
+
+
 def tier_simulation(data: list[dict[str, Any]], out: Path) -> None:
     """Each store's CPU at 100,000 Envoys / 1,000 replicas / 10 zones, by hot buckets."""
     hot = [c["hot"] for c in data]
@@ -231,6 +266,7 @@ def main() -> None:
         ("redis_delay", redis_delay),
         ("cost_growth", cost_growth),
         ("tier_cost", tier_cost),
+        ("tier_cost_buckets", tier_cost_buckets),
         ("tier_simulation", tier_simulation),
     ):
         source = args.data / f"{name}.json"
