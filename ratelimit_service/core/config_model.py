@@ -160,6 +160,15 @@ class NodeChildren:
     exact: dict[tuple[str, str], DescriptorNode] = field(default_factory=dict)
     wildcards: list[DescriptorNode] = field(default_factory=list)
     defaults: dict[str, DescriptorNode] = field(default_factory=dict)
+    _keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+
+    def key_order(self) -> tuple[str, ...]:
+        """The level's distinct keys, each where it first stands in the level's order (exact
+        values, wildcards, defaults): what an RLQS bucket is matched by, one try per key
+        however many values the rules list. Taken once: a level is complete once loaded."""
+        if self._keys is None:
+            self._keys = tuple(dict.fromkeys(node.key for node in self))
+        return self._keys
 
     def __iter__(self) -> Iterator[DescriptorNode]:
         yield from self.exact.values()

@@ -63,15 +63,10 @@ def bucket_entries(domain: DomainConfig, bucket: Mapping[str, str]) -> Entries:
     left = dict(bucket)
     children: NodeChildren | None = domain.root
     while left and children is not None:
-        node = next(
-            (
-                found
-                for candidate in children
-                if candidate.key in left
-                and (found := _child(children, candidate.key, left[candidate.key])) is not None
-            ),
-            None,
-        )
+        node = None
+        for key in children.key_order():
+            if key in left and (node := _child(children, key, left[key])) is not None:
+                break
         if node is None:
             break
         entries.append((node.key, left.pop(node.key)))

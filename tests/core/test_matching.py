@@ -7,10 +7,17 @@ import textwrap
 
 import pytest
 
+from ratelimit_service.core import matching
 from ratelimit_service.core.config_loader import ConfigFile, load_config
-from ratelimit_service.core.config_model import DomainConfig, WildcardPattern
+from ratelimit_service.core.config_model import (
+    DescriptorNode,
+    DomainConfig,
+    NodeChildren,
+    WildcardPattern,
+)
 from ratelimit_service.core.matching import (
     Entries,
+    bucket_entries,
     bucket_key,
     find_limit,
     match_nodes,
@@ -464,3 +471,33 @@ def test_bucket_key_matches_function_of_path() -> None:
     assert bucket_key("d", path, entries) + "\x1f1" == bucket_of(SEPARATORS, entries)
     # the domain is part of the identity
     assert bucket_key("d", path, entries) != bucket_key("e", path, entries)
+
+
+def test_an_rlqs_bucket_is_matched_by_one_try_per_key_not_per_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every bucket of every RLQS report is put in the rules' order: the work per bucket
+    does not grow with the values the rules list (a thousand tenants), matched or not."""
+    values = "".join(
+        f"  - {{key: tenant, value: t{n}, rate_limit: {{unit: second, requests_per_unit: 5}}}}\n"
+        for n in range(1000)
+    )
+    path = "  - {key: path, rate_limit: {unit: second, requests_per_unit: 9}}\n"
+    text = f"domain: d\ndescriptors:\n{values}{path}"
+    rules = load_config([ConfigFile("t.yaml", text)]).domains["d"]
+    tries: list[str] = []
+    child = matching._child
+
+    def counted(children: NodeChildren, key: str, value: str) -> DescriptorNode | None:
+        tries.append(key)
+        return child(children, key, value)
+
+    monkeypatch.setattr(matching, "_child", counted)
+    for bucket, entries in (
+        ({"tenant": "t999"}, (("tenant", "t999"),)),
+        ({"tenant": "nobody"}, (("tenant", "nobody"),)),  # no rule: the key goes last
+        ({"path": "/x", "zone": "z"}, (("path", "/x"), ("zone", "z"))),
+    ):
+        tries.clear()
+        assert bucket_entries(rules, bucket) == entries
+        assert len(tries) <= len(bucket), (bucket, len(tries))
