@@ -79,7 +79,9 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
         row[0] += 1
         draw = bucket.next_draw() if args.draw == "sequence" else rng.random()
         row[1] += node.decide(bucket, 1, draw)
-    return [(k * args.bucket, v[0], v[1]) for k, v in sorted(rows.items())]
+    # Every bucket of the run, those without arrivals too: a rate is per second of the run.
+    count = int(args.seconds / args.bucket + 0.5)
+    return [(k * args.bucket, *rows.get(k, (0, 0))) for k in range(count)]
 
 
 def reaction_time(
