@@ -22,7 +22,9 @@ import random
 import statistics
 
 from ratelimit_service.core.drop_ratio import SyncResult, capacity
+from ratelimit_service.core.exact import fits
 from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.core.window import SlidingWindow
 from ratelimit_service.storage.embedded import EmbeddedStore
 
 
@@ -43,6 +45,7 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
     total = sum(weights)
     shares = [w / total for w in weights]
     nodes = [LocalBuckets() for _ in range(args.nodes)]
+    window = SlidingWindow(1.0)  # --exact: the fleet's one window, as a store keeps it
 
     def rate_at(t: float) -> float:
         return args.step_to if args.step_to is not None and t >= args.step_at else args.rate
@@ -74,9 +77,14 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
         heapq.heappush(events, (at + rng.expovariate(max(top * shares[i], 1e-9)), 1, i))
         if rng.random() * top >= rate_at(at):
             continue
-        bucket = node.get("k", args.limit, 1, at, burst=args.burst)
         row = rows.setdefault(int(at / args.bucket), [0, 0])
         row[0] += 1
+        if args.exact:
+            if fits(window.count(at), 1, args.limit):
+                window.add(at, 1)
+                row[1] += 1
+            continue
+        bucket = node.get("k", args.limit, 1, at, burst=args.burst)
         draw = bucket.next_draw() if args.draw == "sequence" else rng.random()
         row[1] += node.decide(bucket, 1, draw)
     # Every bucket of the run, those without arrivals too: a rate is per second of the run.
@@ -181,6 +189,11 @@ def main() -> None:
         default="sequence",
         help="numbers compared with the drop ratio: each bucket's golden-ratio sequence "
         "(what the service does) or independent random numbers (Uber's design)",
+    )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="decide every arrival by the exact sliding window (core/window.py) instead",
     )
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--seeds", type=int, default=0, help="sweep seeds 1..N (summary only)")
