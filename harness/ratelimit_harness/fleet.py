@@ -56,15 +56,19 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
     eventually(accepts, timeout=timeout, what=f"something listening on port {port}")
 
 
-def wait_healthy(admin_port: int, timeout: float = 20.0) -> None:
-    """Until the service's /healthcheck answers 200."""
+def wait_healthy(
+    admin_port: int, timeout: float = 20.0, context: Callable[[], str] | None = None
+) -> None:
+    """Until the service's /healthcheck answers 200; ``context`` (its log, say) goes into
+    the error when it does not."""
     url = f"http://127.0.0.1:{admin_port}/healthcheck"
 
     def healthy() -> bool:
         with urllib.request.urlopen(url, timeout=0.5) as response:
             return bool(response.status == 200)
 
-    eventually(healthy, timeout=timeout, what=f"service with admin port {admin_port} healthy")
+    what = f"service with admin port {admin_port} healthy"
+    eventually(healthy, timeout=timeout, what=what, context=context)
 
 
 @dataclass

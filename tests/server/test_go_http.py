@@ -427,24 +427,28 @@ def test_debug_addr_with_workers_is_refused(write_config: Callable[..., Path]) -
 
 
 @pytest.mark.slow
-def test_http_port_shared_by_workers(write_config: Callable[..., Path], redis_server: Any) -> None:
+def test_http_port_shared_by_workers(
+    write_config: Callable[..., Path], redis_server: Any, tmp_path: Path
+) -> None:
     """--workers 2 --http-addr: both workers bind the port (SO_REUSEPORT, like gRPC), so
     the supervisor sees both serving; /json on fresh connections counts in Redis."""
     from ratelimit_harness.fleet import wait_healthy
 
     http_at, grpc_at, admin_at = free_port(), free_port(), free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "ratelimit_service", "serve",
-            "--config", str(write_config(RULES)), "--redis-url", redis_server.url,
-            "--workers", "2", "--redis-timeout", "0.5",
-            "--grpc-addr", f"127.0.0.1:{grpc_at}", "--admin-addr", f"127.0.0.1:{admin_at}",
-            "--http-addr", f"127.0.0.1:{http_at}",
-        ],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    log = tmp_path / "service.log"
+    with log.open("wb") as out:  # the child keeps its own copy of the file
+        process = subprocess.Popen(
+            [
+                sys.executable, "-m", "ratelimit_service", "serve",
+                "--config", str(write_config(RULES)), "--redis-url", redis_server.url,
+                "--workers", "2", "--redis-timeout", "0.5",
+                "--grpc-addr", f"127.0.0.1:{grpc_at}", "--admin-addr", f"127.0.0.1:{admin_at}",
+                "--http-addr", f"127.0.0.1:{http_at}",
+            ],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:
-        wait_healthy(admin_at)
+        wait_healthy(admin_at, context=lambda: log.read_text(errors="replace")[-4000:])
         eventually(  # a worker that could not bind would not be serving
             lambda: _get(f"http://127.0.0.1:{admin_at}/healthcheck")
             == (200, b"OK\nworkers: 2/2 serving\n"),
