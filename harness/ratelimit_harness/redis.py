@@ -3,17 +3,51 @@ a single server, a Redis Cluster, a master/replica pair watched by a Sentinel.""
 
 from __future__ import annotations
 
+import os
+import random
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ratelimit_harness.waiting import eventually
 
+PORTS_FROM, PORTS_EACH, SLICES = 10_000, 2_500, 4
+"""free_port's ports: 10,000-19,999, in a slice of 2,500 per pytest-xdist worker (modulo
+four), below the kernel's ephemeral range, and their cluster bus ports (+10,000) too."""
+
+
+def _port_numbers() -> Iterator[int]:
+    """This process's slice of ports, in turn from a random start (a port a run before
+    left in TIME_WAIT is not tried first), round and round."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    first = PORTS_FROM + PORTS_EACH * (int(worker) % SLICES if worker.isdigit() else 0)
+    start = random.randrange(PORTS_EACH)
+    while True:
+        for offset in range(PORTS_EACH):
+            yield first + (start + offset) % PORTS_EACH
+
+
+_PORTS = _port_numbers()
+
 
 def free_port() -> int:
+    """A loopback port nothing listens on, for a server a test starts. Not a port the
+    kernel hands out (port 0): its ephemeral range is where every outgoing connection
+    takes its own port, and one may take it between this check and the server's bind
+    (seen under parallel workers). Where that range starts below the slices, port 0."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(PORTS_EACH) if low > PORTS_FROM + PORTS_EACH * SLICES + 10_000 else ():
+        port = next(_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -32,6 +32,10 @@ class LoopLag:
     def __init__(self, interval: float = LAG_INTERVAL, calls: Callable[[], int] = int) -> None:
         self.interval = interval
         self.histogram = Histogram()
+        self.blocked = Histogram()
+        """Of each lag, the part this thread was running (at most its CPU time over the
+        measurement): the process's own work held the loop (a long callback, a collection).
+        The rest of the lag the thread waited for a CPU (a busy node, a CPU limit)."""
         self._calls = calls
         """Calls started so far (for the rate)."""
         self.rate = 0.0
@@ -46,15 +50,17 @@ class LoopLag:
         self._caught = 0
 
     async def run(self) -> None:
-        clock = time.perf_counter
+        clock, cpu = time.perf_counter, time.thread_time
         last_calls, last_at = self._calls(), clock()
         while True:
             self._due = clock() + self.interval
             self.calm_until = self._due + STALL_AFTER
+            ran = cpu()
             await asyncio.sleep(self.interval)
             now = clock()
             lag = max(0.0, now - self._due)
             self.histogram.observe(lag)
+            self.blocked.observe(min(lag, cpu() - ran))
             calls = self._calls()
             if lag > STALL_AFTER:
                 self._saw_pause(now)

@@ -486,6 +486,12 @@ class RateLimitService:
             "How late the event loop ran a timer that was due (busy, or not scheduled)",
             self.loop_lag.histogram,
         )
+        yield histogram_family(
+            "ratelimit_event_loop_blocked_seconds",
+            "Of each event loop lag, the part its thread was running: the process's own work"
+            " held the loop (the rest it waited for a CPU)",
+            self.loop_lag.blocked,
+        )
         yield from reconciler_metrics(self.reconciler)
         yield from quota_metrics(self.quota)
         yield from self.tenuring.metrics()

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+
 import pytest
 
+from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.engine.loop_lag import STALL_AFTER, LoopLag
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
@@ -38,3 +43,34 @@ def test_a_pause_seen_by_the_timer_first_and_then_no_call_for_long() -> None:
     assert lag.held(5.5005) == pytest.approx(0.5005 - 0.05, abs=1e-6)  # 1st of 5 expected
     assert lag.held(7.0) == 0.0  # long after the catch-up: not behind the pause
     assert lag.calm_from == 0.0
+
+
+async def _lag_beside(hold: Callable[[], None]) -> LoopLag:
+    """A LoopLag measuring while ``hold`` holds the loop once, 50 ms into the run."""
+    lag = LoopLag(interval=0.01)
+    task = asyncio.ensure_future(lag.run())
+    await asyncio.sleep(0.05)
+    hold()
+    await asyncio.sleep(0.05)
+    task.cancel()
+    return lag
+
+
+def _over(histogram: Histogram, bound: float) -> int:
+    return histogram.count - dict(histogram.cumulative())[bound]
+
+
+async def test_lag_from_own_work_is_told_from_a_wait_for_the_cpu() -> None:
+    """The loop held 100 ms by a callback that runs (its own work) counts in ``blocked``;
+    held as long by a thread that is off the CPU (as a descheduled process is) counts in
+    the lag only."""
+
+    def spin() -> None:
+        end = time.perf_counter() + 0.1
+        while time.perf_counter() < end:
+            pass
+
+    own = await _lag_beside(spin)
+    starved = await _lag_beside(lambda: time.sleep(0.1))
+    assert _over(own.histogram, 0.05) == 1 and _over(own.blocked, 0.05) == 1
+    assert _over(starved.histogram, 0.05) == 1 and _over(starved.blocked, 0.01) == 0

@@ -61,13 +61,21 @@ async def _watch_rss(pid: int, samples: list[tuple[float, int]], every: float) -
 
 async def test_soak_over_many_keys_keeps_deadlines_and_memory(tmp_path: Path) -> None:
     """500 calls a second over 50,000 keys for 5 minutes, each with a 20 ms deadline:
-    p99 within 10 ms, at most 0.1 % of calls past 20 ms, and memory flat once every key
-    has been seen (50,000 keys take 100 s to go round). The tail bound is what a correct
-    service meets on any 2-core machine with the client beside it, busy or not (the
-    machine deschedules client and service now and then); a pause of the service's own
-    over its state (a full collection) fails every call in flight and shows as
-    hundreds. docs/benchmarks.md ("Over many keys") gives the measured tail, 10-20x
-    below this bound."""
+    the service's own work does not hold its loop past 20 ms, nor a collection past
+    10 ms, and memory is flat once every key has been seen (50,000 keys take 100 s to
+    go round).
+
+    A pause of the service's own over its state is read where it happens, in the
+    service: its loop's thread running while a due timer waits
+    (``ratelimit_event_loop_blocked_seconds``), and its collections' durations. Without
+    server/gc_policy.py a full collection holds the loop 15-90 ms every 10 s: 27 of each
+    over 5 minutes, where tenured there are none (at most 3 allowed: a collection timed
+    by the wall clock may be descheduled midway). What the client sees also counts the
+    machine descheduling client or service: 0.005-0.02 % of calls past 20 ms and p99
+    2-3 ms here, 0.11 % and 7.5 ms on a busier machine with no pause of the service's;
+    without tenuring 0.48 %. Its bounds (p99 15 ms, 0.5 %) leave room for a busy
+    machine and still catch a service slow throughout. docs/benchmarks.md ("Over many
+    keys") gives the measured tail."""
     rate, keys, seconds = 500.0, 50_000, 300.0
     with service_fleet(1, _rules(tmp_path), None) as (node,):
         rss: list[tuple[float, int]] = []
@@ -76,18 +84,31 @@ async def test_soak_over_many_keys_keeps_deadlines_and_memory(tmp_path: Path) ->
             load = await keyed_load(node.grpc_port, "stalls", "client", keys, rate, seconds)
         finally:
             watcher.cancel()
+        metrics = scrape(node.admin_port)
     calls = len(load.latencies)
     p99, over = load.quantile(0.99), load.over(DEADLINE)
+    blocked = _over(metrics, "ratelimit_event_loop_blocked_seconds", "0.02")
+    lag = _over(metrics, "ratelimit_event_loop_lag_seconds", "0.02")
+    collections = _over(metrics, "ratelimit_gc_pause_seconds", "0.01")
     settled = [size for at, size in rss if at >= 150.0]
     summary = (
         f"{calls} calls, p50 {load.quantile(0.5) * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms,"
         f" max {max(load.latencies) * 1e3:.1f} ms, {over} over 20 ms, failures"
-        f" {dict(load.failures)}, RSS MB {[round(size / 2**20, 1) for _, size in rss]}"
+        f" {dict(load.failures)}; the service's loop late past 20 ms {lag} times, held by its"
+        f" own work {blocked}, collections over 10 ms {collections};"
+        f" RSS MB {[round(size / 2**20, 1) for _, size in rss]}"
     )
     assert calls == int(rate * seconds), summary
-    assert p99 <= 0.010, summary
-    assert over <= calls * 0.001, summary  # 150 of 150,000
+    assert blocked <= 3 and collections <= 3, summary
+    assert p99 <= 0.015, summary
+    assert over <= calls * 0.005, summary
     assert max(settled) - min(settled) <= 0.05 * min(settled), summary
+
+
+def _over(metrics: dict[str, float], histogram: str, bound: str) -> int:
+    """How many observations of a scraped histogram lie above one of its bounds."""
+    count = metrics[f"{histogram}_count"]
+    return int(count - metrics[f'{histogram}_bucket{{le="{bound}"}}'])
 
 
 async def test_scrape_of_a_full_stats_table_does_not_hold_calls(tmp_path: Path) -> None:
