@@ -83,6 +83,7 @@ async def run(
     after: float = 3.0,
     replicas: int = 1,
     burst: int | None = None,
+    before: float = 0.5,
 ) -> tuple[list[float], list[float]]:
     """Admitted per second. ``push``: buckets the coordinator pushes between an
     Envoy's reports reach it at once (as on a real stream); without, only the answers
@@ -132,7 +133,7 @@ async def run(
             shifted = True
             for envoy, weight in zip(fleet, reversed([e.weight for e in fleet]), strict=True):
                 envoy.weight = weight
-        offered = (0.5 if t < step_at else after) * limit
+        offered = (before if t < step_at else after) * limit
         for envoy in fleet:
             envoy.debt += offered * envoy.weight * TICK
             requests = int(envoy.debt)
@@ -179,10 +180,11 @@ def main() -> None:
     parser.add_argument("--after", type=float, default=3.0, help="offered x limit after the step")
     parser.add_argument("--replicas", type=int, default=1, help="replicas sharing one store")
     parser.add_argument("--burst", type=int, default=None, help="the rule's rate_limit.burst")
+    parser.add_argument("--before", type=float, default=0.5, help="offered x limit before it")
     args = parser.parse_args()
     rows, assigned = asyncio.run(
         run(args.envoys, args.limit, args.seconds, args.step_at, args.seed, not args.no_push,
-            args.shift_at, args.after, args.replicas, args.burst)
+            args.shift_at, args.after, args.replicas, args.burst, args.before)
     )  # fmt: skip
     limit = args.limit
     step = int(args.step_at)
@@ -194,7 +196,7 @@ def main() -> None:
     error = sum(steady) / len(steady) / limit - 1
     shift = "" if args.shift_at is None else f", skew reversed at t={args.shift_at:g}s"
     print(f"{args.envoys} Envoys on {args.replicas} replica(s), limit {limit}/s,"
-          f" 0.5x then {args.after:g}x at t={step}s{shift}")  # fmt: skip
+          f" {args.before:g}x then {args.after:g}x at t={step}s{shift}")  # fmt: skip
     print("second  admitted/limit  assigned/limit")
     for second, (admitted, rate) in enumerate(zip(rows, assigned, strict=True)):
         print(f"{second:6d}  {admitted / limit:14.2f}  {rate / limit:14.2f}")

@@ -24,6 +24,7 @@ import statistics
 from ratelimit_service.core.drop_ratio import SyncResult, capacity
 from ratelimit_service.core.exact import fits
 from ratelimit_service.core.local_buckets import LocalBuckets
+from ratelimit_service.core.stretch import STRETCH
 from ratelimit_service.core.window import SlidingWindow
 from ratelimit_service.storage.embedded import EmbeddedStore
 
@@ -46,6 +47,7 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
     shares = [w / total for w in weights]
     nodes = [LocalBuckets() for _ in range(args.nodes)]
     window = SlidingWindow(1.0)  # --exact: the fleet's one window, as a store keeps it
+    args.updates = 0  # bucket reports sent to the store
 
     def rate_at(t: float) -> float:
         return args.step_to if args.step_to is not None and t >= args.step_at else args.rate
@@ -67,7 +69,8 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
         clock.now = at
         node = nodes[i]
         if kind == 0:
-            reports = node.take_reports(at, args.interval)
+            reports = node.take_reports(at, args.interval, args.stretch)
+            args.updates += len(reports)
             result = await store.sync(reports)
             # Redis counts the live nodes in its registry; the embedded store is one process.
             result = SyncResult(nodes=args.nodes, views=result.views)
@@ -117,9 +120,11 @@ def reaction_time(
 def sweep(args: argparse.Namespace) -> None:
     """--seeds N: the same run for seeds 1..N; the spread of the step reaction and of
     the admitted count per bucket once steady."""
-    reactions, scatter = [], []
+    reactions, scatter, updates = [], [], []
     for seed in range(1, args.seeds + 1):
-        rows = asyncio.run(simulate(argparse.Namespace(**{**vars(args), "seed": seed})))
+        run = argparse.Namespace(**{**vars(args), "seed": seed})
+        rows = asyncio.run(simulate(run))
+        updates.append(run.updates / args.nodes / args.seconds)
         settle = args.step_at + 2 if args.step_to is not None else 3.0
         steady = [r[2] for r in rows if r[0] >= settle]
         per_bucket = args.limit * args.bucket
@@ -129,6 +134,8 @@ def sweep(args: argparse.Namespace) -> None:
     print(f"fleet bucket capacity {capacity(args.limit, args.burst):g} (limit {args.limit})")
     print(f"seeds 1..{args.seeds}: admitted per {args.bucket:g} s once steady scatters by "
           f"{statistics.mean(scatter):.3f}x of the limit (sd, mean over seeds)")  # fmt: skip
+    print(f"bucket reports per node per second: {statistics.mean(updates):.2f} (one sync "
+          f"every {args.interval:g} s: {1 / args.interval:g})")  # fmt: skip
     if reactions:
         reactions.sort()
         within = sum(r <= 1.0 for r in reactions)
@@ -195,6 +202,13 @@ def main() -> None:
         action="store_true",
         help="decide every arrival by the exact sliding window (core/window.py) instead",
     )
+    parser.add_argument(
+        "--stretch",
+        type=int,
+        default=STRETCH,
+        help="intervals a bucket far below its limit may wait between two reports "
+        "(the service's: %(default)s; 1: every interval)",
+    )
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--seeds", type=int, default=0, help="sweep seeds 1..N (summary only)")
     args = parser.parse_args()
@@ -214,6 +228,7 @@ def main() -> None:
         offered = sum(r[1] for r in steady) / span
         print(f"steady admitted/s={admitted:.1f} = {admitted / args.limit:.3f}x the limit, "
               f"{admitted / offered:.1%} of offered")  # fmt: skip
+    print(f"bucket reports per node per second: {args.updates / args.nodes / args.seconds:.2f}")
 
 
 if __name__ == "__main__":

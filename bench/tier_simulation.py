@@ -53,6 +53,7 @@ import redis.asyncio as aioredis
 from throughput import BENCH, lab, start_redis
 
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.stretch import STRETCH
 from ratelimit_service.core.tiers import MILLI, TierReport
 from ratelimit_service.core.zones import RENEW_SHARE, ZoneShare
 from ratelimit_service.storage.redis_calls import script_text
@@ -150,9 +151,55 @@ def counters(hot: int) -> list[str]:
     return [f"bench\x1fk\x1ehot-{n}\x1f1" for n in range(hot)]
 
 
+@dataclass(frozen=True)
+class Mix:
+    """Which hot buckets are of which kind, and which are far below their limits."""
+
+    half: bool = False
+    """Half the hot buckets RLQS counters, half probabilistic buckets; otherwise each is
+    both (twice the updates)."""
+    far: float = 0.0
+    """The share of the probabilistic buckets far below their limits: a replica reports
+    each of those once every STRETCH syncs (core/stretch.py), staggered over the rounds
+    (RLQS counters are published every round, near or far)."""
+
+    def kinds(self, hot: int) -> tuple[list[str], list[str]]:
+        """The RLQS counters' keys and the probabilistic buckets' keys."""
+        keys = counters(hot)
+        return (keys[: hot // 2], keys[hot // 2 :]) if self.half else (keys, keys)
+
+    def rounds(self, keys: list[str], phase: int) -> list[list[str]]:
+        """The keys a replica sends in each of STRETCH successive rounds: those near
+        their limits every round, each far one in one round of STRETCH."""
+        near = len(keys) - round(self.far * len(keys))
+        if near == len(keys):
+            return [keys]
+        return [
+            keys[:near] + [k for i, k in enumerate(keys[near:]) if (i + phase) % STRETCH == r]
+            for r in range(STRETCH)
+        ]
+
+    def updates(self, count: int) -> float:
+        """Buckets of ``count`` a replica sends per round, on average."""
+        far = round(self.far * count)
+        return count - far + far / STRETCH
+
+
+def cycling(calls: list[list[bytes]], script: Packed) -> Any:
+    """A member's call for each round in turn (each round's calls packed once)."""
+    turn = [0]
+
+    async def call() -> None:
+        for packed in calls[turn[0] % len(calls)]:
+            await script(packed)
+        turn[0] += 1
+
+    return call
+
+
 async def zone_store(
     client: aioredis.Redis, hot: int, until: float, replicas: int = REPLICAS // ZONES,
-    aggregator: bool = True,
+    aggregator: bool = True, mix: Mix = Mix(),
 ) -> int:  # fmt: skip
     """One zone: its replicas publishing and syncing, and the aggregator (without it,
     ``replicas`` on one store is the design without zones)."""
@@ -165,7 +212,7 @@ async def zone_store(
     read_fleet = client.register_script(script_text("zone_read_fleet.lua"))
     write = client.register_script(script_text("zone_write.lua"))
     driver = Driver(client, {})
-    keys = counters(hot)
+    quota_keys, fleet_keys = mix.kinds(hot)
     rng = random.Random(1)
     per_zone = replicas
     index, buckets = "rl:zone:z:counters", "rl:zone:z:buckets"
@@ -175,8 +222,8 @@ async def zone_store(
     # own work per call is the sending, and it keeps up with the stores.
     def publish(member: str, demand: int) -> Any:
         calls = []
-        for start in range(0, hot, BATCH):
-            chunk = keys[start : start + BATCH]
+        for start in range(0, len(quota_keys), BATCH):
+            chunk = quota_keys[start : start + BATCH]
             reports = [TierReport(key, member, demand / MILLI, ENVOYS // REPLICAS,
                                   demand // 10, 1, LIMIT) for key in chunk]  # fmt: skip
             call_keys: list[str] = []
@@ -184,27 +231,21 @@ async def zone_store(
                 call_keys += tier.counter_keys(f"rl:qt{{{key}}}")
             args = tier_args(reports, FORGET_US, None, zoned=True)
             calls.append(tier.pack([*call_keys, index], args))
+        return cycling([calls], tier)
 
-        async def call() -> None:
-            for packed in calls:
-                await tier(packed)
-
-        return call
-
-    def synced(member: str, offered: int) -> Any:
-        calls = []
-        for start in range(0, hot, BATCH):
-            chunk = keys[start : start + BATCH]
-            reports = [BucketReport(key, LIMIT, 1, offered, offered // 2) for key in chunk]
-            bucket_keys = [f"rl:f:{k}" for k in chunk]
-            args = sync_args(reports, member, 5_000_000, zoned=True)
-            calls.append(sync.pack(["rl:nodes", *bucket_keys, buckets, zones_key], args))
-
-        async def call() -> None:
-            for packed in calls:
-                await sync(packed)
-
-        return call
+    def synced(member: str, offered: int, phase: int) -> Any:
+        rounds = []
+        for sent in mix.rounds(fleet_keys, phase):
+            calls = []
+            # a sync with no bucket due still goes: the replica's heartbeat
+            for start in range(0, max(1, len(sent)), BATCH):
+                chunk = sent[start : start + BATCH]
+                reports = [BucketReport(key, LIMIT, 1, offered, offered // 2) for key in chunk]
+                bucket_keys = [f"rl:f:{k}" for k in chunk]
+                args = sync_args(reports, member, 5_000_000, zoned=True)
+                calls.append(sync.pack(["rl:nodes", *bucket_keys, buckets, zones_key], args))
+            rounds.append(calls)
+        return cycling(rounds, sync)
 
     async def aggregate() -> None:
         rows = await read(keys=[index], args=[FORGET_US, 10_000])
@@ -225,8 +266,9 @@ async def zone_store(
     for n in range(per_zone):
         member = f"replica-{n}"
         demand = rng.randrange(50_000, 150_000)  # thousandths of a hit per second
+        phase = rng.randrange(STRETCH)  # where the replica's far buckets' turns start
         tasks.append(driver.every(PUBLISH, rng.uniform(0, PUBLISH), until, publish(member, demand)))
-        tasks.append(driver.every(SYNC, rng.uniform(0, SYNC), until, synced(member, 200)))
+        tasks.append(driver.every(SYNC, rng.uniform(0, SYNC), until, synced(member, 200, phase)))
     if aggregator:
         tasks.append(driver.every(ZONE, 0.0, until, aggregate))
         tasks.append(driver.every(RENEW_SHARE * ZONE, ZONE / 8, until, renew))
@@ -234,17 +276,19 @@ async def zone_store(
     return driver.late
 
 
-async def global_store(client: aioredis.Redis, hot: int, until: float) -> int:
-    """Ten zones, each publishing its RLQS counters and its probabilistic buckets."""
+async def global_store(client: aioredis.Redis, hot: int, until: float, mix: Mix = Mix()) -> int:
+    """Ten zones, each publishing its RLQS counters and its probabilistic buckets (every
+    one each pass: the zone's aggregator sends what its store holds)."""
     tier = Packed(client, SCRIPTS["quota_tier.lua"])
     await tier.load()
     driver = Driver(client, {})
-    keys = counters(hot)
+    quota_keys, fleet_keys = mix.kinds(hot)
     rng = random.Random(2)
 
     def publish(zone: str, demand: int) -> Any:
         # and the zone's presence (every pass: the global store counts the zones)
-        reports = [(k, "q") for k in keys] + [(k, "f") for k in keys] + [("zones", "z")]
+        reports = [(k, "q") for k in quota_keys] + [(k, "f") for k in fleet_keys]
+        reports.append(("zones", "z"))
         calls = []
         for start in range(0, len(reports), BATCH):
             chunk = reports[start : start + BATCH]
@@ -288,13 +332,13 @@ def cpu_and_calls(port: int) -> tuple[float, int]:
     return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls
 
 
-async def run_flat(hot: int, seconds: float, port: int, cell: Cell) -> None:
+async def run_flat(hot: int, seconds: float, port: int, cell: Cell, mix: Mix) -> None:
     """Every replica on one store (no zones): what the single tier costs at this scale."""
     client = connect(port)
     try:
-        await zone_store(client, hot, time.monotonic() + 3.0, REPLICAS, aggregator=False)
+        await zone_store(client, hot, time.monotonic() + 3.0, REPLICAS, False, mix)
         before, started = cpu_and_calls(port), time.monotonic()
-        late = await zone_store(client, hot, started + seconds, REPLICAS, False)
+        late = await zone_store(client, hot, started + seconds, REPLICAS, False, mix)
         after, elapsed = cpu_and_calls(port), time.monotonic() - started
     finally:
         await client.aclose()
@@ -303,15 +347,19 @@ async def run_flat(hot: int, seconds: float, port: int, cell: Cell) -> None:
     cell.late += late
 
 
-async def run_cell(hot: int, seconds: float, zone_port: int, global_port: int) -> Cell:
+async def run_cell(hot: int, seconds: float, zone_port: int, global_port: int, mix: Mix) -> Cell:
     zone = connect(zone_port)
     glob = connect(global_port)
     try:
         warm = time.monotonic() + 3.0  # every member heard once, keys created
-        await asyncio.gather(zone_store(zone, hot, warm), global_store(glob, hot, warm))
+        await asyncio.gather(
+            zone_store(zone, hot, warm, mix=mix), global_store(glob, hot, warm, mix)
+        )
         before, started = (cpu_and_calls(zone_port), cpu_and_calls(global_port)), time.monotonic()
         until = started + seconds
-        late = await asyncio.gather(zone_store(zone, hot, until), global_store(glob, hot, until))
+        late = await asyncio.gather(
+            zone_store(zone, hot, until, mix=mix), global_store(glob, hot, until, mix)
+        )
         after = cpu_and_calls(zone_port), cpu_and_calls(global_port)
         elapsed = time.monotonic() - started
     finally:
@@ -392,18 +440,21 @@ async def update_cost(
 
 
 def model(
-    hot: int, envoys: int = ENVOYS, replicas: int = REPLICAS, zones: int = ZONES
-) -> dict[str, float]:
+    hot: int, mix: Mix = Mix(), envoys: int = ENVOYS, replicas: int = REPLICAS,
+    zones: int = ZONES,
+) -> dict[str, float]:  # fmt: skip
     """Store operations per second per tier, from the intervals: script calls, and the
     counters they update (the work inside a call grows with those)."""
     per_zone = replicas / zones
-    calls = math.ceil(hot / BATCH)
+    quota, fleet = (len(keys) for keys in mix.kinds(hot))
+    sent_quota, sent_fleet = quota, mix.updates(fleet)
+    calls = math.ceil(sent_quota / BATCH) / PUBLISH + max(1, math.ceil(sent_fleet / BATCH)) / SYNC
     return {
         "Envoy reports/s (at the replicas)": envoys / 5.0,
-        "zone store calls/s": per_zone * calls / PUBLISH + per_zone * calls / SYNC + AGGREGATOR,
-        "zone store counter updates/s": per_zone * hot / PUBLISH + per_zone * hot / SYNC,
-        "global store calls/s": zones * math.ceil((2 * hot + 1) / BATCH) / ZONE,
-        "global store counter updates/s": zones * (2 * hot + 1) / ZONE,
+        "zone store calls/s": per_zone * calls + AGGREGATOR,
+        "zone store counter updates/s": per_zone * (sent_quota / PUBLISH + sent_fleet / SYNC),
+        "global store calls/s": zones * math.ceil((quota + fleet + 1) / BATCH) / ZONE,
+        "global store counter updates/s": zones * (quota + fleet + 1) / ZONE,
     }
 
 
@@ -445,7 +496,16 @@ def main() -> None:
     )
     parser.add_argument("--update-cost", action="store_true",
                         help="only the store's time per bucket update, per script")  # fmt: skip
+    parser.add_argument(
+        "--half",
+        action="store_true",
+        help="half the hot buckets RLQS, half probabilistic (default: each both)",
+    )
+    parser.add_argument("--far", type=float, default=0.0,
+                        help="share of the probabilistic buckets far below their limits,"
+                        f" reported every {STRETCH} syncs (core/stretch.py)")  # fmt: skip
     args = parser.parse_args()
+    mix = Mix(args.half, args.far)
     SCRIPTS.update(scripts_at(None))
     if args.update_cost:
         update_costs(args.baseline)
@@ -457,10 +517,10 @@ def main() -> None:
         with lab() as (directory, _, redis_servers):
             zone = start_redis(directory, redis_servers)
             glob = start_redis(directory, redis_servers)
-            cell = asyncio.run(run_cell(hot, args.seconds, zone.port, glob.port))
+            cell = asyncio.run(run_cell(hot, args.seconds, zone.port, glob.port, mix))
             if not args.no_flat:
                 flat = start_redis(directory, redis_servers)
-                asyncio.run(run_flat(hot, args.seconds, flat.port, cell))
+                asyncio.run(run_flat(hot, args.seconds, flat.port, cell, mix))
         print(json.dumps(cell.__dict__), flush=True)
         cells.append(cell)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -472,7 +532,7 @@ def main() -> None:
           " | late calls |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for cell in cells:
-        m = model(cell.hot)
+        m = model(cell.hot, mix)
         zone_model, global_model = m["zone store calls/s"], m["global store calls/s"]
         print(f"| {cell.hot} | {cell.zone_calls:.0f} ({zone_model:.0f})"
               f" | {cell.zone_cpu:.1f} % | {cell.global_calls:.0f} ({global_model:.0f})"
@@ -482,7 +542,7 @@ def main() -> None:
     print("| hot buckets | " + " | ".join(model(1)) + " |")
     print("|---" * (len(model(1)) + 1) + "|")
     for hot in args.hot:
-        print(f"| {hot} | " + " | ".join(f"{v:,.0f}" for v in model(hot).values()) + " |")
+        print(f"| {hot} | " + " | ".join(f"{v:,.0f}" for v in model(hot, mix).values()) + " |")
 
 
 if __name__ == "__main__":

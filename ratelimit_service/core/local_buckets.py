@@ -27,6 +27,7 @@ from ratelimit_service.core.drop_ratio import (
     smoothed_rate,
 )
 from ratelimit_service.core.settings_table import default
+from ratelimit_service.core.stretch import far_below, stepped_up
 
 IDLE_SECONDS = 30.0
 """How long a bucket no request used is kept (at least its window), so a process that
@@ -318,9 +319,10 @@ class LocalBuckets:
         _mark_used(bucket)
         return admit
 
-    def take_reports(self, now: float, interval: float) -> list[BucketReport]:
-        """Counts of every bucket used since the last sync (in order of use); idle
-        buckets are dropped."""
+    def take_reports(self, now: float, interval: float, stretch: int = 1) -> list[BucketReport]:
+        """Counts of every bucket used since the last sync (in order of use), but those
+        that may wait (:meth:`can_wait`, up to ``stretch`` intervals between two reports;
+        1: none waits); idle buckets are dropped."""
         period = self._period
         used, closed = period.used, period.number
         period.used = []
@@ -330,6 +332,10 @@ class LocalBuckets:
         for bucket in used:
             if buckets.get(bucket.key) is not bucket:
                 continue  # evicted since (its key may have a new bucket)
+            if stretch > 1 and self.can_wait(bucket, now, interval, stretch):
+                bucket.epoch = period.number  # still to report: on the next period's list
+                period.used.append(bucket)
+                continue
             # At least one interval: a bucket born just before a sync would otherwise
             # show an absurd rate, and the fast-attack estimate would believe it.
             elapsed = max(now - bucket.last_report, interval)
@@ -353,6 +359,28 @@ class LocalBuckets:
             bucket.last_report = now
         self._drop_idle(now, closed)
         return reports
+
+    def can_wait(
+        self, bucket: ProbabilisticBucket, now: float, interval: float, stretch: int
+    ) -> bool:
+        """Whether a used bucket's report may wait for the next sync (core/stretch.py):
+        the fleet far below its limit (not dropping, its bucket at least half full at the
+        last sync), this node's credit not running low (half its grant left) nor its rate
+        stepping up, and the next sync within ``stretch`` intervals of its last report.
+        Not a calendar budget (each admission counts against the period's budget), nor a
+        bucket never synced. Admissions stay within the credit granted; the others see
+        this node's counts up to ``stretch`` intervals late, in a bucket whose tokens
+        cover that."""
+        if bucket.ends_at is not None or bucket.fleet_rate is None or bucket.ratio > 0.0:
+            return False
+        since = now - bucket.last_report
+        if since + interval > stretch * interval * (1 + 1e-9):
+            return False
+        if not far_below(bucket.fleet_rate, bucket.limit / bucket.window_seconds):
+            return False
+        if bucket.tokens * 2 < bucket.capacity or self.credit(bucket) * 2 < bucket.grant:
+            return False
+        return not stepped_up(bucket.offered, bucket.local_rate or 0.0, max(since, interval))
 
     def _drop_idle(self, now: float, closed: int) -> None:
         """Drop idle buckets from the least recently used end, MAX_IDLE_EXAMINED at

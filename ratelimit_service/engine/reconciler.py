@@ -12,6 +12,7 @@ from dataclasses import replace
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.histogram import Histogram
 from ratelimit_service.core.local_buckets import BucketReport, LocalBuckets
+from ratelimit_service.core.stretch import STRETCH
 from ratelimit_service.engine.background import BackgroundTask, every
 from ratelimit_service.storage.base import Store, StoreUnavailable
 
@@ -30,12 +31,15 @@ class Reconciler:
         store: Store,
         interval: float,
         clock: Callable[[], float] = time.time,
+        stretch: int = STRETCH,
     ) -> None:
+        """``stretch``: sync intervals a bucket far below its limit may wait (1: none)."""
         if interval <= 0:
             raise ValueError("sync interval must be positive")
         self.local = local
         self.store = store
         self.interval = interval
+        self.stretch = stretch
         self._clock = clock
         self.syncs = 0
         self.bucket_updates = 0
@@ -51,8 +55,11 @@ class Reconciler:
     async def sync_once(self) -> int:
         """One reconciliation; returns the number of buckets synced."""
         started = time.perf_counter()
-        reports = self.local.take_reports(self._clock(), self.interval)
         sent_while_failing = self.failing
+        # While the store is away every bucket reports: restore() and forgive() act on
+        # what a sync took, and waiting buckets would keep renewed counts apart.
+        stretch = 1 if sent_while_failing else self.stretch
+        reports = self.local.take_reports(self._clock(), self.interval, stretch)
         if sent_while_failing:
             # Sent while the store is away, this call may run late: it must not charge
             # hits admitted on renewed credit (a calendar budget's are granted, and count).

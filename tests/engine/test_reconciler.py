@@ -116,9 +116,10 @@ async def test_a_calendar_budgets_admissions_while_the_store_is_away_count_when_
 async def test_the_bucket_updates_sent_are_counted_and_shown(redis_server) -> None:  # type: ignore[no-untyped-def]
     """Only buckets hit since the last sync are sent: the count, /metrics' counter and
     /status.json's figures move with them, and an idle round sends none (its
-    heartbeat still runs: the store hears this node)."""
+    heartbeat still runs: the store hears this node). Every bucket hit is sent (stretch
+    1: a bucket far below its limit waits otherwise, tests/engine/test_stretch.py)."""
     local, store = LocalBuckets(), RedisStore(redis_server.url)
-    reconciler = Reconciler(local, store, interval=0.25)
+    reconciler = Reconciler(local, store, interval=0.25, stretch=1)
     try:
         for key in ("a", "b", "c"):
             local.decide(local.get(key, 100, 1, now=time.time()), 1, 0.5)
