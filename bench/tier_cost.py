@@ -736,13 +736,15 @@ def load_process(
 
 def many_prob_cell(
     design: str, tree: Path | None, envoys: int, buckets: int, seconds: float, clients: int,
-    progress: Progress,
+    progress: Progress, offered: float = 2.0, key_limit: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """prob_cell over ``buckets`` probabilistic keys, each of PROB_LIMIT / N per second
-    (at least 1), at 2x each: the same 2,000 requests per second as one hot bucket.
-    h2load sends one body per run, so the load comes from ``clients`` gRPC client
-    processes instead (the keys divided among them), over Envoys / 10 connections."""
-    limit = max(1, PROB_LIMIT // buckets)
+    (at least 1; or ``key_limit``), at ``offered`` times it each (2x: the same 2,000
+    requests per second as one hot bucket). h2load sends one body per run, so the load
+    comes from ``clients`` gRPC client processes instead (the keys divided among them),
+    over Envoys / 10 connections."""
+    limit = key_limit or max(1, PROB_LIMIT // buckets)
+    rate = offered * limit
     keys = [f"b{b}" for b in range(buckets)]
     config = many_config([limit] * buckets, mode="probabilistic")
     with lab() as (directory, processes, redis_servers):
@@ -757,7 +759,7 @@ def many_prob_cell(
         workers = [
             multiprocessing.Process(
                 target=load_process,
-                args=(keys[n::clients], 2 * limit * len(keys[n::clients]), ports, per, window, out),
+                args=(keys[n::clients], rate * len(keys[n::clients]), ports, per, window, out),
             )
             for n in range(clients)
         ]
@@ -793,8 +795,15 @@ def many_prob_cell(
         "mode": "probabilistic",
         "envoys": envoys,
         "buckets": buckets,
+        "offered": offered,
         "seconds": seconds,
         "requests_per_s": hits / seconds,
+        "bucket_updates_per_s": sum(
+            metric_sum(after, "ratelimit_sync_bucket_updates_total")
+            - metric_sum(before, "ratelimit_sync_bucket_updates_total")
+            for before, after in zip(pages_before, pages_after, strict=True)
+        )
+        / seconds,
         "redis_cpu_pct": 100 * (redis_after - redis_before) / seconds,
         "replica_cpu_ms_per_request": 1000 * replica_cpu / hits if hits else None,
         "replicas_cpu_pct": 100 * replica_cpu / seconds,
@@ -948,14 +957,15 @@ def markdown_many(rows: list[dict[str, Any]]) -> str:
 
 def markdown_many_prob(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| design | Envoys | keys | requests/s | Redis CPU | replica CPU per request"
-        " | replicas' CPU | load generator CPU | answered / sent"
+        "| design | Envoys | keys | offered / limit | requests/s | bucket updates/s | Redis CPU"
+        " | replica CPU per request | replicas' CPU | load generator CPU | answered / sent"
         " | admitted / limit per key, median (min-max) | fleet's admitted / limit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['design']} | {r['envoys']:,} | {r['buckets']:,} | {r['requests_per_s']:,.0f}"
+            f"| {r['design']} | {r['envoys']:,} | {r['buckets']:,} | {r['offered']:g}"
+            f" | {r['requests_per_s']:,.0f} | {r['bucket_updates_per_s']:,.0f}"
             f" | {r['redis_cpu_pct']:.1f} % | {r['replica_cpu_ms_per_request']:.2f} ms"
             f" | {r['replicas_cpu_pct']:.0f} % | {r['load_cpu_pct']:.0f} %"
             f" | {r['answered']:,} / {r['sent']:,} | {_spread(r['admitted_over_limit'])}"
@@ -1002,6 +1012,15 @@ def main() -> None:
     parser.add_argument(
         "--in-process", action="store_true",
         help="time the replica's report and publish code in this process instead (--buckets)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--offered", type=float, default=2.0,
+        help="probabilistic keys (--buckets > 1): offered times each key's limit",
+    )  # fmt: skip
+    parser.add_argument(
+        "--key-limit", type=int, default=None,
+        help=f"probabilistic keys (--buckets > 1): each key's limit per second (default:"
+        f" {PROB_LIMIT:,} over the keys)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=BENCH / "out")
     args = parser.parse_args()
@@ -1056,8 +1075,9 @@ def many(
                     rows.append(row)
                 if "probabilistic" in args.modes:
                     row = many_prob_cell(
-                        design, tree, envoys, buckets, args.seconds, args.clients, progress
-                    )
+                        design, tree, envoys, buckets, args.seconds, args.clients, progress,
+                        args.offered, args.key_limit,
+                    )  # fmt: skip
                     progress(json.dumps(row))
                     prob_rows.append(row)
     (args.out / "tier_cost_buckets.json").write_text(json.dumps(rows + prob_rows, indent=1))
