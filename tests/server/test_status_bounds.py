@@ -1,8 +1,9 @@
 """The status page at scale, in a service process: 10,000 rules with traffic and 1,000
 RLQS Envoys on open streams. /status.json stays under 64 KB with every table at its
 bound (and the totals and "more" counts right), the page is the same few KB, and calls
-arriving while the snapshot is made are answered without waiting (a canary every 5 ms,
-as tests/faults/test_stalls.py watches /metrics)."""
+arriving while the snapshot is made are answered without waiting: the service's own
+work never holds its loop 50 ms (a canary calls every 5 ms beside it, as
+tests/faults/test_stalls.py watches /metrics)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,15 @@ async def _tenures(port: int) -> float:
     return float(line.split()[1])
 
 
+async def _held(port: int) -> float:
+    """Lags of the service's event loop of 50 ms or more that its own work made
+    (``ratelimit_event_loop_blocked_seconds``), so far."""
+    metrics = (await _get(port, "/metrics")).decode()
+    name = "ratelimit_event_loop_blocked_seconds"
+    figures = dict(x.rsplit(" ", 1) for x in metrics.splitlines() if x.startswith(name))
+    return float(figures[f"{name}_count"]) - float(figures[f'{name}_bucket{{le="0.05"}}'])
+
+
 async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: Path) -> None:
     with service_fleet(1, _rules(tmp_path), None) as (node,):
         await _every_rule_called(node.grpc_port)
@@ -128,6 +138,7 @@ async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: P
                 return await _tenures(node.admin_port) > tenured
 
             await eventually_async(tenured_since, what="the new state tenured")
+            held_before = await _held(node.admin_port)
             waits: list[float] = []
             stop = asyncio.Event()
             canary = asyncio.ensure_future(_canary(node.grpc_port, waits, stop))
@@ -145,6 +156,7 @@ async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: P
             await eventually_async(lambda: len(waits) >= before + 5, what="the canary after")
             stop.set()
             await canary
+            held = await _held(node.admin_port) - held_before
     took = [snapshot["took"] for snapshot in (first, status)]
     print(  # the figures in docs/benchmarks.md (pytest -s shows them)
         f"\nstatus page: JSON {len(body)} bytes, page {len(page)} bytes; snapshots"
@@ -165,5 +177,8 @@ async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: P
     assert (envoys["total"], envoys["shown"], envoys["more"]) == (ENVOYS, TOP, ENVOYS - TOP)
     assert (counters["total"], counters["shown"]) == (COUNTERS, TOP)
     assert status["rlqs"]["streams"] == ENVOYS
-    assert all(t["longest_piece_seconds"] < 0.020 for t in took), took
-    assert max(waits) < 0.050, f"slowest canary waits (s): {sorted(waits)[-5:]}"
+    # The service's own work never held its loop 50 ms (its loop thread's CPU time, which
+    # a busy machine's pauses do not add to); the wall-clock figures leave room for those.
+    assert held == 0, f"{held} lags of 50 ms or more of the service's own work"
+    assert all(t["longest_piece_seconds"] < 0.100 for t in took), took
+    assert max(waits) < 0.250, f"slowest canary waits (s): {sorted(waits)[-5:]}"

@@ -172,21 +172,24 @@ async def test_nodes_are_counted_by_heartbeat(redis_server) -> None:
 
 
 async def test_paused_redis_times_out_within_bound(redis_server) -> None:
-    store = RedisStore(redis_server.url, request_timeout=0.02, sync_timeout=0.05, silence=0.2)
+    """A call waits its timeout (100 ms here) for a paused Redis; once Redis has been
+    silent longer than a call can wait, calls fail at once (well under the timeout, with
+    room for a busy machine), and past the silence bound the circuit opens."""
+    store = RedisStore(redis_server.url, request_timeout=0.1, sync_timeout=0.15, silence=0.5)
     try:
         await store.hit([ExactHit("k", 5, 60, 1)], True)  # connection established
         redis_server.pause()
         started = time.monotonic()
-        with pytest.raises(StoreUnavailable, match=r"no answer in 2[0-9] ms"):
+        with pytest.raises(StoreUnavailable, match=r"no answer in 1[0-9][0-9] ms"):
             await store.hit([ExactHit("k", 5, 60, 1)], True)
         assert time.monotonic() - started < 0.5
         for _ in range(2):  # silent for longer than they can wait: answered at once
             started = time.monotonic()
             with pytest.raises(StoreUnavailable, match="silent for longer"):
                 await store.hit([ExactHit("k", 5, 60, 1)], True)
-            assert time.monotonic() - started < 0.01
+            assert time.monotonic() - started < 0.05
         assert not store.redis.breaker.open  # late replies are not evidence: still closed
-        # Calls go on failing until nothing has come back for 0.2 s: then the
+        # Calls go on failing until nothing has come back for 0.5 s: then the
         # connection counts as dead, and the circuit opens.
 
         async def failed_until_open() -> bool:
@@ -200,7 +203,7 @@ async def test_paused_redis_times_out_within_bound(redis_server) -> None:
         started = time.monotonic()
         with pytest.raises(StoreUnavailable, match="circuit open"):
             await store.hit([ExactHit("k", 5, 60, 1)], True)
-        assert time.monotonic() - started < 0.01
+        assert time.monotonic() - started < 0.05
         with pytest.raises(StoreUnavailable):
             await store.sync([])
     finally:
