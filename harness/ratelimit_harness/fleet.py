@@ -57,13 +57,19 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
 
 
 def wait_healthy(
-    admin_port: int, timeout: float = 20.0, context: Callable[[], str] | None = None
+    admin_port: int,
+    timeout: float = 20.0,
+    context: Callable[[], str] | None = None,
+    process: subprocess.Popen[bytes] | None = None,
 ) -> None:
     """Until the service's /healthcheck answers 200; ``context`` (its log, say) goes into
-    the error when it does not."""
+    the error when it does not. With its ``process``: an error at once if it exited."""
     url = f"http://127.0.0.1:{admin_port}/healthcheck"
 
     def healthy() -> bool:
+        if process is not None and process.poll() is not None:
+            extra = f"\n{context()}" if context is not None else ""
+            raise RuntimeError(f"service exited with {process.returncode} before healthy{extra}")
         with urllib.request.urlopen(url, timeout=0.5) as response:
             return bool(response.status == 200)
 
@@ -112,7 +118,7 @@ def service_fleet(
             )
             nodes.append(Node(process, grpc_port, admin_port))
         for node in nodes:
-            wait_healthy(node.admin_port)
+            wait_healthy(node.admin_port, process=node.process)
         yield nodes
     finally:
         for node in nodes:

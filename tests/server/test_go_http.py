@@ -448,7 +448,9 @@ def test_http_port_shared_by_workers(
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        wait_healthy(admin_at, context=lambda: log.read_text(errors="replace")[-4000:])
+        wait_healthy(
+            admin_at, context=lambda: log.read_text(errors="replace")[-4000:], process=process
+        )
         eventually(  # a worker that could not bind would not be serving
             lambda: _get(f"http://127.0.0.1:{admin_at}/healthcheck")
             == (200, b"OK\nworkers: 2/2 serving\n"),
