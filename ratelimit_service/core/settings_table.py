@@ -24,6 +24,7 @@ from typing import Any
 from ratelimit_service.core.address import split_host_port
 from ratelimit_service.core.config_model import HeaderStyle, Mode
 from ratelimit_service.core.redis_url import normalize_url
+from ratelimit_service.core.stretch import STRETCH
 
 # -- value parsers ---------------------------------------------------------------------
 
@@ -276,6 +277,8 @@ SETTINGS: tuple[Setting, ...] = (
             2048, positive(int), fills="exact_max_pending"),
     Setting("--sync-interval", "store", "seconds between probabilistic syncs", 0.25,
             positive(float), fills="sync_interval"),
+    Setting("--sync-stretch", "store", "syncs a probabilistic bucket far below its limit may wait"
+            " between two reports (1: every sync)", STRETCH, positive(int), fills="sync_stretch"),
     Setting("--stale-after", "store", "seconds without a successful sync before probabilistic rules"
             " use failure_mode", 3.0, positive(float), fills="stale_after"),
     Setting("--zone", "store", "this replica's zone (unique per global store): RLQS and"

@@ -152,7 +152,9 @@ class RateLimitService:
         )
         if self.tracing is not None:
             self.limiter.hit_store = self.tracing.traced_hit(self.store.hit, self.store_name)
-        self.reconciler = Reconciler(self.local, self.store, settings.sync_interval)
+        self.reconciler = Reconciler(
+            self.local, self.store, settings.sync_interval, stretch=settings.sync_stretch
+        )
         self.quota = QuotaCoordinator(
             lambda: self.limiter.config,
             self.stats,

@@ -21,6 +21,7 @@ class Settings:
     admin_addr: str | None = default("--admin-addr")
     mode: Mode = default("--mode")
     sync_interval: float = default("--sync-interval")
+    sync_stretch: int = default("--sync-stretch")
     redis_url: str | None = default("--redis-url")
     redis_timeout: float = default("--redis-timeout")
     redis_silence: float = default("--redis-silence")

@@ -87,3 +87,18 @@ async def test_near_its_limit_a_step_up_or_the_store_away_it_is_reported_every_i
     assert counted == admitted
     away, _, _ = await _sync_rounds([100.0] * 12, down=range(5, 8))
     assert {6, 7, 8} <= set(away)  # after a sync failed, until one succeeded
+
+
+async def test_the_stretch_is_the_services_setting(start_service, write_config) -> None:  # type: ignore[no-untyped-def]
+    """``--sync-stretch`` reaches the reconciler (its default: core/stretch.py's)."""
+    rules = """\
+domain: d
+descriptors:
+  - key: k
+    rate_limit: {unit: second, requests_per_unit: 1}
+"""
+    config = write_config(rules)
+    default = await start_service(config)
+    assert default.service.reconciler.stretch == STRETCH
+    every = await start_service(config, sync_stretch=1)
+    assert every.service.reconciler.stretch == 1
