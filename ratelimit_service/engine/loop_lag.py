@@ -35,7 +35,8 @@ class LoopLag:
         self.blocked = Histogram()
         """Of each lag, the part this thread was running (at most its CPU time over the
         measurement): the process's own work held the loop (a long callback, a collection).
-        The rest of the lag the thread waited for a CPU (a busy node, a CPU limit)."""
+        The rest of the lag the thread waited for a CPU (a busy node, a CPU limit). The
+        catch-up on calls that queued while it waited is its own work too."""
         self._calls = calls
         """Calls started so far (for the rate)."""
         self.rate = 0.0

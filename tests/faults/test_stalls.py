@@ -69,13 +69,15 @@ async def test_soak_over_many_keys_keeps_deadlines_and_memory(tmp_path: Path) ->
     service: its loop's thread running while a due timer waits
     (``ratelimit_event_loop_blocked_seconds``), and its collections' durations. Without
     server/gc_policy.py a full collection holds the loop 15-90 ms every 10 s: 27 of each
-    over 5 minutes, where tenured there are none (at most 3 allowed: a collection timed
-    by the wall clock may be descheduled midway). What the client sees also counts the
-    machine descheduling client or service: 0.005-0.02 % of calls past 20 ms and p99
-    2-3 ms here, 0.11 % and 7.5 ms on a busier machine with no pause of the service's;
-    without tenuring 0.48 %. Its bounds (p99 15 ms, 0.5 %) leave room for a busy
-    machine and still catch a service slow throughout. docs/benchmarks.md ("Over many
-    keys") gives the measured tail."""
+    over 5 minutes, where tenured there are none on a quiet machine. A busy one adds a
+    few: the catch-up on the calls that queued while the process was off the CPU is
+    its own work too (2 beside a busy loop here), and a collection timed by the wall
+    clock may be descheduled midway: at most 10 and 5 allowed. What the client sees
+    also counts the machine descheduling client or service: 0.005-0.02 % of calls past
+    20 ms and p99 2-3 ms here, 0.11 % and 7.5 ms on a busier machine with no pause of
+    the service's; without tenuring 0.48 %. Its bounds (p99 15 ms, 0.5 %) leave room
+    for a busy machine and still catch a service slow throughout. docs/benchmarks.md
+    ("Over many keys") gives the measured tail."""
     rate, keys, seconds = 500.0, 50_000, 300.0
     with service_fleet(1, _rules(tmp_path), None) as (node,):
         rss: list[tuple[float, int]] = []
@@ -99,7 +101,7 @@ async def test_soak_over_many_keys_keeps_deadlines_and_memory(tmp_path: Path) ->
         f" RSS MB {[round(size / 2**20, 1) for _, size in rss]}"
     )
     assert calls == int(rate * seconds), summary
-    assert blocked <= 3 and collections <= 3, summary
+    assert blocked <= 10 and collections <= 5, summary
     assert p99 <= 0.015, summary
     assert over <= calls * 0.005, summary
     assert max(settled) - min(settled) <= 0.05 * min(settled), summary
@@ -115,9 +117,9 @@ async def test_scrape_of_a_full_stats_table_does_not_hold_calls(tmp_path: Path) 
     """Distinct keys past the stats keys' cap (10,000), then /metrics scraped three
     times (HTTP/1.1, as Prometheus asks) while a canary calls beside it every 5 ms: the
     service's own work never holds its loop 50 ms (``ratelimit_event_loop_blocked_seconds``;
-    the page made in one go held it 1.2 s), no canary call waits 250 ms (room for a busy
-    machine's pauses), and each scrape is whole (every kept key's counters, the
-    overflow, the families after them)."""
+    the page made in one go held it 1.2 s; once allowed, for a catch-up after a busy
+    machine's pause), no canary call waits 250 ms (room for those pauses), and each
+    scrape is whole (every kept key's counters, the overflow, the families after them)."""
     flood = 12_000
     blocked = "ratelimit_event_loop_blocked_seconds"
     with service_fleet(1, _rules(tmp_path), None) as (node,):
@@ -132,7 +134,7 @@ async def test_scrape_of_a_full_stats_table_does_not_hold_calls(tmp_path: Path) 
             assert len({s.labels["key"] for s in hits}) == 10_000 + 1  # and _overflow
             assert "ratelimit_server_should_rate_limit_response_time_seconds" in families
             assert text.endswith("\n")
-        assert _over(scrape(node.admin_port), blocked, "0.05") == held_before
+        assert _over(scrape(node.admin_port), blocked, "0.05") - held_before <= 1
 
 
 async def test_the_latency_histogram_sees_a_pause_as_the_callers_do(tmp_path: Path) -> None:
