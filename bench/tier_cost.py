@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -899,79 +900,88 @@ def baseline_tree(revision: str) -> Path:
     return tree
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| design | Envoys | reports/s | Redis CPU | replica CPU per report | replicas' CPU"
-        " | answered / sent | stream errors | assigned rate / limit |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        per_report = r["replica_cpu_ms_per_report"]
-        lines.append(
-            f"| {r['design']} | {r['envoys']:,} | {r['reports_per_s']:.0f}"
-            f" | {r['redis_cpu_pct']:.1f} % | {per_report:.2f} ms | {r['replicas_cpu_pct']:.0f} %"
-            f" | {r['answered']:,} / {r['sent']:,} | {r['errors']}"
-            f" | {r['assigned_over_limit']:.2f} |"
-        )
+Row = dict[str, Any]
+
+
+def _table(columns: list[tuple[str, Callable[[Row], str]]], rows: list[Row]) -> str:
+    """A markdown table: a header and a cell formatter per column, a line per row."""
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|---" * len(columns) + "|"]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def markdown_prob(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| design | Envoys | requests/s | Redis CPU | replica CPU per request"
-        " | replicas' CPU | answered / sent | admitted / limit |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['design']} | {r['envoys']:,} | {r['requests_per_s']:.0f}"
-            f" | {r['redis_cpu_pct']:.1f} % | {r['replica_cpu_ms_per_request']:.2f} ms"
-            f" | {r['replicas_cpu_pct']:.0f} % | {r['answered']:,} / {r['sent']:,}"
-            f" | {r['admitted_over_limit']:.2f} |"
-        )
-    return "\n".join(lines)
+def _design(r: Row) -> str:
+    return str(r["design"])
 
 
-def markdown_many(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| design | Envoys | buckets (per Envoy, layout) | reports/s | Redis CPU"
-        " | replica CPU per report | per bucket in a report | replica 0 per report"
-        " | replicas' CPU | answered / sent | stream errors"
-        " | assigned rate / limit, median (min-max) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ratio = r["assigned_over_limit"]
-        lines.append(
-            f"| {r['design']} | {r['envoys']:,}"
-            f" | {r['buckets']:,} ({r['per_envoy']}, {r['layout']})"
-            f" | {r['reports_per_s']:.0f} | {r['redis_cpu_pct']:.1f} %"
-            f" | {r['replica_cpu_ms_per_report']:.2f} ms"
-            f" | {r['replica_cpu_us_per_bucket_report']:.0f} µs"
-            f" | {r['per_replica_cpu_ms_per_report'][0]:.2f} ms"
-            f" | {r['replicas_cpu_pct']:.0f} % | {r['answered']:,} / {r['sent']:,}"
-            f" | {r['errors']} | {_spread(ratio)} |"
-        )
-    return "\n".join(lines)
+def _envoys(r: Row) -> str:
+    return f"{r['envoys']:,}"
 
 
-def markdown_many_prob(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| design | Envoys | keys | offered / limit | requests/s | bucket updates/s | Redis CPU"
-        " | replica CPU per request | replicas' CPU | load generator CPU | answered / sent"
-        " | admitted / limit per key, median (min-max) | fleet's admitted / limit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['design']} | {r['envoys']:,} | {r['buckets']:,} | {r['offered']:g}"
-            f" | {r['requests_per_s']:,.0f} | {r['bucket_updates_per_s']:,.0f}"
-            f" | {r['redis_cpu_pct']:.1f} % | {r['replica_cpu_ms_per_request']:.2f} ms"
-            f" | {r['replicas_cpu_pct']:.0f} % | {r['load_cpu_pct']:.0f} %"
-            f" | {r['answered']:,} / {r['sent']:,} | {_spread(r['admitted_over_limit'])}"
-            f" | {r['fleet_admitted_over_limit']:.2f} |"
-        )
-    return "\n".join(lines)
+def _redis(r: Row) -> str:
+    return f"{r['redis_cpu_pct']:.1f} %"
+
+
+def _replicas(r: Row) -> str:
+    return f"{r['replicas_cpu_pct']:.0f} %"
+
+
+def _answered(r: Row) -> str:
+    return f"{r['answered']:,} / {r['sent']:,}"
+
+
+def markdown(rows: list[Row]) -> str:
+    return _table([
+        ("design", _design), ("Envoys", _envoys),
+        ("reports/s", lambda r: f"{r['reports_per_s']:.0f}"), ("Redis CPU", _redis),
+        ("replica CPU per report", lambda r: f"{r['replica_cpu_ms_per_report']:.2f} ms"),
+        ("replicas' CPU", _replicas), ("answered / sent", _answered),
+        ("stream errors", lambda r: str(r["errors"])),
+        ("assigned rate / limit", lambda r: f"{r['assigned_over_limit']:.2f}"),
+    ], rows)  # fmt: skip
+
+
+def markdown_prob(rows: list[Row]) -> str:
+    return _table([
+        ("design", _design), ("Envoys", _envoys),
+        ("requests/s", lambda r: f"{r['requests_per_s']:.0f}"), ("Redis CPU", _redis),
+        ("replica CPU per request", lambda r: f"{r['replica_cpu_ms_per_request']:.2f} ms"),
+        ("replicas' CPU", _replicas), ("answered / sent", _answered),
+        ("admitted / limit", lambda r: f"{r['admitted_over_limit']:.2f}"),
+    ], rows)  # fmt: skip
+
+
+def markdown_many(rows: list[Row]) -> str:
+    return _table([
+        ("design", _design), ("Envoys", _envoys),
+        ("buckets (per Envoy, layout)",
+         lambda r: f"{r['buckets']:,} ({r['per_envoy']}, {r['layout']})"),
+        ("reports/s", lambda r: f"{r['reports_per_s']:.0f}"), ("Redis CPU", _redis),
+        ("replica CPU per report", lambda r: f"{r['replica_cpu_ms_per_report']:.2f} ms"),
+        ("per bucket in a report",
+         lambda r: f"{r['replica_cpu_us_per_bucket_report']:.0f} µs"),
+        ("replica 0 per report", lambda r: f"{r['per_replica_cpu_ms_per_report'][0]:.2f} ms"),
+        ("replicas' CPU", _replicas), ("answered / sent", _answered),
+        ("stream errors", lambda r: str(r["errors"])),
+        ("assigned rate / limit, median (min-max)", lambda r: _spread(r["assigned_over_limit"])),
+    ], rows)  # fmt: skip
+
+
+def markdown_many_prob(rows: list[Row]) -> str:
+    return _table([
+        ("design", _design), ("Envoys", _envoys), ("keys", lambda r: f"{r['buckets']:,}"),
+        ("offered / limit", lambda r: f"{r['offered']:g}"),
+        ("requests/s", lambda r: f"{r['requests_per_s']:,.0f}"),
+        ("bucket updates/s", lambda r: f"{r['bucket_updates_per_s']:,.0f}"),
+        ("Redis CPU", _redis),
+        ("replica CPU per request", lambda r: f"{r['replica_cpu_ms_per_request']:.2f} ms"),
+        ("replicas' CPU", _replicas),
+        ("load generator CPU", lambda r: f"{r['load_cpu_pct']:.0f} %"),
+        ("answered / sent", _answered),
+        ("admitted / limit per key, median (min-max)",
+         lambda r: _spread(r["admitted_over_limit"])),
+        ("fleet's admitted / limit", lambda r: f"{r['fleet_admitted_over_limit']:.2f}"),
+    ], rows)  # fmt: skip
 
 
 def _spread(ratio: dict[str, float | None]) -> str:
