@@ -245,6 +245,12 @@ def scrape(admin_port: int) -> dict[str, float]:
     return samples
 
 
+def histogram_over(samples: dict[str, float], histogram: str, bound: str) -> int:
+    """How many observations of a histogram in ``samples`` (as :func:`scrape` returns
+    them) lie above one of its bucket bounds (``bound`` as /metrics prints it)."""
+    return int(samples[f"{histogram}_count"] - samples[f'{histogram}_bucket{{le="{bound}"}}'])
+
+
 def fleet_sum(admin_ports: Sequence[int], name: str) -> float:
     """A sample summed over several services."""
     return sum(scrape(port).get(name, 0.0) for port in admin_ports)

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ratelimit_harness.fleet import (
     SHOULD_RATE_LIMIT,
+    histogram_over,
     keyed_load,
     rss_bytes,
     scrape,
@@ -89,9 +90,9 @@ async def test_soak_over_many_keys_keeps_deadlines_and_memory(tmp_path: Path) ->
         metrics = scrape(node.admin_port)
     calls = len(load.latencies)
     p99, over = load.quantile(0.99), load.over(DEADLINE)
-    blocked = _over(metrics, "ratelimit_event_loop_blocked_seconds", "0.02")
-    lag = _over(metrics, "ratelimit_event_loop_lag_seconds", "0.02")
-    collections = _over(metrics, "ratelimit_gc_pause_seconds", "0.01")
+    blocked = histogram_over(metrics, "ratelimit_event_loop_blocked_seconds", "0.02")
+    lag = histogram_over(metrics, "ratelimit_event_loop_lag_seconds", "0.02")
+    collections = histogram_over(metrics, "ratelimit_gc_pause_seconds", "0.01")
     settled = [size for at, size in rss if at >= 150.0]
     summary = (
         f"{calls} calls, p50 {load.quantile(0.5) * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms,"
@@ -107,12 +108,6 @@ async def test_soak_over_many_keys_keeps_deadlines_and_memory(tmp_path: Path) ->
     assert max(settled) - min(settled) <= 0.05 * min(settled), summary
 
 
-def _over(metrics: dict[str, float], histogram: str, bound: str) -> int:
-    """How many observations of a scraped histogram lie above one of its bounds."""
-    count = metrics[f"{histogram}_count"]
-    return int(count - metrics[f'{histogram}_bucket{{le="{bound}"}}'])
-
-
 async def test_scrape_of_a_full_stats_table_does_not_hold_calls(tmp_path: Path) -> None:
     """Distinct keys past the stats keys' cap (10,000), then /metrics scraped three
     times (HTTP/1.1, as Prometheus asks) while a canary calls beside it every 5 ms: the
@@ -125,7 +120,7 @@ async def test_scrape_of_a_full_stats_table_does_not_hold_calls(tmp_path: Path) 
     with service_fleet(1, _rules(tmp_path), None) as (node,):
         filled = await keyed_load(node.grpc_port, "stalls", "client", flood, 1000.0, 12.0, 2.0)
         assert sum(filled.failures.values()) == 0, filled.failures
-        held_before = _over(scrape(node.admin_port), blocked, "0.05")
+        held_before = histogram_over(scrape(node.admin_port), blocked, "0.05")
         for _ in range(3):
             text, waits = await _scrape_beside_canary(node.grpc_port, node.admin_port)
             assert max(waits) < 0.250, f"slowest canary waits (s): {sorted(waits)[-5:]}"
@@ -134,7 +129,7 @@ async def test_scrape_of_a_full_stats_table_does_not_hold_calls(tmp_path: Path) 
             assert len({s.labels["key"] for s in hits}) == 10_000 + 1  # and _overflow
             assert "ratelimit_server_should_rate_limit_response_time_seconds" in families
             assert text.endswith("\n")
-        assert _over(scrape(node.admin_port), blocked, "0.05") - held_before <= 1
+        assert histogram_over(scrape(node.admin_port), blocked, "0.05") - held_before <= 1
 
 
 async def test_the_latency_histogram_sees_a_pause_as_the_callers_do(tmp_path: Path) -> None:

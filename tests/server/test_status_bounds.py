@@ -18,7 +18,7 @@ import grpc
 import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 
-from ratelimit_harness.fleet import SHOULD_RATE_LIMIT, service_fleet
+from ratelimit_harness.fleet import SHOULD_RATE_LIMIT, histogram_over, scrape, service_fleet
 from ratelimit_harness.rlqs_sim import usage_report
 from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.cli.client import build_request
@@ -116,13 +116,9 @@ async def _tenures(port: int) -> float:
     return float(line.split()[1])
 
 
-async def _held(port: int) -> float:
-    """Lags of the service's event loop of 50 ms or more that its own work made
-    (``ratelimit_event_loop_blocked_seconds``), so far."""
-    metrics = (await _get(port, "/metrics")).decode()
-    name = "ratelimit_event_loop_blocked_seconds"
-    figures = dict(x.rsplit(" ", 1) for x in metrics.splitlines() if x.startswith(name))
-    return float(figures[f"{name}_count"]) - float(figures[f'{name}_bucket{{le="0.05"}}'])
+def _held(port: int) -> int:
+    """Lags of the service's event loop of 50 ms or more that its own work made, so far."""
+    return histogram_over(scrape(port), "ratelimit_event_loop_blocked_seconds", "0.05")
 
 
 async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: Path) -> None:
@@ -138,7 +134,7 @@ async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: P
                 return await _tenures(node.admin_port) > tenured
 
             await eventually_async(tenured_since, what="the new state tenured")
-            held_before = await _held(node.admin_port)
+            held_before = _held(node.admin_port)
             waits: list[float] = []
             stop = asyncio.Event()
             canary = asyncio.ensure_future(_canary(node.grpc_port, waits, stop))
@@ -156,7 +152,7 @@ async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: P
             await eventually_async(lambda: len(waits) >= before + 5, what="the canary after")
             stop.set()
             await canary
-            held = await _held(node.admin_port) - held_before
+            held = _held(node.admin_port) - held_before
     took = [snapshot["took"] for snapshot in (first, status)]
     print(  # the figures in docs/benchmarks.md (pytest -s shows them)
         f"\nstatus page: JSON {len(body)} bytes, page {len(page)} bytes; snapshots"
