@@ -7,8 +7,9 @@ scripts on real redis-servers, called at the rates a fleet of 100,000 Envoys beh
     python bench/tier_simulation.py --update-cost --baseline REV   # ~1 minute
 
 --update-cost measures the store's time per bucket update for each script (this
-tree's, and a git revision's in turns with it), which the table of calls below turns
-into each store's CPU at any size (docs/scale.md).
+tree's, and a git revision's in turns with it), and the part of it spent in the Redis
+commands the script calls (the rest is the script's own Lua), which the table of calls
+below turns into each store's CPU at any size (docs/scale.md).
 
 Envoys never reach a store: their reports end at their replica (100 per replica
 here). What the stores see, per hot bucket:
@@ -388,15 +389,26 @@ def scripts_at(revision: str | None) -> dict[str, str]:
     }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class UpdateCost:
+    """The store's time per bucket update (microseconds): the script's whole, and of it
+    the Redis commands the script called (the rest is the script's own Lua: its
+    arithmetic, strings and tables, and passing the commands their arguments)."""
+
+    whole: float
+    commands: float
+
+
 async def update_cost(
     port: int, sources: dict[str, str], hot: int = BATCH, members: int = REPLICAS // ZONES
-) -> dict[str, float]:
-    """Microseconds of the store's time per bucket update, per script and tier: each
-    member's calls of ``hot`` buckets (one call each; a zone store's members are its
-    100 replicas, the global store's its 10 zones), repeated, closed loop, timed by the
-    store itself (``INFO commandstats``: usec of EVALSHA over the buckets it carried)."""
+) -> dict[str, UpdateCost]:
+    """The store's time per bucket update, per script and tier: each member's calls of
+    ``hot`` buckets (one call each; a zone store's members are its 100 replicas, the
+    global store's its 10 zones), repeated, closed loop, timed by the store itself
+    (``INFO commandstats``: usec of EVALSHA, and of the commands scripts call, which
+    Redis counts too, over the buckets the calls carried)."""
     client = connect(port)
-    costs: dict[str, float] = {}
+    costs: dict[str, UpdateCost] = {}
     try:
         keys = counters(hot)
         sync = Packed(client, sources["fleet_sync.lua"])
@@ -431,9 +443,12 @@ async def update_cost(
             for _ in range(5):
                 for packed in calls:
                     await (sync if "fleet" in name else tier)(packed)
-            stats = sync_client.info("commandstats")["cmdstat_evalsha"]
+            stats = sync_client.info("commandstats")
             sync_client.close()
-            costs[name] = float(stats["usec"]) / (int(stats["calls"]) * hot)
+            script = stats.pop("cmdstat_evalsha")
+            updates = int(script["calls"]) * hot
+            inside = sum(v["usec"] for k, v in stats.items() if not k.startswith("cmdstat_config"))
+            costs[name] = UpdateCost(float(script["usec"]) / updates, float(inside) / updates)
     finally:
         await client.aclose()
     return costs
@@ -465,22 +480,25 @@ SCRIPTS: dict[str, str] = {}
 def update_costs(baseline: str | None, rounds: int = 5) -> None:
     """The store's time per bucket update, this tree's scripts and (when given) the
     baseline's, in turns on fresh redis-servers (a busy machine slows both alike):
-    the median of ``rounds`` per script."""
+    the median of ``rounds`` per script, whole and its commands' part."""
     trees = {"this tree": scripts_at(None)}
     if baseline is not None:
         trees[baseline] = scripts_at(baseline)
-    seen: dict[tuple[str, str], list[float]] = {}
+    seen: dict[tuple[str, str], list[UpdateCost]] = {}
     for _ in range(rounds):
         for tree, sources in trees.items():
             with lab() as (directory, _, redis_servers):
                 port = start_redis(directory, redis_servers).port
                 for name, cost in asyncio.run(update_cost(port, sources)).items():
                     seen.setdefault((name, tree), []).append(cost)
-    print("| script (store) | scripts of | µs per bucket update (median) | all rounds |")
-    print("|---|---|---|---|")
+    print("| script (store) | scripts of | µs per bucket update (median) | of which its"
+          " commands | all rounds |")  # fmt: skip
+    print("|---|---|---|---|---|")
     for (name, tree), costs in seen.items():
-        every = ", ".join(f"{c:.1f}" for c in costs)
-        print(f"| {name} | {tree} | {statistics.median(costs):.2f} | {every} |")
+        whole = statistics.median(c.whole for c in costs)
+        commands = statistics.median(c.commands for c in costs)
+        every = ", ".join(f"{c.whole:.1f}" for c in costs)
+        print(f"| {name} | {tree} | {whole:.2f} | {commands:.2f} | {every} |")
 
 
 def main() -> None:
