@@ -29,7 +29,11 @@ refused as overload (``RESOURCE_EXHAUSTED``, or denied by a ``failure_mode: clos
 rule) and answered by ``failure_mode`` (Redis or the deadline failed them); h2load
 counts gRPC errors as HTTP 200.
 
-The service, h2load and redis-server share the machine's cores unless ``--pin``.
+The service, h2load and redis-server share the machine's cores; with ``--pin`` the
+targets run on CPU 0 and h2load, redis-server (before h2load: nice -10) and this
+script on CPU 1 (only one-process targets then: two workers on one core say
+nothing), as in production a service has its cores and its clients and Redis other
+hosts.
 Results: ``--out``/open_loop.json, and a Markdown table on stdout.
 """
 
@@ -60,6 +64,10 @@ OVER_MS = 20.0
 """Envoy's ratelimit filter gives up after 20 ms by default."""
 DEFAULT_RATES = "500,1000,1500,2000,2500,3000,0.8x"
 TARGETS = ("null", "exact", "probabilistic", "exact x2", "probabilistic x2")
+SERVER_CPUS: frozenset[int] | None = None
+"""--pin: the targets' CPUs (h2load and Redis run on LOAD_CPUS)."""
+LOAD_CPUS: frozenset[int] | None = None
+REDIS_NICE = -10
 
 
 @dataclass
@@ -141,7 +149,7 @@ def measure(
     before = tp.scrape(server.admin_port) if server.admin_port else {}
     cpu0, redis0 = process_tree_cpu(server.pid), tp.RedisSample.take(redis_server)
     busy0, ours0, wall0 = machine_busy(), own_cpu(), time.monotonic()
-    h2 = tp.run_h2load(server.port, body, load, seconds, log, deadline=deadline)
+    h2 = tp.run_h2load(server.port, body, load, seconds, log, LOAD_CPUS, deadline)
     busy1, ours1, wall1 = machine_busy(), own_cpu(), time.monotonic()
     cpu1, redis1 = process_tree_cpu(server.pid), tp.RedisSample.take(redis_server)
     values = latencies_ms(log)
@@ -194,6 +202,18 @@ def measure_alone(
     raise AssertionError("unreachable")
 
 
+def first_on_its_cpu(redis_server: Any, progress: tp.Progress) -> None:
+    """--pin: Redis before h2load on the CPU they share (nice -10), as a Redis on a host
+    of its own answers whatever the clients do; this script runs there too, so that the
+    targets' CPU runs the targets alone."""
+    os.sched_setaffinity(0, LOAD_CPUS or set())
+    try:
+        for thread in os.listdir(f"/proc/{redis_server.process.pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(thread), REDIS_NICE)
+    except PermissionError:
+        progress("    (not allowed to raise Redis's priority: it shares CPU 1 with h2load as is)")
+
+
 def start_targets(
     args: argparse.Namespace, processes: tp.Processes, directory: Path, redis_url: str
 ) -> list[tp.Server]:
@@ -212,19 +232,21 @@ def start_targets(
             port = free_port()
             null = processes.start(
                 "null", [sys.executable, str(tp.BENCH / "null_server.py"), "--port", str(port),
-                         "--uvloop"],
+                         "--uvloop"], SERVER_CPUS,
             )  # fmt: skip
             wait_port(port)
             servers.append(tp.Server("null", port, None, null.pid))
         else:
             extra = [*flags[name], "--redis-url", redis_url, *args.service_flags]
-            servers.append(tp.start_service(processes, name, config, extra))
+            servers.append(tp.start_service(processes, name, config, extra, SERVER_CPUS))
     for tree in args.tree:
         tp.check_tree(tree)
         for name in args.tree_targets:
             extra = [*flags[name], "--redis-url", redis_url, *args.service_flags]
             label = f"{name} @{tree.name}"
-            servers.append(tp.start_service(processes, label, config, extra, tree=tree))
+            servers.append(
+                tp.start_service(processes, label, config, extra, SERVER_CPUS, tree=tree)
+            )
     return servers
 
 
@@ -344,6 +366,8 @@ def main() -> None:
     parser.add_argument("--tree-targets", default="exact,exact x2")
     parser.add_argument("--out", type=Path, default=tp.BENCH / "out")
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--pin", action="store_true",
+                        help="targets on CPU 0; h2load and redis-server on CPU 1")  # fmt: skip
     args = parser.parse_args()  # fmt: skip
     args.only = [t.strip() for t in args.only.split(",") if t.strip()]
     args.tree_targets = [t.strip() for t in args.tree_targets.split(",") if t.strip()]
@@ -351,6 +375,10 @@ def main() -> None:
     unknown = [t for t in args.only + args.tree_targets if t not in TARGETS]
     if unknown:
         raise SystemExit(f"unknown target(s) {unknown}: choose from {', '.join(TARGETS)}")
+    if args.pin and any(t.endswith("x2") for t in args.only + args.tree_targets * bool(args.tree)):
+        raise SystemExit("--pin: one-process targets only (two workers on one CPU say nothing)")
+    global SERVER_CPUS, LOAD_CPUS
+    SERVER_CPUS, LOAD_CPUS = tp.pinning(args.pin)
     for tool in ("h2load", "redis-server"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed")
@@ -359,7 +387,9 @@ def main() -> None:
     progress(f"machine {info}")
     points: list[Point] = []
     with tp.lab(args.keep_logs) as (directory, processes, redis_servers):
-        redis_server = tp.start_redis(directory, redis_servers)
+        redis_server = tp.start_redis(directory, redis_servers, LOAD_CPUS)
+        if args.pin:
+            first_on_its_cpu(redis_server, progress)
         servers = start_targets(args, processes, directory, redis_server.url)
         body = directory / "body"
         body.write_bytes(tp.framed("bench", [f"k=v{i}" for i in range(1, args.descriptors + 1)]))
@@ -367,7 +397,7 @@ def main() -> None:
         tp.LOADS[CLOSED] = CLOSED_LOAD
         progress("warming up (1 s each, not measured)")
         for server in servers:
-            tp.run_h2load(server.port, body, CLOSED, 1, log)
+            tp.run_h2load(server.port, body, CLOSED, 1, log, LOAD_CPUS)
         rates = [r.strip() for r in args.rates.split(",") if r.strip()]
         for round_ in range(1, args.rounds + 1):
             points += sweep(args, servers, body, log, redis_server, rates, round_, progress)
