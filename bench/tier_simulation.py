@@ -154,36 +154,41 @@ def counters(hot: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Mix:
-    """Which hot buckets are of which kind, and which are far below their limits."""
+    """Which hot buckets are of which kind, and which wait (core/stretch.py)."""
 
     half: bool = False
     """Half the hot buckets RLQS counters, half probabilistic buckets; otherwise each is
     both (twice the updates)."""
     far: float = 0.0
     """The share of the probabilistic buckets far below their limits: a replica reports
-    each of those once every STRETCH syncs (core/stretch.py), staggered over the rounds
-    (RLQS counters are published every round, near or far)."""
+    each of those once every STRETCH syncs, staggered over the rounds."""
+    steady: float = 0.0
+    """The share of the RLQS counters steady well over their limits: a replica publishes
+    each of those once every STRETCH rounds, staggered."""
 
     def kinds(self, hot: int) -> tuple[list[str], list[str]]:
         """The RLQS counters' keys and the probabilistic buckets' keys."""
         keys = counters(hot)
         return (keys[: hot // 2], keys[hot // 2 :]) if self.half else (keys, keys)
 
-    def rounds(self, keys: list[str], phase: int) -> list[list[str]]:
-        """The keys a replica sends in each of STRETCH successive rounds: those near
-        their limits every round, each far one in one round of STRETCH."""
-        near = len(keys) - round(self.far * len(keys))
-        if near == len(keys):
+    @staticmethod
+    def rounds(keys: list[str], waiting: float, phase: int) -> list[list[str]]:
+        """The keys a replica sends in each of STRETCH successive rounds: each of the
+        ``waiting`` share (the last keys) in one round of STRETCH, the others every round."""
+        every = len(keys) - round(waiting * len(keys))
+        if every == len(keys):
             return [keys]
         return [
-            keys[:near] + [k for i, k in enumerate(keys[near:]) if (i + phase) % STRETCH == r]
+            keys[:every] + [k for i, k in enumerate(keys[every:]) if (i + phase) % STRETCH == r]
             for r in range(STRETCH)
         ]
 
-    def updates(self, count: int) -> float:
-        """Buckets of ``count`` a replica sends per round, on average."""
-        far = round(self.far * count)
-        return count - far + far / STRETCH
+    @staticmethod
+    def updates(count: int, waiting: float) -> float:
+        """Keys of ``count`` a replica sends per round, on average, ``waiting`` of them
+        one round in STRETCH."""
+        waits = round(waiting * count)
+        return count - waits + waits / STRETCH
 
 
 def cycling(calls: list[list[bytes]], script: Packed) -> Any:
@@ -221,22 +226,25 @@ async def zone_store(
 
     # Each member's calls are the same every time: built once, so that the driver's
     # own work per call is the sending, and it keeps up with the stores.
-    def publish(member: str, demand: int) -> Any:
-        calls = []
-        for start in range(0, len(quota_keys), BATCH):
-            chunk = quota_keys[start : start + BATCH]
-            reports = [TierReport(key, member, demand / MILLI, ENVOYS // REPLICAS,
-                                  demand // 10, 1, LIMIT) for key in chunk]  # fmt: skip
-            call_keys: list[str] = []
-            for key in chunk:
-                call_keys += tier.counter_keys(f"rl:qt{{{key}}}")
-            args = tier_args(reports, FORGET_US, None, zoned=True)
-            calls.append(tier.pack([*call_keys, index], args))
-        return cycling([calls], tier)
+    def publish(member: str, demand: int, phase: int) -> Any:
+        rounds = []
+        for sent in mix.rounds(quota_keys, mix.steady, phase):
+            calls = []
+            for start in range(0, len(sent), BATCH):
+                chunk = sent[start : start + BATCH]
+                reports = [TierReport(key, member, demand / MILLI, ENVOYS // REPLICAS,
+                                      demand // 10, 1, LIMIT) for key in chunk]  # fmt: skip
+                call_keys: list[str] = []
+                for key in chunk:
+                    call_keys += tier.counter_keys(f"rl:qt{{{key}}}")
+                args = tier_args(reports, FORGET_US, None, zoned=True)
+                calls.append(tier.pack([*call_keys, index], args))
+            rounds.append(calls)
+        return cycling(rounds, tier)
 
     def synced(member: str, offered: int, phase: int) -> Any:
         rounds = []
-        for sent in mix.rounds(fleet_keys, phase):
+        for sent in mix.rounds(fleet_keys, mix.far, phase):
             calls = []
             # a sync with no bucket due still goes: the replica's heartbeat
             for start in range(0, max(1, len(sent)), BATCH):
@@ -267,8 +275,9 @@ async def zone_store(
     for n in range(per_zone):
         member = f"replica-{n}"
         demand = rng.randrange(50_000, 150_000)  # thousandths of a hit per second
-        phase = rng.randrange(STRETCH)  # where the replica's far buckets' turns start
-        tasks.append(driver.every(PUBLISH, rng.uniform(0, PUBLISH), until, publish(member, demand)))
+        phase = rng.randrange(STRETCH)  # where the replica's waiting keys' turns start
+        first = rng.uniform(0, PUBLISH)
+        tasks.append(driver.every(PUBLISH, first, until, publish(member, demand, phase)))
         tasks.append(driver.every(SYNC, rng.uniform(0, SYNC), until, synced(member, 200, phase)))
     if aggregator:
         tasks.append(driver.every(ZONE, 0.0, until, aggregate))
@@ -462,7 +471,7 @@ def model(
     counters they update (the work inside a call grows with those)."""
     per_zone = replicas / zones
     quota, fleet = (len(keys) for keys in mix.kinds(hot))
-    sent_quota, sent_fleet = quota, mix.updates(fleet)
+    sent_quota, sent_fleet = mix.updates(quota, mix.steady), mix.updates(fleet, mix.far)
     calls = math.ceil(sent_quota / BATCH) / PUBLISH + max(1, math.ceil(sent_fleet / BATCH)) / SYNC
     return {
         "Envoy reports/s (at the replicas)": envoys / 5.0,
@@ -522,8 +531,11 @@ def main() -> None:
     parser.add_argument("--far", type=float, default=0.0,
                         help="share of the probabilistic buckets far below their limits,"
                         f" reported every {STRETCH} syncs (core/stretch.py)")  # fmt: skip
+    parser.add_argument("--steady", type=float, default=0.0,
+                        help="share of the RLQS counters steady well over their limits,"
+                        f" published every {STRETCH} rounds (core/stretch.py)")  # fmt: skip
     args = parser.parse_args()
-    mix = Mix(args.half, args.far)
+    mix = Mix(args.half, args.far, args.steady)
     SCRIPTS.update(scripts_at(None))
     if args.update_cost:
         update_costs(args.baseline)

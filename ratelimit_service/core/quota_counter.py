@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from ratelimit_service.core.matching import Match
 from ratelimit_service.core.shares import Split, TokenBucket, counted_share, water_level
-from ratelimit_service.core.tiers import TierTotals
+from ratelimit_service.core.stretch import steady_over
+from ratelimit_service.core.tiers import TierReport, TierTotals
 
 
 @dataclass(slots=True)
@@ -63,10 +64,26 @@ class QuotaCounter:
     window: int = -1
     unpublished: int = 0
     """Allowed hits reported here since the last publish."""
+    published: tuple[float, int] | None = None
+    """The demand (per second) and instances of the last publish the store answered."""
+    waited: int = 0
+    """Publish rounds it waited since (see :meth:`can_wait`)."""
 
     @property
     def window_seconds(self) -> int:
         return self.match.limit.window_seconds
+
+    def can_wait(self, report: TierReport, stretch: int) -> bool:
+        """Whether this round's publish of ``report`` may wait (core/stretch.py,
+        steady_over), up to ``stretch`` rounds between two publishes; never for a rule of
+        more than a second (the fleet's count of its window would come late)."""
+        totals, published = self.totals, self.published
+        if stretch <= 1 or self.waited + 1 >= stretch or self.window_seconds > 1:
+            return False
+        if totals is None or published is None:
+            return False
+        answer = (totals.part, totals.demand, totals.limit)
+        return steady_over(report.demand, report.instances, published, answer)
 
     def asked(self, seen: Seen, even: float) -> float:
         """What an instance asks for, in hits per window (``even`` while unmeasured)."""

@@ -1,15 +1,21 @@
-"""Reports that wait: a probabilistic bucket far below its limit is sent to the store
-less often.
+"""Reports that wait: a probabilistic bucket far below its limit, and an RLQS counter
+steady well over its limit, are sent to the store less often.
 
 A replica's store work grows with the buckets it sends (docs/scale.md): each bucket's
-sync every ``--sync-interval``. While the fleet offers a bucket far less than its
-limit, nothing the store would answer changes a decision, so its report may wait, up
-to :data:`STRETCH` intervals; near the limit, or on a step up, it is sent every
-interval. The rule: core/local_buckets.py ``LocalBuckets.can_wait``.
+sync every ``--sync-interval``, each counter's publish every ``--rlqs-publish-interval``.
+While the fleet offers a probabilistic bucket far less than its limit, nothing the store
+would answer changes a decision, so its report may wait, up to :data:`STRETCH`
+intervals; near the limit, or on a step up, it is sent every interval. The rule:
+core/local_buckets.py ``LocalBuckets.can_wait``.
 
-RLQS publishes do not wait: a replica's part of a limit holds room for its Envoys to
-grow into, which the other replicas cannot take until it publishes again, so a replica
-that waited would hold a step on the others back by as many intervals.
+An RLQS counter below its limit is published every interval: a replica's part then
+holds room for its Envoys to grow into, which the other replicas cannot take until it
+publishes again, so a replica that waited would hold a step on the others back. Well
+over the limit no part holds room (each is the limit by demand), and while this
+replica's demand and instances stay where it last published them, its publish would
+change no part: it may wait, up to STRETCH intervals (:func:`steady_over`). A step on
+another replica is then divided within STRETCH intervals, the fleet held at the limit
+meanwhile (a part grows only into what the others leave).
 """
 
 from __future__ import annotations
@@ -31,6 +37,32 @@ read as a larger fleet rate and the fleet undershoots for a second."""
 def far_below(rate: float, limit_rate: float) -> bool:
     """Whether an offered ``rate`` is far below a ``limit_rate`` (both per second)."""
     return rate * FAR_BELOW <= limit_rate
+
+
+OVER = 1.25
+"""An RLQS counter is well over its limit while the fleet's demand is at least this many
+times the limit: each replica's part is then at most 0.8 of its demand."""
+FAIR = 0.99
+"""A part at least this share of the limit by demand is the fair one (the store rounds
+parts down to a thousandth of a hit per second)."""
+STEADY = 0.1
+"""A replica's demand is steady while within this fraction of what it last published:
+a part a tenth short of the demand stays used whole (over the limit, a part is at most
+OVER's 0.8 of it), and the fleet's demand moves by a tenth of this replica's share."""
+
+
+def steady_over(
+    demand: float, instances: int, published: tuple[float, int], answer: tuple[float, float, float]
+) -> bool:
+    """Whether an RLQS counter's publish may wait. ``answer``: the store's last (this
+    replica's part, the fleet's demand, the limit the parts divide), all per second: the
+    fleet's demand at least OVER times the limit and the part this replica's fair one,
+    the limit by demand (not held short by room the others held); and its ``demand`` and
+    ``instances`` where it ``published`` them (its demand within STEADY)."""
+    was, had = published
+    part, fleet, limit = answer
+    over = fleet > 0 and fleet >= OVER * limit and part >= FAIR * limit * was / fleet
+    return over and instances == had and abs(demand - was) <= STEADY * was
 
 
 def stepped_up(count: float, rate: float, seconds: float) -> bool:

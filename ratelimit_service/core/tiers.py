@@ -66,6 +66,9 @@ class TierTotals:
     members: int
     used: int
     """Hits allowed in the current fixed window, fleet-wide."""
+    limit: float
+    """The limit the members' parts divide, hits per second: the rule's, or in a zone's
+    store the zone's part of it when lower."""
 
 
 def member_demand(measured: list[float], unmeasured: int, even: float) -> float:
@@ -182,6 +185,7 @@ class TierTable:
             instances=max(0, self.instances),
             members=len(self.members),
             used=used,
+            limit=limit / MILLI,
         )
 
     def _leave(self, member: _Member) -> None:

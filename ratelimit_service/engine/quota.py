@@ -48,6 +48,7 @@ from ratelimit_service.core.shares import (
     window_index,
     window_reset,
 )
+from ratelimit_service.core.stretch import STRETCH
 from ratelimit_service.core.tiers import TierReport, TierTotals, member_demand
 from ratelimit_service.engine.background import BackgroundTask, every
 from ratelimit_service.engine.stats import SLICE, Stats
@@ -137,18 +138,24 @@ class QuotaCoordinator:
         store: Store,
         *,
         interval: float = default("--rlqs-publish-interval"),
+        stretch: int = STRETCH,
         member: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         """``config``: the rules in force (the limiter's: reloads apply at the next report).
-        ``interval``: seconds between publishes. ``member``: this replica's unique name."""
+        ``interval``: seconds between publishes; ``stretch``: rounds a counter steady well
+        over its limit may wait (core/stretch.py; 1: none). ``member``: this replica's
+        unique name."""
         self._config = config
         self._stats = stats
         self._store = store
         self._clock = clock
         self._wall = wall
         self.interval = interval
+        self.stretch = stretch
+        self._failing = False
+        """The last publish failed: every counter goes in the next, none waits."""
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._counters: dict[str, QuotaCounter] = {}
         self._of: dict[str, set[str]] = {}
@@ -270,7 +277,7 @@ class QuotaCoordinator:
             for counter in fresh:
                 first[id(counter)] = done
             try:
-                await self._publish(fresh)
+                await self._publish([(counter, self._totals(counter)) for counter in fresh])
             finally:
                 for counter in fresh:
                     del first[id(counter)]
@@ -316,34 +323,46 @@ class QuotaCoordinator:
     # -- the replica's tier: publish totals, divide the part -----------------------------
 
     async def tick(self) -> None:
-        """One publish round: forget silent instances, publish, push grown shares."""
+        """One publish round: forget silent instances, publish (all but the counters that
+        may wait), push grown shares."""
         now = self._clock()
         for counter in list(self._counters.values()):
             for name in [n for n, s in counter.seen.items() if now - s.last_report > FORGET_AFTER]:
                 self._drop(name, counter)
-        counters = [c for c in self._counters.values() if c.part is not None]
-        self.last_updates = len(counters)
-        if counters and await self._publish(counters):  # the store splits it into calls
-            for counter in counters:
+        stretch = 1 if self._failing else self.stretch
+        due: list[tuple[QuotaCounter, TierReport]] = []
+        for counter in self._counters.values():
+            if counter.part is None:
+                continue
+            report = self._totals(counter)
+            if counter.can_wait(report, stretch):
+                counter.waited += 1
+            else:
+                due.append((counter, report))
+        self.last_updates = len(due)
+        if due and await self._publish(due):  # the store splits it into calls
+            for counter, _ in due:
                 self._grow(counter)
 
-    async def _publish(self, counters: list[QuotaCounter]) -> bool:
-        """Publish ``counters``' totals and take the new parts; False when the store is away
-        (parts kept; one never published gets the whole limit, as RLS's failure_mode)."""
-        reports = [self._totals(counter) for counter in counters]
+    async def _publish(self, due: list[tuple[QuotaCounter, TierReport]]) -> bool:
+        """Publish each counter's totals and take the new parts; False when the store is
+        away (parts kept; one never published gets the whole limit, as RLS's failure_mode)."""
+        reports = [report for _, report in due]
         self.bucket_updates += len(reports)
         try:
             answers = await self._store.publish(reports, FORGET_AFTER)
         except StoreUnavailable as exc:
             self.store_errors += 1
+            self._failing = True
             log.debug("publish failed, parts kept: %s", exc)
-            for counter in counters:
+            for counter, _ in due:
                 if counter.part is None:
                     counter.part = float(counter.match.limit.requests_per_unit)
                     counter.resplit()
             return False
         self.publishes += 1
-        for counter, report, totals in zip(counters, reports, answers, strict=True):
+        self._failing = False
+        for (counter, report), totals in zip(due, answers, strict=True):
             window = counter.window_seconds
             index = window_index(self._wall(), window)
             counter.unpublished -= report.allowed
@@ -351,6 +370,7 @@ class QuotaCoordinator:
                 counter.window, counter.unpublished = index, 0
             counter.used = totals.used + counter.unpublished
             counter.totals = totals
+            counter.published, counter.waited = (report.demand, report.instances), 0
             counter.part = totals.part * window
             counter.resplit()
         return True

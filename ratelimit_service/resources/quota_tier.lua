@@ -47,7 +47,9 @@
 --           of a hit per second), the counter's key (in a zone; '' otherwise)
 -- Returns   per counter: {part (thousandths), fleet demand (thousandths), fleet
 --           instances, live members, allowed hits in the window (in a zone: the
---           fleet's, the global count plus what the zone allowed since)}, flattened;
+--           fleet's, the global count plus what the zone allowed since), the limit the
+--           parts divide (thousandths: the rule's, or the zone's part when lower)},
+--           flattened;
 --           or, refused, {-1, the highest token seen from the member}
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
@@ -195,6 +197,7 @@ for i = 1, counters do
   out[#out + 1] = math.max(fleet_instances, 0)
   out[#out + 1] = call('ZCARD', members)
   out[#out + 1] = used
+  out[#out + 1] = limit
 end
 for i = 1, #indexed, 400 do
   call('ZADD', index_key, unpack(indexed, i, math.min(i + 399, #indexed)))

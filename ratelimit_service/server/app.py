@@ -160,6 +160,7 @@ class RateLimitService:
             self.stats,
             self.store,
             interval=settings.rlqs_publish_interval,
+            stretch=settings.sync_stretch,
         )
         # Where the rules come from: files (watched) or an xDS server.
         self.watcher: ConfigWatcher | None = None

@@ -29,7 +29,7 @@ EXACT_STRIDE = 4
 """Numbers per descriptor in exact_window.lua's reply."""
 REFUSED = -1
 """A fenced script's first number when it refused the write."""
-TIER_STRIDE = 5
+TIER_STRIDE = 6
 """Numbers per counter in quota_tier.lua's reply."""
 SYNC_STRIDE = 3
 """Numbers per bucket in fleet_sync.lua's reply, after the live nodes."""
@@ -168,7 +168,8 @@ def tier_args(
 
 def tier_reply(raw: Sequence[Any]) -> list[TierTotals] | Fenced:
     """quota_tier.lua: per counter, the member's part, the fleet's demand (both in
-    thousandths), instances, members and the window's allowed hits; or refused."""
+    thousandths), instances, members, the window's allowed hits and the limit the parts
+    divide (thousandths); or refused."""
     if (fenced := _fenced(raw)) is not None:
         return fenced
     return [
@@ -178,6 +179,7 @@ def tier_reply(raw: Sequence[Any]) -> list[TierTotals] | Fenced:
             instances=int(raw[i + 2]),
             members=int(raw[i + 3]),
             used=int(raw[i + 4]),
+            limit=int(raw[i + 5]) / MILLI,
         )
         for i in range(0, len(raw), TIER_STRIDE)
     ]

@@ -366,7 +366,7 @@ async def test_the_store_keeps_a_counters_keys_in_one_cluster_slot(redis_server)
         assert {key_slot(k.encode()) for k in tier_keys(key)} == {key_slot(key.encode())}
         report = TierReport("q\x1ft\x1e{x}y\x1f1", "r1", 12.5, 3, 7, 1, 100.0)
         (answer,) = await store.publish([report], 15.0)
-        assert answer == TierTotals(100.0, 12.5, 3, 1, 7)
+        assert answer == TierTotals(100.0, 12.5, 3, 1, 7, 100.0)
         second = TierReport(report.key, "r2", 2.5, 1, 1, 1, 100.0)
         (again,) = await store.publish([second], 15.0)
         assert (again.demand, again.instances, again.members) == (15.0, 4, 2)

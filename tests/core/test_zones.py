@@ -246,10 +246,10 @@ def test_a_pass_publishes_the_zones_sums_and_writes_back_its_parts() -> None:
     (report,) = second.reports[1:]
     assert report.key == PROBABILISTIC + "p" and report.demand == 200.0  # 100 in 0.5 s
     assert (report.instances, report.allowed, report.limit) == (3, 540, 300.0)
-    presence = TierTotals(0.0, 0.0, 2, 2, 0)
-    shares, zones = arithmetic.shares(second, [presence, TierTotals(123.4567, 0, 0, 2, 0)])
+    presence = TierTotals(0.0, 0.0, 2, 2, 0, 0.0)
+    shares, zones = arithmetic.shares(second, [presence, TierTotals(123.4567, 0, 0, 2, 0, 0.0)])
     assert zones == 2 and shares == [("f:p", ZoneShare(123457, 0, 0, 550))]
-    answers = [presence, TierTotals(40.0, 0, 0, 2, 77)]
+    answers = [presence, TierTotals(40.0, 0, 0, 2, 77, 0.0)]
     assert arithmetic.shares(first, answers) == ([("h:c", ZoneShare(40_000, 77, 7, 50))], 2)
 
 
@@ -261,7 +261,9 @@ def test_a_new_bucket_is_measured_since_its_creation_and_reserves_the_others_par
     assert report.demand == 150.0  # 300 since its creation 2 s ago
     # Created within two passes: while one zone of three has published it, its part is
     # at most a third of the limit.
-    shares, _ = arithmetic.shares(plan, [TierTotals(0, 0, 3, 3, 0), TierTotals(300, 0, 1, 1, 0)])
+    shares, _ = arithmetic.shares(
+        plan, [TierTotals(0, 0, 3, 3, 0, 0.0), TierTotals(300, 0, 1, 1, 0, 0.0)]
+    )
     assert shares == [("f:p", ZoneShare(100_000, 0, 0, 100))]
 
 
@@ -284,17 +286,17 @@ def test_a_calendar_budget_is_folded_into_the_global_bucket_and_allotted_by_dema
     assert (report.key, report.limit, report.window_seconds) == ("m", 10_000, 2_678_400)
     assert (report.admitted, report.offered, report.ends_in) == (600, 0, 3_600.0)
     assert not report.refills
-    presence = TierTotals(0.0, 0.0, 2, 2, 0)
+    presence = TierTotals(0.0, 0.0, 2, 2, 0, 0.0)
     # The fleet's demand not known yet: an even share; then this zone's quarter.
-    answers = [presence, TierTotals(1.0, 0, 0, 2, 0), TierTotals(0.001, 0.0, 0, 2, 0)]
+    answers = [presence, TierTotals(1.0, 0, 0, 2, 0, 0.0), TierTotals(0.001, 0.0, 0, 2, 0, 0.0)]
     shares, _ = arithmetic.shares(plan, answers, [FleetView(4_000.0, 0)])
     assert shares[1] == ("f:m", ZoneShare(1, 0, 0, 700, 700 + 4_000 / 2 / 2))
-    answers[2] = TierTotals(0.001, 400.0, 0, 2, 0)
+    answers[2] = TierTotals(0.001, 400.0, 0, 2, 0, 0.0)
     shares, _ = arithmetic.shares(plan, answers, [FleetView(4_000.0, 0)])
     assert shares[1][1].allot == 700 + 4_000 / 2 / 4
     # While the other zone has not published the budget, what it may hold of it (a new
     # bucket's half) is not allotted.
-    answers[2] = TierTotals(0.001, 400.0, 0, 1, 0)
+    answers[2] = TierTotals(0.001, 400.0, 0, 1, 0, 0.0)
     shares, _ = arithmetic.shares(plan, answers, [FleetView(9_000.0, 0)])
     assert shares[1][1].allot == 700 + (9_000 - 5_000) / 2 / 4
     shares, _ = arithmetic.shares(plan, answers, [FleetView(-50.0, 0)])  # overspent

@@ -48,7 +48,10 @@ async def test_two_replicas_divide_one_limit_from_totals(redis_server) -> None:
     config = load_config([ConfigFile("q.yaml", RULES)])
     clock = Clock()  # the replicas' own clocks measure demand; Redis's keeps the windows
     stores = [RedisStore(redis_server.url), RedisStore(redis_server.url)]
-    one, two = (QuotaCoordinator(lambda: config, Stats(), s, clock=clock) for s in stores)
+    # every round publishes (the waits of a counter steady over its limit: test_rlqs_waits.py)
+    one, two = (
+        QuotaCoordinator(lambda: config, Stats(), s, clock=clock, stretch=1) for s in stores
+    )
     bucket = {"tenant": "t"}
 
     async def round_of(a_hits: int, b_hits: int) -> tuple[float, float]:

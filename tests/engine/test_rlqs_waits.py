@@ -1,0 +1,171 @@
+"""RLQS publishes that wait (core/stretch.py, steady_over): a counter steady well over
+its limit is published every STRETCH rounds instead of every one; under its limit, on a
+change in this replica's demand or instances, for a rule of more than a second, or with
+the store away, every round. Then two replicas on a real Redis: a step on one while the
+other waits is divided within STRETCH rounds, and the parts never add up to more than
+the limit meanwhile."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pytest
+
+from ratelimit_service.core.config_loader import ConfigFile, load_config
+from ratelimit_service.core.stretch import STRETCH
+from ratelimit_service.core.tiers import TierReport, TierTotals
+from ratelimit_service.engine.quota import QuotaCoordinator, Usage
+from ratelimit_service.engine.stats import Stats
+from ratelimit_service.storage.base import StoreUnavailable
+from ratelimit_service.storage.embedded import EmbeddedStore
+from ratelimit_service.storage.redis_store import RedisStore
+
+RULES = """\
+domain: q
+descriptors:
+  - key: tenant
+    rate_limit: {unit: second, requests_per_unit: 100}
+  - key: daily
+    rate_limit: {unit: minute, requests_per_unit: 6000}
+"""
+REPORT_EVERY = 5
+"""Publish rounds (a second each) between two reports of an instance, as Envoy's 5 s."""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingStore(EmbeddedStore):
+    """The embedded store (this replica is the whole fleet), keeping the counters each
+    publish carried; failing while ``down``."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock=clock)
+        self.publishes: list[list[str]] = []
+        self.down = False
+
+    async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
+        self.publishes.append([r.key for r in reports])
+        if self.down:
+            raise StoreUnavailable("down")
+        return await super().publish(reports, forget_after)
+
+
+async def _rounds(
+    rates: Sequence[float], bucket: dict[str, str], down: Sequence[int] = ()
+) -> list[int]:
+    """One instance offering ``rates[i]`` hits a second in round i (reported every
+    REPORT_EVERY rounds), a publish round each second. The rounds that published."""
+    config = load_config([ConfigFile("q.yaml", RULES)])
+    clock = Clock()
+    store = CountingStore(clock)
+    quota = QuotaCoordinator(lambda: config, Stats(), store, clock=clock, wall=clock)
+    offered = 0.0
+    published = []
+    for number, rate in enumerate(rates):
+        offered += rate
+        if number % REPORT_EVERY == 0:
+            await quota.report("a", "q", [Usage(bucket, round(offered), 0)])
+            offered = 0.0
+        clock.now += 1.0
+        store.down = number in down
+        before = len(store.publishes)
+        await quota.tick()
+        if len(store.publishes) > before:
+            published.append(number)
+    return published
+
+
+def _gaps(rounds: list[int]) -> set[int]:
+    return {b - a for a, b in itertools.pairwise(rounds)}
+
+
+async def test_a_counter_steady_well_over_its_limit_is_published_every_few_rounds() -> None:
+    published = await _rounds([250.0] * 40, {"tenant": "t"})  # 2.5x the limit
+    steady = [r for r in published if r >= 2 * REPORT_EVERY]  # demand measured since
+    assert _gaps(steady) == {STRETCH}
+
+
+async def test_under_its_limit_or_on_a_change_every_round() -> None:
+    assert _gaps(await _rounds([80.0] * 30, {"tenant": "t"})) == {1}
+    # 2.5x the limit, then 4x from round 20: the report that measures the step (round
+    # 25) is published in its round, and the counter waits again after.
+    published = await _rounds([250.0] * 20 + [400.0] * 30, {"tenant": "t"})
+    assert 25 in published and 26 not in published
+    assert _gaps([r for r in published if r >= 25]) == {STRETCH}
+
+
+async def test_a_rule_of_a_minute_is_published_every_round() -> None:
+    """Its fleet-wide count of the window's hits would come late."""
+    assert _gaps(await _rounds([250.0] * 30, {"daily": "d"})) == {1}
+
+
+async def test_with_the_store_away_every_round_until_it_answers() -> None:
+    published = await _rounds([250.0] * 40, {"tenant": "t"}, down=range(20, 30))
+    failed = min(r for r in published if r >= 20)  # the first publish the store missed
+    assert failed < 20 + STRETCH
+    assert set(range(failed, 31)) <= set(published)  # then every round, and the first answered
+    assert _gaps([r for r in published if r >= 30]) == {STRETCH}
+
+
+@pytest.mark.parametrize("phase", range(STRETCH))
+async def test_a_step_beside_a_waiting_replica_is_divided_at_its_next_publish(
+    redis_server, phase: int
+) -> None:
+    """Replica one's instance offers 250/s steadily (its counter waits); replica two's
+    steps from 50/s to 500/s. Two publishes at once and takes what one leaves (one's part
+    holds the rest); it then publishes every round while held short of its fair part,
+    and takes that part in the round one next publishes (within STRETCH rounds). The
+    parts never add up to more than the limit. ``phase`` shifts one's turns against the
+    step (one's instance reports that many rounds earlier than two's)."""
+    config = load_config([ConfigFile("q.yaml", RULES)])
+    clock = Clock()
+    stores = [RedisStore(redis_server.url), RedisStore(redis_server.url)]
+    one, two = (QuotaCoordinator(lambda: config, Stats(), s, clock=clock) for s in stores)
+    bucket = {"tenant": "t"}
+
+    def part(quota: QuotaCoordinator) -> float:
+        """The replica's part (0 before its instance's first report)."""
+        views = [v for v in quota.view() if v is not None]
+        return sum(v.part or 0.0 for v in views)
+
+    async def second(number: int, two_rate: float) -> bool:
+        """One round; whether replica one published in it."""
+        if (number + phase) % REPORT_EVERY == 0:
+            await one.report("a", "q", [Usage(bucket, 250 * REPORT_EVERY, 0)])
+        if number % REPORT_EVERY == 0:
+            await two.report("b", "q", [Usage(bucket, round(two_rate * REPORT_EVERY), 0)])
+        clock.now += 1.0
+        before = one.bucket_updates
+        await one.tick()
+        await two.tick()
+        assert part(one) + part(two) <= 100.0 + 0.01
+        return one.bucket_updates > before
+
+    try:
+        waiting = 0
+        for number in range(-REPORT_EVERY, 30):
+            waiting += await second(number, 50.0)
+            if number == 19:
+                waiting = 0
+        assert waiting <= 10 // STRETCH + 1  # one waits
+        assert part(one) == pytest.approx(100 * 250 / 300, abs=0.01)
+        fair, republished = None, None
+        for number in range(30, 30 + 2 * REPORT_EVERY):
+            published = await second(number, 500.0)  # the step, reported at round 30
+            if republished is None and published and number > 30:  # one ticks first
+                republished = number
+            if fair is None and part(two) == pytest.approx(100 * 500 / 750, abs=0.01):
+                fair = number
+        assert republished is not None and republished - 30 <= STRETCH
+        assert fair == republished
+        assert part(one) == pytest.approx(100 * 250 / 750, abs=0.01)
+    finally:
+        for store in stores:
+            await store.close()
