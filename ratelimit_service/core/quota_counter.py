@@ -64,8 +64,8 @@ class QuotaCounter:
     window: int = -1
     unpublished: int = 0
     """Allowed hits reported here since the last publish."""
-    published: tuple[float, int] | None = None
-    """The demand (per second) and instances of the last publish the store answered."""
+    published: TierReport | None = None
+    """The last publish the store answered."""
     waited: int = 0
     """Publish rounds it waited since (see :meth:`can_wait`)."""
 
@@ -76,14 +76,15 @@ class QuotaCounter:
     def can_wait(self, report: TierReport, stretch: int) -> bool:
         """Whether this round's publish of ``report`` may wait (core/stretch.py,
         steady_over), up to ``stretch`` rounds between two publishes; never for a rule of
-        more than a second (the fleet's count of its window would come late)."""
-        totals, published = self.totals, self.published
+        more than a second (the fleet's count of its window would come late), nor once
+        the limit changed (a reload)."""
+        totals, was = self.totals, self.published
         if stretch <= 1 or self.waited + 1 >= stretch or self.window_seconds > 1:
             return False
-        if totals is None or published is None:
+        if totals is None or was is None or was.limit != report.limit:
             return False
         answer = (totals.part, totals.demand, totals.limit)
-        return steady_over(report.demand, report.instances, published, answer)
+        return steady_over(report.demand, report.instances, (was.demand, was.instances), answer)
 
     def asked(self, seen: Seen, even: float) -> float:
         """What an instance asks for, in hits per window (``even`` while unmeasured)."""

@@ -370,7 +370,7 @@ class QuotaCoordinator:
                 counter.window, counter.unpublished = index, 0
             counter.used = totals.used + counter.unpublished
             counter.totals = totals
-            counter.published, counter.waited = (report.demand, report.instances), 0
+            counter.published, counter.waited = report, 0
             counter.part = totals.part * window
             counter.resplit()
         return True

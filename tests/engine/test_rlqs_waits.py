@@ -106,6 +106,29 @@ async def test_a_rule_of_a_minute_is_published_every_round() -> None:
     assert _gaps(await _rounds([250.0] * 30, {"daily": "d"})) == {1}
 
 
+async def test_a_changed_limit_is_published_in_the_next_round() -> None:
+    configs = [load_config([ConfigFile("q.yaml", RULES.replace(n, m))]) for n, m in
+               [("100}", "100}"), ("100}", "150}")]]  # fmt: skip
+    clock = Clock()
+    store = CountingStore(clock)
+    chosen = [configs[0]]
+    quota = QuotaCoordinator(lambda: chosen[0], Stats(), store, clock=clock, wall=clock)
+    published = []
+    for number in range(40):
+        if number % REPORT_EVERY == 0:
+            await quota.report("a", "q", [Usage({"tenant": "t"}, 400 * REPORT_EVERY, 0)])
+        if number == 22:  # a reload, met by a report at the same rate (2 s since the last)
+            chosen[0] = configs[1]
+            await quota.report("a", "q", [Usage({"tenant": "t"}, 400 * 2, 0)])
+        clock.now += 1.0
+        before = len(store.publishes)
+        await quota.tick()
+        if any("tenant" in key for keys in store.publishes[before:] for key in keys):
+            published.append(number)
+    assert 22 in published  # the new limit goes at once, whatever the counter's turn
+    assert _gaps([r for r in published if 12 <= r < 22]) == {STRETCH}
+
+
 async def test_with_the_store_away_every_round_until_it_answers() -> None:
     published = await _rounds([250.0] * 40, {"tenant": "t"}, down=range(20, 30))
     failed = min(r for r in published if r >= 20)  # the first publish the store missed
