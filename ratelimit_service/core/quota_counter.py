@@ -75,16 +75,11 @@ class QuotaCounter:
 
     def can_wait(self, report: TierReport, stretch: int) -> bool:
         """Whether this round's publish of ``report`` may wait (core/stretch.py,
-        steady_over), up to ``stretch`` rounds between two publishes; never for a rule of
-        more than a second (the fleet's count of its window would come late), nor once
-        the limit changed (a reload)."""
-        totals, was = self.totals, self.published
-        if stretch <= 1 or self.waited + 1 >= stretch or self.window_seconds > 1:
+        steady_over), up to ``stretch`` rounds between two publishes."""
+        totals, last = self.totals, self.published
+        if stretch <= 1 or self.waited + 1 >= stretch or totals is None or last is None:
             return False
-        if totals is None or was is None or was.limit != report.limit:
-            return False
-        answer = (totals.part, totals.demand, totals.limit)
-        return steady_over(report.demand, report.instances, (was.demand, was.instances), answer)
+        return steady_over(report, last, totals)
 
     def asked(self, seen: Seen, even: float) -> float:
         """What an instance asks for, in hits per window (``even`` while unmeasured)."""

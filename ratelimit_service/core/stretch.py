@@ -20,6 +20,8 @@ meanwhile (a part grows only into what the others leave).
 
 from __future__ import annotations
 
+from ratelimit_service.core.tiers import TierReport, TierTotals
+
 STRETCH = 4
 """At most how many sync intervals a bucket far below its limit waits between two reports:
 its store work falls up to as much. The replica's sync still goes every interval (its
@@ -51,18 +53,17 @@ a part a tenth short of the demand stays used whole (over the limit, a part is a
 OVER's 0.8 of it), and the fleet's demand moves by a tenth of this replica's share."""
 
 
-def steady_over(
-    demand: float, instances: int, published: tuple[float, int], answer: tuple[float, float, float]
-) -> bool:
-    """Whether an RLQS counter's publish may wait. ``answer``: the store's last (this
-    replica's part, the fleet's demand, the limit the parts divide), all per second: the
-    fleet's demand at least OVER times the limit and the part this replica's fair one,
-    the limit by demand (not held short by room the others held); and its ``demand`` and
-    ``instances`` where it ``published`` them (its demand within STEADY)."""
-    was, had = published
-    part, fleet, limit = answer
-    over = fleet > 0 and fleet >= OVER * limit and part >= FAIR * limit * was / fleet
-    return over and instances == had and abs(demand - was) <= STEADY * was
+def steady_over(report: TierReport, last: TierReport, answer: TierTotals) -> bool:
+    """Whether a member's publish of ``report`` may wait, ``last`` being its last publish
+    the store answered with ``answer``: the fleet's demand at least OVER times the limit
+    the parts divide and the member's part its fair one, the limit by demand (not held
+    short by room the others held); its demand within STEADY of the last, its instances
+    and the rule's limit the same; and the rule of a second (a longer one's count of its
+    window would come late)."""
+    fleet, limit, was = answer.demand, answer.limit, last.demand
+    over = fleet > 0 and fleet >= OVER * limit and answer.part >= FAIR * limit * was / fleet
+    same = report.instances == last.instances and report.limit == last.limit
+    return over and same and report.window_seconds == 1 and abs(report.demand - was) <= STEADY * was
 
 
 def stepped_up(count: float, rate: float, seconds: float) -> bool:
