@@ -192,3 +192,43 @@ async def test_a_step_beside_a_waiting_replica_is_divided_at_its_next_publish(
     finally:
         for store in stores:
             await store.close()
+
+
+async def test_a_replica_new_to_the_counter_holds_its_even_share_until_the_others_publish(
+    redis_server,
+) -> None:
+    """Replica one's three instances offer 250/s steadily (its counter waits); replica
+    two's one instance appears. Two gets its even share by instances at once (a
+    quarter of the limit); the parts add up to at most that much over the limit, and to
+    at most the limit again within STRETCH rounds (one's next publish)."""
+    config = load_config([ConfigFile("q.yaml", RULES)])
+    clock = Clock()
+    stores = [RedisStore(redis_server.url), RedisStore(redis_server.url)]
+    one, two = (QuotaCoordinator(lambda: config, Stats(), s, clock=clock) for s in stores)
+    bucket = {"tenant": "t"}
+
+    def part(quota: QuotaCoordinator) -> float:
+        return sum(v.part or 0.0 for v in quota.view() if v is not None)
+
+    try:
+        for number in range(20):
+            if number % REPORT_EVERY == 0:
+                for name in ("a", "b", "c"):
+                    await one.report(name, "q", [Usage(bucket, 250 * REPORT_EVERY // 3, 0)])
+            clock.now += 1.0
+            await one.tick()
+        assert part(one) == pytest.approx(100.0, abs=0.01)
+        await two.report("d", "q", [Usage(bucket, 1, 0)])  # its first: published at once
+        assert part(two) == pytest.approx(100 / 4, abs=0.01)  # one instance of four
+        over = []
+        for _ in range(STRETCH):
+            over.append(part(one) + part(two) - 100.0)
+            clock.now += 1.0
+            await one.tick()
+            await two.tick()
+        assert max(over) <= 100 / 4 + 0.01
+        assert part(one) + part(two) <= 100.0 + 0.01
+        assert part(one) < 99.0 and part(two) > 1.0  # one gave up two's part
+    finally:
+        for store in stores:
+            await store.close()
