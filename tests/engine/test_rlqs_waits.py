@@ -7,8 +7,9 @@ the limit meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -137,6 +138,25 @@ async def test_with_the_store_away_every_round_until_it_answers() -> None:
     assert _gaps([r for r in published if r >= 30]) == {STRETCH}
 
 
+@contextlib.asynccontextmanager
+async def two_replicas(url: str) -> AsyncIterator[tuple[QuotaCoordinator, QuotaCoordinator, Clock]]:
+    """Two replicas on one Redis, each its own store, on one clock (publishes that wait on)."""
+    config = load_config([ConfigFile("q.yaml", RULES)])
+    clock = Clock()
+    stores = [RedisStore(url), RedisStore(url)]
+    one, two = (QuotaCoordinator(lambda: config, Stats(), s, clock=clock) for s in stores)
+    try:
+        yield one, two, clock
+    finally:
+        for store in stores:
+            await store.close()
+
+
+def part(quota: QuotaCoordinator) -> float:
+    """A replica's part of the counter (0 before its instances' first report)."""
+    return sum(v.part or 0.0 for v in quota.view() if v is not None)
+
+
 @pytest.mark.parametrize("phase", range(STRETCH))
 async def test_a_step_beside_a_waiting_replica_is_divided_at_its_next_publish(
     redis_server, phase: int
@@ -147,16 +167,7 @@ async def test_a_step_beside_a_waiting_replica_is_divided_at_its_next_publish(
     and takes that part in the round one next publishes (within STRETCH rounds). The
     parts never add up to more than the limit. ``phase`` shifts one's turns against the
     step (one's instance reports that many rounds earlier than two's)."""
-    config = load_config([ConfigFile("q.yaml", RULES)])
-    clock = Clock()
-    stores = [RedisStore(redis_server.url), RedisStore(redis_server.url)]
-    one, two = (QuotaCoordinator(lambda: config, Stats(), s, clock=clock) for s in stores)
     bucket = {"tenant": "t"}
-
-    def part(quota: QuotaCoordinator) -> float:
-        """The replica's part (0 before its instance's first report)."""
-        views = [v for v in quota.view() if v is not None]
-        return sum(v.part or 0.0 for v in views)
 
     async def second(number: int, two_rate: float) -> bool:
         """One round; whether replica one published in it."""
@@ -171,7 +182,7 @@ async def test_a_step_beside_a_waiting_replica_is_divided_at_its_next_publish(
         assert part(one) + part(two) <= 100.0 + 0.01
         return one.bucket_updates > before
 
-    try:
+    async with two_replicas(redis_server.url) as (one, two, clock):
         waiting = 0
         for number in range(-REPORT_EVERY, 30):
             waiting += await second(number, 50.0)
@@ -189,9 +200,6 @@ async def test_a_step_beside_a_waiting_replica_is_divided_at_its_next_publish(
         assert republished is not None and republished - 30 <= STRETCH
         assert fair == republished
         assert part(one) == pytest.approx(100 * 250 / 750, abs=0.01)
-    finally:
-        for store in stores:
-            await store.close()
 
 
 async def test_a_replica_new_to_the_counter_holds_its_even_share_until_the_others_publish(
@@ -201,16 +209,8 @@ async def test_a_replica_new_to_the_counter_holds_its_even_share_until_the_other
     two's one instance appears. Two gets its even share by instances at once (a
     quarter of the limit); the parts add up to at most that much over the limit, and to
     at most the limit again within STRETCH rounds (one's next publish)."""
-    config = load_config([ConfigFile("q.yaml", RULES)])
-    clock = Clock()
-    stores = [RedisStore(redis_server.url), RedisStore(redis_server.url)]
-    one, two = (QuotaCoordinator(lambda: config, Stats(), s, clock=clock) for s in stores)
     bucket = {"tenant": "t"}
-
-    def part(quota: QuotaCoordinator) -> float:
-        return sum(v.part or 0.0 for v in quota.view() if v is not None)
-
-    try:
+    async with two_replicas(redis_server.url) as (one, two, clock):
         for number in range(20):
             if number % REPORT_EVERY == 0:
                 for name in ("a", "b", "c"):
@@ -229,6 +229,3 @@ async def test_a_replica_new_to_the_counter_holds_its_even_share_until_the_other
         assert max(over) <= 100 / 4 + 0.01
         assert part(one) + part(two) <= 100.0 + 0.01
         assert part(one) < 99.0 and part(two) > 1.0  # one gave up two's part
-    finally:
-        for store in stores:
-            await store.close()
