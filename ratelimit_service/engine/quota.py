@@ -156,6 +156,8 @@ class QuotaCoordinator:
         self.stretch = stretch
         self._failing = False
         """The last publish failed: every counter goes in the next, none waits."""
+        self._joins: int | None = None
+        """The store's count of members new to a counter, as last read (Store.joins)."""
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._counters: dict[str, QuotaCounter] = {}
         self._of: dict[str, set[str]] = {}
@@ -277,7 +279,8 @@ class QuotaCoordinator:
             for counter in fresh:
                 first[id(counter)] = done
             try:
-                await self._publish([(counter, self._totals(counter)) for counter in fresh])
+                if await self._publish([(counter, self._totals(counter)) for counter in fresh]):
+                    await self._joined()
             finally:
                 for counter in fresh:
                     del first[id(counter)]
@@ -331,18 +334,41 @@ class QuotaCoordinator:
                 self._drop(name, counter)
         stretch = 1 if self._failing else self.stretch
         due: list[tuple[QuotaCounter, TierReport]] = []
+        waiting: list[tuple[QuotaCounter, TierReport]] = []
         for counter in self._counters.values():
             if counter.part is None:
                 continue
             report = self._totals(counter)
-            if counter.can_wait(report, stretch):
-                counter.waited += 1
-            else:
-                due.append((counter, report))
+            (waiting if counter.can_wait(report, stretch) else due).append((counter, report))
+        if waiting and await self._someone_joined():
+            due, waiting = due + waiting, []
+        for counter, _ in waiting:
+            counter.waited += 1
         self.last_updates = len(due)
         if due and await self._publish(due):  # the store splits it into calls
             for counter, _ in due:
                 self._grow(counter)
+
+    async def _joined(self) -> None:
+        """Tell the store this replica is new to a counter (Store.joins): the members whose
+        publishes wait publish in their next round, giving up the even share it took."""
+        try:
+            count = await self._store.joins(True)
+        except StoreUnavailable as exc:  # the others' waits end within STRETCH rounds
+            log.debug("could not tell the store of a new counter: %s", exc)
+            return
+        if self._joins == count - 1:
+            self._joins = count  # only this replica's own join since the last read
+
+    async def _someone_joined(self) -> bool:
+        """Whether a member was new to a counter since the last round that read the store's
+        count (or it cannot be read): then no counter waits this round."""
+        try:
+            count = await self._store.joins(False)
+        except StoreUnavailable:
+            return True
+        seen, self._joins = self._joins, count
+        return count != seen
 
     async def _publish(self, due: list[tuple[QuotaCounter, TierReport]]) -> bool:
         """Publish each counter's totals and take the new parts; False when the store is

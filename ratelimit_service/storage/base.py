@@ -50,7 +50,7 @@ class StoreMetrics:
 
 
 class Store(Protocol):
-    """Seven members, each a reason in every backend; what one backend needs it does itself."""
+    """Eight members, each a reason in every backend; what one backend needs it does itself."""
 
     def hit(
         self,
@@ -73,6 +73,12 @@ class Store(Protocol):
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
         """RLQS tiers: record one member's totals per counter and return the sums over every member
         heard from within ``forget_after`` seconds, at a cost that does not grow with them."""
+
+    async def joins(self, joined: bool) -> int:
+        """RLQS tiers: how many times a member has been new to a counter here, after adding one
+        when ``joined`` (this member's first publish of a counter). A newcomer gets its even
+        share at once, which the others' parts leave only at their next publish: a member whose
+        publishes wait reads this each round, and publishes them all when it moved."""
 
     async def start(self) -> None:
         """Connect and start the store's work before traffic; never raises (unhealthy until up)."""

@@ -111,6 +111,7 @@ class EmbeddedStore:
         self._windows: LruMap[SlidingWindow] = LruMap(max_keys)
         self._fleet: LruMap[_FleetBucket] = LruMap(max_keys)
         self._tiers: LruMap[TierTable] = LruMap(max_keys)
+        self._joins = 0
         self.swept = 0
         self._sweep: Iterator[int] = iter(())
 
@@ -149,6 +150,12 @@ class EmbeddedStore:
         answers = publish_fenced(tables, reports, now_us, forget_us, None)
         assert not isinstance(answers, Fenced)  # no token, no fence
         return answers
+
+    async def joins(self, joined: bool) -> int:
+        """joins.lua's twin: the count of members new to a counter, one more when ``joined``
+        (this process is the only member: nobody else reads it)."""
+        self._joins += joined
+        return self._joins
 
     def _sweep_a_piece(self) -> None:
         """Judge the next piece of the current pass over the maps (a new pass when the

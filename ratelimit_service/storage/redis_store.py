@@ -45,6 +45,8 @@ from ratelimit_service.storage.script_calls import (
     exact_batch_args,
     exact_reply,
     hit_args,
+    joins_args,
+    joins_reply,
     sync_args,
     sync_reply,
     tier_args,
@@ -115,6 +117,7 @@ class RedisStore:
         self._exact = self.redis.register("exact_window.lua")
         self._sync = self.redis.register("fleet_sync.lua")
         self._tier = self.redis.register("quota_tier.lua")
+        self._joins = self.redis.register("joins.lua")
         self.zone_keys = zone_keys
         """In a zone (a zone's store): the indexes fleet_sync.lua and quota_tier.lua
         keep for the zone's aggregator, and the count of zones; None: no zone."""
@@ -287,6 +290,14 @@ class RedisStore:
                 return Fenced(max(refused))
             answers += _reorder(groups, [a for a in got if not isinstance(a, Fenced)], len(chunk))
         return answers
+
+    async def joins(self, joined: bool) -> int:
+        """The store's count of members new to a counter (joins.lua), one more when
+        ``joined``; within ``sync_timeout``."""
+        keys = [self.prefix + "qt:joins"]
+        return joins_reply(
+            await self.redis.call(self._joins, keys, joins_args(joined), self.redis.time_left(None))
+        )
 
     def _tier_key(self, counter: str) -> str:
         """A counter's hash; its sorted set and its members' hash are the same name with

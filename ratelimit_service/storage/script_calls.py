@@ -253,6 +253,19 @@ def zone_write_reply(raw: Any) -> int | Fenced:
     return int(raw)
 
 
+# joins.lua
+
+
+def joins_args(joined: bool) -> list[Any]:
+    """joins.lua's ARGV: whether this member joined a counter (add one first)."""
+    return ["1" if joined else ""]
+
+
+def joins_reply(raw: Any) -> int:
+    """joins.lua: the store's count of members new to a counter."""
+    return int(raw)
+
+
 # lease.lua
 
 
