@@ -73,6 +73,8 @@ PUBLISH, SYNC, ZONE = 1.0, 0.25, 1.0
 LIMIT = 100_000
 FORGET_US = 15_000_000
 BATCH = CALL_CHUNK  # items per script call, as the stores send them
+JOINS = "rl:joins"
+"""The store's count of members new to a counter (joins.lua; storage/redis_store.py)."""
 AGGREGATOR = (1 / RENEW_SHARE + 3) / ZONE
 """The aggregator's calls per second on its zone store: its lease renewals, and once
 per interval its two reads and its write-back (one chunk)."""
@@ -164,7 +166,13 @@ class Mix:
     each of those once every STRETCH syncs, staggered over the rounds."""
     steady: float = 0.0
     """The share of the RLQS counters steady well over their limits: a replica publishes
-    each of those once every STRETCH rounds, staggered."""
+    each of those once every STRETCH rounds, and a zone's aggregator to the global store
+    once every STRETCH passes, staggered; a member with counters that may wait reads the
+    store's count of joins (joins.lua) once a round."""
+    over: float = 0.0
+    """The share of the probabilistic buckets steady well over their limits (of those not
+    far below): a replica syncs them every interval, a zone's aggregator publishes each
+    once every STRETCH passes to the global store."""
 
     def kinds(self, hot: int) -> tuple[list[str], list[str]]:
         """The RLQS counters' keys and the probabilistic buckets' keys."""
@@ -211,8 +219,10 @@ async def zone_store(
     ``replicas`` on one store is the design without zones)."""
     tier = Packed(client, SCRIPTS["quota_tier.lua"])
     sync = Packed(client, SCRIPTS["fleet_sync.lua"])
+    joins = Packed(client, script_text("joins.lua"))
     await tier.load()
     await sync.load()
+    await joins.load()
     lease = client.register_script(script_text("lease.lua"))
     read = client.register_script(script_text("zone_read.lua"))
     read_fleet = client.register_script(script_text("zone_read_fleet.lua"))
@@ -227,7 +237,7 @@ async def zone_store(
     # Each member's calls are the same every time: built once, so that the driver's
     # own work per call is the sending, and it keeps up with the stores.
     def publish(member: str, demand: int, phase: int) -> Any:
-        rounds = []
+        rounds: list[list[bytes]] = []
         for sent in mix.rounds(quota_keys, mix.steady, phase):
             calls = []
             for start in range(0, len(sent), BATCH):
@@ -240,7 +250,16 @@ async def zone_store(
                 args = tier_args(reports, FORGET_US, None, zoned=True)
                 calls.append(tier.pack([*call_keys, index], args))
             rounds.append(calls)
-        return cycling(rounds, tier)
+        publishing = cycling(rounds, tier)
+        if not mix.steady:
+            return publishing
+        read = joins.pack([JOINS], [""])
+
+        async def call() -> None:  # the count of joins first, as engine/quota.py reads it
+            await joins(read)
+            await publishing()
+
+        return call
 
     def synced(member: str, offered: int, phase: int) -> Any:
         rounds = []
@@ -287,39 +306,53 @@ async def zone_store(
 
 
 async def global_store(client: aioredis.Redis, hot: int, until: float, mix: Mix = Mix()) -> int:
-    """Ten zones, each publishing its RLQS counters and its probabilistic buckets (every
-    one each pass: the zone's aggregator sends what its store holds)."""
+    """Ten zones, each publishing its RLQS counters and its probabilistic buckets each
+    pass (the zone's aggregator sends what its store holds), but those steady well over
+    their limits (``mix.steady``, ``mix.over``): once every STRETCH passes, the count of
+    joins read first."""
     tier = Packed(client, SCRIPTS["quota_tier.lua"])
+    joins = Packed(client, script_text("joins.lua"))
     await tier.load()
+    await joins.load()
     driver = Driver(client, {})
     quota_keys, fleet_keys = mix.kinds(hot)
     rng = random.Random(2)
+    read = [joins.pack([JOINS], [""])] if mix.steady or mix.over else []
 
-    def publish(zone: str, demand: int) -> Any:
-        # and the zone's presence (every pass: the global store counts the zones)
-        reports = [(k, "q") for k in quota_keys] + [(k, "f") for k in fleet_keys]
-        reports.append(("zones", "z"))
-        calls = []
-        for start in range(0, len(reports), BATCH):
-            chunk = reports[start : start + BATCH]
-            call_keys: list[str] = []
-            for key, kind in chunk:
-                call_keys += tier.counter_keys(f"rl:qt{{{kind}{key}}}")
-            totals = [TierReport(key, zone, demand / MILLI, ENVOYS // ZONES, demand // 10,
-                                 1, LIMIT) for key, _ in chunk]  # fmt: skip
-            args = tier_args(totals, FORGET_US, 1, zoned=False)  # 1: its fencing token
-            calls.append(tier.pack(call_keys, args))
+    def publish(zone: str, demand: int, phase: int) -> Any:
+        rounds = []
+        quota_rounds = mix.rounds(quota_keys, mix.steady, phase)
+        fleet_rounds = mix.rounds(fleet_keys, mix.over, phase)
+        for turn in range(STRETCH):
+            quota = quota_rounds[turn % len(quota_rounds)]
+            fleet = fleet_rounds[turn % len(fleet_rounds)]
+            # and the zone's presence (every pass: the global store counts the zones)
+            reports = [(k, "q") for k in quota] + [(k, "f") for k in fleet] + [("zones", "z")]
+            calls = []
+            for start in range(0, len(reports), BATCH):
+                chunk = reports[start : start + BATCH]
+                call_keys: list[str] = []
+                for key, kind in chunk:
+                    call_keys += tier.counter_keys(f"rl:qt{{{kind}{key}}}")
+                totals = [TierReport(key, zone, demand / MILLI, ENVOYS // ZONES, demand // 10,
+                                     1, LIMIT) for key, _ in chunk]  # fmt: skip
+                args = tier_args(totals, FORGET_US, 1, zoned=False)  # 1: its fencing token
+                calls.append(tier.pack(call_keys, args))
+            rounds.append(calls)
+        passes = cycling(rounds, tier)
 
         async def call() -> None:
-            for packed in calls:
-                await tier(packed)
+            for packed in read:
+                await joins(packed)
+            await passes()
 
         return call
 
     tasks = [
-        driver.every(ZONE, rng.uniform(0, ZONE), until, publish(f"zone-{z}", 10_000_000))
+        driver.every(ZONE, rng.uniform(0, ZONE), until,
+                     publish(f"zone-{z}", 10_000_000, rng.randrange(STRETCH)))
         for z in range(ZONES)
-    ]
+    ]  # fmt: skip
     await asyncio.gather(*tasks)
     return driver.late
 
@@ -473,12 +506,15 @@ def model(
     quota, fleet = (len(keys) for keys in mix.kinds(hot))
     sent_quota, sent_fleet = mix.updates(quota, mix.steady), mix.updates(fleet, mix.far)
     calls = math.ceil(sent_quota / BATCH) / PUBLISH + max(1, math.ceil(sent_fleet / BATCH)) / SYNC
+    calls += (1 if mix.steady else 0) / PUBLISH  # the count of joins, read once a round
+    to_global = mix.updates(quota, mix.steady) + mix.updates(fleet, mix.over) + 1
+    global_calls = math.ceil(to_global / BATCH) + (1 if mix.steady or mix.over else 0)
     return {
         "Envoy reports/s (at the replicas)": envoys / 5.0,
         "zone store calls/s": per_zone * calls + AGGREGATOR,
         "zone store counter updates/s": per_zone * (sent_quota / PUBLISH + sent_fleet / SYNC),
-        "global store calls/s": zones * math.ceil((quota + fleet + 1) / BATCH) / ZONE,
-        "global store counter updates/s": zones * (quota + fleet + 1) / ZONE,
+        "global store calls/s": zones * global_calls / ZONE,
+        "global store counter updates/s": zones * to_global / ZONE,
     }
 
 
@@ -534,8 +570,14 @@ def main() -> None:
     parser.add_argument("--steady", type=float, default=0.0,
                         help="share of the RLQS counters steady well over their limits,"
                         f" published every {STRETCH} rounds (core/stretch.py)")  # fmt: skip
+    parser.add_argument("--over", type=float, default=0.0,
+                        help="share of the probabilistic buckets steady well over their limits"
+                        f" (of those not far below), published to the global store every"
+                        f" {STRETCH} passes")  # fmt: skip
     args = parser.parse_args()
-    mix = Mix(args.half, args.far, args.steady)
+    if args.far + args.over > 1:
+        parser.error("--far and --over are shares of the same buckets: at most 1 together")
+    mix = Mix(args.half, args.far, args.steady, args.over)
     SCRIPTS.update(scripts_at(None))
     if args.update_cost:
         update_costs(args.baseline)

@@ -32,6 +32,7 @@ from enum import Enum, IntEnum
 
 from ratelimit_service.core.drop_ratio import FleetView, control
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.stretch import steady_over
 from ratelimit_service.core.tiers import MILLI, TierReport, TierTotals
 
 ZONE_FORGET_AFTER = 60.0
@@ -296,35 +297,85 @@ class ZonePass:
     offered: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per bucket (its hash in the zone store): the offered total and the zone store's
     time (microseconds) at the last pass that read it."""
+    answered: dict[str, tuple[TierReport, TierTotals, int]] = field(default_factory=dict)
+    """Per report's key: its last publish the global store answered, the answer, and the
+    passes it waited since (:meth:`going`)."""
 
     def plan(self, counters: Sequence[ZoneTotals], buckets: ZoneBuckets) -> PassPlan:
         measured = self._bucket_reports(buckets)
         reports = [self.presence(), *(self._report(t) for t in counters), *(r for r, _ in measured)]
         return PassPlan(list(counters), measured, buckets.now_us, reports)
 
+    def going(self, plan: PassPlan, stretch: int) -> list[bool]:
+        """Per report of ``plan``, whether it goes to the global store this pass: all but
+        a counter or bucket steady well over its limit (core/stretch.py, steady_over),
+        which goes every ``stretch`` passes, as a replica's publish to its zone does."""
+        go = []
+        for report in plan.reports:
+            last = self.answered.get(report.key)
+            go.append(
+                stretch <= 1
+                or last is None
+                or last[2] + 1 >= stretch
+                or not steady_over(report, last[0], last[1])
+            )
+        return go
+
+    def joining(self, plan: PassPlan) -> bool:
+        """Whether a report of ``plan`` goes to the global store for the first time from
+        this aggregator (a counter or bucket new to the zone, or a new aggregator): the
+        global store may take this zone for a newcomer, with at least its even share."""
+        return any(report.key not in self.answered for report in plan.reports)
+
+    def merge(
+        self, plan: PassPlan, going: Sequence[bool], answers: Sequence[TierTotals]
+    ) -> list[TierTotals]:
+        """The global store's ``answers`` to the reports that went, with the last answer
+        to each that waited, in the order of ``plan.reports``; kept for the next pass."""
+        sent = iter(answers)
+        merged = []
+        kept: dict[str, tuple[TierReport, TierTotals, int]] = {}
+        for report, went in zip(plan.reports, going, strict=True):
+            if went:
+                answer = next(sent)
+                kept[report.key] = (report, answer, 0)
+            else:
+                last, answer, waited = self.answered[report.key]
+                kept[report.key] = (last, answer, waited + 1)
+            merged.append(answer)
+        self.answered = kept  # only what this pass read: bounded by the zone's index
+        return merged
+
     def shares(
         self,
         plan: PassPlan,
         answers: Sequence[TierTotals],
         budgets: Sequence[FleetView] | None = None,
+        going: Sequence[bool] | None = None,
     ) -> tuple[list[tuple[str, ZoneShare]], int]:
         """Each counter's and bucket's share to write back (by its hash in the zone store),
         and the number of live zones. ``answers``: the global store's, in the order of
         ``plan.reports``; ``budgets``: its calendar budgets' fleet buckets, in the order
-        of :meth:`calendar_reports` (None: not read this pass; allotments are kept)."""
+        of :meth:`calendar_reports` (None: not read this pass; allotments are kept);
+        ``going``: which reports went (:meth:`going`; None: all). One that waited keeps
+        its last part, and its allowed hits stay to forward."""
         zones = answers[0].members  # the presence key: every live zone, hot buckets or not
         rest, count = answers[1:], len(plan.counters)
+        went = list(going[1:]) if going is not None else [True] * (len(answers) - 1)
         shares = [
             (t.store_key, ZoneShare(round(a.part * MILLI), a.used, t.window, t.used))
-            for t, a in zip(plan.counters, rest[:count], strict=True)
+            if sent
+            else (t.store_key, ZoneShare(round(a.part * MILLI), 0, 0, t.forwarded))
+            for t, a, sent in zip(plan.counters, rest[:count], went[:count], strict=True)
         ]
         fresh_us = RESERVE_PASSES * self.interval * 1e6
         views = iter(budgets) if budgets is not None else None
-        for (report, bucket), a in zip(plan.buckets, rest[count:], strict=True):
+        buckets = zip(plan.buckets, rest[count:], went[count:], strict=True)
+        for (report, bucket), a, sent in buckets:
             part = a.part
             if plan.now_us - bucket.created_us <= fresh_us:
                 part = reserved_part(part, report.limit, a.members, zones)
-            allot, forwarded = None, bucket.admitted
+            allot, forwarded = None, bucket.admitted if sent else bucket.forwarded
             if bucket.ends_us is not None:
                 if views is not None:
                     allot = self.allot(report, bucket, a, next(views), zones)

@@ -26,6 +26,7 @@ from functools import partial
 
 from ratelimit_service.core.drop_ratio import FleetView
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.stretch import STRETCH
 from ratelimit_service.core.tiers import Fenced, TierReport, TierTotals
 from ratelimit_service.core.zones import (
     LEASE_TTL_SHARE,
@@ -56,8 +57,11 @@ class ZoneAggregator:
         interval: float,
         forget_after: float,
         zone_forget_after: float = ZONE_FORGET_AFTER,
+        stretch: int = STRETCH,
         clock: Callable[[], float] | None = None,
     ) -> None:
+        """``stretch``: passes a counter or bucket steady well over its limit may wait
+        between two publishes to the global store (core/stretch.py; 1: none)."""
         self.zone_store = zone_store
         self.global_store = global_store
         self.zone = zone_store.zone
@@ -65,6 +69,9 @@ class ZoneAggregator:
         self.forget_after = forget_after
         """Seconds after which the zone's silent replicas, counters and buckets are forgotten."""
         self.zone_forget_after = zone_forget_after
+        self.stretch = stretch
+        self._joins: int | None = None
+        """The global store's count of zones new to a counter, as last read (Store.joins)."""
         self.holder = zone_store.node_id
         self.ttl = LEASE_TTL_SHARE * interval
         self.renew_every = RENEW_SHARE * interval
@@ -90,6 +97,9 @@ class ZoneAggregator:
         self.passes = 0
         self.counters = 0
         """Counters and buckets in the last pass."""
+        self.bucket_updates = 0
+        """Counters, buckets and presences sent to the global store (a monotonic count): a
+        counter or bucket steady well over its limit goes every ``stretch`` passes."""
         self.global_errors = 0
         self.zone_errors = 0
         self.global_away = False
@@ -158,14 +168,23 @@ class ZoneAggregator:
         plan = self.arithmetic.plan(counters, buckets)
         if not self._still(token):
             return
-        answers = await self._publish(plan.reports, token, deadline)
+        going = self.arithmetic.going(plan, 1 if self.global_away else self.stretch)
+        if not all(going) and await self._someone_joined(deadline):
+            going = [True] * len(going)
+        joining = self.arithmetic.joining(plan)
+        sent = [report for report, went in zip(plan.reports, going, strict=True) if went]
+        self.bucket_updates += len(sent)
+        answers = await self._publish(sent, token, deadline)
         if answers is None:
             return
         if isinstance(answers, Fenced):
             self._refused("global", token, answers.highest)
             return
+        if joining:
+            await self._joined(deadline)
+        merged = self.arithmetic.merge(plan, going, answers)
         budgets = await self._fold(self.arithmetic.calendar_reports(plan), deadline)
-        shares, zones = self.arithmetic.shares(plan, answers, budgets)
+        shares, zones = self.arithmetic.shares(plan, merged, budgets, going)
         if not self._still(token):
             return
         try:
@@ -178,6 +197,27 @@ class ZoneAggregator:
             return
         self.passes += 1
         self.counters = len(plan.counters) + len(plan.buckets)
+
+    async def _someone_joined(self, deadline: float) -> bool:
+        """Whether a zone was new to a counter in the global store since the last pass
+        that read its count of joins (or it cannot be read): then nothing waits."""
+        try:
+            count = await self.global_store.joins(False, deadline)
+        except StoreUnavailable:
+            return True
+        seen, self._joins = self._joins, count
+        return count != seen
+
+    async def _joined(self, deadline: float) -> None:
+        """Tell the global store this zone is new to a counter there: the zones whose
+        publishes wait publish in their next pass, giving up the even share it took."""
+        try:
+            count = await self.global_store.joins(True, deadline)
+        except StoreUnavailable as exc:  # the others' waits end within their stretch
+            log.debug("zone %s: could not tell the global store of a join: %s", self.zone, exc)
+            return
+        if self._joins == count - 1:
+            self._joins = count  # only this zone's own join since the last read
 
     def _still(self, token: int) -> bool:
         """Whether the term that started this pass goes on (else the pass is left)."""
@@ -252,6 +292,7 @@ class ZoneAggregator:
             "zone_global_recoveries": self.global_recoveries,
             "zone_passes": self.passes,
             "zone_counters": self.counters,
+            "zone_global_updates": self.bucket_updates,
             "zone_global_errors": self.global_errors,
             "zone_store_errors": self.zone_errors,
             "zone_global_away": float(self.global_away),

@@ -113,7 +113,11 @@ def make_store(settings: Settings) -> tuple[Store, ZoneAggregator | None]:
         zone = ZoneRedisStore(settings.redis_url, settings.zone, **options)
         above = RedisStore(settings.global_redis_url, **options)
         aggregator = ZoneAggregator(
-            zone, above, interval=settings.zone_interval, forget_after=FORGET_AFTER
+            zone,
+            above,
+            interval=settings.zone_interval,
+            forget_after=FORGET_AFTER,
+            stretch=settings.sync_stretch,
         )
         return ZonedStore(zone, above), aggregator
     return RedisStore(settings.redis_url, **options), None

@@ -291,13 +291,11 @@ class RedisStore:
             answers += _reorder(groups, [a for a in got if not isinstance(a, Fenced)], len(chunk))
         return answers
 
-    async def joins(self, joined: bool) -> int:
+    async def joins(self, joined: bool, deadline: float | None = None) -> int:
         """The store's count of members new to a counter (joins.lua), one more when
-        ``joined``; within ``sync_timeout``."""
-        keys = [self.prefix + "qt:joins"]
-        return joins_reply(
-            await self.redis.call(self._joins, keys, joins_args(joined), self.redis.time_left(None))
-        )
+        ``joined``; by ``deadline`` (the event loop's time), within ``sync_timeout``."""
+        keys, wait = [self.prefix + "joins"], self.redis.time_left(deadline)
+        return joins_reply(await self.redis.call(self._joins, keys, joins_args(joined), wait))
 
     def _tier_key(self, counter: str) -> str:
         """A counter's hash; its sorted set and its members' hash are the same name with

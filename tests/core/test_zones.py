@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 from ratelimit_service.core.drop_ratio import FleetView
+from ratelimit_service.core.stretch import STRETCH
 from ratelimit_service.core.tiers import Fenced, TierTotals
 from ratelimit_service.core.zones import (
     FRESH_US,
@@ -251,6 +252,31 @@ def test_a_pass_publishes_the_zones_sums_and_writes_back_its_parts() -> None:
     assert zones == 2 and shares == [("f:p", ZoneShare(123457, 0, 0, 550))]
     answers = [presence, TierTotals(40.0, 0, 0, 2, 77, 0.0)]
     assert arithmetic.shares(first, answers) == ([("h:c", ZoneShare(40_000, 77, 7, 50))], 2)
+
+
+def test_a_counter_steady_over_the_limit_goes_every_stretch_passes_keeping_its_part() -> None:
+    """The zone asks 300/s of a limit of 100/s, steadily, and its part is the fleet's by
+    demand: after its first pass the counter goes to the global store every STRETCH
+    passes (the presence every pass), and a pass it waits keeps its last part, its
+    allowed hits held to forward. A pass with a report new to the aggregator is joining."""
+    arithmetic = ZonePass("a", interval=1.0)
+    presence = TierTotals(0.0, 0.0, 2, 2, 0, 0.0)
+    answer = TierTotals(50.0, 600.0, 4, 2, 0, 100.0)  # the limit by demand: 300 of 600
+    went = []
+    for number in range(1 + 2 * STRETCH):
+        plan = arithmetic.plan([counter("c", 300.0, used=50 + number, forwarded=20)],
+                               ZoneBuckets(number * 1_000_000, 2, []))  # fmt: skip
+        assert arithmetic.joining(plan) == (number == 0)
+        going = arithmetic.going(plan, STRETCH)
+        went.append(going)
+        answers = [a for a, go in zip([presence, answer], going, strict=True) if go]
+        merged = arithmetic.merge(plan, going, answers)
+        shares, _ = arithmetic.shares(plan, merged, [], going)
+        held = ZoneShare(50_000, 0, 7, 50 + number) if going[1] else ZoneShare(50_000, 0, 0, 20)
+        assert shares == [("h:c", held)]
+    assert all(go[0] for go in went)  # the presence every pass
+    assert [n for n, go in enumerate(went) if go[1]] == [0, STRETCH, 2 * STRETCH]
+    assert arithmetic.going(plan, 1) == [True, True]  # no stretch: every pass
 
 
 def test_a_new_bucket_is_measured_since_its_creation_and_reserves_the_others_parts() -> None:

@@ -22,6 +22,7 @@ from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport
+from ratelimit_service.core.stretch import STRETCH
 from ratelimit_service.core.tiers import Fenced
 from ratelimit_service.engine.quota import FORGET_AFTER, CounterView, QuotaCoordinator, Usage
 from ratelimit_service.engine.stats import Stats
@@ -389,3 +390,43 @@ async def test_a_holder_whose_zone_store_lost_its_tokens_gets_above_them(servers
         await fleet.round()
         assert aggregator.passes == passes + 1
         assert zone_part(servers["a"], "a") == pytest.approx(66.67, abs=0.5)
+
+
+async def test_a_zone_steady_over_the_limit_waits_and_a_new_zone_ends_the_wait(servers) -> None:
+    """Zone a alone offers twice the limit: after its first passes its aggregator sends
+    the counter to the global store every STRETCH passes (its presence every pass).
+    Then zone b's first Envoy reports: b is new to the counter in the global store and
+    takes its even share by instances over the limit, and tells the store it joined;
+    zone a publishes in its next pass, waiting or not, and the zones' parts add up to
+    the limit again within a pass of each."""
+    fleet = Fleet(servers)
+    aggregator = fleet.stores["a1"].aggregator
+
+    async def round_of(names: tuple[str, ...], rate: int) -> int:
+        """Each of ``names`` reports ``rate``/s; one publish round; zone a's updates sent."""
+        fleet.clock.now += 5.0
+        for name in names:
+            await fleet.report(name, rate * 5)
+        before = aggregator.bucket_updates
+        await fleet.publish_all()
+        return aggregator.bucket_updates - before
+
+    try:
+        for name in ("a1", "a2"):
+            await fleet.report(name, 1)
+        sent = [await round_of(("a1", "a2"), 100) for _ in range(3 + 3 * STRETCH)]
+        assert sent[-2 * STRETCH :].count(2) == 2, sent  # the counter every STRETCH passes
+        assert set(sent[-2 * STRETCH :]) == {1, 2}, sent  # the presence every pass
+        while sent[-1] != 2:  # to a pass that sent it: the next ones would wait
+            sent.append(await round_of(("a1", "a2"), 100))
+        assert zone_part(servers["a"], "a") == pytest.approx(100.0, abs=0.01)
+        await fleet.report("b1", 30 * 5)  # b's first: the zone has no part of it yet
+        sent.append(await round_of(("a1", "a2"), 100))  # a waits; b joins the counter
+        assert sent[-1] == 1, sent
+        b_part = zone_part(servers["b"], "b")
+        assert b_part == pytest.approx(100 / 3, abs=0.01)  # one instance of three
+        sent.append(await round_of(("a1", "a2", "b1"), 100))
+        assert sent[-1] == 2, sent  # a published in the pass after b joined
+        assert zone_part(servers["a"], "a") + zone_part(servers["b"], "b") <= 100.01
+    finally:
+        await fleet.close()

@@ -76,11 +76,22 @@ class Zones:
         finally:
             client.close()
 
+    def held(self, zone: str) -> float:
+        """What ``zone``'s Envoys hold (the n-th Envoy's home is NAMES[n % 4])."""
+        envoys = [e for n, e in enumerate(self.envoys) if NAMES[n % 4][0] == zone]
+        return sum(e.envoy.assigned_rate() for e in envoys)
+
     def settled(self) -> bool:
+        """The zones' parts 2:1 and each zone's Envoys holding its part: an Envoy keeps
+        the bucket it was assigned until its next report, so a zone's part that shrank
+        leaves its Envoys over it for up to a report interval."""
+        if not 0.9 <= self.ratio() <= 1.05:
+            return False  # (before that, a zone store may have no counter yet)
+        parts = {zone: self.zone_part(zone) for zone in "ab"}
         return (
-            0.9 <= self.ratio() <= 1.05
-            and abs(self.zone_part("a") / (LIMIT * 2 / 3) - 1) < 0.1
-            and abs(self.zone_part("b") / (LIMIT / 3) - 1) < 0.1
+            abs(parts["a"] / (LIMIT * 2 / 3) - 1) < 0.1
+            and abs(parts["b"] / (LIMIT / 3) - 1) < 0.1
+            and all(0.9 <= self.held(zone) / parts[zone] <= 1.05 for zone in "ab")
             and self.aggregators() == {"a": 1, "b": 1}
         )
 
