@@ -279,7 +279,8 @@ SETTINGS: tuple[Setting, ...] = (
             positive(float), fills="sync_interval"),
     Setting("--sync-stretch", "store", "intervals a probabilistic bucket far below its limit, or an"
             " RLQS counter steady well over it, may wait between two reports (1: every"
-            " interval)", STRETCH, positive(int), fills="sync_stretch"),
+            " interval); a zone's aggregator's passes alike for one steady well over it",
+            STRETCH, positive(int), fills="sync_stretch"),
     Setting("--stale-after", "store", "seconds without a successful sync before probabilistic rules"
             " use failure_mode", 3.0, positive(float), fills="stale_after"),
     Setting("--zone", "store", "this replica's zone (unique per global store): RLQS and"
