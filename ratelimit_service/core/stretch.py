@@ -20,6 +20,9 @@ meanwhile (a part grows only into what the others leave).
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
+
 from ratelimit_service.core.tiers import TierReport, TierTotals
 
 STRETCH = 4
@@ -64,6 +67,34 @@ def steady_over(report: TierReport, last: TierReport, answer: TierTotals) -> boo
     over = fleet > 0 and fleet >= OVER * limit and answer.part >= FAIR * limit * was / fleet
     same = report.instances == last.instances and report.limit == last.limit
     return over and same and report.window_seconds == 1 and abs(report.demand - was) <= STEADY * was
+
+
+JOIN_SLOTS = 64
+"""Slots of a store's count of joins (joins.lua): a member new to a counter adds one to
+the counter's slot, and a member whose publishes wait publishes, in its next round, the
+counters of the slots that moved. New counters elsewhere (another domain, a key per
+client) end the waits of a sixty-fourth of the counters each, not of all of them."""
+
+
+def join_slot(key: str) -> int:
+    """The slot of the count of joins that a counter's newcomers add to."""
+    return zlib.crc32(key.encode()) % JOIN_SLOTS
+
+
+def joins_moved(
+    seen: Sequence[int] | None, counts: Sequence[int], added: Sequence[int]
+) -> set[int] | None:
+    """The slots whose count of joins moved since ``seen`` (this member's last read),
+    other than by this member's own additions (``added``, one each, made by the read
+    that returned ``counts``); None: every slot (nothing read before, or the counts
+    went back: the store restarted empty)."""
+    if seen is None or len(seen) != len(counts):
+        return None
+    pairs = list(zip(counts, seen, strict=True))
+    if any(now < was for now, was in pairs):
+        return None
+    own = set(added)
+    return {slot for slot, (now, was) in enumerate(pairs) if now - was != int(slot in own)}
 
 
 def stepped_up(count: float, rate: float, seconds: float) -> bool:

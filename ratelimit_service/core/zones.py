@@ -32,7 +32,7 @@ from enum import Enum, IntEnum
 
 from ratelimit_service.core.drop_ratio import FleetView, control
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.core.stretch import steady_over
+from ratelimit_service.core.stretch import join_slot, steady_over
 from ratelimit_service.core.tiers import MILLI, TierReport, TierTotals
 
 ZONE_FORGET_AFTER = 60.0
@@ -321,11 +321,12 @@ class ZonePass:
             )
         return go
 
-    def joining(self, plan: PassPlan) -> bool:
-        """Whether a report of ``plan`` goes to the global store for the first time from
-        this aggregator (a counter or bucket new to the zone, or a new aggregator): the
-        global store may take this zone for a newcomer, with at least its even share."""
-        return any(report.key not in self.answered for report in plan.reports)
+    def joining(self, plan: PassPlan) -> set[int]:
+        """The slots (core/stretch.py join_slot) of the reports of ``plan`` that go to the
+        global store for the first time in this term (a counter or bucket new to the zone,
+        or a new term): the global store may take this zone for a newcomer to them, with at
+        least its even share."""
+        return {join_slot(report.key) for report in plan.reports if report.key not in self.answered}
 
     def merge(
         self, plan: PassPlan, going: Sequence[bool], answers: Sequence[TierTotals]
@@ -365,7 +366,7 @@ class ZonePass:
         shares = [
             (t.store_key, ZoneShare(round(a.part * MILLI), a.used, t.window, t.used))
             if sent
-            else (t.store_key, ZoneShare(round(a.part * MILLI), 0, 0, t.forwarded))
+            else (t.store_key, ZoneShare(round(a.part * MILLI), 0, t.window, t.forwarded))
             for t, a, sent in zip(plan.counters, rest[:count], went[:count], strict=True)
         ]
         fresh_us = RESERVE_PASSES * self.interval * 1e6

@@ -48,7 +48,7 @@ from ratelimit_service.core.shares import (
     window_index,
     window_reset,
 )
-from ratelimit_service.core.stretch import STRETCH
+from ratelimit_service.core.stretch import STRETCH, join_slot, joins_moved
 from ratelimit_service.core.tiers import TierReport, TierTotals, member_demand
 from ratelimit_service.engine.background import BackgroundTask, every
 from ratelimit_service.engine.stats import SLICE, Stats
@@ -156,8 +156,12 @@ class QuotaCoordinator:
         self.stretch = stretch
         self._failing = False
         """The last publish failed: every counter goes in the next, none waits."""
-        self._joins: int | None = None
-        """The store's count of members new to a counter, as last read (Store.joins)."""
+        self._joins: list[int] | None = None
+        """The store's counts of members new to a counter, per slot, as last read
+        (Store.joins, core/stretch.py join_slot)."""
+        self._joined: set[int] = set()
+        """Slots of the counters this replica published for the first time, to add to the
+        store's counts in the next round."""
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._counters: dict[str, QuotaCounter] = {}
         self._of: dict[str, set[str]] = {}
@@ -279,8 +283,7 @@ class QuotaCoordinator:
             for counter in fresh:
                 first[id(counter)] = done
             try:
-                if await self._publish([(counter, self._totals(counter)) for counter in fresh]):
-                    await self._joined()
+                await self._publish([(counter, self._totals(counter)) for counter in fresh])
             finally:
                 for counter in fresh:
                     del first[id(counter)]
@@ -340,8 +343,14 @@ class QuotaCoordinator:
                 continue
             report = self._totals(counter)
             (waiting if counter.can_wait(report, stretch) else due).append((counter, report))
-        if waiting and await self._someone_joined():
-            due, waiting = due + waiting, []
+        if waiting or self._joined:
+            moved = await self._joins_moved()
+            if moved is None:
+                due, waiting = due + waiting, []
+            elif moved:
+                stay = [(c, r) for c, r in waiting if join_slot(c.key) not in moved]
+                due += [(c, r) for c, r in waiting if join_slot(c.key) in moved]
+                waiting = stay
         for counter, _ in waiting:
             counter.waited += 1
         self.last_updates = len(due)
@@ -349,26 +358,21 @@ class QuotaCoordinator:
             for counter, _ in due:
                 self._grow(counter)
 
-    async def _joined(self) -> None:
-        """Tell the store this replica is new to a counter (Store.joins): the members whose
-        publishes wait publish in their next round, giving up the even share it took."""
+    async def _joins_moved(self) -> set[int] | None:
+        """Tell the store the slots of the counters this replica was new to since the last
+        round, and read its counts of joins in the same call (Store.joins): the slots
+        another member joined a counter of since the last read (None: all of them, or the
+        store cannot say). Their counters' publishes do not wait this round, so a
+        newcomer's even share is given up within a round or two of its first publish."""
+        added = sorted(self._joined)
         try:
-            count = await self._store.joins(True)
-        except StoreUnavailable as exc:  # the others' waits end within STRETCH rounds
-            log.debug("could not tell the store of a new counter: %s", exc)
-            return
-        if self._joins == count - 1:
-            self._joins = count  # only this replica's own join since the last read
-
-    async def _someone_joined(self) -> bool:
-        """Whether a member was new to a counter since the last round that read the store's
-        count (or it cannot be read): then no counter waits this round."""
-        try:
-            count = await self._store.joins(False)
-        except StoreUnavailable:
-            return True
-        seen, self._joins = self._joins, count
-        return count != seen
+            counts = await self._store.joins(added)
+        except StoreUnavailable as exc:  # told next round; the waits end meanwhile
+            log.debug("could not read the store's joins: %s", exc)
+            return None
+        self._joined.clear()
+        seen, self._joins = self._joins, counts
+        return joins_moved(seen, counts, added)
 
     async def _publish(self, due: list[tuple[QuotaCounter, TierReport]]) -> bool:
         """Publish each counter's totals and take the new parts; False when the store is
@@ -389,6 +393,8 @@ class QuotaCoordinator:
         self.publishes += 1
         self._failing = False
         for (counter, report), totals in zip(due, answers, strict=True):
+            if counter.published is None:  # its first publish: the store took it as new
+                self._joined.add(join_slot(counter.key))
             window = counter.window_seconds
             index = window_index(self._wall(), window)
             counter.unpublished -= report.allowed

@@ -26,7 +26,7 @@ from functools import partial
 
 from ratelimit_service.core.drop_ratio import FleetView
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.core.stretch import STRETCH
+from ratelimit_service.core.stretch import STRETCH, join_slot, joins_moved
 from ratelimit_service.core.tiers import Fenced, TierReport, TierTotals
 from ratelimit_service.core.zones import (
     LEASE_TTL_SHARE,
@@ -36,6 +36,7 @@ from ratelimit_service.core.zones import (
     ZONE_FORGET_AFTER,
     Change,
     Leadership,
+    PassPlan,
     ZonePass,
 )
 from ratelimit_service.engine.background import BackgroundTask, every
@@ -70,8 +71,13 @@ class ZoneAggregator:
         """Seconds after which the zone's silent replicas, counters and buckets are forgotten."""
         self.zone_forget_after = zone_forget_after
         self.stretch = stretch
-        self._joins: int | None = None
-        """The global store's count of zones new to a counter, as last read (Store.joins)."""
+        self._joins: list[int] | None = None
+        """The global store's counts of zones new to a counter, per slot, as last read
+        (Store.joins, core/stretch.py join_slot)."""
+        self._joined: set[int] = set()
+        """Slots of the reports this zone sent for the first time, to add next pass."""
+        self._term: int | None = None
+        """The fencing token of the term whose passes filled ``arithmetic.answered``."""
         self.holder = zone_store.node_id
         self.ttl = LEASE_TTL_SHARE * interval
         self.renew_every = RENEW_SHARE * interval
@@ -158,6 +164,9 @@ class ZoneAggregator:
         token = self.leadership.term(self._now())
         if token is None:
             return
+        if token != self._term:  # a term of its own: nothing kept from an earlier one
+            self._term, self._joins = token, None
+            self.arithmetic.answered.clear()
         deadline = asyncio.get_running_loop().time() + self.pass_timeout
         try:
             counters = await self.zone_store.zone_totals(self.forget_after, deadline)
@@ -168,9 +177,7 @@ class ZoneAggregator:
         plan = self.arithmetic.plan(counters, buckets)
         if not self._still(token):
             return
-        going = self.arithmetic.going(plan, 1 if self.global_away else self.stretch)
-        if not all(going) and await self._someone_joined(deadline):
-            going = [True] * len(going)
+        going, woken = await self._going(plan, deadline)
         joining = self.arithmetic.joining(plan)
         sent = [report for report, went in zip(plan.reports, going, strict=True) if went]
         self.bucket_updates += len(sent)
@@ -180,8 +187,7 @@ class ZoneAggregator:
         if isinstance(answers, Fenced):
             self._refused("global", token, answers.highest)
             return
-        if joining:
-            await self._joined(deadline)
+        self._joined |= joining
         merged = self.arithmetic.merge(plan, going, answers)
         budgets = await self._fold(self.arithmetic.calendar_reports(plan), deadline)
         shares, zones = self.arithmetic.shares(plan, merged, budgets, going)
@@ -195,29 +201,45 @@ class ZoneAggregator:
         if isinstance(written, Fenced):
             self._refused("zone", token, written.highest)
             return
+        if woken:
+            await self._wake(woken, deadline)
         self.passes += 1
         self.counters = len(plan.counters) + len(plan.buckets)
 
-    async def _someone_joined(self, deadline: float) -> bool:
-        """Whether a zone was new to a counter in the global store since the last pass
-        that read its count of joins (or it cannot be read): then nothing waits."""
+    async def _going(self, plan: PassPlan, deadline: float) -> tuple[list[bool], set[int]]:
+        """Which reports go to the global store this pass (ZonePass.going), and the slots
+        of the counters whose wait a join ended. When any would wait, or this zone was new
+        to counters there last pass, one call adds those and reads the global store's
+        counts of joins (Store.joins): the reports in slots another zone joined go."""
+        going = self.arithmetic.going(plan, 1 if self.global_away else self.stretch)
+        if all(going) and not self._joined:
+            return going, set()
+        added = sorted(self._joined)
         try:
-            count = await self.global_store.joins(False, deadline)
-        except StoreUnavailable:
-            return True
-        seen, self._joins = self._joins, count
-        return count != seen
+            counts = await self.global_store.joins(added, deadline)
+        except StoreUnavailable:  # added next pass; nothing waits meanwhile
+            return [True] * len(going), set()
+        self._joined.clear()
+        seen, self._joins = self._joins, counts
+        moved = joins_moved(seen, counts, added)
+        slots = [join_slot(report.key) for report in plan.reports]
+        wakes = [
+            not went and (moved is None or slot in moved)
+            for went, slot in zip(going, slots, strict=True)
+        ]
+        counters = range(1, 1 + len(plan.counters))  # after the presence, before the buckets
+        woken = {slots[i] for i in counters if wakes[i]}
+        return [went or wake for went, wake in zip(going, wakes, strict=True)], woken
 
-    async def _joined(self, deadline: float) -> None:
-        """Tell the global store this zone is new to a counter there: the zones whose
-        publishes wait publish in their next pass, giving up the even share it took."""
+    async def _wake(self, slots: set[int], deadline: float) -> None:
+        """Tell the zone store of joins in ``slots``: the zone's part of a counter that a
+        join ended the wait of may have shrunk, and the zone's replicas whose publishes
+        of it wait publish in their next round."""
         try:
-            count = await self.global_store.joins(True, deadline)
-        except StoreUnavailable as exc:  # the others' waits end within their stretch
-            log.debug("zone %s: could not tell the global store of a join: %s", self.zone, exc)
-            return
-        if self._joins == count - 1:
-            self._joins = count  # only this zone's own join since the last read
+            await self.zone_store.joins(sorted(slots), deadline)
+        except StoreUnavailable as exc:  # their waits end within their stretch
+            self.zone_errors += 1
+            log.debug("zone %s: could not tell the zone store of joins: %s", self.zone, exc)
 
     def _still(self, token: int) -> bool:
         """Whether the term that started this pass goes on (else the pass is left)."""

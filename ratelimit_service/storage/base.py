@@ -74,11 +74,12 @@ class Store(Protocol):
         """RLQS tiers: record one member's totals per counter and return the sums over every member
         heard from within ``forget_after`` seconds, at a cost that does not grow with them."""
 
-    async def joins(self, joined: bool) -> int:
-        """RLQS tiers: how many times a member has been new to a counter here, after adding one
-        when ``joined`` (this member's first publish of a counter). A newcomer gets its even
-        share at once, which the others' parts leave only at their next publish: a member whose
-        publishes wait reads this each round, and publishes them all when it moved."""
+    async def joins(self, add: Sequence[int]) -> list[int]:
+        """RLQS tiers: how many times a member has been new to a counter here, per slot of
+        counters (core/stretch.py join_slot), after adding one to each slot of ``add``. A
+        newcomer gets its even share at once, which the others' parts leave only at their next
+        publish: a member whose publishes wait reads this each round, and publishes the
+        counters of the slots that moved."""
 
     async def start(self) -> None:
         """Connect and start the store's work before traffic; never raises (unhealthy until up)."""

@@ -21,6 +21,7 @@ from ratelimit_service.core.exact import ExactHit, ExactResult, evaluate
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.lru import LruMap
 from ratelimit_service.core.settings_table import default
+from ratelimit_service.core.stretch import JOIN_SLOTS
 from ratelimit_service.core.tiers import Fenced, TierReport, TierTable, TierTotals, publish_fenced
 from ratelimit_service.core.window import DEFAULT_SLICES, SlidingWindow
 from ratelimit_service.storage.base import StoreMetrics
@@ -111,7 +112,7 @@ class EmbeddedStore:
         self._windows: LruMap[SlidingWindow] = LruMap(max_keys)
         self._fleet: LruMap[_FleetBucket] = LruMap(max_keys)
         self._tiers: LruMap[TierTable] = LruMap(max_keys)
-        self._joins = 0
+        self._joins = [0] * JOIN_SLOTS
         self.swept = 0
         self._sweep: Iterator[int] = iter(())
 
@@ -151,11 +152,12 @@ class EmbeddedStore:
         assert not isinstance(answers, Fenced)  # no token, no fence
         return answers
 
-    async def joins(self, joined: bool) -> int:
-        """joins.lua's twin: the count of members new to a counter, one more when ``joined``
-        (this process is the only member: nobody else reads it)."""
-        self._joins += joined
-        return self._joins
+    async def joins(self, add: Sequence[int]) -> list[int]:
+        """joins.lua's twin: the counts of members new to a counter per slot, one more in
+        each slot of ``add`` (this process is the only member: nobody else reads them)."""
+        for slot in add:
+            self._joins[slot] += 1
+        return list(self._joins)
 
     def _sweep_a_piece(self) -> None:
         """Judge the next piece of the current pass over the maps (a new pass when the

@@ -33,6 +33,7 @@ from ratelimit_service.core.exact import (
 )
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.settings_table import default
+from ratelimit_service.core.stretch import JOIN_SLOTS
 from ratelimit_service.core.tiers import Fenced, TierReport, TierTotals
 from ratelimit_service.core.window import DEFAULT_SLICES
 from ratelimit_service.core.zones import ZoneKeys
@@ -291,11 +292,13 @@ class RedisStore:
             answers += _reorder(groups, [a for a in got if not isinstance(a, Fenced)], len(chunk))
         return answers
 
-    async def joins(self, joined: bool, deadline: float | None = None) -> int:
-        """The store's count of members new to a counter (joins.lua), one more when
-        ``joined``; by ``deadline`` (the event loop's time), within ``sync_timeout``."""
+    async def joins(self, add: Sequence[int], deadline: float | None = None) -> list[int]:
+        """The store's counts of members new to a counter, per slot (joins.lua), one more
+        in each slot of ``add``; by ``deadline`` (the event loop's time), within
+        ``sync_timeout``."""
         keys, wait = [self.prefix + "joins"], self.redis.time_left(deadline)
-        return joins_reply(await self.redis.call(self._joins, keys, joins_args(joined), wait))
+        args = joins_args(JOIN_SLOTS, add)
+        return joins_reply(await self.redis.call(self._joins, keys, args, wait))
 
     def _tier_key(self, counter: str) -> str:
         """A counter's hash; its sorted set and its members' hash are the same name with

@@ -256,14 +256,14 @@ def zone_write_reply(raw: Any) -> int | Fenced:
 # joins.lua
 
 
-def joins_args(joined: bool) -> list[Any]:
-    """joins.lua's ARGV: whether this member joined a counter (add one first)."""
-    return ["1" if joined else ""]
+def joins_args(slots: int, add: Sequence[int]) -> list[Any]:
+    """joins.lua's ARGV: the number of slots, then the slots to add one to first."""
+    return [slots, *add]
 
 
-def joins_reply(raw: Any) -> int:
-    """joins.lua: the store's count of members new to a counter."""
-    return int(raw)
+def joins_reply(raw: Sequence[Any]) -> list[int]:
+    """joins.lua: every slot's count of members new to a counter there."""
+    return [int(count) for count in raw]
 
 
 # lease.lua

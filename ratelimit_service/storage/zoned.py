@@ -121,9 +121,9 @@ class ZonedStore:
     async def publish(self, reports: Sequence[TierReport], forget_after: float) -> list[TierTotals]:
         return await self.zone_store.publish(reports, forget_after)
 
-    async def joins(self, joined: bool) -> int:
+    async def joins(self, add: Sequence[int]) -> list[int]:
         """The zone store's: a replica's fellow members are its zone's replicas."""
-        return await self.zone_store.joins(joined)
+        return await self.zone_store.joins(add)
 
     async def start(self) -> None:
         await asyncio.gather(self.zone_store.start(), self.global_store.start())

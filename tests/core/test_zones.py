@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from ratelimit_harness.redis import script_on_test_clock, set_test_clock
 from ratelimit_service.core.drop_ratio import FleetView
-from ratelimit_service.core.stretch import STRETCH
+from ratelimit_service.core.stretch import STRETCH, join_slot
 from ratelimit_service.core.tiers import Fenced, TierTotals
 from ratelimit_service.core.zones import (
     FRESH_US,
@@ -266,13 +266,14 @@ def test_a_counter_steady_over_the_limit_goes_every_stretch_passes_keeping_its_p
     for number in range(1 + 2 * STRETCH):
         plan = arithmetic.plan([counter("c", 300.0, used=50 + number, forwarded=20)],
                                ZoneBuckets(number * 1_000_000, 2, []))  # fmt: skip
-        assert arithmetic.joining(plan) == (number == 0)
+        new = {join_slot(PRESENCE), join_slot("c")} if number == 0 else set()
+        assert arithmetic.joining(plan) == new
         going = arithmetic.going(plan, STRETCH)
         went.append(going)
         answers = [a for a, go in zip([presence, answer], going, strict=True) if go]
         merged = arithmetic.merge(plan, going, answers)
         shares, _ = arithmetic.shares(plan, merged, [], going)
-        held = ZoneShare(50_000, 0, 7, 50 + number) if going[1] else ZoneShare(50_000, 0, 0, 20)
+        held = ZoneShare(50_000, 0, 7, 50 + number) if going[1] else ZoneShare(50_000, 0, 7, 20)
         assert shares == [("h:c", held)]
     assert all(go[0] for go in went)  # the presence every pass
     assert [n for n, go in enumerate(went) if go[1]] == [0, STRETCH, 2 * STRETCH]

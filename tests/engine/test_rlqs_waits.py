@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from ratelimit_service.core.config_loader import ConfigFile, load_config
-from ratelimit_service.core.stretch import STRETCH
+from ratelimit_service.core.stretch import STRETCH, join_slot
 from ratelimit_service.core.tiers import TierReport, TierTotals
 from ratelimit_service.engine.quota import QuotaCoordinator, Usage
 from ratelimit_service.engine.stats import Stats
@@ -31,6 +31,8 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 6000}
 """
 REPORT_EVERY = 5
+KEY_T = "q\x1ftenant\x1et\x1f1"
+"""Tenant t's counter key (its slot of the store's count of joins)."""
 """Publish rounds (a second each) between two reports of an instance, as Envoy's 5 s."""
 
 
@@ -202,36 +204,62 @@ async def test_a_step_beside_a_waiting_replica_is_divided_at_its_next_publish(
         assert part(one) == pytest.approx(100 * 250 / 750, abs=0.01)
 
 
-async def test_a_replica_new_to_the_counter_holds_its_even_share_for_one_round(
-    redis_server,
-) -> None:
-    """Replica one's three instances offer 250/s steadily (its counter waits); replica
-    two's one instance appears. Two gets its even share by instances at once (a
-    quarter of the limit) and tells the store it joined (Store.joins); one reads that in
-    its next round and publishes, waiting or not: the parts add up to at most the even
-    share over the limit, and to at most the limit again after that one round."""
-    bucket = {"tenant": "t"}
-    async with two_replicas(redis_server.url) as (one, two, clock):
-        for number in range(20):
-            if number % REPORT_EVERY == 0:
-                for name in ("a", "b", "c"):
-                    await one.report(name, "q", [Usage(bucket, 250 * REPORT_EVERY // 3, 0)])
-            clock.now += 1.0
-            await one.tick()
-        assert part(one) == pytest.approx(100.0, abs=0.01)
-        for _ in range(STRETCH):  # up to a round where one publishes: it would wait next
-            sent = one.bucket_updates
-            clock.now += 1.0
-            await one.tick()
-            if one.bucket_updates > sent:
-                break
-        sent = one.bucket_updates
-        await two.report("d", "q", [Usage(bucket, 1, 0)])  # its first: published at once
-        assert part(two) == pytest.approx(100 / 4, abs=0.01)  # one instance of four
-        assert part(one) + part(two) - 100.0 <= 100 / 4 + 0.01
+async def _one_waiting(one: QuotaCoordinator, clock: Clock) -> None:
+    """Replica one's three instances offer 250/s of tenant t steadily, until one has
+    just published its counter: its next STRETCH - 1 rounds would wait."""
+    for number in range(20):
+        if number % REPORT_EVERY == 0:
+            for name in ("a", "b", "c"):
+                await one.report(name, "q", [Usage({"tenant": "t"}, 250 * REPORT_EVERY // 3, 0)])
         clock.now += 1.0
         await one.tick()
-        await two.tick()
-        assert one.bucket_updates == sent + 1  # published in the round after the join
+    assert part(one) == pytest.approx(100.0, abs=0.01)
+    for _ in range(STRETCH):
+        sent = one.bucket_updates
+        clock.now += 1.0
+        await one.tick()
+        if one.bucket_updates > sent:
+            return
+
+
+async def _round(one: QuotaCoordinator, two: QuotaCoordinator, clock: Clock) -> int:
+    """One round on both replicas; the counters one published."""
+    sent = one.bucket_updates
+    clock.now += 1.0
+    await one.tick()
+    await two.tick()
+    return one.bucket_updates - sent
+
+
+async def test_a_replica_new_to_the_counter_holds_its_even_share_for_two_rounds(
+    redis_server,
+) -> None:
+    """Replica one's counter waits; replica two's one instance appears. Two gets its
+    even share by instances at once (a quarter of the limit) and adds to the store's
+    count of joins in its next round (Store.joins); one reads that in the round after and
+    publishes, waiting or not: the parts add up to at most the even share over the limit,
+    and to at most the limit again within two rounds."""
+    async with two_replicas(redis_server.url) as (one, two, clock):
+        await _one_waiting(one, clock)
+        await two.report("d", "q", [Usage({"tenant": "t"}, 1, 0)])  # published at once
+        assert part(two) == pytest.approx(100 / 4, abs=0.01)  # one instance of four
+        assert part(one) + part(two) - 100.0 <= 100 / 4 + 0.01
+        sent = [await _round(one, two, clock), await _round(one, two, clock)]
+        assert sent == [0, 1]  # one waited, then published in the round after the join
         assert part(one) + part(two) <= 100.0 + 0.01
         assert part(one) < 99.0 and part(two) > 1.0  # one gave up two's part
+
+
+async def test_a_counter_new_in_another_slot_leaves_the_wait(redis_server) -> None:
+    """Replica one's counter of tenant t waits; replica two's instance appears on a
+    tenant whose slot of the count of joins is another (a new counter elsewhere, as a
+    key per client makes them all the time): one's counter keeps waiting."""
+    other = next(
+        f"u{n}" for n in range(100) if join_slot(f"q\x1ftenant\x1eu{n}\x1f1") != join_slot(KEY_T)
+    )
+    async with two_replicas(redis_server.url) as (one, two, clock):
+        await _one_waiting(one, clock)
+        await two.report("d", "q", [Usage({"tenant": other}, 1, 0)])
+        sent = [await _round(one, two, clock) for _ in range(STRETCH - 1)]
+        assert sent == [0] * (STRETCH - 1)
+        assert two._joins is not None and sum(two._joins) >= 1  # two's join was counted

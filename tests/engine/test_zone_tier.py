@@ -22,7 +22,7 @@ from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_loader import ConfigFile, load_config
 from ratelimit_service.core.drop_ratio import SyncResult
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.core.stretch import STRETCH
+from ratelimit_service.core.stretch import STRETCH, join_slot
 from ratelimit_service.core.tiers import Fenced
 from ratelimit_service.engine.quota import FORGET_AFTER, CounterView, QuotaCoordinator, Usage
 from ratelimit_service.engine.stats import Stats
@@ -396,9 +396,10 @@ async def test_a_zone_steady_over_the_limit_waits_and_a_new_zone_ends_the_wait(s
     """Zone a alone offers twice the limit: after its first passes its aggregator sends
     the counter to the global store every STRETCH passes (its presence every pass).
     Then zone b's first Envoy reports: b is new to the counter in the global store and
-    takes its even share by instances over the limit, and tells the store it joined;
-    zone a publishes in its next pass, waiting or not, and the zones' parts add up to
-    the limit again within a pass of each."""
+    takes its even share by instances over the limit, and adds to the store's count of
+    joins in its next pass; zone a publishes in the pass after that, waiting or not, the
+    zones' parts add up within the limit again, and a tells its own store, so that a's
+    replicas, whose publishes wait too, divide the smaller part in their next round."""
     fleet = Fleet(servers)
     aggregator = fleet.stores["a1"].aggregator
 
@@ -422,11 +423,14 @@ async def test_a_zone_steady_over_the_limit_waits_and_a_new_zone_ends_the_wait(s
         assert zone_part(servers["a"], "a") == pytest.approx(100.0, abs=0.01)
         await fleet.report("b1", 30 * 5)  # b's first: the zone has no part of it yet
         sent.append(await round_of(("a1", "a2"), 100))  # a waits; b joins the counter
-        assert sent[-1] == 1, sent
-        b_part = zone_part(servers["b"], "b")
-        assert b_part == pytest.approx(100 / 3, abs=0.01)  # one instance of three
+        assert zone_part(servers["b"], "b") == pytest.approx(100 / 3, abs=0.01)  # 1 of 3
+        sent.append(await round_of(("a1", "a2", "b1"), 100))  # b adds to the count
+        zone_a = fleet.stores["a1"].zone_store
+        woken = await zone_a.joins([])
         sent.append(await round_of(("a1", "a2", "b1"), 100))
-        assert sent[-1] == 2, sent  # a published in the pass after b joined
+        assert sent[-3:] == [1, 1, 2], sent  # a published in the pass after b's count
         assert zone_part(servers["a"], "a") + zone_part(servers["b"], "b") <= 100.01
+        moved = [n - w for n, w in zip(await zone_a.joins([]), woken, strict=True)]
+        assert moved[join_slot(KEY)] >= 1  # a's replicas told: their waits end
     finally:
         await fleet.close()
