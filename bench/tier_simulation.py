@@ -54,7 +54,7 @@ import redis.asyncio as aioredis
 from throughput import BENCH, lab, start_redis
 
 from ratelimit_service.core.local_buckets import BucketReport
-from ratelimit_service.core.stretch import STRETCH
+from ratelimit_service.core.stretch import JOIN_SLOTS, STRETCH
 from ratelimit_service.core.tiers import MILLI, TierReport
 from ratelimit_service.core.zones import RENEW_SHARE, ZoneShare
 from ratelimit_service.storage.redis_calls import script_text
@@ -253,7 +253,7 @@ async def zone_store(
         publishing = cycling(rounds, tier)
         if not mix.steady:
             return publishing
-        read = joins.pack([JOINS], [""])
+        read = joins.pack([JOINS], [JOIN_SLOTS])
 
         async def call() -> None:  # the count of joins first, as engine/quota.py reads it
             await joins(read)
@@ -317,7 +317,7 @@ async def global_store(client: aioredis.Redis, hot: int, until: float, mix: Mix 
     driver = Driver(client, {})
     quota_keys, fleet_keys = mix.kinds(hot)
     rng = random.Random(2)
-    read = [joins.pack([JOINS], [""])] if mix.steady or mix.over else []
+    read = [joins.pack([JOINS], [JOIN_SLOTS])] if mix.steady or mix.over else []
 
     def publish(zone: str, demand: int, phase: int) -> Any:
         rounds = []
