@@ -73,7 +73,7 @@ PUBLISH, SYNC, ZONE = 1.0, 0.25, 1.0
 LIMIT = 100_000
 FORGET_US = 15_000_000
 BATCH = CALL_CHUNK  # items per script call, as the stores send them
-JOINS = "rl:joins"
+JOINS = f"rl:joins:{JOIN_SLOTS}"
 """The store's count of members new to a counter (joins.lua; storage/redis_store.py)."""
 AGGREGATOR = (1 / RENEW_SHARE + 3) / ZONE
 """The aggregator's calls per second on its zone store: its lease renewals, and once

@@ -370,7 +370,7 @@ class QuotaCoordinator:
         except StoreUnavailable as exc:  # told next round; the waits end meanwhile
             log.debug("could not read the store's joins: %s", exc)
             return None
-        self._joined.clear()
+        self._joined.difference_update(added)  # a first publish meanwhile: next round
         seen, self._joins = self._joins, counts
         return joins_moved(seen, counts, added)
 

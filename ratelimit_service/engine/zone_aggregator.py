@@ -208,9 +208,10 @@ class ZoneAggregator:
 
     async def _going(self, plan: PassPlan, deadline: float) -> tuple[list[bool], set[int]]:
         """Which reports go to the global store this pass (ZonePass.going), and the slots
-        of the counters whose wait a join ended. When any would wait, or this zone was new
-        to counters there last pass, one call adds those and reads the global store's
-        counts of joins (Store.joins): the reports in slots another zone joined go."""
+        of the counters a join moved (their parts may shrink). When any would wait, or
+        this zone was new to counters there last pass, one call adds those and reads the
+        global store's counts of joins (Store.joins): the reports in slots another zone
+        joined go."""
         going = self.arithmetic.going(plan, 1 if self.global_away else self.stretch)
         if all(going) and not self._joined:
             return going, set()
@@ -227,14 +228,14 @@ class ZoneAggregator:
             not went and (moved is None or slot in moved)
             for went, slot in zip(going, slots, strict=True)
         ]
-        counters = range(1, 1 + len(plan.counters))  # after the presence, before the buckets
-        woken = {slots[i] for i in counters if wakes[i]}
+        counters = slots[1 : 1 + len(plan.counters)]  # after the presence, before the buckets
+        woken = {slot for slot in counters if moved is None or slot in moved}
         return [went or wake for went, wake in zip(going, wakes, strict=True)], woken
 
     async def _wake(self, slots: set[int], deadline: float) -> None:
-        """Tell the zone store of joins in ``slots``: the zone's part of a counter that a
-        join ended the wait of may have shrunk, and the zone's replicas whose publishes
-        of it wait publish in their next round."""
+        """Tell the zone store of joins in ``slots``: the zone's part of a counter in a
+        slot a join moved may have shrunk, and the zone's replicas whose publishes of it
+        wait publish in their next round."""
         try:
             await self.zone_store.joins(sorted(slots), deadline)
         except StoreUnavailable as exc:  # their waits end within their stretch

@@ -156,7 +156,8 @@ class EmbeddedStore:
         """joins.lua's twin: the counts of members new to a counter per slot, one more in
         each slot of ``add`` (this process is the only member: nobody else reads them)."""
         for slot in add:
-            self._joins[slot] += 1
+            if 0 <= slot < JOIN_SLOTS:  # another is kept by Redis and never read
+                self._joins[slot] += 1
         return list(self._joins)
 
     def _sweep_a_piece(self) -> None:

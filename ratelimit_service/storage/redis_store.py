@@ -296,7 +296,7 @@ class RedisStore:
         """The store's counts of members new to a counter, per slot (joins.lua), one more
         in each slot of ``add``; by ``deadline`` (the event loop's time), within
         ``sync_timeout``."""
-        keys, wait = [self.prefix + "joins"], self.redis.time_left(deadline)
+        keys, wait = [f"{self.prefix}joins:{JOIN_SLOTS}"], self.redis.time_left(deadline)
         args = joins_args(JOIN_SLOTS, add)
         return joins_reply(await self.redis.call(self._joins, keys, args, wait))
 

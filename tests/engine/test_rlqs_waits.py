@@ -7,6 +7,7 @@ the limit meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator, Sequence
@@ -263,3 +264,34 @@ async def test_a_counter_new_in_another_slot_leaves_the_wait(redis_server) -> No
         sent = [await _round(one, two, clock) for _ in range(STRETCH - 1)]
         assert sent == [0] * (STRETCH - 1)
         assert two._joins is not None and sum(two._joins) >= 1  # two's join was counted
+
+
+async def test_a_join_made_while_the_counts_are_read_is_added_next_round() -> None:
+    """A counter's first publish lands while the round's call to the store's counts of
+    joins is out (a report meanwhile): its slot is added in the next round's call, not
+    dropped with the slots that call added."""
+    config = load_config([ConfigFile("q.yaml", RULES)])
+    clock = Clock()
+    gate = asyncio.Event()
+    added: list[list[int]] = []
+
+    class GatedStore(CountingStore):
+        async def joins(self, add: Sequence[int]) -> list[int]:
+            added.append(list(add))
+            await gate.wait()
+            return await super().joins(add)
+
+    store = GatedStore(clock)
+    quota = QuotaCoordinator(lambda: config, Stats(), store, clock=clock, wall=clock)
+    await quota.report("a", "q", [Usage({"tenant": "t"}, 1, 0)])  # its first publish
+    clock.now += 1.0
+    ticking = asyncio.create_task(quota.tick())  # adds t's slot, reading the counts
+    while not added:
+        await asyncio.sleep(0)
+    await quota.report("b", "q", [Usage({"tenant": "u"}, 1, 0)])  # u's first, meanwhile
+    gate.set()
+    await ticking
+    clock.now += 1.0
+    await quota.tick()
+    slot_t, slot_u = join_slot(KEY_T), join_slot("q\x1ftenant\x1eu\x1f1")
+    assert added == [[slot_t], [slot_u]]
