@@ -344,13 +344,14 @@ class QuotaCoordinator:
             report = self._totals(counter)
             (waiting if counter.can_wait(report, stretch) else due).append((counter, report))
         if waiting or self._joined:
-            moved = await self._joins_moved()
-            if moved is None:
-                due, waiting = due + waiting, []
-            elif moved:
-                stay = [(c, r) for c, r in waiting if join_slot(c.key) not in moved]
-                due += [(c, r) for c, r in waiting if join_slot(c.key) in moved]
-                waiting = stay
+            try:
+                moved = await self._joins_moved()
+            except StoreUnavailable as exc:  # a hung store costs a round one timeout, not two
+                self._away(exc)
+                return
+            woken = [moved is None or join_slot(c.key) in moved for c, _ in waiting]
+            due += [pair for pair, wake in zip(waiting, woken, strict=True) if wake]
+            waiting = [pair for pair, wake in zip(waiting, woken, strict=True) if not wake]
         for counter, _ in waiting:
             counter.waited += 1
         self.last_updates = len(due)
@@ -361,15 +362,12 @@ class QuotaCoordinator:
     async def _joins_moved(self) -> set[int] | None:
         """Tell the store the slots of the counters this replica was new to since the last
         round, and read its counts of joins in the same call (Store.joins): the slots
-        another member joined a counter of since the last read (None: all of them, or the
-        store cannot say). Their counters' publishes do not wait this round, so a
-        newcomer's even share is given up within a round or two of its first publish."""
+        another member joined a counter of since the last read (None: all of them). Their
+        counters' publishes do not wait this round, so a newcomer's even share is given up
+        within a round or two of its first publish. Raises StoreUnavailable (the slots are
+        told next round)."""
         added = sorted(self._joined)
-        try:
-            counts = await self._store.joins(added)
-        except StoreUnavailable as exc:  # told next round; the waits end meanwhile
-            log.debug("could not read the store's joins: %s", exc)
-            return None
+        counts = await self._store.joins(added)
         self._joined.difference_update(added)  # a first publish meanwhile: next round
         seen, self._joins = self._joins, counts
         return joins_moved(seen, counts, added)
@@ -382,9 +380,7 @@ class QuotaCoordinator:
         try:
             answers = await self._store.publish(reports, FORGET_AFTER)
         except StoreUnavailable as exc:
-            self.store_errors += 1
-            self._failing = True
-            log.debug("publish failed, parts kept: %s", exc)
+            self._away(exc)
             for counter, _ in due:
                 if counter.part is None:
                     counter.part = float(counter.match.limit.requests_per_unit)
@@ -406,6 +402,13 @@ class QuotaCoordinator:
             counter.part = totals.part * window
             counter.resplit()
         return True
+
+    def _away(self, exc: StoreUnavailable) -> None:
+        """A call of the round failed: parts are kept, and the next round publishes every
+        counter (none waits), which tells when the store answers again."""
+        self.store_errors += 1
+        self._failing = True
+        log.debug("the store did not answer, parts kept: %s", exc)
 
     def _totals(self, counter: QuotaCounter) -> TierReport:
         """This replica's totals of a counter: its instances' demand per second (unmeasured:

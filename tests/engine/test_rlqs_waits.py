@@ -295,3 +295,37 @@ async def test_a_join_made_while_the_counts_are_read_is_added_next_round() -> No
     await quota.tick()
     slot_t, slot_u = join_slot(KEY_T), join_slot("q\x1ftenant\x1eu\x1f1")
     assert added == [[slot_t], [slot_u]]
+
+
+async def test_a_round_whose_joins_read_fails_publishes_nothing_and_the_next_everything() -> None:
+    """The call that reads the counts of joins fails (the store is away or hung): the
+    round does not also wait for a publish to fail (parts kept); the next round, the
+    store answering, publishes every counter, none waiting."""
+    config = load_config([ConfigFile("q.yaml", RULES)])
+    clock = Clock()
+    down = [False]
+
+    class JoinsDown(CountingStore):
+        async def joins(self, add: Sequence[int]) -> list[int]:
+            if down[0]:
+                raise StoreUnavailable("hung")
+            return await super().joins(add)
+
+    store = JoinsDown(clock)
+    quota = QuotaCoordinator(lambda: config, Stats(), store, clock=clock, wall=clock)
+    for number in range(12):  # steady at 2.5x: the counter waits
+        if number % REPORT_EVERY == 0:
+            await quota.report("a", "q", [Usage({"tenant": "t"}, 250 * REPORT_EVERY, 0)])
+        clock.now += 1.0
+        await quota.tick()
+    part_before = part(quota)
+    down[0] = True
+    rounds = len(store.publishes)
+    clock.now += 1.0
+    await quota.tick()
+    assert len(store.publishes) == rounds and quota.store_errors == 1
+    assert part(quota) == part_before  # kept
+    down[0] = False
+    clock.now += 1.0
+    await quota.tick()
+    assert store.publishes[-1] == [KEY_T]  # the next round: published, waiting or not
