@@ -103,7 +103,11 @@ class StreamingEnvoy:
         while True:
             address = self.addresses[turn % len(self.addresses)]
             async with grpc.aio.insecure_channel(address) as channel:
-                with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                # A stream its replica ended (killed, restarted) may end a write too:
+                # the call then says it already finished. Either way, connect again.
+                with contextlib.suppress(
+                    grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError
+                ):
                     await self._stream(channel)
             turn += 1
             self.reconnects += 1
