@@ -62,6 +62,9 @@ class Probe:
     keys: int = 100
     """Distinct ``load`` values, in turn."""
     calls: list[Call] = field(default_factory=list)
+    cut: int = 0
+    """Calls still out when the probe ended (not in :attr:`calls`): the service may
+    have counted them."""
     _task: asyncio.Task[None] | None = None
     _start: float = 0.0
 
@@ -106,6 +109,9 @@ class Probe:
             response = await stub.ShouldRateLimit(request, timeout=DEADLINE)
         except grpc.aio.AioRpcError as exc:
             outcome = exc.code().name
+        except asyncio.CancelledError:
+            self.cut += 1
+            raise
         else:
             outcome = rls_pb2.RateLimitResponse.Code.Name(response.overall_code)
         self.calls.append(Call(sent - self._start, outcome, loop.time() - sent))

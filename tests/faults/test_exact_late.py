@@ -97,6 +97,9 @@ async def test_behind_a_redis_slower_than_the_deadline_calls_are_answered_at_onc
                 # admitted meanwhile (the late ones' hits were owed, not lost).
                 forwarder.delay(0.0)
                 admitted = 1 + sum(c.outcome == "OK" for c in probe.calls)
+                # A call the client gave up on (its deadline, or the probe's end) may
+                # still have been admitted: counted, but unseen.
+                unseen = probe.cut + sum(c.outcome not in ("OK", "OVER_LIMIT") for c in probe.calls)
 
                 async def remaining() -> int:
                     response = await call(request, timeout=1)
@@ -111,6 +114,7 @@ async def test_behind_a_redis_slower_than_the_deadline_calls_are_answered_at_onc
 
                 await eventually_async(settled, timeout=10, what="the owed hits landed")
                 # Each remaining() call is admitted and counted too.
-                assert seen[-1] == LIMIT - admitted - len(seen), (seen[-1], admitted, len(seen))
+                counted = LIMIT - len(seen) - seen[-1]
+                assert admitted <= counted <= admitted + unseen, (counted, admitted, unseen)
         finally:
             service.stop()
