@@ -45,7 +45,7 @@ async def simulate(args: argparse.Namespace) -> list[tuple[float, int, int]]:
     weights = (weights * args.nodes)[: args.nodes]
     total = sum(weights)
     shares = [w / total for w in weights]
-    nodes = [LocalBuckets() for _ in range(args.nodes)]
+    nodes = [LocalBuckets(turn=rng.randrange(1 << 16)) for _ in range(args.nodes)]
     window = SlidingWindow(1.0)  # --exact: the fleet's one window, as a store keeps it
     args.updates = 0  # bucket reports sent to the store
 
@@ -120,7 +120,7 @@ def reaction_time(
 def sweep(args: argparse.Namespace) -> None:
     """--seeds N: the same run for seeds 1..N; the spread of the step reaction and of
     the admitted count per bucket once steady."""
-    reactions, scatter, updates = [], [], []
+    reactions, scatter, updates, levels = [], [], [], []
     for seed in range(1, args.seeds + 1):
         run = argparse.Namespace(**{**vars(args), "seed": seed})
         rows = asyncio.run(simulate(run))
@@ -129,11 +129,14 @@ def sweep(args: argparse.Namespace) -> None:
         steady = [r[2] for r in rows if r[0] >= settle]
         per_bucket = args.limit * args.bucket
         scatter.append(statistics.pstdev(steady) / per_bucket)
+        levels.append(statistics.mean(steady) / per_bucket)
         if args.step_to is not None:
             reactions.append(reaction_time(rows, args.bucket, args.step_at, args.limit, 0.10))
     print(f"fleet bucket capacity {capacity(args.limit, args.burst):g} (limit {args.limit})")
     print(f"seeds 1..{args.seeds}: admitted per {args.bucket:g} s once steady scatters by "
           f"{statistics.mean(scatter):.3f}x of the limit (sd, mean over seeds)")  # fmt: skip
+    print(f"admitted once steady: {statistics.mean(levels):.3f}x of the limit (mean over "
+          f"seeds; {min(levels):.3f}-{max(levels):.3f}x)")  # fmt: skip
     print(f"bucket reports per node per second: {statistics.mean(updates):.2f} (one sync "
           f"every {args.interval:g} s: {1 / args.interval:g})")  # fmt: skip
     if reactions:

@@ -161,8 +161,14 @@ def control(
     expected = fleet_rate * span
     aim = budget * (1.0 + RATIO_SLACK)
     ratio = 0.0 if expected <= aim else 1.0 - aim / expected
-    share = min(1.0, local_rate / fleet_rate) if fleet_rate > 0.0 else 1.0 / max(1, nodes)
+    share = node_share(local_rate, fleet_rate, nodes)
     return Control(ratio=ratio, credit=min(budget * share, max(0.0, tokens) + refill))
+
+
+def node_share(local_rate: float, fleet_rate: float, nodes: int) -> float:
+    """A node's share of the fleet's budget: of the offered traffic, or an equal one
+    while nothing was offered."""
+    return min(1.0, local_rate / fleet_rate) if fleet_rate > 0.0 else 1.0 / max(1, nodes)
 
 
 MIN_CREDIT = 1.0

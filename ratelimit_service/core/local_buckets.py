@@ -13,6 +13,7 @@ looked for from the least recently used end, a bounded number per sync.
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,10 +25,20 @@ from ratelimit_service.core.drop_ratio import (
     control,
     fleet_estimate,
     initial_credit,
+    node_share,
     smoothed_rate,
 )
 from ratelimit_service.core.settings_table import default
-from ratelimit_service.core.stretch import far_below, stepped_up
+from ratelimit_service.core.stretch import (
+    OVER,
+    PREPAID_NODES,
+    SETTLED,
+    far_below,
+    moved,
+    prepaid_unspent,
+    prepaid_wait,
+    stepped_up,
+)
 
 IDLE_SECONDS = 30.0
 """How long a bucket no request used is kept (at least its window), so a process that
@@ -81,13 +92,20 @@ class ProbabilisticBucket:
         "local_rate",
         "offered",
         "offered_total_seen",
+        "overs",
+        "pace",
+        "paying",
         "period",
         "phase",
+        "pool",
+        "prepaid",
         "ratio",
         "renewed",
         "rule",
         "synced_at",
         "tokens",
+        "turn",
+        "waits",
         "window_seconds",
     )
 
@@ -120,6 +138,26 @@ class ProbabilisticBucket:
         self.offered = 0
         self.admitted = 0
         self.offered_total_seen: int | None = None
+        self.turn = zlib.crc32(key.encode())
+        """The bucket's offset among the turns of reports that wait over its limit."""
+        self.pace = 0.0
+        """Its share of the limit's refill over an interval, at the last sync: what a wait
+        over the limit pays in advance per interval (its stored tokens not included:
+        the interval of the report spends those, as any sync does)."""
+        self.overs = 0
+        """Its reports in a row that found it well over its limit (LocalBuckets._prepay)."""
+        self.waits = 1
+        """Intervals from its last report to its next (core/stretch.py prepaid_wait): more
+        than 1 while it waits over its limit, its credit paid for in advance."""
+        self.prepaid = 0
+        """Hits the fleet's bucket was charged in advance and not yet given back: the
+        next report charges what was admitted less this (kept until its answer)."""
+        self.paying = 0
+        """Hits the report in flight pays in advance: credit once the store has them."""
+        self.pool = 0.0
+        """Of the credit paid in advance, what is still to be granted: a pace an interval
+        (LocalBuckets._top_up), so that its admissions keep their pace over the wait as
+        a sync every interval would have them."""
         self.fleet_rate: float | None = None
         self.local_rate: float | None = None
         self.local_before: float | None = None
@@ -234,7 +272,15 @@ class LocalBuckets:
         max_buckets: int = default("--max-buckets"),
         decay: float = 0.5,
         stale_after: float = default("--stale-after"),
+        turn: int = 0,
     ) -> None:
+        """``turn``: this process's offset among the turns of the reports that wait over
+        their limits (core/stretch.py prepaid_wait); processes of a fleet draw theirs
+        at random, so that their reports of a bucket spread over the intervals."""
+        self.turn = turn
+        self._stretch = 1
+        """The reconciler's stretch when a wait over a limit was last paid for: the
+        longest wait, which :meth:`_unspent` reckons the fleet's by."""
         self._buckets: OrderedDict[str, ProbabilisticBucket] = OrderedDict()
         self.stale_after = stale_after
         self.last_sync_ok: float | None = None
@@ -332,7 +378,11 @@ class LocalBuckets:
         for bucket in used:
             if buckets.get(bucket.key) is not bucket:
                 continue  # evicted since (its key may have a new bucket)
-            if stretch > 1 and self.can_wait(bucket, now, interval, stretch):
+            if stretch > 1 and (
+                self.can_wait(bucket, now, interval, stretch)
+                or self.waits_over(bucket, now, interval)
+            ):
+                self._top_up(bucket)
                 bucket.epoch = period.number  # still to report: on the next period's list
                 period.used.append(bucket)
                 continue
@@ -340,6 +390,7 @@ class LocalBuckets:
             # show an absurd rate, and the fast-attack estimate would believe it.
             elapsed = max(now - bucket.last_report, interval)
             measured = bucket.offered / elapsed
+            bucket.waits, paying = self._prepay(bucket, elapsed, stretch)
             bucket.local_before = bucket.local_rate
             bucket.local_rate = smoothed_rate(bucket.local_rate, measured, self.decay)
             reports.append(
@@ -348,7 +399,9 @@ class LocalBuckets:
                     bucket.limit,
                     bucket.window_seconds,
                     bucket.offered,
-                    bucket.admitted,
+                    # What was admitted since the last report was paid for up to what
+                    # that report paid in advance; this one pays for its own wait.
+                    bucket.admitted - bucket.prepaid + paying,
                     bucket.last_report,
                     bucket.burst,
                     None if bucket.ends_at is None else max(0.0, bucket.ends_at - now),
@@ -356,9 +409,53 @@ class LocalBuckets:
             )
             bucket.offered = 0
             bucket.admitted = 0
+            bucket.paying = paying
             bucket.last_report = now
         self._drop_idle(now, closed)
         return reports
+
+    def _prepay(self, bucket: ProbabilisticBucket, elapsed: float, stretch: int) -> tuple[int, int]:
+        """How ``bucket`` waits after the report now taken (core/stretch.py
+        prepaid_wait): only while the fleet, of :data:`PREPAID_NODES` processes or
+        more, offers it well over its limit (:data:`OVER` times) and its bucket is
+        at most half full, :data:`SETTLED` reports in a row; not a calendar budget (its
+        admissions are counted as they are reported)."""
+        if (
+            stretch <= 1
+            or bucket.ends_at is not None
+            or bucket.fleet_rate is None
+            or self.nodes < PREPAID_NODES
+            or bucket.fleet_rate < OVER * bucket.limit / bucket.window_seconds
+            or bucket.tokens * 2 > bucket.capacity
+        ):
+            bucket.overs = 0
+            return 1, 0
+        bucket.overs += 1
+        if bucket.overs < SETTLED:
+            return 1, 0
+        rate = bucket.local_rate or 0.0
+        place = self._period.number + self.turn + bucket.turn
+        ramp = bucket.overs - SETTLED + 2  # a wait longer by one each report
+        self._stretch = stretch
+        return prepaid_wait(place, ramp, bucket.pace, bucket.offered, rate, elapsed, stretch)
+
+    @staticmethod
+    def _top_up(bucket: ProbabilisticBucket) -> None:
+        """An interval of a wait over the limit begins: a pace more of its credit paid in
+        advance is granted (what a sync would have granted it, once steady)."""
+        grant = min(bucket.pool, bucket.pace)
+        bucket.credit += grant
+        bucket.pool -= grant
+
+    @staticmethod
+    def waits_over(bucket: ProbabilisticBucket, now: float, interval: float) -> bool:
+        """Whether a bucket waiting over its limit (its credit paid in advance) goes on
+        waiting at this sync: within its wait, and its offered rate where it was
+        (a step either way is reported at once)."""
+        since = now - bucket.last_report
+        if bucket.waits <= 1 or since + interval > bucket.waits * interval * (1 + 1e-9):
+            return False
+        return not moved(bucket.offered, bucket.local_rate or 0.0, max(since, interval))
 
     def can_wait(
         self, bucket: ProbabilisticBucket, now: float, interval: float, stretch: int
@@ -457,6 +554,8 @@ class LocalBuckets:
             bucket = self._buckets.get(report.key)
             if bucket is not None:
                 bucket.offered += report.offered
+                bucket.paying = bucket.prepaid = 0  # the store took none of the report
+                bucket.waits = 1
                 if bucket.ends_at is not None:
                     bucket.admitted += report.admitted
                 # The next rate covers the whole period since the last good report: the
@@ -488,26 +587,44 @@ class LocalBuckets:
         bucket.offered_total_seen = view.offered_total
         bucket.fleet_rate = smoothed_rate(bucket.fleet_rate, measured, self.decay)
         local_rate = bucket.local_rate or 0.0
+        limit = bucket.limit if view.limit is None else view.limit
+        fleet_rate = fleet_estimate(bucket.fleet_rate, local_rate, bucket.local_before)
+        share = node_share(local_rate, fleet_rate, self.nodes)
+        bucket.pace = limit * interval / bucket.window_seconds * share
         result = control(
             refills=bucket.ends_at is None,
-            limit=bucket.limit if view.limit is None else view.limit,
+            limit=limit,
             window_seconds=bucket.window_seconds,
-            tokens=view.tokens,
-            fleet_rate=fleet_estimate(bucket.fleet_rate, local_rate, bucket.local_before),
+            tokens=view.tokens + self._unspent(bucket, limit, interval),
+            fleet_rate=fleet_rate,
             local_rate=local_rate,
             interval=interval,
             nodes=self.nodes,
             # A key this node sees now and then: its share of the refill since its last
-            # sync of it (take_reports measures its rate over that span too).
-            span=now - bucket.synced_at,
+            # sync of it (take_reports measures its rate over that span too). One that
+            # waited over its limit was paid its wait's share in advance.
+            span=interval if bucket.prepaid else now - bucket.synced_at,
         )
         bucket.ratio = result.ratio
         # Hits admitted while the sync was in flight are not in the view yet.
         granted = max(0.0, result.credit - bucket.admitted)
         bucket.credit = carried_credit(granted, bucket.credit, bucket.grant, self.nodes)
+        # The intervals of its wait after this one, paid in advance: granted as they come.
+        bucket.pool = bucket.prepaid = bucket.paying
+        bucket.paying = 0
         bucket.grant = result.credit
         bucket.tokens = view.tokens
         bucket.synced_at = now
+
+    def _unspent(self, bucket: ProbabilisticBucket, limit: float, interval: float) -> float:
+        """What the fleet's waits over ``bucket``'s limit hold paid in advance and not yet
+        spent, as this process reckons it when it pays for a wait of its own
+        (core/stretch.py prepaid_unspent): the fleet's bucket was charged it early, so
+        its tokens read that much lower than a sync every interval would leave them."""
+        if not bucket.paying:
+            return 0.0
+        refill = limit * interval / bucket.window_seconds
+        return prepaid_unspent(bucket.overs - SETTLED + 2, self._stretch) * refill
 
     def stale(self, now: float) -> bool:
         return self.last_sync_ok is not None and now - self.last_sync_ok > self.stale_after

@@ -16,6 +16,15 @@ replica's demand and instances stay where it last published them, its publish wo
 change no part: it may wait, up to STRETCH intervals (:func:`steady_over`). A step on
 another replica is then divided within STRETCH intervals, the fleet held at the limit
 meanwhile (a part grows only into what the others leave).
+
+A probabilistic bucket steady well over its limit (a fleet of PREPAID_NODES processes
+or more) waits too, up to STRETCH intervals, but paid in advance: over the limit each
+process's admissions are held by its credit, which a sync grants an interval at a
+time, and the others must see a grant as spent before it is, or they would grant the
+same tokens again. Its report charges the fleet's bucket for the intervals of its wait
+at once, the process grants itself that credit an interval at a time, and the next
+report gives back what it did not spend (:func:`prepaid_wait`, :func:`prepaid_unspent`;
+core/local_buckets.py ``LocalBuckets.waits_over``). A step either way is sent at once.
 """
 
 from __future__ import annotations
@@ -95,6 +104,72 @@ def joins_moved(
         return None
     own = set(added)
     return {slot for slot, (now, was) in enumerate(pairs) if now - was != int(slot in own)}
+
+
+PREPAID_NODES = 8
+"""A probabilistic bucket over its limit waits only in a fleet of at least this many
+processes: its wait is paid in advance (:func:`prepaid_wait`), a lump the fleet's
+bucket takes at once, which in a small fleet is a large share of the limit (a step
+then settles slowly), and where a few processes sync, their syncs cost the store
+little anyway."""
+
+
+SETTLED = 8
+"""A probabilistic bucket over its limit waits (:func:`prepaid_wait`) once this many of
+its reports in a row found it well over its limit, its bucket at most half full: after
+a step, the fleet first settles at the limit (its ratio and the nodes' shares), every
+interval."""
+
+
+def prepaid_wait(
+    place: int,
+    ramp: int,
+    pace: float,
+    count: float,
+    rate: float,
+    seconds: float,
+    stretch: int,
+) -> tuple[int, int]:
+    """How a probabilistic bucket steady well over its limit waits after this report:
+    (intervals until its next report, hits paid in advance for the intervals after the
+    first). Its admissions are held by its credit, an interval's grant; to go ``n``
+    intervals between reports it is granted ``n - 1`` times its ``pace`` more (its
+    share of an interval's refill, what its grant is once steady), which its report
+    charges to the fleet's bucket at once (and the next report gives back what it did
+    not spend), so the others see them as spent: over the limit, waiting runs the
+    fleet over nothing. Its reports fall on its turns, every ``stretch`` intervals from
+    its ``place`` among them (this interval's number plus the process's and the
+    bucket's offsets): the fleet's reports of a bucket spread over the intervals, as
+    its syncs do over an interval, or the fleet would read the bucket's tokens all at
+    once and spend them all at once. ``ramp``: the longest wait this report may pay
+    for, one interval more each report, so that the fleet's payments begin a grant at
+    a time. ``count`` hits offered over ``seconds`` against its smoothed ``rate``: a
+    rate that moved (:func:`moved`) waits no more."""
+    if moved(count, rate, seconds):
+        return 1, 0
+    n = min(stretch - place % stretch, ramp)
+    paid = int(pace * (n - 1))
+    return (n, paid) if paid >= 1 else (1, 0)
+
+
+def prepaid_unspent(ramp: int, stretch: int) -> float:
+    """Intervals of a bucket's refill that the fleet's waits over its limit hold paid in
+    advance and not yet spent, as a process paying for a wait of ``ramp`` intervals
+    (:func:`prepaid_wait`) reckons it: each process of the fleet waits as it does,
+    one report behind (its ramp one less), and holds on average half of what its wait
+    paid. Added to the fleet's tokens the process reads, it keeps the fleet's view
+    where a sync every interval would leave it: without it, the fleet would take the
+    payments in advance for admissions and hold back as much, once, as its waits
+    begin."""
+    return max(0, min(ramp - 2, stretch - 1)) / 2
+
+
+def moved(count: float, rate: float, seconds: float) -> bool:
+    """Whether ``count`` hits over ``seconds`` are more than twice ``rate`` per second or
+    less than half of it: a step (a count over an interval scatters too much for a
+    closer bound to tell a step from chance)."""
+    expected = rate * seconds
+    return expected <= 0 or count > 2.0 * expected or 2.0 * count < expected
 
 
 def stepped_up(count: float, rate: float, seconds: float) -> bool:

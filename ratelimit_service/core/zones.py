@@ -376,7 +376,11 @@ class ZonePass:
             part = a.part
             if plan.now_us - bucket.created_us <= fresh_us:
                 part = reserved_part(part, report.limit, a.members, zones)
-            allot, forwarded = None, bucket.admitted if sent else bucket.forwarded
+            # A zone's admitted count falls when a replica gives back credit it paid in
+            # advance and did not spend: what was forwarded stays forwarded (the count
+            # rising to it again is not forwarded twice).
+            forwarded = max(bucket.admitted, bucket.forwarded) if sent else bucket.forwarded
+            allot = None
             if bucket.ends_us is not None:
                 if views is not None:
                     allot = self.allot(report, bucket, a, next(views), zones)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import socket
 from collections.abc import Iterator
@@ -140,7 +141,11 @@ class RateLimitService:
         """The store's kind (embedded, redis, zoned), for logs, spans and the health page."""
         # Never stale between two normal syncs, whatever the flags say.
         stale_after = max(settings.stale_after, 4 * settings.sync_interval)
-        self.local = LocalBuckets(max_buckets=settings.max_buckets, stale_after=stale_after)
+        self.local = LocalBuckets(
+            max_buckets=settings.max_buckets,
+            stale_after=stale_after,
+            turn=secrets.randbelow(1 << 16),
+        )
         self.limiter = RateLimiter(
             config,
             self.store,

@@ -294,6 +294,23 @@ def test_a_new_bucket_is_measured_since_its_creation_and_reserves_the_others_par
     assert shares == [("f:p", ZoneShare(100_000, 0, 0, 100))]
 
 
+def test_a_zones_admitted_count_that_fell_keeps_what_was_forwarded() -> None:
+    """A replica gave back credit it paid in advance (its report a negative count): the
+    zone's admitted count falls below what was forwarded. Nothing is forwarded, and the
+    forwarded count stays, so the count rising to it again is not forwarded twice."""
+    arithmetic = ZonePass("a", interval=1.0)
+    now_us = 10**15
+    old_us = now_us - 2 * FRESH_US
+    arithmetic.plan([], ZoneBuckets(now_us, 1, [bucket("p", 300, 5, old_us)]))
+    plan = arithmetic.plan([], ZoneBuckets(now_us + 10**6, 1, [bucket("p", 400, 5, old_us)]))
+    (report,) = plan.reports[1:]
+    assert report.allowed == 0  # 5 admitted, 10 forwarded
+    shares, _ = arithmetic.shares(
+        plan, [TierTotals(0, 0, 1, 1, 0, 0.0), TierTotals(300, 0, 1, 1, 0, 0.0)]
+    )
+    assert shares == [("f:p", ZoneShare(300_000, 0, 0, 10))]
+
+
 def test_a_calendar_budget_is_folded_into_the_global_bucket_and_allotted_by_demand() -> None:
     """A calendar budget's bucket goes to the global store as a node's report (the hits
     the zone admitted since the last forward, the time to the period's end); the zone is

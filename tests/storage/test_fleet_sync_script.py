@@ -1,6 +1,7 @@
 """fleet_sync.lua on a real redis-server, on a clock the test sets, against its Python
 twin, the embedded store's fleet bucket (storage/embedded.py _FleetBucket): random
-syncs of a few buckets, rolling ones and a calendar budget's (which does not refill,
+syncs of a few buckets, rolling ones (whose reports now and then give back credit
+paid in advance: a negative count) and a calendar budget's (which does not refill,
 and whose period ends during the run), sent and read as the Redis store sends and
 reads them (sync_args, sync_reply). In a zone, the aggregator's writes between them go
 through zone_write.lua (the count of zones, a bucket's part, a calendar budget's
@@ -61,7 +62,7 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
     twins = {name: _FleetBucket(window, 0.0) for name, (window, _, _) in BUCKETS.items()}
     written = {name: Written() for name in BUCKETS}
     start_us = now_us = 1_700_000_000_000_000
-    seen = {"parts": 0, "counts": 0, "allotments": 0, "after the end": 0}
+    seen = {"parts": 0, "counts": 0, "allotments": 0, "after the end": 0, "given back": 0}
     zones: int | None = None
     await client.delete(*[f"f:{n}" for n in BUCKETS], "f:i", "f:nodes", "f:z", "f:fence")
     try:
@@ -100,6 +101,9 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
                 if name in ENDS:
                     admitted //= 10  # spent over many syncs
                     seen["after the end"] += now >= ENDS[name]
+                elif rng.random() < 0.2:  # credit paid in advance and given back unspent
+                    admitted = -rng.randrange(0, limit // 2)
+                    seen["given back"] += 1
                 ends_in = max(0.0, ENDS[name] - now) if name in ENDS else None
                 reports.append(
                     BucketReport(
@@ -127,7 +131,7 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
                     mine.created_us = mine.created_us or now_us
         # The calendar budget's bucket never refilled (the twin says so) and lives a
         # minute past its period's end, which came during the run.
-        assert seen["after the end"] > 5
+        assert seen["after the end"] > 5 and seen["given back"] > 20
         assert 55_000 <= await client.pttl("f:d") <= 60_000
         if zoned:
             assert seen["parts"] > 15 and seen["counts"] > 15 and seen["allotments"] > 3
