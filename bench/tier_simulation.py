@@ -171,8 +171,15 @@ class Mix:
     store's count of joins (joins.lua) once a round."""
     over: float = 0.0
     """The share of the probabilistic buckets steady well over their limits (of those not
-    far below): a replica syncs them every interval, a zone's aggregator publishes each
-    once every STRETCH passes to the global store."""
+    far below): a replica syncs each of those once every STRETCH intervals (its wait paid
+    in advance), a zone's aggregator publishes each once every STRETCH passes to the
+    global store."""
+
+    @property
+    def waiting(self) -> float:
+        """The share of the probabilistic buckets a replica syncs once every STRETCH
+        intervals: far below their limits, or steady well over them."""
+        return self.far + self.over
 
     def kinds(self, hot: int) -> tuple[list[str], list[str]]:
         """The RLQS counters' keys and the probabilistic buckets' keys."""
@@ -263,7 +270,7 @@ async def zone_store(
 
     def synced(member: str, offered: int, phase: int) -> Any:
         rounds = []
-        for sent in mix.rounds(fleet_keys, mix.far, phase):
+        for sent in mix.rounds(fleet_keys, mix.waiting, phase):
             calls = []
             # a sync with no bucket due still goes: the replica's heartbeat
             for start in range(0, max(1, len(sent)), BATCH):
@@ -504,7 +511,7 @@ def model(
     counters they update (the work inside a call grows with those)."""
     per_zone = replicas / zones
     quota, fleet = (len(keys) for keys in mix.kinds(hot))
-    sent_quota, sent_fleet = mix.updates(quota, mix.steady), mix.updates(fleet, mix.far)
+    sent_quota, sent_fleet = mix.updates(quota, mix.steady), mix.updates(fleet, mix.waiting)
     calls = math.ceil(sent_quota / BATCH) / PUBLISH + max(1, math.ceil(sent_fleet / BATCH)) / SYNC
     calls += (1 if mix.steady else 0) / PUBLISH  # the count of joins, read once a round
     to_global = mix.updates(quota, mix.steady) + mix.updates(fleet, mix.over) + 1
@@ -572,8 +579,8 @@ def main() -> None:
                         f" published every {STRETCH} rounds (core/stretch.py)")  # fmt: skip
     parser.add_argument("--over", type=float, default=0.0,
                         help="share of the probabilistic buckets steady well over their limits"
-                        f" (of those not far below), published to the global store every"
-                        f" {STRETCH} passes")  # fmt: skip
+                        f" (of those not far below), synced every {STRETCH} intervals and"
+                        f" published to the global store every {STRETCH} passes")  # fmt: skip
     args = parser.parse_args()
     if args.far + args.over > 1:
         parser.error("--far and --over are shares of the same buckets: at most 1 together")

@@ -22,9 +22,12 @@
 -- capacity in proportion (core/drop_ratio.py zone_limit); until its first part comes
 -- back, at the limit over the number of zones (the aggregator keeps that count); and
 -- the hash keeps for the aggregator 'K' the bucket's key, 'L' the limit per window,
--- 'W' the window (microseconds), 'a' the monotonic count of admitted hits, 'c' when
+-- 'W' the window (microseconds), 'a' the count of admitted hits (a report giving back
+-- credit paid in advance lowers it: core/stretch.py prepaid_wait), 'c' when
 -- the bucket was created (microseconds), with an index of live buckets (a sorted set
--- scored by last sync). A calendar budget's bucket in a zone holds what the zone may
+-- scored by last sync, renewed at most once a second: 'i' says when, so the score lags
+-- the last sync by a second at most, and the index takes a write a second per bucket,
+-- not one per replica's sync). A calendar budget's bucket in a zone holds what the zone may
 -- still admit of the fleet's budget: 'T', the admitted total the zone may reach,
 -- written by the aggregator from the global store's count of the period (at first,
 -- what a new bucket holds), less 'a'; 'E' keeps when its period ends (microseconds)
@@ -56,6 +59,7 @@ local node_ttl = tonumber(ARGV[2])
 -- microsecond clock has 16).
 local stamp_text = format('%d', now)
 local REFRESH_MS = 60000 -- a key's expiry is pushed back this far past what it must outlive
+local REINDEX_US = 1000000 -- a bucket's score in a zone's index is renewed at most this often
 
 local first = 1
 local out = {-1}
@@ -88,7 +92,7 @@ for i = 1, last - first + 1 do
   local capacity = tonumber(ARGV[base + 2])
   local admitted = tonumber(ARGV[base + 3])
   local ends = tonumber(ARGV[base + 6])
-  local state = call('HMGET', key, 'tk', 'ts', 'Z', 'T', 'a', 'o', 'L', 'W', 'x')
+  local state = call('HMGET', key, 'tk', 'ts', 'Z', 'T', 'a', 'o', 'L', 'W', 'x', 'i')
   local zone_part = tonumber(state[3])
   local zone_limit = nil
   if zone_part ~= nil then
@@ -124,14 +128,20 @@ for i = 1, last - first + 1 do
   if tokens < -limit then tokens = -limit end
   local offered_total = (tonumber(state[6]) or 0) + tonumber(ARGV[base + 4])
   if index_key then
-    call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text,
-      'o', format('%d', offered_total), 'a', format('%d', admitted_total))
+    local indexed_at = tonumber(state[10])
+    if created or indexed_at == nil or now - indexed_at >= REINDEX_US then
+      call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text,
+        'o', format('%d', offered_total), 'a', format('%d', admitted_total), 'i', stamp_text)
+      indexed[#indexed + 1] = stamp_text
+      indexed[#indexed + 1] = key
+    else
+      call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text,
+        'o', format('%d', offered_total), 'a', format('%d', admitted_total))
+    end
     if created then call('HSET', key, 'c', stamp_text) end
     if created or state[7] ~= ARGV[base + 1] or state[8] ~= ARGV[base] then
       call('HSET', key, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base])
     end
-    indexed[#indexed + 1] = stamp_text
-    indexed[#indexed + 1] = key
   else
     call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text,
       'o', format('%d', offered_total))

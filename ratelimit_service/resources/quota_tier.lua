@@ -29,7 +29,9 @@
 -- here divide Z, not the limit), 'G' the hits the whole fleet allowed in window 'gw'
 -- as the global store counted them, of which 'g' came from this zone.
 -- An index of live counters (a sorted set, scored by last publish) lets the aggregator
--- find them.
+-- find them; a counter's score is renewed at most once a second ('i' says when: the
+-- score lags the last publish by a second at most, and the index takes a write a
+-- second per counter, not one per replica's publish).
 --
 -- Fencing: a member that publishes with a token (a zone's aggregator, in the global
 -- store) has the highest token seen from it kept per counter, 'f:<name>'; a call whose
@@ -58,6 +60,7 @@ local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local me, forget = ARGV[1], tonumber(ARGV[2])
 local REFRESH_MS = 60000 -- the keys' expiry is pushed back this far past what they must outlive
+local REINDEX_US = 1000000 -- a counter's score in a zone's index is renewed at most this often
 
 -- A member's last entry, {demand, instances, part} or nil: from the members' hash, or
 -- (an earlier layout) the counter's hash, which it then leaves for the members' hash.
@@ -110,11 +113,11 @@ for i = 1, counters do
   local demand, instances = tonumber(ARGV[base]), tonumber(ARGV[base + 1])
   local allowed, window = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local limit = tonumber(ARGV[base + 4])
-  -- Only a zone's store has the aggregator's fields (6 to 11): elsewhere they are not
+  -- Only a zone's store has the aggregator's fields (6 to 12): elsewhere they are not
   -- looked for. The last is when the keys expire (microseconds).
   local state
   if index_key then
-    state = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u', 'Z', 'G', 'gw', 'g', 'R', 'W', 'x')
+    state = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u', 'Z', 'G', 'gw', 'g', 'R', 'W', 'i', 'x')
   else
     state = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u', 'x')
   end
@@ -177,8 +180,13 @@ for i = 1, counters do
     if state[10] ~= ARGV[base + 4] or state[11] ~= ARGV[base + 3] then
       call('HSET', hash, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
     end
-    indexed[#indexed + 1] = format('%d', now)
-    indexed[#indexed + 1] = hash
+    local indexed_at = tonumber(state[12])
+    if indexed_at == nil or now - indexed_at >= REINDEX_US then
+      local stamp = format('%d', now)
+      call('HSET', hash, 'i', stamp)
+      indexed[#indexed + 1] = stamp
+      indexed[#indexed + 1] = hash
+    end
   end
   -- The three keys outlive twice the window or forget time; their expiry is pushed
   -- back (a minute past that) when it comes within it, or when a member new to the

@@ -20,7 +20,7 @@ FIELDS = {
     "tk": "the fleet bucket's tokens",
     "ts": "when the tokens were last updated (microseconds)",
     "o": "hits offered to the fleet, a monotonic count",
-    "a": "hits the fleet admitted, a monotonic count",
+    "a": "hits the fleet admitted, a count (a report giving back credit paid in advance lowers it)",
     "c": "when the bucket was created (microseconds)",
     "L": "the bucket's limit per window",
     "T": "a calendar budget's bucket in a zone: the admitted total the zone may reach",
@@ -42,6 +42,7 @@ FIELDS = {
     "K": "the counter's or bucket's key",
     "W": "the window (microseconds)",
     "Z": "the zone's part of the limit (thousandths of a hit per second)",
+    "i": "when its score in the zone's index was last renewed (microseconds)",
     "G": "the hits the whole fleet allowed in window gw, as the global store counted",
     "gw": "the index of the window G counts",
     "g": "of those, the hits this zone already forwarded to the global store",
@@ -53,9 +54,9 @@ FIELDS = {
 
 SCRIPTS = {
     "exact_window.lua": {"sum", "first", "last"},
-    "fleet_sync.lua": {"tk", "ts", "o", "a", "c", "K", "L", "W", "Z", "T", "E", "x"},
+    "fleet_sync.lua": {"tk", "ts", "o", "a", "c", "K", "L", "W", "Z", "T", "E", "x", "i"},
     "quota_tier.lua": {"D", "N", "P", "d:*", "n:*", "p:*", "f:*", "w", "u", "x"}
-    | {"K", "R", "W", "Z", "G", "gw", "g"},
+    | {"K", "R", "W", "Z", "G", "gw", "g", "i"},
     "zone_read.lua": {"K", "D", "N", "R", "W", "w", "u", "gw", "g"},
     "zone_read_fleet.lua": {"K", "o", "a", "L", "W", "g", "c", "E"},
     "zone_write.lua": {"Z", "G", "gw", "g", "T"},
