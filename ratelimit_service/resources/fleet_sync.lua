@@ -50,7 +50,9 @@
 --            part scales it; it does not refill)}
 -- Time comes from the Redis server (TIME), so service clocks may disagree freely.
 
-local call, tonumber, format = redis.call, tonumber, string.format
+local call, tonumber, tostring, format = redis.call, tonumber, tostring, string.format
+local floor, ceil = math.floor, math.ceil
+local ARGV, KEYS = ARGV, KEYS
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local node_ttl = tonumber(ARGV[2])
@@ -84,6 +86,7 @@ end
 -- the fields that only change with the bucket (its creation, key, limit, window) are
 -- written when they do, and the index gets one ZADD per call.
 local indexed = {}
+local n = #out
 for i = 1, last - first + 1 do
   local key = KEYS[first + i - 1]
   local base = 4 + 7 * (i - 1)
@@ -153,16 +156,17 @@ for i = 1, last - first + 1 do
   else
     -- Kept one window past full refill plus a minute (after that it is a full bucket);
     -- the expiry pushed back only when it comes within that.
-    local keep_ms = math.ceil(window / 1000) * 2 + 60000
+    local keep_ms = ceil(window / 1000) * 2 + 60000
     local expires = tonumber(state[9])
     if expires == nil or expires - now < keep_ms * 1000 then
       call('PEXPIRE', key, format('%d', keep_ms + REFRESH_MS))
       call('HSET', key, 'x', format('%d', now + (keep_ms + REFRESH_MS) * 1000))
     end
   end
-  out[#out + 1] = math.floor(tokens * 1000)
-  out[#out + 1] = offered_total
-  out[#out + 1] = math.floor(limit * 1000)
+  out[n + 1] = floor(tokens * 1000)
+  out[n + 2] = offered_total
+  out[n + 3] = floor(limit * 1000)
+  n = n + 3
 end
 for i = 1, #indexed, 400 do
   call('ZADD', index_key, unpack(indexed, i, math.min(i + 399, #indexed)))

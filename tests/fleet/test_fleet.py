@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,6 +153,41 @@ def test_probabilistic_step_change(redis_server, fleet_dir: Path) -> None:
     assert before == pytest.approx(75, rel=0.1)
     _, after = steady_rate(timeline, 4.5, 7.0)
     assert after == pytest.approx(150, rel=0.15)
+
+
+def bucket_updates(nodes: list[Node]) -> float:
+    """Bucket reports the processes sent to the store, ever (their /metrics)."""
+    total = 0.0
+    for node in nodes:
+        url = f"http://127.0.0.1:{node.admin_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith("ratelimit_sync_bucket_updates_total "):
+                    total += float(line.split()[1])
+    return total
+
+
+def test_probabilistic_over_its_limit_in_a_fleet_of_eight_waits_paid_in_advance(
+    redis_server, fleet_dir: Path
+) -> None:
+    """Eight processes (core/stretch.py PREPAID_NODES) offered twice the limit: once
+    settled, each reports the bucket about once a second, not four times, its waits paid
+    in advance through the real script, and the fleet holds the limit."""
+    config = write_config(fleet_dir, 200, "second", "probabilistic")
+    with service_fleet(8, config, redis_server.url) as nodes:
+        ports, skew = [n.grpc_port for n in nodes], [1.0] * len(nodes)
+
+        async def scenario() -> tuple[Timeline, float]:
+            await drive(ports, skew, lambda t: 400, 6, "fleet", "k=v")  # settles, waits
+            before = bucket_updates(nodes)
+            timeline = await drive(ports, skew, lambda t: 400, 6, "fleet", "k=v")
+            return timeline, (bucket_updates(nodes) - before) / len(nodes) / 6
+
+        timeline, reports = asyncio.run(scenario())
+    assert timeline.errors == 0
+    assert reports < 2.0, reports  # of 4 a second without the waits
+    _, admitted = steady_rate(timeline, 1.0, 6.0)
+    assert admitted == pytest.approx(200, rel=0.10)
 
 
 def test_probabilistic_makes_no_redis_call_on_the_request_path(
