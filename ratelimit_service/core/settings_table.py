@@ -277,9 +277,10 @@ SETTINGS: tuple[Setting, ...] = (
             2048, positive(int), fills="exact_max_pending"),
     Setting("--sync-interval", "store", "seconds between probabilistic syncs", 0.25,
             positive(float), fills="sync_interval"),
-    Setting("--sync-stretch", "store", "intervals a probabilistic bucket far below its limit, or an"
-            " RLQS counter steady well over it, may wait between two reports (1: every"
-            " interval); a zone's aggregator's passes alike for one steady well over it",
+    Setting("--sync-stretch", "store", "intervals a probabilistic bucket far below its limit, or"
+            " one or an RLQS counter steady well over it (the bucket's wait paid in advance),"
+            " may wait between two reports (1: every interval); a zone's aggregator's passes"
+            " alike for one steady well over it",
             STRETCH, positive(int), fills="sync_stretch"),
     Setting("--stale-after", "store", "seconds without a successful sync before probabilistic rules"
             " use failure_mode", 3.0, positive(float), fills="stale_after"),
