@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from ratelimit_service.core.tiers import TierReport, TierTotals
 
 STRETCH = 4
-"""At most how many sync intervals a bucket far below its limit waits between two reports:
-its store work falls up to as much. The replica's sync still goes every interval (its
-heartbeat, and the buckets near their limits)."""
+"""At most how many sync intervals a bucket far below its limit, or steady well over it,
+waits between two reports: its store work falls up to as much. The replica's sync still
+goes every interval (its heartbeat, and the buckets near their limits)."""
 
 FAR_BELOW = 4.0
 """A bucket is far below its limit while the fleet could offer this many times its rate

@@ -33,7 +33,8 @@ class Reconciler:
         clock: Callable[[], float] = time.time,
         stretch: int = STRETCH,
     ) -> None:
-        """``stretch``: sync intervals a bucket far below its limit may wait (1: none)."""
+        """``stretch``: sync intervals a bucket far below its limit, or steady well over it
+        (paid in advance), may wait between two reports (1: none; core/stretch.py)."""
         if interval <= 0:
             raise ValueError("sync interval must be positive")
         self.local = local
