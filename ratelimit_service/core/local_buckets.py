@@ -591,11 +591,13 @@ class LocalBuckets:
         fleet_rate = fleet_estimate(bucket.fleet_rate, local_rate, bucket.local_before)
         share = node_share(local_rate, fleet_rate, self.nodes)
         bucket.pace = limit * interval / bucket.window_seconds * share
+        # As a sync every interval would read them (what waits paid is not yet admitted).
+        tokens = view.tokens + self._unspent(bucket, limit, interval)
         result = control(
             refills=bucket.ends_at is None,
             limit=limit,
             window_seconds=bucket.window_seconds,
-            tokens=view.tokens + self._unspent(bucket, limit, interval),
+            tokens=tokens,
             fleet_rate=fleet_rate,
             local_rate=local_rate,
             interval=interval,
@@ -613,7 +615,7 @@ class LocalBuckets:
         bucket.pool = bucket.prepaid = bucket.paying
         bucket.paying = 0
         bucket.grant = result.credit
-        bucket.tokens = view.tokens
+        bucket.tokens = tokens
         bucket.synced_at = now
 
     def _unspent(self, bucket: ProbabilisticBucket, limit: float, interval: float) -> float:

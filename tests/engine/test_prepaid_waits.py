@@ -107,6 +107,9 @@ async def test_a_fleet_over_its_limit_waits_paid_in_advance_and_holds_the_limit(
         await fleet.run(20.0, 2 * LIMIT)
         rates.append((fleet.store.reports - before) / NODES / 20.0)
     assert rates[0] < 1.6 and rates[1] == 4.0, rates
+    # Each process reads the fleet's tokens with what the waits paid and did not spend
+    # added back: no debt (ratelimit_rule_overshoot_hits) where none was admitted.
+    assert all(b.tokens >= 0 for b in waiting.buckets()), [b.tokens for b in waiting.buckets()]
     for fleet in (waiting, every):
         seconds = fleet.per_second(20.0)
         assert abs(sum(seconds) / (20 * LIMIT) - 1.0) <= 0.05, seconds
