@@ -209,8 +209,9 @@ def main() -> None:
         "--stretch",
         type=int,
         default=STRETCH,
-        help="intervals a bucket far below its limit may wait between two reports "
-        "(the service's: %(default)s; 1: every interval)",
+        help="intervals a bucket far below its limit, or steady well over it (paid in "
+        "advance), may wait between two reports (the service's: %(default)s; 1: every "
+        "interval)",
     )
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--seeds", type=int, default=0, help="sweep seeds 1..N (summary only)")
