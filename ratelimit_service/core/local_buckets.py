@@ -80,6 +80,7 @@ class ProbabilisticBucket:
         "burst",
         "capacity",
         "credit",
+        "due",
         "ends_at",
         "epoch",
         "fleet_rate",
@@ -105,7 +106,7 @@ class ProbabilisticBucket:
         "synced_at",
         "tokens",
         "turn",
-        "waits",
+        "unspent",
         "window_seconds",
     )
 
@@ -144,11 +145,15 @@ class ProbabilisticBucket:
         """Its share of the limit's refill over an interval, at the last sync: what a wait
         over the limit pays in advance per interval (its stored tokens not included:
         the interval of the report spends those, as any sync does)."""
+        self.unspent = 0.0
+        """What the last sync added back to the fleet's tokens it read (LocalBuckets._unspent):
+        ``tokens`` less this is the store's own figure."""
         self.overs = 0
         """Its reports in a row that found it well over its limit (LocalBuckets._prepay)."""
-        self.waits = 1
-        """Intervals from its last report to its next (core/stretch.py prepaid_wait): more
-        than 1 while it waits over its limit, its credit paid for in advance."""
+        self.due = 0
+        """While it waits over its limit, its credit paid for in advance: the number of
+        the sync period whose end reports it (core/stretch.py prepaid_wait; counted in
+        syncs, not seconds, so a late sync does not end a wait early); 0: none."""
         self.prepaid = 0
         """Hits the fleet's bucket was charged in advance and not yet given back: the
         next report charges what was admitted less this (kept until its answer)."""
@@ -380,7 +385,7 @@ class LocalBuckets:
                 continue  # evicted since (its key may have a new bucket)
             if stretch > 1 and (
                 self.can_wait(bucket, now, interval, stretch)
-                or self.waits_over(bucket, now, interval)
+                or self.waits_over(bucket, closed, now, interval)
             ):
                 self._top_up(bucket)
                 bucket.epoch = period.number  # still to report: on the next period's list
@@ -390,7 +395,8 @@ class LocalBuckets:
             # show an absurd rate, and the fast-attack estimate would believe it.
             elapsed = max(now - bucket.last_report, interval)
             measured = bucket.offered / elapsed
-            bucket.waits, paying = self._prepay(bucket, elapsed, stretch)
+            waits, paying = self._prepay(bucket, elapsed, stretch)
+            bucket.due = closed + waits if waits > 1 else 0
             bucket.local_before = bucket.local_rate
             bucket.local_rate = smoothed_rate(bucket.local_rate, measured, self.decay)
             reports.append(
@@ -418,15 +424,15 @@ class LocalBuckets:
         """How ``bucket`` waits after the report now taken (core/stretch.py
         prepaid_wait): only while the fleet, of :data:`PREPAID_NODES` processes or
         more, offers it well over its limit (:data:`OVER` times) and its bucket is
-        at most half full, :data:`SETTLED` reports in a row; not a calendar budget (its
-        admissions are counted as they are reported)."""
+        at most half full by the store's figure, :data:`SETTLED` reports in a row; not a
+        calendar budget (its admissions are counted as they are reported)."""
         if (
             stretch <= 1
             or bucket.ends_at is not None
             or bucket.fleet_rate is None
             or self.nodes < PREPAID_NODES
             or bucket.fleet_rate < OVER * bucket.limit / bucket.window_seconds
-            or bucket.tokens * 2 > bucket.capacity
+            or (bucket.tokens - bucket.unspent) * 2 > bucket.capacity
         ):
             bucket.overs = 0
             return 1, 0
@@ -448,14 +454,14 @@ class LocalBuckets:
         bucket.pool -= grant
 
     @staticmethod
-    def waits_over(bucket: ProbabilisticBucket, now: float, interval: float) -> bool:
+    def waits_over(bucket: ProbabilisticBucket, closed: int, now: float, interval: float) -> bool:
         """Whether a bucket waiting over its limit (its credit paid in advance) goes on
-        waiting at this sync: within its wait, and its offered rate where it was
-        (a step either way is reported at once)."""
-        since = now - bucket.last_report
-        if bucket.waits <= 1 or since + interval > bucket.waits * interval * (1 + 1e-9):
+        waiting as sync period ``closed`` ends: within its wait, and its offered rate
+        where it was (a step either way is reported at once)."""
+        if closed >= bucket.due:
             return False
-        return not moved(bucket.offered, bucket.local_rate or 0.0, max(since, interval))
+        since = max(now - bucket.last_report, interval)
+        return not moved(bucket.offered, bucket.local_rate or 0.0, since)
 
     def can_wait(
         self, bucket: ProbabilisticBucket, now: float, interval: float, stretch: int
@@ -555,7 +561,7 @@ class LocalBuckets:
             if bucket is not None:
                 bucket.offered += report.offered
                 bucket.paying = bucket.prepaid = 0  # the store took none of the report
-                bucket.waits = 1
+                bucket.due = 0
                 if bucket.ends_at is not None:
                     bucket.admitted += report.admitted
                 # The next rate covers the whole period since the last good report: the
@@ -592,7 +598,8 @@ class LocalBuckets:
         share = node_share(local_rate, fleet_rate, self.nodes)
         bucket.pace = limit * interval / bucket.window_seconds * share
         # As a sync every interval would read them (what waits paid is not yet admitted).
-        tokens = view.tokens + self._unspent(bucket, limit, interval)
+        bucket.unspent = self._unspent(bucket, limit, interval)
+        tokens = view.tokens + bucket.unspent
         result = control(
             refills=bucket.ends_at is None,
             limit=limit,

@@ -171,8 +171,9 @@ def test_probabilistic_over_its_limit_in_a_fleet_of_eight_waits_paid_in_advance(
     redis_server, fleet_dir: Path
 ) -> None:
     """Eight processes (core/stretch.py PREPAID_NODES) offered twice the limit: once
-    settled, each reports the bucket about once a second, not four times, its waits paid
-    in advance through the real script, and the fleet holds the limit."""
+    settled, each reports the bucket about once a second, not four times (waits are
+    counted in syncs: a late sync on a busy machine does not end one early), its waits
+    paid in advance through the real script, and the fleet holds the limit."""
     config = write_config(fleet_dir, 200, "second", "probabilistic")
     with service_fleet(8, config, redis_server.url) as nodes:
         ports, skew = [n.grpc_port for n in nodes], [1.0] * len(nodes)
@@ -185,7 +186,7 @@ def test_probabilistic_over_its_limit_in_a_fleet_of_eight_waits_paid_in_advance(
 
         timeline, reports = asyncio.run(scenario())
     assert timeline.errors == 0
-    assert reports < 2.0, reports  # of 4 a second without the waits
+    assert reports < 1.5, reports  # of 4 a second without the waits
     _, admitted = steady_rate(timeline, 1.0, 6.0)
     assert admitted == pytest.approx(200, rel=0.10)
 
