@@ -54,6 +54,12 @@ GOLDEN_RATIO = 0.6180339887498949
 """The fractional part of the golden ratio: the step of the buckets' draw sequences."""
 
 
+def _ramp(bucket: ProbabilisticBucket) -> int:
+    """The longest wait over its limit ``bucket``'s next report may pay for: 2 at its
+    first, one interval more at each after (core/stretch.py prepaid_wait)."""
+    return bucket.overs - SETTLED + 2
+
+
 class SyncPeriod:
     """A table's current sync period: its number, and the buckets that counted hits in it."""
 
@@ -105,7 +111,6 @@ class ProbabilisticBucket:
         "rule",
         "synced_at",
         "tokens",
-        "turn",
         "unspent",
         "window_seconds",
     )
@@ -139,8 +144,6 @@ class ProbabilisticBucket:
         self.offered = 0
         self.admitted = 0
         self.offered_total_seen: int | None = None
-        self.turn = zlib.crc32(key.encode())
-        """The bucket's offset among the turns of reports that wait over its limit."""
         self.pace = 0.0
         """Its share of the limit's refill over an interval, at the last sync: what a wait
         over the limit pays in advance per interval (its stored tokens not included:
@@ -440,10 +443,12 @@ class LocalBuckets:
         if bucket.overs < SETTLED:
             return 1, 0
         rate = bucket.local_rate or 0.0
-        place = self._period.number + self.turn + bucket.turn
-        ramp = bucket.overs - SETTLED + 2  # a wait longer by one each report
+        # The bucket's offset among the turns, from its key: buckets' reports spread too.
+        place = self._period.number + self.turn + zlib.crc32(bucket.key.encode())
         self._stretch = stretch
-        return prepaid_wait(place, ramp, bucket.pace, bucket.offered, rate, elapsed, stretch)
+        return prepaid_wait(
+            place, _ramp(bucket), bucket.pace, bucket.offered, rate, elapsed, stretch
+        )
 
     @staticmethod
     def _top_up(bucket: ProbabilisticBucket) -> None:
@@ -633,7 +638,7 @@ class LocalBuckets:
         if not bucket.paying:
             return 0.0
         refill = limit * interval / bucket.window_seconds
-        return prepaid_unspent(bucket.overs - SETTLED + 2, self._stretch) * refill
+        return prepaid_unspent(_ramp(bucket), self._stretch) * refill
 
     def stale(self, now: float) -> bool:
         return self.last_sync_ok is not None and now - self.last_sync_ok > self.stale_after
