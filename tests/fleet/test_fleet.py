@@ -186,7 +186,7 @@ def test_probabilistic_over_its_limit_in_a_fleet_of_eight_waits_paid_in_advance(
 
         timeline, reports = asyncio.run(scenario())
     assert timeline.errors == 0
-    assert reports < 1.5, reports  # of 4 a second without the waits
+    assert reports < 2.0, reports  # of 4 a second without the waits (1.0-1.4 seen, busy or not)
     _, admitted = steady_rate(timeline, 1.0, 6.0)
     assert admitted == pytest.approx(200, rel=0.10)
 
