@@ -22,6 +22,7 @@ from ratelimit_harness.fleet import SHOULD_RATE_LIMIT, histogram_over, scrape, s
 from ratelimit_harness.rlqs_sim import usage_report
 from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.cli.client import build_request
+from ratelimit_service.engine.quota import REPORT_INTERVAL
 from ratelimit_service.engine.status import TOP
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -56,21 +57,38 @@ async def _every_rule_called(port: int) -> None:
 
 @contextlib.asynccontextmanager
 async def _envoys(port: int) -> AsyncIterator[None]:
-    """ENVOYS streams over COUNTERS buckets, each with one report answered, held open."""
+    """ENVOYS streams over COUNTERS buckets, each with one report answered, held open and
+    reporting again every REPORT_INTERVAL as Envoy does (an instance silent for
+    FORGET_AFTER is forgotten, and its counter with it)."""
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(10)]
     calls: list[Any] = []
+
+    def report(n: int, allowed: int = 1, elapsed: int = 0) -> Any:
+        return usage_report("q", {"tenant": f"t{n % COUNTERS}"}, allowed, 0, elapsed)
 
     async def envoy(n: int) -> None:
         stub = rlqs_pb2_grpc.RateLimitQuotaServiceStub(channels[n % len(channels)])
         call = stub.StreamRateLimitQuotas(metadata=(("x-envoy-node-id", f"envoy-{n}"),))
         calls.append(call)
-        await call.write(usage_report("q", {"tenant": f"t{n % COUNTERS}"}, 1, 0, 0))
+        await call.write(report(n))
         await asyncio.wait_for(call.read(), 30)
 
+    async def reporting() -> None:
+        while True:
+            await asyncio.sleep(REPORT_INTERVAL)  # pacing: Envoy's reporting interval
+            for n, call in enumerate(calls):
+                await call.write(report(n, 0, int(REPORT_INTERVAL)))  # no traffic since
+
+    refresher: asyncio.Task[None] | None = None
     try:
         await asyncio.gather(*(envoy(n) for n in range(ENVOYS)))
+        refresher = asyncio.ensure_future(reporting())
         yield
     finally:
+        if refresher is not None:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
         for call in calls:
             call.cancel()
         for channel in channels:
@@ -122,7 +140,8 @@ def _held(port: int) -> int:
 
 
 async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: Path) -> None:
-    with service_fleet(1, _rules(tmp_path), None) as (node,):
+    keys = ("--max-stats-keys", str(RULES + 1))  # every rule its own row, q.tenant too
+    with service_fleet(1, _rules(tmp_path), None, keys) as (node,):
         await _every_rule_called(node.grpc_port)
         async with _envoys(node.grpc_port):
             # The state just made (10,000 rules' stats, 1,000 streams) tenured first, as
@@ -165,6 +184,7 @@ async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: P
     rules = status["rules"]
     assert rules["loaded"] == RULES + 1
     assert rules["total"] == RULES + 1  # and q.tenant, counted from the RLQS reports
+    assert status["service"]["stats_keys"] == RULES + 1  # none under _overflow
     assert (rules["shown"], rules["more"]) == (TOP, RULES + 1 - TOP)
     assert rules["rows"][0]["key"] == "many.r_v0"  # the canary's: the busiest
     keys = status["keys"]
