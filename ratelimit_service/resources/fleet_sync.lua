@@ -2,12 +2,21 @@
 --
 -- Each bucket is a hash with the fleet token bucket (twin: storage/embedded.py
 -- _FleetBucket, with core/drop_ratio.py refill, take and zone_limit; the capacity
--- comes from drop_ratio.capacity: the limit, or the rule's burst): 'tk' tokens, 'ts'
--- when they were last updated (microseconds), 'o' the monotonic count of offered
--- hits. A sorted set of node ids scored by last sync time gives the number of live
--- nodes. 'x' is when a rolling bucket's hash expires (microseconds): its expiry is
--- pushed back (a minute past what it must outlive) only when it comes within that,
--- not on every sync.
+-- comes from drop_ratio.capacity: the limit, or the rule's burst). What each sync
+-- reads and writes is one field, 'v', packed (struct '<dddddddd', eight doubles;
+-- decoder: storage/script_calls.py fleet_state): the tokens, when they were last
+-- updated (microseconds), the monotonic count of offered hits, the count of admitted
+-- hits (a report giving back credit paid in advance lowers it: core/stretch.py
+-- prepaid_wait), when the bucket's score in a zone's index was last renewed, when a
+-- rolling bucket's hash expires (both microseconds, 0 for none), and the limit per
+-- window and the window (microseconds) the bucket was last synced with. One packed
+-- field instead of a field per figure: the store finds one field, and the script
+-- neither formats nor parses numbers as text (about half a sync's time;
+-- docs/scale.md, "Where the floor is"). A hash of an earlier layout (a field per
+-- figure: 'tk', 'ts', 'o', 'a', 'x', 'i') is read once and moved into 'v'. A sorted
+-- set of node ids scored by last sync time gives the number of live nodes. A rolling
+-- bucket's expiry is pushed back (a minute past what it must outlive) only when it
+-- comes within that, not on every sync.
 --
 -- A calendar budget's bucket (one key per period, core/calendar.py counted_under; its
 -- report says when the period ends) starts full and does not refill: it holds what
@@ -22,16 +31,15 @@
 -- capacity in proportion (core/drop_ratio.py zone_limit); until its first part comes
 -- back, at the limit over the number of zones (the aggregator keeps that count); and
 -- the hash keeps for the aggregator 'K' the bucket's key, 'L' the limit per window,
--- 'W' the window (microseconds), 'a' the count of admitted hits (a report giving back
--- credit paid in advance lowers it: core/stretch.py prepaid_wait), 'c' when
--- the bucket was created (microseconds), with an index of live buckets (a sorted set
--- scored by last sync, renewed at most once a second: 'i' says when, so the score lags
--- the last sync by a second at most, and the index takes a write a second per bucket,
--- not one per replica's sync). A calendar budget's bucket in a zone holds what the zone may
--- still admit of the fleet's budget: 'T', the admitted total the zone may reach,
--- written by the aggregator from the global store's count of the period (at first,
--- what a new bucket holds), less 'a'; 'E' keeps when its period ends (microseconds)
--- for the aggregator.
+-- 'W' the window (microseconds), written when they change, 'c' when the bucket was
+-- created (microseconds), with an index of live buckets (a sorted set scored by last
+-- sync, renewed at most once a second, so the score lags the last sync by a second at
+-- most, and the index takes a write a second per bucket, not one per replica's sync).
+-- A calendar budget's bucket in a zone holds what the zone may still admit of the
+-- fleet's budget: 'T', the admitted total the zone may reach, written by the
+-- aggregator from the global store's count of the period (at first, what a new bucket
+-- holds), less the admitted count; 'E' keeps when its period ends (microseconds) for
+-- the aggregator.
 --
 -- ARGV[1]   this node's id, or '' for no heartbeat (Redis Cluster: the registry lives
 --           in another slot and gets its own call)
@@ -82,21 +90,43 @@ if ARGV[3] == '1' then
   last = #KEYS - 2
 end
 
--- One pass per bucket: one read (HMGET), one write of the counts (HSET), its expiry;
--- the fields that only change with the bucket (its creation, key, limit, window) are
--- written when they do, and the index gets one ZADD per call.
+-- One pass per bucket: one read (HGET, in a zone HMGET with the aggregator's fields),
+-- one write of 'v' (HSET); the fields that only change with the bucket (its creation,
+-- key, limit, window) are written with it when they do, its expiry when it comes near,
+-- and the index gets one ZADD per call.
+local pack, unpack_state = struct.pack, struct.unpack
+local STATE = '<dddddddd'
 local indexed = {}
 local n = #out
 for i = 1, last - first + 1 do
   local key = KEYS[first + i - 1]
   local base = 4 + 7 * (i - 1)
   local window = tonumber(ARGV[base])
-  local limit = tonumber(ARGV[base + 1])
+  local rule_limit = tonumber(ARGV[base + 1])
+  local limit = rule_limit
   local capacity = tonumber(ARGV[base + 2])
   local admitted = tonumber(ARGV[base + 3])
   local ends = tonumber(ARGV[base + 6])
-  local state = call('HMGET', key, 'tk', 'ts', 'Z', 'T', 'a', 'o', 'L', 'W', 'x', 'i')
-  local zone_part = tonumber(state[3])
+  local state
+  if index_key then
+    state = call('HMGET', key, 'v', 'Z', 'T')
+  else
+    state = {call('HGET', key, 'v')}
+  end
+  local tokens, stamp, offered_before, admitted_before, indexed_at, expires, known_limit, known_window
+  if state[1] then
+    tokens, stamp, offered_before, admitted_before, indexed_at, expires, known_limit,
+      known_window = unpack_state(STATE, state[1])
+  else
+    -- new, or of the earlier layout: its fields are read once and moved into 'v'
+    local old = call('HMGET', key, 'tk', 'ts', 'o', 'a', 'x', 'i', 'L', 'W')
+    if old[1] then call('HDEL', key, 'tk', 'ts', 'o', 'a', 'x', 'i') end
+    tokens, stamp = tonumber(old[1]), tonumber(old[2])
+    offered_before, admitted_before = tonumber(old[3]) or 0, tonumber(old[4]) or 0
+    expires, indexed_at = tonumber(old[5]) or 0, tonumber(old[6]) or 0
+    known_limit, known_window = tonumber(old[7]) or -1, tonumber(old[8]) or -1
+  end
+  local zone_part = tonumber(state[2])
   local zone_limit = nil
   if zone_part ~= nil then
     zone_limit = zone_part * window / 1000000000
@@ -107,8 +137,6 @@ for i = 1, last - first + 1 do
     capacity = capacity * zone_limit / limit
     limit = zone_limit
   end
-  local tokens = tonumber(state[1])
-  local stamp = tonumber(state[2])
   local created = tokens == nil or stamp == nil
   if created then
     tokens = capacity
@@ -118,51 +146,48 @@ for i = 1, last - first + 1 do
     tokens = tokens + elapsed * limit / window
     if tokens > capacity then tokens = capacity end
   end
-  local admitted_total = (tonumber(state[5]) or 0) + admitted
+  local admitted_total = admitted_before + admitted
   if ends ~= nil and index_key then
-    local allot = tonumber(state[4])
+    local allot = tonumber(state[3])
     if allot == nil then
       allot = capacity
       call('HSET', key, 'T', tostring(allot), 'E', format('%d', now + ends))
     end
-    tokens = allot - (tonumber(state[5]) or 0)
+    tokens = allot - admitted_before
   end
   tokens = tokens - admitted
   if tokens < -limit then tokens = -limit end
-  local offered_total = (tonumber(state[6]) or 0) + tonumber(ARGV[base + 4])
-  if index_key then
-    local indexed_at = tonumber(state[10])
-    if created or indexed_at == nil or now - indexed_at >= REINDEX_US then
-      call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text,
-        'o', format('%d', offered_total), 'a', format('%d', admitted_total), 'i', stamp_text)
-      indexed[#indexed + 1] = stamp_text
-      indexed[#indexed + 1] = key
-    else
-      call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text,
-        'o', format('%d', offered_total), 'a', format('%d', admitted_total))
-    end
-    if created then call('HSET', key, 'c', stamp_text) end
-    if created or state[7] ~= ARGV[base + 1] or state[8] ~= ARGV[base] then
-      call('HSET', key, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base])
-    end
-  else
-    call('HSET', key, 'tk', tostring(tokens), 'ts', stamp_text,
-      'o', format('%d', offered_total))
+  local offered_total = offered_before + tonumber(ARGV[base + 4])
+  if index_key and (created or now - indexed_at >= REINDEX_US) then
+    indexed_at = now
+    indexed[#indexed + 1] = stamp_text
+    indexed[#indexed + 1] = key
   end
+  -- A rolling bucket is kept one window past full refill plus a minute (after that it
+  -- is a full bucket), its expiry pushed back only when it comes within that; a
+  -- calendar budget's, a minute past its period's end (or past this report, when it
+  -- comes after the end).
+  local expire_ms = nil
   if ends ~= nil then
-    -- a calendar budget's: a minute past its period's end (or past this report, when
-    -- it comes after the end)
-    call('PEXPIRE', key, format('%d', math.ceil(math.max(ends, 0) / 1000) + 60000))
+    expire_ms = math.ceil(math.max(ends, 0) / 1000) + 60000
   else
-    -- Kept one window past full refill plus a minute (after that it is a full bucket);
-    -- the expiry pushed back only when it comes within that.
     local keep_ms = ceil(window / 1000) * 2 + 60000
-    local expires = tonumber(state[9])
-    if expires == nil or expires - now < keep_ms * 1000 then
-      call('PEXPIRE', key, format('%d', keep_ms + REFRESH_MS))
-      call('HSET', key, 'x', format('%d', now + (keep_ms + REFRESH_MS) * 1000))
+    if expires - now < keep_ms * 1000 then
+      expire_ms = keep_ms + REFRESH_MS
+      expires = now + expire_ms * 1000
     end
   end
+  local packed = pack(STATE, tokens, now, offered_total, admitted_total, indexed_at, expires,
+    rule_limit, window)
+  if index_key and created then
+    call('HSET', key, 'v', packed, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base],
+      'c', stamp_text)
+  elseif index_key and (known_limit ~= rule_limit or known_window ~= window) then
+    call('HSET', key, 'v', packed, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base])
+  else
+    call('HSET', key, 'v', packed)
+  end
+  if expire_ms then call('PEXPIRE', key, format('%d', expire_ms)) end
   out[n + 1] = floor(tokens * 1000)
   out[n + 2] = offered_total
   out[n + 3] = floor(limit * 1000)

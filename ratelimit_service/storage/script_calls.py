@@ -9,8 +9,9 @@ truncated to an integer). A refused fenced write is the two numbers
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ratelimit_service.core.drop_ratio import FleetView, SyncResult, capacity
 from ratelimit_service.core.exact import ExactHit, ExactResult, HitRole
@@ -125,6 +126,30 @@ def sync_args(
             "" if report.ends_in is None else round(report.ends_in * 1_000_000),
         )
     return args
+
+
+FLEET_STATE = "<dddddddd"
+"""The struct layout of a fleet bucket's packed state, its hash's field 'v' (fleet_sync.lua
+packs it with Lua's struct library; zone_read_fleet.lua reads it)."""
+
+
+class FleetState(NamedTuple):
+    """A fleet bucket's packed state as fleet_sync.lua keeps it (times in microseconds;
+    0: none yet)."""
+
+    tokens: float
+    stamp: float
+    offered: float
+    admitted: float
+    indexed_at: float
+    expires_at: float
+    limit: float
+    window_us: float
+
+
+def fleet_state(packed: bytes | None) -> FleetState | None:
+    """A fleet bucket hash's field 'v' decoded; None for a bucket with none."""
+    return None if packed is None else FleetState(*struct.unpack(FLEET_STATE, packed))
 
 
 def sync_reply(raw: Sequence[Any]) -> SyncResult:

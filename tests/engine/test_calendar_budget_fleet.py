@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 
 from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.core.config_model import Mode
+from ratelimit_service.storage.script_calls import fleet_state
 
 BUDGET = 864_000_000
 """A day's budget: a rolling bucket of it refills 10,000 hits a second."""
@@ -152,7 +153,8 @@ async def test_a_fleet_spends_a_calendar_budget_once_and_it_does_not_come_back(
     store = aioredis.Redis.from_url(redis_server.url)
     try:
         (key,) = await store.keys("rl:p:*")
-        left = float(await store.hget(key, "tk") or "nan")
+        state = fleet_state(await store.hget(key, "v"))
+        left = state.tokens if state is not None else math.nan
         assert left == BUDGET - admitted
         if left >= 0:
             await replicas[0].call({"entries": TENANT, "hits": math.floor(left) + 1})

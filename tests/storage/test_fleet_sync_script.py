@@ -9,6 +9,7 @@ allotment), and its read of the buckets (zone_read_fleet.lua) is checked at the 
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -20,6 +21,8 @@ from ratelimit_service.core.zones import ZoneShare
 from ratelimit_service.storage.embedded import _FleetBucket
 from ratelimit_service.storage.redis_calls import script_text
 from ratelimit_service.storage.script_calls import (
+    FLEET_STATE,
+    fleet_state,
     sync_args,
     sync_reply,
     write_args,
@@ -125,10 +128,15 @@ async def test_the_script_keeps_the_bucket_its_twin_keeps(redis_server, zoned: b
                 assert view.offered_total == want.offered_total
                 assert view.limit is not None and want.limit is not None
                 assert abs(view.limit - want.limit) <= 0.001 + 1e-9
+                state = fleet_state(await client.hget(f"f:{report.key}", "v"))
+                assert state is not None  # what it keeps is what it answered
+                assert (state.stamp, state.offered) == (now_us, want.offered_total)
+                assert math.floor(state.tokens * 1000) / 1000 == view.tokens
                 if zoned:
                     mine = written[report.key]
                     mine.admitted += report.admitted
                     mine.created_us = mine.created_us or now_us
+                    assert state.admitted == mine.admitted
         # The calendar budget's bucket never refilled (the twin says so) and lives a
         # minute past its period's end, which came during the run.
         assert seen["after the end"] > 5 and seen["given back"] > 20
@@ -184,7 +192,7 @@ async def test_a_rolling_buckets_expiry_is_pushed_back_only_when_it_comes_near(
     redis_server,
 ) -> None:
     """A sync sets a new bucket's expiry a minute past what it must outlive (two windows
-    and a minute) and notes when that is ('x'); the syncs after leave it while it is
+    and a minute) and notes when that is (in its packed state); the syncs after leave it while it is
     further off than that, and push it back once it comes within it."""
     client = aioredis.Redis.from_url(redis_server.url)
     source = script_on_test_clock("fleet_sync.lua")
@@ -196,7 +204,8 @@ async def test_a_rolling_buckets_expiry_is_pushed_back_only_when_it_comes_near(
         await set_test_clock(client, now_us)
         args = sync_args([BucketReport("e", 100, 1, 3, 2)], "", 10**6, zoned=False)
         await client.eval(source, 1, "f:e", *args)
-        return int(await client.hget("f:e", "x") or 0)
+        state = fleet_state(await client.hget("f:e", "v"))
+        return 0 if state is None else int(state.expires_at)
 
     try:
         first = await sync()
@@ -206,5 +215,56 @@ async def test_a_rolling_buckets_expiry_is_pushed_back_only_when_it_comes_near(
         assert await sync() == first
         now_us += 2_000_000  # now within keep_us of it: pushed back
         assert await sync() == now_us + keep_us + 60_000_000
+    finally:
+        await client.aclose()
+
+
+def test_the_packed_state_is_laid_out_as_its_decoder_reads_it() -> None:
+    """fleet_sync.lua packs, and zone_read_fleet.lua reads, the layout FleetState decodes."""
+    for script in ("fleet_sync.lua", "zone_read_fleet.lua"):
+        assert f"'{FLEET_STATE}'" in script_text(script), script
+
+
+@pytest.mark.parametrize("zoned", [False, True])
+async def test_a_bucket_of_the_earlier_layout_is_read_once_and_moved(
+    redis_server, zoned: bool
+) -> None:
+    """A bucket a replica of an earlier version kept (a field per figure) goes on where
+    it was: its tokens refilled since its stamp, its counts added to, its figures moved
+    into the packed state and their fields gone; the aggregator's read finds its counts
+    either way (before its next sync, and after)."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    source = script_on_test_clock("fleet_sync.lua")
+    read = script_on_test_clock("zone_read_fleet.lua")
+    now_us = 1_700_000_000_000_000
+    await client.delete("h:b", "h:i", "h:z", "h:nodes")
+    old = {"tk": "10.5", "ts": now_us - 500_000, "o": 70, "a": 40, "x": now_us + 10**9,
+           "i": now_us, "K": "b", "L": 100, "W": 1_000_000, "c": now_us - 10**7}  # fmt: skip
+    try:
+        await client.hset("h:b", mapping=old)
+        await client.zadd("h:i", {"h:b": now_us})
+        await set_test_clock(client, now_us)
+
+        async def aggregator_read() -> tuple[int, int]:
+            raw = await client.eval(read, 2, "h:i", "h:nodes", 60_000_000, 100)
+            (bucket,) = zone_read_fleet_reply(raw).buckets
+            return bucket.offered, bucket.admitted
+
+        if zoned:
+            assert await aggregator_read() == (70, 40)
+        keys = ["h:b", *(["h:i", "h:z"] if zoned else [])]
+        args = sync_args([BucketReport("b", 100, 1, 5, 3)], "", 5_000_000, zoned)
+        got = sync_reply(await client.eval(source, len(keys), *keys, *args))
+        # Half a second at 100 a second refilled 50 (to the capacity, 100), then 3 taken.
+        assert (got.views[0].tokens, got.views[0].offered_total) == (60.5 - 3, 75)
+        state = fleet_state(await client.hget("h:b", "v"))
+        assert state is not None
+        assert (state.tokens, state.stamp, state.offered, state.admitted) == (57.5, now_us, 75, 43)
+        assert (state.limit, state.window_us) == (100, 1_000_000)
+        left = set(await client.hkeys("h:b"))
+        assert left.isdisjoint({b"tk", b"ts", b"o", b"a", b"x", b"i"}), left
+        assert {b"v", b"K", b"L", b"W", b"c"} <= left
+        if zoned:
+            assert await aggregator_read() == (75, 43)
     finally:
         await client.aclose()

@@ -15,6 +15,7 @@ from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.storage import redis_store
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.storage.script_calls import fleet_state
 
 pytestmark = pytest.mark.serial  # timing: run alone, after the parallel part
 
@@ -143,19 +144,24 @@ async def test_fleet_sync_token_bucket(store: RedisStore) -> None:
 
 async def test_fleet_sync_stamps_keep_every_microsecond(store: RedisStore, redis_server) -> None:
     """The bucket's time stamp and the node registry's scores are written as whole
-    microseconds (16 digits), not as Lua's 14-digit rendering of a number."""
+    microseconds (16 digits), not as Lua's 14-digit rendering of a number: the stamp
+    packed as a double (exact to 2**53), the scores formatted."""
     await store.sync([BucketReport("b", 100, 1, offered=1, admitted=1)])
     raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    packed = aioredis.Redis.from_url(redis_server.url)  # the state is binary
     try:
-        stamp = await raw.hget(store._fleet_key("b", 1), "ts")
+        state = fleet_state(await packed.hget(store._fleet_key("b", 1), "v"))
         scores = await raw.zrange(store.prefix + "nodes", 0, -1, withscores=True)
         seconds, micros = await raw.time()
     finally:
         await raw.aclose()
-    assert stamp is not None and stamp.isdigit() and len(stamp) == 16
+        await packed.aclose()
+    assert state is not None and state.stamp == int(state.stamp)
+    stamp = int(state.stamp)
+    assert len(str(stamp)) == 16
     now_us = seconds * 1_000_000 + micros
-    assert 0 <= now_us - int(stamp) < 5_000_000
-    assert [abs(score - int(stamp)) for _, score in scores] == [0]
+    assert 0 <= now_us - stamp < 5_000_000
+    assert [abs(score - stamp) for _, score in scores] == [0]
 
 
 async def test_nodes_are_counted_by_heartbeat(redis_server) -> None:

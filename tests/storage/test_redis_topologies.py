@@ -22,6 +22,7 @@ from ratelimit_service.core.redis_url import (
     parse_target,
 )
 from ratelimit_service.storage.redis_store import RedisStore
+from ratelimit_service.storage.script_calls import fleet_state
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -318,7 +319,8 @@ async def test_cluster_as_the_global_store_of_a_zones_calendar_budgets(
         fleet = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
         keys = [global_store._fleet_key(budget.key, 60) for budget in budgets]
         assert len({fleet.keyslot(key) for key in keys}) > 1
-        assert [float(fleet.hget(key, "tk")) for key in keys] == [80.0 - i for i in range(8)]
+        states = [fleet_state(fleet.hget(key, "v")) for key in keys]
+        assert [state and state.tokens for state in states] == [80.0 - i for i in range(8)]
         fleet.close()
         zone = redis.Redis(port=redis_server.port)
         allotments = [zone.hget(zone_store._fleet_key(b.key, 60), "T") for b in budgets]

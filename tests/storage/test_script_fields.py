@@ -17,10 +17,13 @@ FIELDS = {
     "first": "the index of the window's oldest live slice",
     "last": "the index of the window's newest slice",
     # fleet_sync.lua: a probabilistic bucket's fleet hash
-    "tk": "the fleet bucket's tokens",
-    "ts": "when the tokens were last updated (microseconds)",
-    "o": "hits offered to the fleet, a monotonic count",
-    "a": "hits the fleet admitted, a count (a report giving back credit paid in advance lowers it)",
+    "v": "the bucket's state, packed (storage/script_calls.py FleetState): its tokens, when"
+    " they were updated, the offered and admitted counts, when it was indexed, when it"
+    " expires, its limit and window",
+    "tk": "the fleet bucket's tokens, in an earlier layout (now in v)",
+    "ts": "when the tokens were last updated (microseconds), in an earlier layout",
+    "o": "hits offered to the fleet, a monotonic count, in an earlier layout",
+    "a": "hits the fleet admitted, a count, in an earlier layout",
     "c": "when the bucket was created (microseconds)",
     "L": "the bucket's limit per window",
     "T": "a calendar budget's bucket in a zone: the admitted total the zone may reach",
@@ -54,11 +57,11 @@ FIELDS = {
 
 SCRIPTS = {
     "exact_window.lua": {"sum", "first", "last"},
-    "fleet_sync.lua": {"tk", "ts", "o", "a", "c", "K", "L", "W", "Z", "T", "E", "x", "i"},
+    "fleet_sync.lua": {"v", "tk", "ts", "o", "a", "c", "K", "L", "W", "Z", "T", "E", "x", "i"},
     "quota_tier.lua": {"D", "N", "P", "d:*", "n:*", "p:*", "f:*", "w", "u", "x"}
     | {"K", "R", "W", "Z", "G", "gw", "g", "i"},
     "zone_read.lua": {"K", "D", "N", "R", "W", "w", "u", "gw", "g"},
-    "zone_read_fleet.lua": {"K", "o", "a", "L", "W", "g", "c", "E"},
+    "zone_read_fleet.lua": {"K", "v", "o", "a", "L", "W", "g", "c", "E"},
     "zone_write.lua": {"Z", "G", "gw", "g", "T"},
     "lease.lua": {"h", "t", "e"},
 }
