@@ -3,10 +3,17 @@
 -- capped_part); rates are integer thousandths of a hit per second.
 --
 -- Each counter is two hashes and a sorted set that share a hash tag (one Cluster
--- slot). The counter's hash: 'D', 'N', 'P' the sums of the live members' demands,
--- instances and parts, 'w' the current fixed window's index and 'u' the hits allowed
--- in it (windows aligned to the epoch). The members' hash: per member (field: its
--- name) its last demand, instance count and part, packed as 'demand instances part'.
+-- slot). The counter's hash keeps what each publish reads and writes in one field,
+-- 'v', packed (struct '<ddddddddd', nine doubles; decoder: storage/script_calls.py
+-- counter_state): the sums of the live members' demands, instances and parts, the
+-- current fixed window's index and the hits allowed in it (windows aligned to the
+-- epoch), when the counter's score in a zone's index was last renewed and when its
+-- keys expire (microseconds, 0 for none), and the rule's limit and window it was last
+-- published with. One packed field: the store finds one field, and the script neither
+-- formats nor parses the sums as text (docs/scale.md, "Where the floor is"). A hash of
+-- an earlier layout (a field each: 'D', 'N', 'P', 'w', 'u', 'i', 'x') is read once and
+-- moved into 'v'. The members' hash: per member (field: its name) its last demand,
+-- instance count and part, packed as 'demand instances part'.
 -- The sorted set scores each member by when it last published (microseconds). Members
 -- silent longer than the forget time leave the sums, at most ARGV[4] per call (oldest
 -- first), so the work per call does not grow with the fleet.
@@ -29,9 +36,9 @@
 -- here divide Z, not the limit), 'G' the hits the whole fleet allowed in window 'gw'
 -- as the global store counted them, of which 'g' came from this zone.
 -- An index of live counters (a sorted set, scored by last publish) lets the aggregator
--- find them; a counter's score is renewed at most once a second ('i' says when: the
--- score lags the last publish by a second at most, and the index takes a write a
--- second per counter, not one per replica's publish).
+-- find them; a counter's score is renewed at most once a second (its packed state says
+-- when: the score lags the last publish by a second at most, and the index takes a
+-- write a second per counter, not one per replica's publish).
 --
 -- Fencing: a member that publishes with a token (a zone's aggregator, in the global
 -- store) has the highest token seen from it kept per counter, 'f:<name>'; a call whose
@@ -101,10 +108,12 @@ if token then
   end
   if refused then return {-1, refused} end
 end
--- One pass per counter: one read of the sums (HMGET, in a zone with the aggregator's
--- fields) and one of the member's entry, the sums kept here, one write of each; the
--- fields that only change with the rule are written when they do, and the index gets
--- one ZADD per call.
+-- One pass per counter: one read of the sums (HGET of 'v', in a zone HMGET with the
+-- aggregator's fields) and one of the member's entry, the sums kept here, one write of
+-- each; the fields that only change with the rule are written when they do, and the
+-- index gets one ZADD per call.
+local pack, unpack_state = struct.pack, struct.unpack
+local STATE = '<ddddddddd'
 local out = {}
 local indexed = {}
 for i = 1, counters do
@@ -112,18 +121,32 @@ for i = 1, counters do
   local base = 5 + 6 * (i - 1)
   local demand, instances = tonumber(ARGV[base]), tonumber(ARGV[base + 1])
   local allowed, window = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  local limit = tonumber(ARGV[base + 4])
-  -- Only a zone's store has the aggregator's fields (6 to 12): elsewhere they are not
-  -- looked for. The last is when the keys expire (microseconds).
+  local rule_limit = tonumber(ARGV[base + 4])
+  local limit = rule_limit
+  -- Only a zone's store has the aggregator's fields: elsewhere they are not looked for.
   local state
   if index_key then
-    state = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u', 'Z', 'G', 'gw', 'g', 'R', 'W', 'i', 'x')
+    state = call('HMGET', hash, 'v', 'Z', 'G', 'gw', 'g')
   else
-    state = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u', 'x')
+    state = {call('HGET', hash, 'v')}
   end
-  local zone_part = tonumber(state[6])
+  local sum_d, sum_n, sum_p, window_at, used_before, indexed_at, expires, known_limit,
+    known_window
+  if state[1] then
+    sum_d, sum_n, sum_p, window_at, used_before, indexed_at, expires, known_limit,
+      known_window = unpack_state(STATE, state[1])
+  else
+    -- new, or of the earlier layout: its fields are read once and moved into 'v'
+    local old = call('HMGET', hash, 'D', 'N', 'P', 'w', 'u', 'i', 'x', 'R', 'W')
+    if old[1] or old[4] then call('HDEL', hash, 'D', 'N', 'P', 'w', 'u', 'i', 'x') end
+    sum_d, sum_n, sum_p = tonumber(old[1]) or 0, tonumber(old[2]) or 0, tonumber(old[3]) or 0
+    window_at, used_before = tonumber(old[4]) or -1, tonumber(old[5]) or 0
+    indexed_at, expires = tonumber(old[6]) or 0, tonumber(old[7]) or 0
+    known_limit, known_window = tonumber(old[8]) or -1, tonumber(old[9]) or -1
+  end
+  local zone_part = tonumber(state[2])
   if zone_part ~= nil and zone_part < limit then limit = zone_part end
-  local sums = {tonumber(state[1]) or 0, tonumber(state[2]) or 0, tonumber(state[3]) or 0}
+  local sums = {sum_d, sum_n, sum_p}
   local mine = entry(hash, entries, me)
   local heard = mine ~= nil
   local stale = call('ZRANGEBYSCORE', members, '-inf', format('(%d', now - forget),
@@ -164,41 +187,40 @@ for i = 1, counters do
     most = math.max(room, 0)
   end
   local part = math.floor(math.min(fair, most))
-  local index = format('%d', math.floor(now / window))
-  local used = 0
-  if state[4] == index then used = tonumber(state[5]) or 0 end
-  used = used + allowed
-  call('HSET', hash, 'D', format('%d', fleet_demand), 'N', format('%d', fleet_instances),
-    'P', format('%d', others + part), 'w', index, 'u', format('%d', used))
-  call('HSET', entries, me, format('%d %d %d', demand, instances, part))
-  call('ZADD', members, format('%d', now), me)
-  if token then call('HSET', hash, 'f:' .. me, ARGV[3]) end
-  if state[7] and state[8] == index then
-    used = math.max(used, tonumber(state[7]) + used - (tonumber(state[9]) or 0))
-  end
-  if index_key then
-    if state[10] ~= ARGV[base + 4] or state[11] ~= ARGV[base + 3] then
-      call('HSET', hash, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
-    end
-    local indexed_at = tonumber(state[12])
-    if indexed_at == nil or now - indexed_at >= REINDEX_US then
-      local stamp = format('%d', now)
-      call('HSET', hash, 'i', stamp)
-      indexed[#indexed + 1] = stamp
-      indexed[#indexed + 1] = hash
-    end
+  local index = math.floor(now / window)
+  local used = allowed
+  if window_at == index then used = used_before + allowed end
+  if index_key and now - indexed_at >= REINDEX_US then
+    indexed_at = now
+    indexed[#indexed + 1] = format('%d', now)
+    indexed[#indexed + 1] = hash
   end
   -- The three keys outlive twice the window or forget time; their expiry is pushed
   -- back (a minute past that) when it comes within it, or when a member new to the
   -- counter may have made its sorted set and members' hash anew.
   local keep_ms = math.ceil(math.max(window, forget) * 2 / 1000)
-  local expires = tonumber(state[#state])
-  if first or expires == nil or expires - now < keep_ms * 1000 then
-    local ttl = format('%d', keep_ms + REFRESH_MS)
+  local ttl = nil
+  if first or expires - now < keep_ms * 1000 then
+    ttl = format('%d', keep_ms + REFRESH_MS)
+    expires = now + (keep_ms + REFRESH_MS) * 1000
+  end
+  local packed = pack(STATE, fleet_demand, fleet_instances, others + part, index, used,
+    indexed_at, expires, rule_limit, window)
+  if index_key and (known_limit ~= rule_limit or known_window ~= window) then
+    call('HSET', hash, 'v', packed, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
+  else
+    call('HSET', hash, 'v', packed)
+  end
+  call('HSET', entries, me, format('%d %d %d', demand, instances, part))
+  call('ZADD', members, format('%d', now), me)
+  if token then call('HSET', hash, 'f:' .. me, ARGV[3]) end
+  if ttl then
     call('PEXPIRE', hash, ttl)
     call('PEXPIRE', members, ttl)
     call('PEXPIRE', entries, ttl)
-    call('HSET', hash, 'x', format('%d', now + (keep_ms + REFRESH_MS) * 1000))
+  end
+  if state[3] and tonumber(state[4]) == index then
+    used = math.max(used, tonumber(state[3]) + used - (tonumber(state[5]) or 0))
   end
   out[#out + 1] = part
   out[#out + 1] = d

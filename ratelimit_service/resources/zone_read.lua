@@ -21,19 +21,30 @@ local since = now - tonumber(ARGV[1])
 call('ZREMRANGEBYSCORE', KEYS[1], '-inf', format('(%d', since))
 local keys = call('ZRANGEBYSCORE', KEYS[1], format('%d', since), '+inf', 'LIMIT', '0', ARGV[2])
 local out = {}
+local unpack_state = struct.unpack
 for _, hash in ipairs(keys) do
-  local f = call('HMGET', hash, 'K', 'D', 'N', 'R', 'W', 'w', 'u', 'gw', 'g')
-  local window, limit = tonumber(f[5]), tonumber(f[4])
+  local f = call('HMGET', hash, 'K', 'v', 'R', 'W', 'gw', 'g')
+  local window, limit = tonumber(f[4]), tonumber(f[3])
   if f[1] and window and limit then
+    local demand, instances, window_at, used_then
+    if f[2] then
+      -- quota_tier.lua's packed state: the sums, parts, window index and its hits, ...
+      local d, n, _, w, u = unpack_state('<ddddddddd', f[2])
+      demand, instances, window_at, used_then = d, n, w, u
+    else
+      -- the earlier layout, a field per figure, until its next publish moves them
+      local old = call('HMGET', hash, 'D', 'N', 'w', 'u')
+      demand, instances = tonumber(old[1]) or 0, tonumber(old[2]) or 0
+      window_at, used_then = tonumber(old[3]), tonumber(old[4]) or 0
+    end
     local index = math.floor(now / window)
-    local text = format('%d', index)
     local used, forwarded = 0, 0
-    if f[6] == text then used = tonumber(f[7]) or 0 end
-    if f[8] == text then forwarded = tonumber(f[9]) or 0 end
+    if window_at == index then used = used_then end
+    if tonumber(f[5]) == index then forwarded = tonumber(f[6]) or 0 end
     out[#out + 1] = hash
     out[#out + 1] = f[1]
-    out[#out + 1] = math.max(tonumber(f[2]) or 0, 0)
-    out[#out + 1] = math.max(tonumber(f[3]) or 0, 0)
+    out[#out + 1] = math.max(demand, 0)
+    out[#out + 1] = math.max(instances, 0)
     out[#out + 1] = limit
     out[#out + 1] = window
     out[#out + 1] = used

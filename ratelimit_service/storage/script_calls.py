@@ -168,6 +168,31 @@ def sync_reply(raw: Sequence[Any]) -> SyncResult:
 # quota_tier.lua
 
 
+COUNTER_STATE = "<ddddddddd"
+"""The struct layout of an RLQS counter's packed state, its hash's field 'v'
+(quota_tier.lua packs it; zone_read.lua reads it)."""
+
+
+class CounterState(NamedTuple):
+    """An RLQS counter's packed state as quota_tier.lua keeps it (rates in thousandths of
+    a hit per second, times in microseconds; 0: none yet)."""
+
+    demand: float
+    instances: float
+    parts: float
+    window_index: float
+    used: float
+    indexed_at: float
+    expires_at: float
+    limit: float
+    window_us: float
+
+
+def counter_state(packed: bytes | None) -> CounterState | None:
+    """An RLQS counter hash's field 'v' decoded; None for a counter with none."""
+    return None if packed is None else CounterState(*struct.unpack(COUNTER_STATE, packed))
+
+
 def tier_keys(hash_key: str) -> tuple[str, str, str]:
     """quota_tier.lua's KEYS for one counter: its hash, its members' sorted set and hash."""
     return hash_key, hash_key + ":m", hash_key + ":e"

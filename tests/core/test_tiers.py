@@ -4,6 +4,7 @@ a real redis-server, on a clock the test sets, kept equal to its Python twin."""
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
 import redis.asyncio as aioredis
@@ -24,6 +25,8 @@ from ratelimit_service.core.zones import ZoneShare
 from ratelimit_service.storage.redis_calls import script_text
 from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.storage.script_calls import (
+    COUNTER_STATE,
+    counter_state,
     tier_args,
     tier_keys,
     tier_reply,
@@ -205,6 +208,11 @@ async def test_the_script_keeps_the_same_totals_as_its_twin(redis_server, kind: 
                 seen["refused"] += 1
                 continue
             seen["accepted"] += token is not None
+            for report, table in zip(reports, counted, strict=True):  # what it keeps
+                state = counter_state(await client.hget(tier_keys(f"t:{report.key}")[0], "v"))
+                assert state is not None
+                assert (state.demand, state.instances, state.window_index, state.used) == (
+                    table.demand, table.instances, table.window, table.used)  # fmt: skip
             for (members, window), table, totals in zip(before, counted, want, strict=True):
                 seen["expired"] += totals.members < members
                 seen["windows"] += window is not None and table.window != window
@@ -310,7 +318,10 @@ async def test_members_entries_of_the_earlier_layout_are_read_and_moved(redis_se
         # a (silent) left and b's old entry came off: the sums are b's new report alone
         assert (got.demand, got.instances, got.members) == (5.0, 2, 1)
         assert got.part == 100.0
-        assert set(await client.hkeys(hash_key)) == {b"D", b"N", b"P", b"w", b"u", b"x"}
+        assert set(await client.hkeys(hash_key)) == {b"v"}  # the sums moved into its state
+        state = counter_state(await client.hget(hash_key, "v"))
+        assert state is not None and (state.demand, state.instances, state.parts) == (
+            5_000, 2, 100_000)  # fmt: skip
         assert await client.hgetall(entries) == {b"b": b"5000 2 100000"}
         for key in (hash_key, members, entries):  # each expires, a minute past 2 x forget
             assert 0 < await client.pttl(key) <= 2 * FORGET_US // 1000 + 60_000
@@ -322,9 +333,9 @@ async def test_a_counters_keys_expire_even_when_a_new_member_makes_them_anew(
     redis_server,
 ) -> None:
     """The three keys' expiry is pushed back when it comes within what they must outlive
-    ('x' notes it), not on every publish; and when a member new to the counter publishes
-    after the only other one left (its sorted set and members' hash emptied, so made
-    anew), they get an expiry again."""
+    (its packed state notes it), not on every publish; and when a member new to the
+    counter publishes after the only other one left (its sorted set and members' hash
+    emptied, so made anew), they get an expiry again."""
     client = aioredis.Redis.from_url(redis_server.url)
     source = script_on_test_clock("quota_tier.lua")
     now_us = 1_800_000_000_000_000
@@ -336,7 +347,8 @@ async def test_a_counters_keys_expire_even_when_a_new_member_makes_them_anew(
         await set_test_clock(client, now_us)
         args = tier_args([TierReport("y", member, 1.0, 1, 0, 1, 100.0)], FORGET_US, None, False)
         await client.eval(source, 3, *keys, *args)
-        return int(await client.hget(keys[0], "x") or 0)
+        state = counter_state(await client.hget(keys[0], "v"))
+        return 0 if state is None else int(state.expires_at)
 
     try:
         first = await publish("a")
@@ -384,23 +396,29 @@ async def test_the_aggregators_read_leaves_out_what_is_gone(redis_server) -> Non
     read = script_on_test_clock("zone_read.lua")
     now_us = 1_700_000_000_000_000
     index = now_us // 1_000_000
-    await client.delete("r:i", "r:old", "r:gone", "r:past", "r:now", "r:bare")
+    await client.delete("r:i", "r:old", "r:gone", "r:past", "r:now", "r:bare", "r:packed")
     try:
         await client.zadd("r:i", {"r:old": now_us - FORGET_US - 1, "r:gone": now_us,
-                                  "r:past": now_us, "r:now": now_us, "r:bare": now_us})  # fmt: skip
+                                  "r:past": now_us, "r:now": now_us, "r:bare": now_us,
+                                  "r:packed": now_us})  # fmt: skip
         await client.hset("r:old", mapping={"K": "old", "W": 1_000_000})
         await client.hset("r:bare", mapping={"K": "bare", "W": 1_000_000, "L": 9000})
         counter = {"W": 1_000_000, "R": 9000, "u": 7, "g": 3}
         past = {"K": "past", "D": -5, "w": index - 1, "gw": index - 1}
         await client.hset("r:past", mapping={**counter, **past})
         current = {"K": "now", "D": 2500, "N": 4, "w": index, "gw": index}
-        await client.hset("r:now", mapping={**counter, **current})
+        await client.hset("r:now", mapping={**counter, **current})  # the earlier layout's
+        state = struct.pack(COUNTER_STATE, 1500, 2, 0, index, 5, 0, 0, 9000, 1_000_000)
+        packed = {"K": "packed", "v": state, "gw": index}  # as quota_tier.lua keeps it now
+        await client.hset("r:packed", mapping={**counter, **packed})
         await set_test_clock(client, now_us)
         rows = zone_read_reply(await client.eval(read, 1, "r:i", FORGET_US, 100))
         got = {row.key: (row.demand, row.instances, row.limit, row.used, row.forwarded,
                          row.window) for row in rows}  # fmt: skip
-        assert got == {"past": (0.0, 0, 9.0, 0, 0, index), "now": (2.5, 4, 9.0, 7, 3, index)}
-        assert [row.store_key for row in rows] == ["r:now", "r:past"]
-        assert await client.zrange("r:i", 0, -1) == [b"r:bare", b"r:gone", b"r:now", b"r:past"]
+        assert got == {"past": (0.0, 0, 9.0, 0, 0, index), "now": (2.5, 4, 9.0, 7, 3, index),
+                       "packed": (1.5, 2, 9.0, 5, 3, index)}  # fmt: skip
+        assert [row.store_key for row in rows] == ["r:now", "r:packed", "r:past"]
+        assert await client.zrange("r:i", 0, -1) == [
+            b"r:bare", b"r:gone", b"r:now", b"r:packed", b"r:past"]  # fmt: skip
     finally:
         await client.aclose()

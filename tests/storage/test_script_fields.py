@@ -17,9 +17,8 @@ FIELDS = {
     "first": "the index of the window's oldest live slice",
     "last": "the index of the window's newest slice",
     # fleet_sync.lua: a probabilistic bucket's fleet hash
-    "v": "the bucket's state, packed (storage/script_calls.py FleetState): its tokens, when"
-    " they were updated, the offered and admitted counts, when it was indexed, when it"
-    " expires, its limit and window",
+    "v": "a bucket's or counter's state, packed (storage/script_calls.py FleetState and"
+    " CounterState): the figures each sync or publish reads and writes",
     "tk": "the fleet bucket's tokens, in an earlier layout (now in v)",
     "ts": "when the tokens were last updated (microseconds), in an earlier layout",
     "o": "hits offered to the fleet, a monotonic count, in an earlier layout",
@@ -29,23 +28,23 @@ FIELDS = {
     "T": "a calendar budget's bucket in a zone: the admitted total the zone may reach",
     "E": "a calendar budget's bucket in a zone: when its period ends (microseconds)",
     # quota_tier.lua: an RLQS counter's hash
-    "D": "the live members' demands summed (thousandths of a hit per second)",
-    "N": "the live members' instances summed",
-    "P": "the live members' parts summed (thousandths of a hit per second)",
+    "D": "the live members' demands summed, in an earlier layout (now in v)",
+    "N": "the live members' instances summed, in an earlier layout",
+    "P": "the live members' parts summed, in an earlier layout",
     "d:*": "a member's demand (thousandths of a hit per second), in an earlier layout",
     "n:*": "a member's instances, in an earlier layout",
     "p:*": "a member's part (thousandths of a hit per second), in an earlier layout",
     "f:*": "the highest fencing token seen from a member",
-    "w": "the index of the current fixed window",
-    "u": "the hits allowed in window w",
+    "w": "the index of the current fixed window, in an earlier layout",
+    "u": "the hits allowed in window w, in an earlier layout",
     "R": "the rule's limit (thousandths of a hit per second)",
     # fleet_sync.lua's buckets and quota_tier.lua's counters alike
-    "x": "when the key expires (microseconds), pushed back when it comes near",
+    "x": "when the key expires (microseconds), in an earlier layout",
     # a zone's counters and buckets alike
     "K": "the counter's or bucket's key",
     "W": "the window (microseconds)",
     "Z": "the zone's part of the limit (thousandths of a hit per second)",
-    "i": "when its score in the zone's index was last renewed (microseconds)",
+    "i": "when its score in the zone's index was last renewed, in an earlier layout",
     "G": "the hits the whole fleet allowed in window gw, as the global store counted",
     "gw": "the index of the window G counts",
     "g": "of those, the hits this zone already forwarded to the global store",
@@ -58,9 +57,9 @@ FIELDS = {
 SCRIPTS = {
     "exact_window.lua": {"sum", "first", "last"},
     "fleet_sync.lua": {"v", "tk", "ts", "o", "a", "c", "K", "L", "W", "Z", "T", "E", "x", "i"},
-    "quota_tier.lua": {"D", "N", "P", "d:*", "n:*", "p:*", "f:*", "w", "u", "x"}
+    "quota_tier.lua": {"v", "D", "N", "P", "d:*", "n:*", "p:*", "f:*", "w", "u", "x"}
     | {"K", "R", "W", "Z", "G", "gw", "g", "i"},
-    "zone_read.lua": {"K", "D", "N", "R", "W", "w", "u", "gw", "g"},
+    "zone_read.lua": {"K", "v", "D", "N", "R", "W", "w", "u", "gw", "g"},
     "zone_read_fleet.lua": {"K", "v", "o", "a", "L", "W", "g", "c", "E"},
     "zone_write.lua": {"Z", "G", "gw", "g", "T"},
     "lease.lua": {"h", "t", "e"},
