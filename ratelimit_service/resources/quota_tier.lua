@@ -13,7 +13,9 @@
 -- formats nor parses the sums as text (docs/scale.md, "Where the floor is"). A hash of
 -- an earlier layout (a field each: 'D', 'N', 'P', 'w', 'u', 'i', 'x') is read once and
 -- moved into 'v'. The members' hash: per member (field: its name) its last demand,
--- instance count and part, packed as 'demand instances part'.
+-- instance count and part, packed (struct '<Bddd': a 0 byte, then the three; decoder:
+-- storage/script_calls.py member_entry); an entry of an earlier layout, text
+-- 'demand instances part', is read as well.
 -- The sorted set scores each member by when it last published (microseconds). Members
 -- silent longer than the forget time leave the sums, at most ARGV[4] per call (oldest
 -- first), so the work per call does not grow with the fleet.
@@ -71,10 +73,17 @@ local REINDEX_US = 1000000 -- a counter's score in a zone's index is renewed at 
 
 -- A member's last entry, {demand, instances, part} or nil: from the members' hash, or
 -- (an earlier layout) the counter's hash, which it then leaves for the members' hash.
+local pack, unpack_state, byte = struct.pack, struct.unpack, string.byte
+local ENTRY = '<Bddd' -- a member's entry: a 0 byte (no text entry starts so), then its figures
+
 local function entry(hash, entries, who)
   local packed = call('HGET', entries, who)
   if packed then
-    local d, n, p = string.match(packed, '^(%S+) (%S+) (%S+)$')
+    if byte(packed, 1) == 0 then
+      local _, d, n, p = unpack_state(ENTRY, packed)
+      return {d, n, p}
+    end
+    local d, n, p = string.match(packed, '^(%S+) (%S+) (%S+)$') -- an earlier layout's text
     return {tonumber(d), tonumber(n), tonumber(p)}
   end
   local old = call('HMGET', hash, 'd:' .. who, 'n:' .. who, 'p:' .. who)
@@ -112,7 +121,6 @@ end
 -- aggregator's fields) and one of the member's entry, the sums kept here, one write of
 -- each; the fields that only change with the rule are written when they do, and the
 -- index gets one ZADD per call.
-local pack, unpack_state = struct.pack, struct.unpack
 local STATE = '<ddddddddd'
 local out = {}
 local indexed = {}
@@ -208,12 +216,14 @@ for i = 1, counters do
     indexed_at, expires, rule_limit, window)
   if index_key and (known_limit ~= rule_limit or known_window ~= window) then
     call('HSET', hash, 'v', packed, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
+    if token then call('HSET', hash, 'f:' .. me, ARGV[3]) end
+  elseif token then
+    call('HSET', hash, 'v', packed, 'f:' .. me, ARGV[3])
   else
     call('HSET', hash, 'v', packed)
   end
-  call('HSET', entries, me, format('%d %d %d', demand, instances, part))
+  call('HSET', entries, me, pack(ENTRY, 0, demand, instances, part))
   call('ZADD', members, format('%d', now), me)
-  if token then call('HSET', hash, 'f:' .. me, ARGV[3]) end
   if ttl then
     call('PEXPIRE', hash, ttl)
     call('PEXPIRE', members, ttl)

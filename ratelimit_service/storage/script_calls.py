@@ -193,6 +193,17 @@ def counter_state(packed: bytes | None) -> CounterState | None:
     return None if packed is None else CounterState(*struct.unpack(COUNTER_STATE, packed))
 
 
+MEMBER_ENTRY = "<Bddd"
+"""The struct layout of a member's entry in an RLQS counter's members' hash: a 0 byte,
+then its demand (thousandths of a hit per second), instances and part (thousandths)."""
+
+
+def member_entry(packed: bytes) -> tuple[float, float, float]:
+    """A member's entry decoded: (demand, instances, part)."""
+    _, demand, instances, part = struct.unpack(MEMBER_ENTRY, packed)
+    return demand, instances, part
+
+
 def tier_keys(hash_key: str) -> tuple[str, str, str]:
     """quota_tier.lua's KEYS for one counter: its hash, its members' sorted set and hash."""
     return hash_key, hash_key + ":m", hash_key + ":e"

@@ -27,6 +27,7 @@ from ratelimit_service.storage.redis_store import RedisStore
 from ratelimit_service.storage.script_calls import (
     COUNTER_STATE,
     counter_state,
+    member_entry,
     tier_args,
     tier_keys,
     tier_reply,
@@ -298,7 +299,9 @@ async def test_members_entries_of_the_earlier_layout_are_read_and_moved(redis_se
     """A counter written before the members' hash (each member's 'd:', 'n:', 'p:' in
     the counter's hash, as a replica of an earlier version leaves it): a member that
     publishes replaces its own entry, one that went silent leaves the sums, and both
-    entries end in the members' hash or nowhere."""
+    entries end in the members' hash or nowhere. An entry of the members' hash in its
+    earlier text layout is read (its part holds room) and replaced when its member
+    publishes."""
     client = aioredis.Redis.from_url(redis_server.url)
     source = script_on_test_clock("quota_tier.lua")
     now_us = 1_800_000_000_000_000
@@ -306,23 +309,31 @@ async def test_members_entries_of_the_earlier_layout_are_read_and_moved(redis_se
     await client.delete(hash_key, members, entries)
     try:
         await client.hset(hash_key, mapping={
-            "D": 3_000, "N": 3, "P": 60_000, "d:a": 1_000, "n:a": 1, "p:a": 20_000,
+            "D": 3_500, "N": 4, "P": 70_000, "d:a": 1_000, "n:a": 1, "p:a": 20_000,
             "d:b": 2_000, "n:b": 2, "p:b": 40_000,
         })  # fmt: skip
-        await client.zadd(members, {"a": now_us - FORGET_US - 1, "b": now_us})
+        await client.hset(entries, "c", "500 1 10000")
+        await client.zadd(members, {"a": now_us - FORGET_US - 1, "b": now_us, "c": now_us})
         await set_test_clock(client, now_us)
         report = TierReport("old", "b", 5.0, 2, 0, 1, 100.0)
         raw = await client.eval(source, 3, hash_key, members, entries, *tier_args(
             [report], FORGET_US, None, zoned=False))  # fmt: skip
         (got,) = tier_reply(raw)
-        # a (silent) left and b's old entry came off: the sums are b's new report alone
-        assert (got.demand, got.instances, got.members) == (5.0, 2, 1)
-        assert got.part == 100.0
+        # a (silent) left and b's old entry came off: b's new report and c's entry; c's
+        # part (10 a second) holds room: b's is its demand and two thirds of the spare
+        assert (got.demand, got.instances, got.members) == (5.5, 3, 2)
+        assert got.part == 68.0
         assert set(await client.hkeys(hash_key)) == {b"v"}  # the sums moved into its state
         state = counter_state(await client.hget(hash_key, "v"))
         assert state is not None and (state.demand, state.instances, state.parts) == (
-            5_000, 2, 100_000)  # fmt: skip
-        assert await client.hgetall(entries) == {b"b": b"5000 2 100000"}
+            5_500, 3, 78_000)  # fmt: skip
+        assert member_entry(await client.hget(entries, "b")) == (5_000, 2, 68_000)
+        report = TierReport("old", "c", 1.0, 1, 0, 1, 100.0)
+        raw = await client.eval(source, 3, hash_key, members, entries, *tier_args(
+            [report], FORGET_US, None, zoned=False))  # fmt: skip
+        (got,) = tier_reply(raw)
+        assert (got.demand, got.instances, got.members) == (6.0, 3, 2)  # c's text came off
+        assert member_entry(await client.hget(entries, "c"))[:2] == (1_000, 1)
         for key in (hash_key, members, entries):  # each expires, a minute past 2 x forget
             assert 0 < await client.pttl(key) <= 2 * FORGET_US // 1000 + 60_000
     finally:
