@@ -53,9 +53,10 @@ import redis
 import redis.asyncio as aioredis
 from throughput import BENCH, lab, start_redis
 
+from ratelimit_service.core.drop_ratio import capacity
 from ratelimit_service.core.local_buckets import BucketReport
 from ratelimit_service.core.stretch import JOIN_SLOTS, STRETCH
-from ratelimit_service.core.tiers import MILLI, TierReport
+from ratelimit_service.core.tiers import EXPIRE_PER_CALL, MILLI, TierReport
 from ratelimit_service.core.zones import RENEW_SHARE, ZoneShare
 from ratelimit_service.storage.redis_calls import script_text
 from ratelimit_service.storage.redis_store import CALL_CHUNK
@@ -94,6 +95,40 @@ class Cell:
     late: int = 0
     """Calls that left more than one interval behind schedule: the store (or this
     driver) could not keep up, and the calls per second fall short of the model."""
+
+
+PACKED_REPORTS = "REPORT_SIZE"
+"""Found in a script that takes its reports packed in one argument (this tree's); one of
+a revision from before takes an argument per figure (the encoders below keep that
+layout for --baseline)."""
+
+
+def sync_call_args(
+    script: Packed, reports: list[BucketReport], node: str, ttl_us: int, zoned: bool
+) -> list[Any]:
+    """fleet_sync.lua's arguments as ``script``'s revision takes them."""
+    if PACKED_REPORTS in script.source:
+        return sync_args(reports, node, ttl_us, zoned)
+    args: list[Any] = [node, ttl_us, "1" if zoned else ""]
+    for r in reports:
+        args += (r.window_seconds * 1_000_000, r.limit, int(capacity(r.limit, r.burst)),
+                 r.admitted, r.offered, r.key if zoned else "",
+                 "" if r.ends_in is None else round(r.ends_in * 1_000_000))  # fmt: skip
+    return args
+
+
+def tier_call_args(
+    script: Packed, reports: list[TierReport], forget_us: int, token: int | None, zoned: bool
+) -> list[Any]:
+    """quota_tier.lua's arguments as ``script``'s revision takes them."""
+    if PACKED_REPORTS in script.source:
+        return tier_args(reports, forget_us, token, zoned)
+    args: list[Any] = [reports[0].member, forget_us, "" if token is None else token,
+                       EXPIRE_PER_CALL]  # fmt: skip
+    for r in reports:
+        args += (round(r.demand * MILLI), r.instances, r.allowed, r.window_seconds * 1_000_000,
+                 round(r.limit * MILLI), r.key if zoned else "")  # fmt: skip
+    return args
 
 
 class Packed:
@@ -289,7 +324,7 @@ async def zone_store(
                 call_keys: list[str] = []
                 for key in chunk:
                     call_keys += tier.counter_keys(f"rl:qt{{{key}}}")
-                args = tier_args(reports, FORGET_US, None, zoned=True)
+                args = tier_call_args(tier, reports, FORGET_US, None, zoned=True)
                 calls.append(tier.pack([*call_keys, index], args))
             rounds.append(calls)
         publishing = cycling(rounds, tier)
@@ -312,7 +347,7 @@ async def zone_store(
                 chunk = sent[start : start + BATCH]
                 reports = [BucketReport(key, LIMIT, 1, offered, offered // 2) for key in chunk]
                 bucket_keys = [f"rl:f:{k}" for k in chunk]
-                args = sync_args(reports, member, 5_000_000, zoned=True)
+                args = sync_call_args(sync, reports, member, 5_000_000, zoned=True)
                 calls.append(sync.pack(["rl:nodes", *bucket_keys, buckets, zones_key], args))
             rounds.append(calls)
         return cycling(rounds, sync)
@@ -379,7 +414,8 @@ async def global_store(client: aioredis.Redis, hot: int, window: Window, mix: Mi
                     call_keys += tier.counter_keys(f"rl:qt{{{kind}{key}}}")
                 totals = [TierReport(key, zone, demand / MILLI, ENVOYS // ZONES, demand // 10,
                                      1, LIMIT) for key, _ in chunk]  # fmt: skip
-                args = tier_args(totals, FORGET_US, 1, zoned=False)  # 1: its fencing token
+                # 1: its fencing token
+                args = tier_call_args(tier, totals, FORGET_US, 1, zoned=False)
                 calls.append(tier.pack(call_keys, args))
             rounds.append(calls)
         passes = cycling(rounds, tier)
@@ -462,7 +498,7 @@ async def run_cell(hot: int, seconds: float, zone_port: int, global_port: int, m
 
 def scripts_at(revision: str | None) -> dict[str, str]:
     """fleet_sync.lua and quota_tier.lua as this tree has them, or as git ``revision``
-    had them (their arguments unchanged since, so the same encoders call both)."""
+    had them (sync_call_args and tier_call_args give each its arguments)."""
     names = ("fleet_sync.lua", "quota_tier.lua")
     if revision is None:
         return {name: script_text(name) for name in names}
@@ -506,15 +542,15 @@ async def update_cost(
         for n in range(members):
             member = f"replica-{n}"
             reports = [BucketReport(k, LIMIT, 1, 200, 100) for k in keys]
-            args = sync_args(reports, member, 5_000_000, zoned=True)
+            args = sync_call_args(sync, reports, member, 5_000_000, zoned=True)
             syncs.append(sync.pack(["rl:nodes", *(f"rl:f:{k}" for k in keys), *zone_keys], args))
             totals = [TierReport(k, member, 100.0, 100, 10_000, 1, LIMIT) for k in keys]
             pair = [x for k in keys for x in tier.counter_keys(f"rl:qt{{{k}}}")]
-            args = tier_args(totals, FORGET_US, None, zoned=True)
+            args = tier_call_args(tier, totals, FORGET_US, None, zoned=True)
             zone_publishes.append(tier.pack([*pair, "rl:zone:z:counters"], args))
             if n < ZONES:  # the global store's members are the zones, with their tokens
                 pair = [x for k in keys for x in tier.counter_keys(f"rl:qt{{g{k}}}")]
-                args = tier_args(totals, FORGET_US, 1, zoned=False)
+                args = tier_call_args(tier, totals, FORGET_US, 1, zoned=False)
                 global_publishes.append(tier.pack(pair, args))
         cases = {
             "fleet_sync.lua (zone store)": syncs,

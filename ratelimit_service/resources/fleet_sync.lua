@@ -49,9 +49,13 @@
 -- ARGV[2]   node time-to-live in microseconds (a node silent longer is not counted)
 -- ARGV[3]   '1' in a zone (the last two keys are the index and the count of zones),
 --           '' otherwise
--- ARGV[4 + 7*(i-1) ...] for bucket i: window_us, limit, capacity, admitted delta,
---           offered delta, the bucket's key (in a zone; '' otherwise), a calendar
---           budget's microseconds to its period's end ('' for a rolling bucket)
+-- ARGV[4]   the buckets' reports, packed (struct '<dddddd' each, in the keys' order;
+--           encoder: storage/script_calls.py sync_args): window_us, limit, capacity,
+--           admitted delta, offered delta, a calendar budget's microseconds to its
+--           period's end (-1 for a rolling bucket). One argument for them all: Redis
+--           reads and hands the script one string, not seven per bucket, and the
+--           script parses no number from text
+-- ARGV[4 + i] in a zone: bucket i's key
 -- Returns   {live nodes (-1 without heartbeat), then 3 integers per bucket:
 --            tokens in thousandths, offered total, the limit the bucket refilled at
 --            in thousandths (a calendar budget's: the limit it holds, as a zone's
@@ -96,17 +100,16 @@ end
 -- and the index gets one ZADD per call.
 local pack, unpack_state = struct.pack, struct.unpack
 local STATE = '<dddddddd'
+local REPORT, REPORT_SIZE = '<dddddd', 48
+local reports = ARGV[4]
 local indexed = {}
 local n = #out
 for i = 1, last - first + 1 do
   local key = KEYS[first + i - 1]
-  local base = 4 + 7 * (i - 1)
-  local window = tonumber(ARGV[base])
-  local rule_limit = tonumber(ARGV[base + 1])
+  local window, rule_limit, capacity, admitted, offered, ends =
+    unpack_state(REPORT, reports, REPORT_SIZE * (i - 1) + 1)
+  if ends < 0 then ends = nil end
   local limit = rule_limit
-  local capacity = tonumber(ARGV[base + 2])
-  local admitted = tonumber(ARGV[base + 3])
-  local ends = tonumber(ARGV[base + 6])
   local state
   if index_key then
     state = call('HMGET', key, 'v', 'Z', 'T')
@@ -157,7 +160,7 @@ for i = 1, last - first + 1 do
   end
   tokens = tokens - admitted
   if tokens < -limit then tokens = -limit end
-  local offered_total = offered_before + tonumber(ARGV[base + 4])
+  local offered_total = offered_before + offered
   if index_key and (created or now - indexed_at >= REINDEX_US) then
     indexed_at = now
     indexed[#indexed + 1] = stamp_text
@@ -180,10 +183,11 @@ for i = 1, last - first + 1 do
   local packed = pack(STATE, tokens, now, offered_total, admitted_total, indexed_at, expires,
     rule_limit, window)
   if index_key and created then
-    call('HSET', key, 'v', packed, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base],
-      'c', stamp_text)
+    call('HSET', key, 'v', packed, 'K', ARGV[4 + i], 'L', format('%.17g', rule_limit),
+      'W', format('%d', window), 'c', stamp_text)
   elseif index_key and (known_limit ~= rule_limit or known_window ~= window) then
-    call('HSET', key, 'v', packed, 'K', ARGV[base + 5], 'L', ARGV[base + 1], 'W', ARGV[base])
+    call('HSET', key, 'v', packed, 'K', ARGV[4 + i], 'L', format('%.17g', rule_limit),
+      'W', format('%d', window))
   else
     call('HSET', key, 'v', packed)
   end

@@ -53,9 +53,12 @@
 -- ARGV[2]   forget time in microseconds
 -- ARGV[3]   the member's fencing token, or '' (a replica: no fencing)
 -- ARGV[4]   the most silent members one call removes (core/tiers.py EXPIRE_PER_CALL)
--- ARGV[5 + 6*(i-1) ...] for counter i: demand, instances, allowed hits since the last
---           publish, window in microseconds, limit (demand and limit in thousandths
---           of a hit per second), the counter's key (in a zone; '' otherwise)
+-- ARGV[5]   the counters' reports, packed (struct '<ddddd' each, in the keys' order;
+--           encoder: storage/script_calls.py tier_args): demand, instances, allowed
+--           hits since the last publish, window in microseconds, limit (demand and
+--           limit in thousandths of a hit per second). One argument for them all:
+--           Redis reads and hands the script one string, not five per counter
+-- ARGV[5 + i] in a zone: counter i's key
 -- Returns   per counter: {part (thousandths), fleet demand (thousandths), fleet
 --           instances, live members, allowed hits in the window (in a zone: the
 --           fleet's, the global count plus what the zone allowed since), the limit the
@@ -122,14 +125,14 @@ end
 -- each; the fields that only change with the rule are written when they do, and the
 -- index gets one ZADD per call.
 local STATE = '<ddddddddd'
+local REPORT, REPORT_SIZE = '<ddddd', 40
+local reports = ARGV[5]
 local out = {}
 local indexed = {}
 for i = 1, counters do
   local hash, members, entries = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-  local base = 5 + 6 * (i - 1)
-  local demand, instances = tonumber(ARGV[base]), tonumber(ARGV[base + 1])
-  local allowed, window = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  local rule_limit = tonumber(ARGV[base + 4])
+  local demand, instances, allowed, window, rule_limit =
+    unpack_state(REPORT, reports, REPORT_SIZE * (i - 1) + 1)
   local limit = rule_limit
   -- Only a zone's store has the aggregator's fields: elsewhere they are not looked for.
   local state
@@ -215,7 +218,8 @@ for i = 1, counters do
   local packed = pack(STATE, fleet_demand, fleet_instances, others + part, index, used,
     indexed_at, expires, rule_limit, window)
   if index_key and (known_limit ~= rule_limit or known_window ~= window) then
-    call('HSET', hash, 'v', packed, 'K', ARGV[base + 5], 'R', ARGV[base + 4], 'W', ARGV[base + 3])
+    call('HSET', hash, 'v', packed, 'K', ARGV[5 + i], 'R', format('%d', rule_limit),
+      'W', format('%d', window))
     if token then call('HSET', hash, 'f:' .. me, ARGV[3]) end
   elseif token then
     call('HSET', hash, 'v', packed, 'f:' .. me, ARGV[3])

@@ -110,21 +110,29 @@ def exact_reply(raw: Sequence[Any], start: int, count: int) -> list[ExactResult]
 # fleet_sync.lua
 
 
+SYNC_REPORT = struct.Struct("<dddddd")
+"""A bucket's report in fleet_sync.lua's ARGV[4] (its header: REPORT)."""
+
+
 def sync_args(
     reports: Sequence[BucketReport], node: str, node_ttl_us: int, zoned: bool
 ) -> list[Any]:
-    """fleet_sync.lua's ARGV: ``node`` ('' for no heartbeat), then each bucket's report."""
-    args: list[Any] = [node, node_ttl_us, "1" if zoned else ""]
-    for report in reports:
-        args += (
+    """fleet_sync.lua's ARGV: ``node`` ('' for no heartbeat), the buckets' reports packed
+    in one string, then in a zone their keys."""
+    packed = b"".join(
+        SYNC_REPORT.pack(
             report.window_seconds * 1_000_000,
             report.limit,
             int(capacity(report.limit, report.burst)),
             report.admitted,
             report.offered,
-            report.key if zoned else "",
-            "" if report.ends_in is None else round(report.ends_in * 1_000_000),
+            -1 if report.ends_in is None else round(report.ends_in * 1_000_000),
         )
+        for report in reports
+    )
+    args: list[Any] = [node, node_ttl_us, "1" if zoned else "", packed]
+    if zoned:
+        args += [report.key for report in reports]
     return args
 
 
@@ -209,21 +217,28 @@ def tier_keys(hash_key: str) -> tuple[str, str, str]:
     return hash_key, hash_key + ":m", hash_key + ":e"
 
 
+TIER_REPORT = struct.Struct("<ddddd")
+"""A counter's report in quota_tier.lua's ARGV[5] (its header: REPORT)."""
+
+
 def tier_args(
     reports: Sequence[TierReport], forget_us: int, token: int | None, zoned: bool
 ) -> list[Any]:
     """quota_tier.lua's ARGV for one member's ``reports`` (see the script's header)."""
     member = reports[0].member
-    args: list[Any] = [member, forget_us, "" if token is None else token, EXPIRE_PER_CALL]
-    for report in reports:
-        args += (
+    packed = b"".join(
+        TIER_REPORT.pack(
             round(report.demand * MILLI),
             report.instances,
             report.allowed,
             report.window_seconds * 1_000_000,
             round(report.limit * MILLI),
-            report.key if zoned else "",
         )
+        for report in reports
+    )
+    args: list[Any] = [member, forget_us, "" if token is None else token, EXPIRE_PER_CALL, packed]
+    if zoned:
+        args += [report.key for report in reports]
     return args
 
 
