@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from ratelimit_harness.fleet import SHOULD_RATE_LIMIT, histogram_over, scrape, s
 from ratelimit_harness.rlqs_sim import usage_report
 from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.cli.client import build_request
-from ratelimit_service.engine.quota import REPORT_INTERVAL
+from ratelimit_service.engine.quota import ABANDON_AFTER, REPORT_INTERVAL
 from ratelimit_service.engine.status import TOP
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -57,11 +58,21 @@ async def _every_rule_called(port: int) -> None:
 
 @contextlib.asynccontextmanager
 async def _envoys(port: int) -> AsyncIterator[None]:
-    """ENVOYS streams over COUNTERS buckets, each with one report answered, held open and
-    reporting again every REPORT_INTERVAL as Envoy does (an instance silent for
-    FORGET_AFTER is forgotten, and its counter with it)."""
+    """ENVOYS streams over COUNTERS buckets, each with one report answered, held open,
+    reporting again every REPORT_INTERVAL and reading what the service sends, as Envoy
+    does: an instance silent for FORGET_AFTER is forgotten, and one idle for
+    ABANDON_AFTER reports in a row told to abandon the bucket (its counter goes with
+    its last instance), so every other report carries a hit, half the canary's rate
+    over the fleet."""
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(10)]
     calls: list[Any] = []
+    readers: list[asyncio.Task[None]] = []
+
+    assert ABANDON_AFTER > 2  # an idle report between two busy ones is not abandoned
+
+    async def read_all(call: Any) -> None:
+        while await call.read() is not grpc.aio.EOF:
+            pass
 
     def report(n: int, allowed: int = 1, elapsed: int = 0) -> Any:
         return usage_report("q", {"tenant": f"t{n % COUNTERS}"}, allowed, 0, elapsed)
@@ -72,12 +83,13 @@ async def _envoys(port: int) -> AsyncIterator[None]:
         calls.append(call)
         await call.write(report(n))
         await asyncio.wait_for(call.read(), 30)
+        readers.append(asyncio.ensure_future(read_all(call)))
 
     async def reporting() -> None:
-        while True:
+        for turn in itertools.count(1):
             await asyncio.sleep(REPORT_INTERVAL)  # pacing: Envoy's reporting interval
             for n, call in enumerate(calls):
-                await call.write(report(n, 0, int(REPORT_INTERVAL)))  # no traffic since
+                await call.write(report(n, turn % 2, int(REPORT_INTERVAL)))
 
     refresher: asyncio.Task[None] | None = None
     try:
@@ -85,10 +97,11 @@ async def _envoys(port: int) -> AsyncIterator[None]:
         refresher = asyncio.ensure_future(reporting())
         yield
     finally:
-        if refresher is not None:
-            refresher.cancel()
+        # The reports first: a reader cancelled ends its call, which a report then meets.
+        for task in [*([refresher] if refresher is not None else []), *readers]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await refresher
+                await task
         for call in calls:
             call.cancel()
         for channel in channels:
@@ -96,9 +109,10 @@ async def _envoys(port: int) -> AsyncIterator[None]:
 
 
 async def _canary(port: int, waits: list[float], stop: asyncio.Event) -> None:
-    """A call every 5 ms until ``stop``; each call's wait kept."""
+    """A call every 5 ms until ``stop``, of 10 hits each (its rule the busiest by far,
+    beside the RLQS reports' hit every ten seconds an Envoy); each call's wait kept."""
     loop = asyncio.get_running_loop()
-    request = build_request("many", ["r=v0"], 0).SerializeToString()
+    request = build_request("many", ["r=v0"], 10).SerializeToString()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.unary_unary(SHOULD_RATE_LIMIT)
 
