@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from ratelimit_harness.fleet import SHOULD_RATE_LIMIT, histogram_over, scrape, s
 from ratelimit_harness.rlqs_sim import usage_report
 from ratelimit_harness.waiting import eventually_async
 from ratelimit_service.cli.client import build_request
-from ratelimit_service.engine.quota import ABANDON_AFTER, REPORT_INTERVAL
+from ratelimit_service.engine.quota import REPORT_INTERVAL
 from ratelimit_service.engine.status import TOP
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -57,25 +56,18 @@ async def _every_rule_called(port: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _envoys(port: int) -> AsyncIterator[None]:
-    """ENVOYS streams over COUNTERS buckets, each with one report answered, held open,
-    reporting again every REPORT_INTERVAL and reading what the service sends, as Envoy
-    does: an instance silent for FORGET_AFTER is forgotten, and one idle for
-    ABANDON_AFTER reports in a row told to abandon the bucket (its counter goes with
-    its last instance), so every other report carries a hit, half the canary's rate
-    over the fleet."""
+async def _envoys(port: int) -> AsyncIterator[Callable[[], None]]:
+    """ENVOYS streams over COUNTERS buckets, each with one report answered, held open;
+    yields what starts their reports again, one now and then every REPORT_INTERVAL, a
+    hit each, as Envoy's (an instance silent for FORGET_AFTER is forgotten, and one
+    idle for ABANDON_AFTER reports told to abandon the bucket: its counter goes with
+    its last instance)."""
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(10)]
     calls: list[Any] = []
-    readers: list[asyncio.Task[None]] = []
+    refresher: list[asyncio.Task[None]] = []
 
-    assert ABANDON_AFTER > 2  # an idle report between two busy ones is not abandoned
-
-    async def read_all(call: Any) -> None:
-        while await call.read() is not grpc.aio.EOF:
-            pass
-
-    def report(n: int, allowed: int = 1, elapsed: int = 0) -> Any:
-        return usage_report("q", {"tenant": f"t{n % COUNTERS}"}, allowed, 0, elapsed)
+    def report(n: int, elapsed: int = 0) -> Any:
+        return usage_report("q", {"tenant": f"t{n % COUNTERS}"}, 1, 0, elapsed)
 
     async def envoy(n: int) -> None:
         stub = rlqs_pb2_grpc.RateLimitQuotaServiceStub(channels[n % len(channels)])
@@ -83,22 +75,21 @@ async def _envoys(port: int) -> AsyncIterator[None]:
         calls.append(call)
         await call.write(report(n))
         await asyncio.wait_for(call.read(), 30)
-        readers.append(asyncio.ensure_future(read_all(call)))
 
     async def reporting() -> None:
-        for turn in itertools.count(1):
-            await asyncio.sleep(REPORT_INTERVAL)  # pacing: Envoy's reporting interval
+        while True:
             for n, call in enumerate(calls):
-                await call.write(report(n, turn % 2, int(REPORT_INTERVAL)))
+                await call.write(report(n, int(REPORT_INTERVAL)))
+            await asyncio.sleep(REPORT_INTERVAL)  # pacing: Envoy's reporting interval
 
-    refresher: asyncio.Task[None] | None = None
+    def start() -> None:
+        refresher.append(asyncio.ensure_future(reporting()))
+
     try:
         await asyncio.gather(*(envoy(n) for n in range(ENVOYS)))
-        refresher = asyncio.ensure_future(reporting())
-        yield
+        yield start
     finally:
-        # The reports first: a reader cancelled ends its call, which a report then meets.
-        for task in [*([refresher] if refresher is not None else []), *readers]:
+        for task in refresher:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -110,7 +101,7 @@ async def _envoys(port: int) -> AsyncIterator[None]:
 
 async def _canary(port: int, waits: list[float], stop: asyncio.Event) -> None:
     """A call every 5 ms until ``stop``, of 10 hits each (its rule the busiest by far,
-    beside the RLQS reports' hit every ten seconds an Envoy); each call's wait kept."""
+    beside the RLQS reports' hit every five seconds an Envoy); each call's wait kept."""
     loop = asyncio.get_running_loop()
     request = build_request("many", ["r=v0"], 10).SerializeToString()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -157,7 +148,7 @@ async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: P
     keys = ("--max-stats-keys", str(RULES + 1))  # every rule its own row, q.tenant too
     with service_fleet(1, _rules(tmp_path), None, keys) as (node,):
         await _every_rule_called(node.grpc_port)
-        async with _envoys(node.grpc_port):
+        async with _envoys(node.grpc_port) as keep_reporting:
             # The state just made (10,000 rules' stats, 1,000 streams) tenured first, as
             # a serving process's is within seconds: a full collection over it before
             # then can land in any piece of work (the stalls tests watch those).
@@ -167,6 +158,7 @@ async def test_status_stays_bounded_and_calls_are_answered_meanwhile(tmp_path: P
                 return await _tenures(node.admin_port) > tenured
 
             await eventually_async(tenured_since, what="the new state tenured")
+            keep_reporting()  # from here on, as long as the snapshots take
             held_before = _held(node.admin_port)
             waits: list[float] = []
             stop = asyncio.Event()
