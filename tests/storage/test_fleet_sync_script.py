@@ -21,7 +21,11 @@ from ratelimit_service.core.zones import ZoneShare
 from ratelimit_service.storage.embedded import _FleetBucket
 from ratelimit_service.storage.redis_calls import script_text
 from ratelimit_service.storage.script_calls import (
+    COUNTER_STATE,
     FLEET_STATE,
+    MEMBER_ENTRY,
+    SYNC_REPORT,
+    TIER_REPORT,
     fleet_state,
     sync_args,
     sync_reply,
@@ -219,10 +223,20 @@ async def test_a_rolling_buckets_expiry_is_pushed_back_only_when_it_comes_near(
         await client.aclose()
 
 
-def test_the_packed_state_is_laid_out_as_its_decoder_reads_it() -> None:
-    """fleet_sync.lua packs, and zone_read_fleet.lua reads, the layout FleetState decodes."""
-    for script in ("fleet_sync.lua", "zone_read_fleet.lua"):
-        assert f"'{FLEET_STATE}'" in script_text(script), script
+def test_the_packed_layouts_are_the_ones_the_encoders_and_decoders_use() -> None:
+    """Each script packs and reads the struct layouts storage/script_calls.py encodes
+    and decodes: a bucket's state (fleet_sync.lua, zone_read_fleet.lua), a counter's
+    state (quota_tier.lua, zone_read.lua) and member entry, and the reports."""
+    layouts = {
+        FLEET_STATE: ("fleet_sync.lua", "zone_read_fleet.lua"),
+        COUNTER_STATE: ("quota_tier.lua", "zone_read.lua"),
+        MEMBER_ENTRY: ("quota_tier.lua",),
+        SYNC_REPORT.format: ("fleet_sync.lua",),
+        TIER_REPORT.format: ("quota_tier.lua",),
+    }
+    for layout, scripts in layouts.items():
+        for script in scripts:
+            assert f"'{layout}'" in script_text(script), (layout, script)
 
 
 @pytest.mark.parametrize("zoned", [False, True])
