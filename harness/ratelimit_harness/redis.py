@@ -133,10 +133,15 @@ def _cluster_port() -> int:
             return port
 
 
+def _node_port(fields: list[str]) -> int:
+    """The port of a CLUSTER NODES line (its address field, ip:port@bus)."""
+    return int(fields[1].split(":")[1].split("@")[0])
+
+
 def masters_in(nodes: str) -> list[int]:
     """The ports of the masters not flagged failed in a CLUSTER NODES reply."""
     return [
-        int(line.split()[1].split(":")[1].split("@")[0])
+        _node_port(line.split())
         for line in nodes.splitlines()
         if "master" in line.split()[2] and "fail" not in line.split()[2]
     ]
@@ -172,6 +177,27 @@ class RedisCluster(_Processes):
             if nodes:
                 return masters_in(nodes)
         return []
+
+    def agreed_masters(self, timeout: float = 20.0) -> list[int]:
+        """The masters, once every live node names the same ones, as many as the
+        cluster was built with (a failover under way, or a view not yet gossiped, is
+        waited out: a fault scenario must kill a node that is a master everywhere)."""
+        count = len(self.ports) // (1 + self.replicas)
+        seen: list[list[int]] = []
+
+        def agreed() -> bool:
+            views = [_cli(p, "cluster", "nodes") for p in self.ports]
+            seen[:] = [sorted(masters_in(v)) for v in views if v]
+            return len(seen[0]) == count and all(v == seen[0] for v in seen)
+
+        eventually(agreed, timeout=timeout, what="every node naming the same masters")
+        return seen[0]
+
+    def replicas_of(self, port: int) -> list[int]:
+        """The ports of the replicas of the master on ``port``, as it sees them."""
+        nodes = [line.split() for line in _cli(port, "cluster", "nodes").splitlines()]
+        (own,) = [fields[0] for fields in nodes if "myself" in fields[2]]
+        return [_node_port(f) for f in nodes if "slave" in f[2] and f[3] == own]
 
     def cli(self, port: int, *args: str) -> str:
         """redis-cli on one node: its output."""

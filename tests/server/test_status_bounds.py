@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -31,6 +32,8 @@ RULES = 10_000
 ENVOYS = 1_000
 COUNTERS = 100
 PER_CALL = 64
+SPREAD = 1.0
+"""Seconds over which the Envoys' reports of one interval are spread."""
 """Descriptors per call (--max-descriptors' default): 10,000 rules in 157 calls."""
 
 
@@ -58,8 +61,8 @@ async def _every_rule_called(port: int) -> None:
 @contextlib.asynccontextmanager
 async def _envoys(port: int) -> AsyncIterator[Callable[[], None]]:
     """ENVOYS streams over COUNTERS buckets, each with one report answered, held open;
-    yields what starts their reports again, one now and then every REPORT_INTERVAL, a
-    hit each, as Envoy's (an instance silent for FORGET_AFTER is forgotten, and one
+    yields what starts their reports again, every REPORT_INTERVAL a hit each, spread
+    over the interval, as Envoy's (an instance silent for FORGET_AFTER is forgotten, and one
     idle for ABANDON_AFTER reports told to abandon the bucket: its counter goes with
     its last instance)."""
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(10)]
@@ -77,10 +80,16 @@ async def _envoys(port: int) -> AsyncIterator[Callable[[], None]]:
         await asyncio.wait_for(call.read(), 30)
 
     async def reporting() -> None:
-        while True:
+        """Each Envoy at its own moment, as a fleet's timers (started when each Envoy
+        did) are spread: not a thousand reports in one burst. The first round within
+        SPREAD seconds, well inside FORGET_AFTER of the reports before the tenure wait."""
+        loop = asyncio.get_running_loop()
+        begun = loop.time()
+        for round_ in itertools.count():
             for n, call in enumerate(calls):
+                due = begun + round_ * REPORT_INTERVAL + n / len(calls) * SPREAD
+                await asyncio.sleep(max(0.0, due - loop.time()))  # pacing: Envoy's interval
                 await call.write(report(n, int(REPORT_INTERVAL)))
-            await asyncio.sleep(REPORT_INTERVAL)  # pacing: Envoy's reporting interval
 
     def start() -> None:
         refresher.append(asyncio.ensure_future(reporting()))
