@@ -280,6 +280,9 @@ def sweep(
                                   redis_server, tp.ENVOY_DEADLINE, progress)  # fmt: skip
             point.load, point.round = rate if rate.endswith("x") else point.load, round_
             points.append(point)
+            if args.keep_logs:  # each run's calls (start µs, status, latency µs), to read later
+                name = f"{server.name}-{point.load}-round{round_}".replace(" ", "_")
+                shutil.copy(log, log.with_name(name.replace("/", "per") + ".tsv"))
             progress(
                 f"    {point.rps:,.0f} req/s, p50 {point.p50_ms:.2f} ms, p99 {point.p99_ms:.2f}"
                 f" ms, over 20 ms {point.over_20ms}, refused {point.refused}, failure_mode"

@@ -199,6 +199,10 @@ SETTINGS: tuple[Setting, ...] = (
             " 1 needs Redis", 1, positive(int)),
     Setting("--reuse-port", "listening", "share the gRPC port (set by --workers)", switch=True,
             fills="reuse_port", hidden=True),
+    Setting("--grpc-engine", "listening", "what serves the gRPC port: grpcio, or native (our"
+            " HTTP/2 for ShouldRateLimit and health checks, several times grpcio's calls per core;"
+            " connections that begin with another method are handed to grpcio; no TLS)",
+            "grpcio", choices=("grpcio", "native"), fills="grpc_engine"),
     Setting("--event-loop", "listening", "event loop: uvloop when installed (auto), or asyncio's",
             "auto", choices=("auto", "asyncio", "uvloop")),
     Setting("--max-request-bytes", "listening", "largest request accepted (gRPC answers"

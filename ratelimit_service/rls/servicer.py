@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from ratelimit_service.core.config_model import HeaderStyle, RateLimitConfig
 from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
-from ratelimit_service.core.request import Descriptor, InvalidRequest, Request
+from ratelimit_service.core.request import Descriptor, InvalidRequest, Request, Response
 from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.units import unit_from_wire
 from ratelimit_service.engine.limiter import Overloaded, RateLimiter
@@ -43,6 +43,15 @@ def request_from_proto(message: Any) -> Request:
         hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else None
         descriptors.append(Descriptor(entries, override, hits))
     return Request(message.domain, descriptors, message.hits_addend)
+
+
+class CallFailed(Exception):
+    """A call answered with a gRPC status instead of a response."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
 
 
 class _MalformedRequest(InvalidRequest):
@@ -95,45 +104,79 @@ class RateLimitServicer:
         plus the time the call waited behind a pause of the loop before it (LoopLag.held's
         estimate). Not in it: time in the network, the kernel and gRPC's core."""
         started = time.perf_counter()
-        stats = self.limiter.stats
-        stats.total_requests += 1
+        self.limiter.stats.total_requests += 1
         try:
-            config = self.limiter.config
-            if config is not self._bytes_for:  # a reload: rebuild the prebuilt limits,
-                self._heads = LimitHeads(config.limits())  # and forget requests planned
-                self._requests.clear()  # under the old config (their plans keep it alive)
-                self._bytes_for = config
-            request = self._requests.find(raw)
-            if request is None:
-                request = self._requests.get(raw)
-            response = self.limiter.decide_locally(request)
+            request, response = self._decide_locally(raw)
             if response is None:  # the store decides: it may wait until the caller's deadline
                 remaining = context.time_remaining()
                 deadline = None
                 if remaining is not None:
                     deadline = asyncio.get_running_loop().time() + remaining - self.deadline_margin
                 response = await self.limiter.should_rate_limit(request, deadline)
-            headers = None
-            if self._headers:
-                headers = rate_limit_headers(response.decided, self.header_style, self.header_names)
-            go_request = request if self.go_metadata else None
-            return encode_response(response, headers, self._heads, request.domain, go_request)
-        except InvalidRequest as exc:
-            if isinstance(exc, _MalformedRequest):  # the limiter counts the other kinds
-                stats.service_error += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Overloaded as exc:  # counted by the limiter; the client's policy decides
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except Exception:
-            log.exception("ShouldRateLimit failed")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            return self._encode(request, response)
+        except Exception as exc:
+            failed = self._failed(exc)
+            await context.abort(failed.code, failed.details)
         finally:
-            elapsed = time.perf_counter() - started
-            lag = self.lag
-            if not lag.calm_from <= started <= lag.calm_until:
-                elapsed += lag.held(started)
-            stats.latency.observe(elapsed)
+            self._observe(started)
         raise AssertionError("context.abort() returned")  # it always raises
+
+    def answer_locally(self, raw: bytes) -> bytes | None:
+        """The answer when no store is asked (every descriptor probabilistic, or none
+        matched), without a coroutine: the native front door answers so within the read
+        that brought the call. None: the store decides, call :meth:`should_rate_limit`
+        (which counts the call). Raises CallFailed where that aborts."""
+        started = time.perf_counter()
+        try:
+            request, response = self._decide_locally(raw)
+            if response is None:
+                return None
+            self.limiter.stats.total_requests += 1
+            answer = self._encode(request, response)
+        except Exception as exc:
+            self.limiter.stats.total_requests += 1
+            self._observe(started)
+            raise self._failed(exc) from exc
+        self._observe(started)
+        return answer
+
+    def _decide_locally(self, raw: bytes) -> tuple[Request, Response | None]:
+        """The request (parsed once per distinct bytes) and its answer if no store is asked."""
+        config = self.limiter.config
+        if config is not self._bytes_for:  # a reload: rebuild the prebuilt limits,
+            self._heads = LimitHeads(config.limits())  # and forget requests planned
+            self._requests.clear()  # under the old config (their plans keep it alive)
+            self._bytes_for = config
+        request = self._requests.find(raw)
+        if request is None:
+            request = self._requests.get(raw)
+        return request, self.limiter.decide_locally(request)
+
+    def _encode(self, request: Request, response: Response) -> bytes:
+        headers = None
+        if self._headers:
+            headers = rate_limit_headers(response.decided, self.header_style, self.header_names)
+        go_request = request if self.go_metadata else None
+        return encode_response(response, headers, self._heads, request.domain, go_request)
+
+    def _failed(self, exc: Exception) -> CallFailed:
+        """The status a failed call is answered with (the limiter counted it, but a
+        malformed request, counted here)."""
+        if isinstance(exc, InvalidRequest):
+            if isinstance(exc, _MalformedRequest):
+                self.limiter.stats.service_error += 1
+            return CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if isinstance(exc, Overloaded):  # the client's policy decides
+            return CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        log.error("ShouldRateLimit failed", exc_info=exc)
+        return CallFailed(grpc.StatusCode.INTERNAL, "internal error")
+
+    def _observe(self, started: float) -> None:
+        elapsed = time.perf_counter() - started
+        lag = self.lag
+        if not lag.calm_from <= started <= lag.calm_until:
+            elapsed += lag.held(started)
+        self.limiter.stats.latency.observe(elapsed)
 
     async def traced_should_rate_limit(
         self, raw: bytes, context: grpc.aio.ServicerContext

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import shutil
 import signal
 import socket
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,6 +54,8 @@ from ratelimit_service.server.gc_policy import Tenuring
 from ratelimit_service.server.go_http import GoEndpoints
 from ratelimit_service.server.grpc_calls import grpc_call_metrics
 from ratelimit_service.server.http_server import INDEX, HttpServer, Page, pages, query_page
+from ratelimit_service.server.native_grpc import NativeGrpcServer
+from ratelimit_service.server.native_wiring import native_routes
 from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.status_page import status_routes
 from ratelimit_service.server.tls import CertificateReloader
@@ -236,6 +241,12 @@ class RateLimitService:
         self.tls: CertificateReloader | None = None
         self._serving = False
         self._health_updates: set[asyncio.Task[None]] = set()
+        self._health_status: dict[str, int] = {}
+        """Each health service name's status, as published (the native front door answers
+        Check from it)."""
+        self.native: NativeGrpcServer | None = None
+        self._backend_dir: str | None = None
+        """--grpc-engine native: the directory of grpcio's private socket."""
         self.grpc_port = 0
 
     async def start(self) -> None:
@@ -246,6 +257,9 @@ class RateLimitService:
                 server_url = self.xds.settings.server_url
                 log.info("waiting for the first rules from xDS server %s", server_url)
                 await self.xds.wait_first()
+        native = settings.grpc_engine == "native"
+        if native and settings.tls_cert:
+            raise OSError("--grpc-engine native serves plaintext: use grpcio with --tls-cert")
         server = grpc.aio.server(options=self._grpc_options())
         servicer = self.servicer = RateLimitServicer(
             self.limiter,
@@ -263,15 +277,23 @@ class RateLimitService:
         reflection.enable_server_reflection(
             (RLS_SERVICE, RLQS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        try:
-            self.grpc_port = self._bind(server)
-        except RuntimeError:
-            self.grpc_port = 0
-        if self.grpc_port == 0:
-            why = _bind_error(settings.grpc_addr, bool(settings.reuse_port))
-            raise OSError(f"cannot listen on {settings.grpc_addr} (gRPC): {why}")
-        await server.start()
-        self._server = server
+        if native:
+            self._backend_dir = tempfile.mkdtemp(prefix="ratelimit-grpc-")
+            backend = os.path.join(self._backend_dir, "grpcio.sock")
+            server.add_insecure_port(f"unix:{backend}")
+            await server.start()
+            self._server = server
+            await self._start_native(servicer, backend)
+        else:
+            try:
+                self.grpc_port = self._bind(server)
+            except RuntimeError:
+                self.grpc_port = 0
+            if self.grpc_port == 0:
+                why = _bind_error(settings.grpc_addr, bool(settings.reuse_port))
+                raise OSError(f"cannot listen on {settings.grpc_addr} (gRPC): {why}")
+            await server.start()
+            self._server = server
         try:
             await self._start_admin()
             await self._start_go_ports(servicer)
@@ -301,6 +323,24 @@ class RateLimitService:
             settings.mode.value,
             ",".join(sorted(self.limiter.config.domains)) or "(none)",
         )
+
+    async def _start_native(self, servicer: RateLimitServicer, backend: str) -> None:
+        """The native front door on the gRPC address, grpcio behind it on ``backend``."""
+        settings = self.settings
+        self.native = NativeGrpcServer(
+            native_routes(servicer, self._health_status),
+            backend,
+            settings.max_request_bytes,
+            settings.grpc_max_connection_age,
+            settings.grpc_max_connection_age_grace,
+        )
+        try:
+            self.grpc_port = await self.native.start(settings.grpc_addr, settings.reuse_port)
+        except (OSError, ValueError) as exc:
+            assert self._server is not None
+            await self._server.stop(0)
+            self._server = None
+            raise OSError(f"cannot listen on {settings.grpc_addr} (gRPC): {exc}") from exc
 
     def _grpc_options(self) -> list[tuple[str, int]]:
         settings = self.settings
@@ -359,11 +399,17 @@ class RateLimitService:
         calls, let in-flight ones finish, release."""
         self._serving = False
         await self.health.enter_graceful_shutdown()
+        for name in self._health_status:
+            self._health_status[name] = health_pb2.HealthCheckResponse.NOT_SERVING
         if drain and self.settings.drain_timeout > 0:
             await self._drain()
         self.quota.close_streams()  # RLQS streams end with a status, not the grace's cancel
+        if self.native is not None:
+            await self.native.stop(self.settings.shutdown_grace)
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace)
+        if self._backend_dir is not None:
+            shutil.rmtree(self._backend_dir, ignore_errors=True)
         await self.reconciler.stop()
         await self.quota.stop()
         await self._loop_lag_task.stop()
@@ -439,6 +485,7 @@ class RateLimitService:
         status = health_pb2.HealthCheckResponse
         state = status.SERVING if self.healthy() else status.NOT_SERVING
         for name in HEALTH_NAMES:
+            self._health_status[name] = state
             await self.health.set(name, state)
 
     def _reload(self) -> None:
@@ -507,7 +554,7 @@ class RateLimitService:
         yield from reconciler_metrics(self.reconciler)
         yield from quota_metrics(self.quota)
         yield from self.tenuring.metrics()
-        yield from grpc_call_metrics()
+        yield from grpc_call_metrics(None if self.native is None else self.native.counts)
 
 
 def _bind_error(addr: str, reuse_port: bool) -> str:

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily
 
+from ratelimit_service.server.native_grpc import CallCounts
+
 log = logging.getLogger(__name__)
 
 
@@ -37,9 +39,10 @@ _COUNTS = (("started", "callsStarted"), ("succeeded", "callsSucceeded"), ("faile
 """Each ``result`` label and the channelz server field that counts it."""
 
 
-def grpc_call_metrics() -> Iterator[CounterMetricFamily]:
+def grpc_call_metrics(native: CallCounts | None = None) -> Iterator[CounterMetricFamily]:
     """``ratelimit_grpc_server_calls_total{result}``: started, succeeded and failed over every
-    gRPC server in the process; nothing when the runtime cannot say (no channelz)."""
+    gRPC server in the process, and the native front door's calls (``native``); nothing
+    when the runtime cannot say (no channelz)."""
     if _READ is None:
         return
     try:
@@ -47,6 +50,16 @@ def grpc_call_metrics() -> Iterator[CounterMetricFamily]:
     except (ValueError, RuntimeError) as exc:  # channelz disabled, or an unreadable answer
         log.debug("channelz gave no server counts: %s", exc)
         return
+    if native is not None:
+        servers.append(
+            {
+                "data": {
+                    "callsStarted": native.started,
+                    "callsSucceeded": native.succeeded,
+                    "callsFailed": native.failed,
+                }
+            }
+        )
     family = CounterMetricFamily(
         "ratelimit_grpc_server_calls",
         "gRPC calls as the gRPC runtime counts them (channelz): failed includes calls"

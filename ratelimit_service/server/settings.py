@@ -55,6 +55,7 @@ class Settings:
     log_format: str = default("--log-format")
     watch_interval: float = default("--watch-interval")
     reuse_port: bool = default("--reuse-port")
+    grpc_engine: str = default("--grpc-engine")
     tls_cert: str | None = default("--tls-cert")
     tls_key: str | None = default("--tls-key")
     tls_client_ca: str | None = default("--tls-client-ca")

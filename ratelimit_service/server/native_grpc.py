@@ -1,0 +1,432 @@
+"""The native gRPC front door (``--grpc-engine native``): ShouldRateLimit and health
+Check answered on our own HTTP/2 connections (server/h2_conn.py), everything else
+handed to the grpcio server behind it.
+
+grpcio's per-call work is most of what a Python RLS service spends (docs/benchmarks.md,
+"Front doors"): a task per call and several hops between its core's thread and the
+event loop. Here a read's bytes are parsed in one pass and a call decided without a
+store (probabilistic rules) is answered within that read, without a task; a call that
+waits for Redis (exact rules) gets one task, and the answers that one loop turn makes
+go out in one write.
+
+Each connection is routed by its first call: one that opens with ShouldRateLimit or
+Health/Check is served here; any other (RLQS streams, reflection, health Watch) is
+spliced byte for byte to the grpcio server on a private Unix socket, which serves it
+as if it had accepted the connection itself. Envoy opens a connection per cluster, so
+its RLS and RLQS calls never share one; a call to another method on a connection
+served here is answered UNIMPLEMENTED, asking for a connection of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import cast
+
+import grpc
+
+from ratelimit_service.rls.servicer import CallFailed
+from ratelimit_service.server.h2_conn import (
+    ACK,
+    INTERNAL,
+    PREFACE,
+    SETTINGS,
+    UNIMPLEMENTED,
+    Call,
+    Cancelled,
+    H2Connection,
+    Refused,
+    frame,
+)
+
+log = logging.getLogger(__name__)
+
+SNIFF_LIMIT = 64 * 1024
+"""Bytes a connection may send before its first call; past them it is served here."""
+MAX_STREAMS = 1024
+"""Calls open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How one method is answered: ``now`` decides at once if it can (None: it cannot);
+    ``later`` decides by waiting (for the store); both raise CallFailed for a status."""
+
+    now: Callable[[bytes], bytes | None]
+    later: Callable[[bytes, Context], Awaitable[bytes]] | None = None
+
+
+class Context:
+    """What a servicer asks of its grpc.aio context, for a call served here: the time
+    left, the metadata, and abort (raised as CallFailed)."""
+
+    __slots__ = ("_deadline", "_headers", "_loop")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deadline: float | None,
+        headers: list[tuple[str, str]],
+    ) -> None:
+        self._loop, self._deadline, self._headers = loop, deadline, headers
+
+    def time_remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - self._loop.time())
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self._headers)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise CallFailed(code, details)
+
+
+@dataclass(slots=True)
+class CallCounts:
+    """Calls as this front door counts them (grpcio's channelz counts the rest):
+    ``failed`` includes every status but OK, refusals by the connection itself too."""
+
+    started: int = 0
+    succeeded: int = 0
+    failed: int = 0
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: routed by its first call, then served or spliced."""
+
+    def __init__(self, server: NativeGrpcServer) -> None:
+        self._server = server
+        self._loop = asyncio.get_running_loop()
+        self._h2 = H2Connection(MAX_STREAMS, server.max_request_bytes)
+        self._transport: asyncio.Transport | None = None
+        self._sniffed: bytearray | None = bytearray()
+        """What the client sent before its first call was seen (None: routed)."""
+        self._backend: asyncio.Transport | None = None
+        self._to_backend = _WithoutFirstAck()
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._flush_scheduled = False
+        self._age_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        self._server.connections.add(self)
+        # Our SETTINGS at once (gRPC clients send no call before a server's); the rest of
+        # what the connection says waits until it is known to be served here.
+        self._transport.write(self._h2.take_output())
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.connections.discard(self)
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks.clear()
+        if self._backend is not None:
+            self._backend.close()
+        if self._age_timer is not None:
+            self._age_timer.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        if self._backend is not None:
+            self._backend.write(self._to_backend.feed(data))
+            return
+        sniffed = self._sniffed
+        if sniffed is not None:
+            sniffed += data
+        events = self._h2.receive(data)
+        if sniffed is not None:
+            path = self._h2.first_path
+            if path is None and len(sniffed) <= SNIFF_LIMIT and not self._h2.closed:
+                return  # no call yet: nothing sent, so that grpcio may still take it
+            self._sniffed = None
+            if path is not None and path not in self._server.routes:
+                self._splice(bytes(sniffed))
+                return
+            self._h2.serve()
+            self._started()
+        for event in events:
+            if isinstance(event, Call):
+                self._dispatch(event)
+            elif isinstance(event, Refused):
+                counts = self._server.counts
+                counts.started += 1
+                counts.failed += 1
+            elif isinstance(event, Cancelled):
+                task = self._tasks.pop(event.stream_id, None)
+                if task is not None:
+                    task.cancel()
+        self._flush()
+
+    def _started(self) -> None:
+        """Served here from now on: the connection's age is counted, when it is bounded."""
+        age = self._server.max_connection_age
+        if age is not None:
+            self._age_timer = self._loop.call_later(age, self._too_old)
+
+    def _too_old(self) -> None:
+        self._age_timer = None
+        self.go_away()
+        grace = self._server.max_connection_age_grace
+        if grace is not None and self._transport is not None:
+            self._loop.call_later(grace, self._transport.abort)
+
+    def _dispatch(self, call: Call) -> None:
+        counts = self._server.counts
+        counts.started += 1
+        route = self._server.routes.get(call.path)
+        if route is None:
+            counts.failed += 1
+            self._h2.fail(
+                call.stream_id,
+                UNIMPLEMENTED,
+                f"{call.path} is not served on a connection that began with ShouldRateLimit or"
+                " a health check: call it on a connection of its own",
+            )
+            return
+        try:
+            answer = route.now(call.message)
+        except CallFailed as failed:
+            counts.failed += 1
+            self._h2.fail(call.stream_id, failed.code.value[0], failed.details)
+            return
+        if answer is not None:
+            counts.succeeded += 1
+            self._h2.answer(call.stream_id, answer)
+        elif route.later is None:
+            counts.failed += 1
+            self._h2.fail(call.stream_id, INTERNAL, "no answer")
+        else:
+            deadline = None if call.timeout is None else self._loop.time() + call.timeout
+            context = Context(self._loop, deadline, call.headers)
+            task = self._loop.create_task(self._later(route.later, call, context))
+            self._tasks[call.stream_id] = task
+
+    async def _later(
+        self, later: Callable[[bytes, Context], Awaitable[bytes]], call: Call, context: Context
+    ) -> None:
+        counts = self._server.counts
+        try:
+            answer = await later(call.message, context)
+        except CallFailed as failed:
+            counts.failed += 1
+            self._h2.fail(call.stream_id, failed.code.value[0], failed.details)
+        except asyncio.CancelledError:  # the client reset the stream, or the connection ended
+            counts.failed += 1
+            return
+        except Exception:
+            log.exception("a call on the native front door failed")
+            counts.failed += 1
+            self._h2.fail(call.stream_id, INTERNAL, "internal error")
+        else:
+            counts.succeeded += 1
+            self._h2.answer(call.stream_id, answer)
+        finally:
+            self._tasks.pop(call.stream_id, None)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        out = self._h2.take_output()
+        if out:
+            transport.write(out)
+        if self._h2.closed:
+            transport.close()
+
+    def go_away(self) -> None:
+        """Take no new call here; close once the calls taken are answered. A spliced
+        connection is left to grpcio, which says the same to it when it stops."""
+        if self._backend is None and self._sniffed is None:
+            self._h2.go_away()
+            self._flush()
+        elif self._sniffed is not None and self._transport is not None:
+            self._transport.close()  # no call yet: nothing to finish
+
+    def end(self) -> None:
+        """Close a connection served here: its GOAWAY out first if its calls are done,
+        else at once (their grace is over). A spliced one ends with grpcio's side."""
+        transport = self._transport
+        if transport is None or self._backend is not None:
+            return
+        if self._tasks:
+            transport.abort()
+        else:
+            transport.close()
+
+    @property
+    def idle(self) -> bool:
+        return not self._tasks and self._backend is None
+
+    # -- splicing to grpcio -------------------------------------------------------------
+
+    def _splice(self, first: bytes) -> None:
+        """Hand the connection to the grpcio server: what came so far, then both ways."""
+        transport = self._transport
+        assert transport is not None
+        transport.pause_reading()
+        task = self._loop.create_task(self._connect_backend(first))
+        self._server.splicing.add(task)
+        task.add_done_callback(self._server.splicing.discard)
+
+    async def _connect_backend(self, first: bytes) -> None:
+        transport = self._transport
+        assert transport is not None
+        try:
+            backend, _ = await self._loop.create_unix_connection(
+                lambda: _Backend(transport), self._server.backend_path
+            )
+        except OSError as exc:
+            log.warning("the grpcio server behind the native front door refused: %s", exc)
+            transport.close()
+            return
+        if transport.is_closing():
+            backend.close()
+            return
+        self._backend = backend
+        backend.write(self._to_backend.feed(first))
+        transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        if self._backend is not None:
+            self._backend.pause_reading()
+        elif self._transport is not None:
+            self._transport.pause_reading()  # answers pile up: take no more calls meanwhile
+
+    def resume_writing(self) -> None:
+        if self._backend is not None:
+            self._backend.resume_reading()
+        elif self._transport is not None:
+            self._transport.resume_reading()
+
+
+class _WithoutFirstAck:
+    """The client's bytes on their way to grpcio, less the client's acknowledgement of our
+    SETTINGS (sent before the connection was handed on: grpcio never sent them). The
+    client's own SETTINGS were not acknowledged by us: grpcio does."""
+
+    __slots__ = ("_head", "_preface", "_rest", "done")
+
+    def __init__(self) -> None:
+        self._preface = len(PREFACE)
+        self._rest = 0
+        """Bytes of the current frame's payload still to pass."""
+        self._head = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        if self.done:
+            return data
+        out = bytearray()
+        position = min(self._preface, len(data))
+        out += data[:position]
+        self._preface -= position
+        while position < len(data):
+            if self._rest:
+                take = min(self._rest, len(data) - position)
+                out += data[position : position + take]
+                position += take
+                self._rest -= take
+                continue
+            take = 9 - len(self._head)
+            self._head += data[position : position + take]
+            position += take
+            if len(self._head) < 9:
+                break
+            head, self._head = self._head, b""
+            if head == _SETTINGS_ACK:
+                self.done = True
+                out += data[position:]
+                break
+            out += head
+            self._rest = int.from_bytes(head[:3])
+        return bytes(out)
+
+
+_SETTINGS_ACK = frame(SETTINGS, ACK, 0)
+
+
+class _Backend(asyncio.Protocol):
+    """The grpcio side of a spliced connection: its bytes go to the client as they come."""
+
+    def __init__(self, client: asyncio.Transport) -> None:
+        self._client = client
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._client.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._client.close()
+
+    def pause_writing(self) -> None:
+        self._client.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._client.resume_reading()
+
+
+class NativeGrpcServer:
+    """The listener of the native front door (see the module docstring)."""
+
+    def __init__(
+        self,
+        routes: dict[str, Route],
+        backend_path: str,
+        max_request_bytes: int,
+        max_connection_age: float | None = None,
+        max_connection_age_grace: float | None = None,
+    ) -> None:
+        self.routes = routes
+        """Methods served here, by path (``/package.Service/Method``)."""
+        self.backend_path = backend_path
+        """The grpcio server's Unix socket, where other connections are spliced."""
+        self.max_request_bytes = max_request_bytes
+        self.max_connection_age = max_connection_age
+        self.max_connection_age_grace = max_connection_age_grace
+        self.counts = CallCounts()
+        self.connections: set[_Connection] = set()
+        self.splicing: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, addr: str, reuse_port: bool = False) -> int:
+        """Listen on ``addr`` (host:port, or unix:path); the port bound (0 for a Unix socket)."""
+        loop = asyncio.get_running_loop()
+        if addr.startswith("unix:"):
+            path = addr.removeprefix("unix:").removeprefix("//")
+            self._server = await loop.create_unix_server(lambda: _Connection(self), path)
+            return 0
+        host, _, port = addr.rpartition(":")
+        host = host.strip("[]") or None  # type: ignore[assignment]
+        self._server = await loop.create_server(
+            lambda: _Connection(self), host, int(port), reuse_port=reuse_port or None
+        )
+        sockets = self._server.sockets
+        return int(sockets[0].getsockname()[1]) if sockets else 0
+
+    async def stop(self, grace: float) -> None:
+        """Take no new connection; tell each served connection to take no new call, and
+        give the calls in flight ``grace`` seconds."""
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.go_away()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + grace
+        while any(not c.idle for c in self.connections) and loop.time() < until:
+            await asyncio.sleep(0.01)  # pacing: calls finish on their own schedule
+        for connection in list(self.connections):
+            connection.end()
+        for task in list(self.splicing):
+            task.cancel()
