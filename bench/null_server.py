@@ -4,6 +4,7 @@ It is the ceiling a Python grpc.aio service can reach on this machine; our figur
 are quoted as ratios to it, measured side by side in one run.
 
     python bench/null_server.py --port 18090
+    python bench/null_server.py --port 18090 --uvloop --native   # the native front door's
 """
 
 from __future__ import annotations
@@ -30,14 +31,28 @@ async def serve(port: int) -> None:
     await server.wait_for_termination()
 
 
+async def serve_native(port: int) -> None:
+    """The same answer from the native front door (--grpc-engine native's HTTP/2): its
+    ceiling. Connections that begin with another method find no grpcio behind it."""
+    from ratelimit_service.server.native_grpc import NativeGrpcServer, Route
+
+    answer = _OK.SerializeToString()
+    path = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+    server = NativeGrpcServer({path: Route(lambda raw: answer)}, "/nonexistent", 1 << 20)
+    await server.start(f"127.0.0.1:{port}")
+    await asyncio.Event().wait()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=18090)
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop")
+    parser.add_argument("--native", action="store_true", help="the native front door, not grpcio")
     args = parser.parse_args()
+    main = serve_native(args.port) if args.native else serve(args.port)
     if args.uvloop:
         import uvloop
 
-        uvloop.run(serve(args.port))
+        uvloop.run(main)
     else:
-        asyncio.run(serve(args.port))
+        asyncio.run(main)

@@ -63,7 +63,10 @@ TRIES = 4
 OVER_MS = 20.0
 """Envoy's ratelimit filter gives up after 20 ms by default."""
 DEFAULT_RATES = "500,1000,1500,2000,2500,3000,0.8x"
-TARGETS = ("null", "exact", "probabilistic", "exact x2", "probabilistic x2")
+TARGETS = (
+    "null", "exact", "probabilistic", "exact x2", "probabilistic x2",
+    "null native", "exact native", "probabilistic native", "exact native x2",
+)  # fmt: skip
 SERVER_CPUS: frozenset[int] | None = None
 """--pin: the targets' CPUs (h2load and Redis run on LOAD_CPUS)."""
 LOAD_CPUS: frozenset[int] | None = None
@@ -225,17 +228,21 @@ def start_targets(
         "probabilistic": ["--mode", "probabilistic"],
         "exact x2": ["--mode", "exact", "--workers", "2"],
         "probabilistic x2": ["--mode", "probabilistic", "--workers", "2"],
+        "exact native": ["--mode", "exact", "--grpc-engine", "native"],
+        "probabilistic native": ["--mode", "probabilistic", "--grpc-engine", "native"],
+        "exact native x2": ["--mode", "exact", "--grpc-engine", "native", "--workers", "2"],
     }
     servers: list[tp.Server] = []
     for name in args.only:
-        if name == "null":
+        if name in ("null", "null native"):
             port = free_port()
+            native = ["--native"] if name == "null native" else []
             null = processes.start(
-                "null", [sys.executable, str(tp.BENCH / "null_server.py"), "--port", str(port),
-                         "--uvloop"], SERVER_CPUS,
+                name.replace(" ", "-"), [sys.executable, str(tp.BENCH / "null_server.py"),
+                                         "--port", str(port), "--uvloop", *native], SERVER_CPUS,
             )  # fmt: skip
             wait_port(port)
-            servers.append(tp.Server("null", port, None, null.pid))
+            servers.append(tp.Server(name, port, None, null.pid))
         else:
             extra = [*flags[name], "--redis-url", redis_url, *args.service_flags]
             servers.append(tp.start_service(processes, name, config, extra, SERVER_CPUS))
