@@ -163,7 +163,9 @@ def status_block(status: int, message: str) -> bytes:
 def parse_timeout(value: str) -> float | None:
     """grpc-timeout's value in seconds (up to 8 digits and a unit), or None if malformed."""
     digits, unit = value[:-1], value[-1:].encode()
-    if not digits.isdigit() or len(digits) > 8 or unit not in _TIMEOUT_UNITS:
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 8:
+        return None
+    if unit not in _TIMEOUT_UNITS:
         return None
     return int(digits) * _TIMEOUT_UNITS[unit]
 
@@ -276,8 +278,10 @@ class H2Connection:
             elif kind == WINDOW_UPDATE:
                 self._window_update(stream_id, payload)
             elif kind == PING:
-                if stream_id or length != 8:
-                    raise ConnectionError_(PROTOCOL_ERROR, "a malformed PING")
+                if stream_id:
+                    raise ConnectionError_(PROTOCOL_ERROR, "a PING on a stream")
+                if length != 8:
+                    raise ConnectionError_(FRAME_SIZE_ERROR, "a PING not of 8 bytes")
                 if not flags & ACK:
                     self._out.append(frame(PING, ACK, 0, payload))
             elif kind == RST_STREAM:
@@ -287,8 +291,10 @@ class H2Connection:
                 self._close_if_done()
             elif kind == PUSH_PROMISE:
                 raise ConnectionError_(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-            elif kind == PRIORITY and (not stream_id or length != 5):
-                raise ConnectionError_(PROTOCOL_ERROR, "a malformed PRIORITY")
+            elif kind == PRIORITY and not stream_id:
+                raise ConnectionError_(PROTOCOL_ERROR, "a PRIORITY on stream 0")
+            elif kind == PRIORITY and length != 5:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "a PRIORITY not of 5 bytes")
             # other kinds (PRIORITY, unknown extensions) are ignored, as RFC 9113 says
         return position
 
@@ -313,14 +319,14 @@ class H2Connection:
             return
         body = self._unpad(flags, payload)
         stream.unacknowledged += len(payload)
+        stream.remote_closed = bool(flags & END_STREAM)  # before a refusal: no RST_STREAM then
         if len(stream.body) + len(body) > self.max_request_bytes + 5:
             self._refuse(
                 stream, RESOURCE_EXHAUSTED, "request larger than --max-request-bytes", events
             )
             return
         stream.body += body
-        if flags & END_STREAM:
-            stream.remote_closed = True
+        if stream.remote_closed:
             self._complete(stream, events)
         elif stream.unacknowledged >= DEFAULT_WINDOW // 2:
             increment = stream.unacknowledged
@@ -388,7 +394,9 @@ class H2Connection:
         except hpack.HPACKError as error:
             raise ConnectionError_(COMPRESSION_ERROR, f"header block: {error}") from error
         entries = table.dynamic_entries
-        if (len(entries), entries[0] if entries else None) == before:
+        # An insertion leaves a new tuple at entries[0] even when it equals the one it
+        # follows (duplicates are allowed, RFC 7541 2.3.2): compared by identity.
+        if len(entries) == before[0] and (entries[0] if entries else None) is before[1]:
             if len(self._decoded) < 64:
                 self._decoded[block] = decoded
         else:
@@ -417,13 +425,13 @@ class H2Connection:
                 stream.headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if self.first_path is None:
             self.first_path = stream.path
+        stream.remote_closed = ends  # before a refusal: no RST_STREAM on a stream the peer ended
         if method != "POST" or not stream.path:
             self._refuse(
                 stream, INTERNAL, f"a gRPC call is a POST with a path, not {method!r}", events
             )
             return
         if ends:
-            stream.remote_closed = True
             self._complete(stream, events)
 
     def _complete(self, stream: _Stream, events: list[Event]) -> None:
@@ -490,9 +498,8 @@ class H2Connection:
             stream.send_window += increment
             if not increment or stream.send_window > MAX_WINDOW:
                 self._drop(stream)
-                self._out.append(
-                    frame(RST_STREAM, 0, stream_id, struct.pack(">I", FLOW_CONTROL_ERROR))
-                )
+                code = FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR
+                self._out.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", code)))
                 return
         self._flush_blocked()
 
@@ -545,13 +552,18 @@ class H2Connection:
         while pending:
             is_data, chunk = pending[0]
             if is_data:
-                size = len(chunk)
-                if size > self._send_window or size > stream.send_window:
+                room = min(self._send_window, stream.send_window)
+                if len(chunk) > room:
+                    if room > 0:  # what fits now (a peer may grant no more until it has it)
+                        self._send_window -= room
+                        stream.send_window -= room
+                        self._out.append(frame(DATA, 0, stream.stream_id, chunk[:room]))
+                        pending[0] = (True, chunk[room:])
                     if stream.stream_id not in self._blocked:
                         self._blocked.append(stream.stream_id)
                     return
-                self._send_window -= size
-                stream.send_window -= size
+                self._send_window -= len(chunk)
+                stream.send_window -= len(chunk)
                 self._out.append(frame(DATA, 0, stream.stream_id, chunk))
             else:
                 self._out.append(chunk)
