@@ -15,7 +15,8 @@ answering 200 from a ``direct_response`` route. Targets:
   one bucket, enforcing the token bucket our service assigns (its limit never reached)
   or the fixed one of bench/null_rlqs.py: what RLQS costs Envoy, and what our
   coordination adds to it;
-- probabilistic, embedded / probabilistic, Redis / exact, Redis: the ratelimit filter
+- probabilistic, embedded / probabilistic, Redis / exact, Redis (and the first and
+  last with ``--grpc-engine native``, "native"): the ratelimit filter
   (``timeout: 0.02s``, ``failure_mode_deny: false``, as in envoy/envoy.yaml) calling a
   service of its own, through a cluster built like the shipped ``ratelimit`` cluster of
   envoy/envoy.yaml (HTTP/2, gRPC health check), its address aside.
@@ -328,6 +329,12 @@ PATH_SERVICES = {
     "probabilistic, embedded": PROB,
     "probabilistic, Redis": ServiceSpec(["--mode", "probabilistic", "--redis-url", "REDIS"]),
     "exact, Redis": ServiceSpec(["--mode", "exact", "--redis-url", "REDIS"]),
+    "probabilistic, embedded, native": ServiceSpec(
+        ["--mode", "probabilistic", "--grpc-engine", "native"]
+    ),
+    "exact, Redis, native": ServiceSpec(
+        ["--mode", "exact", "--redis-url", "REDIS", "--grpc-engine", "native"]
+    ),
 }
 PATH_TARGETS = [
     Target("no ratelimit filter", None),

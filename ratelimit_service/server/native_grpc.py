@@ -147,8 +147,9 @@ class _Connection(asyncio.Protocol):
             if path is not None and path not in self._server.routes:
                 self._splice(bytes(sniffed))
                 return
-            self._h2.serve()
-            self._started()
+            if not self._h2.closed:  # (a protocol error before the first call: GOAWAY only)
+                self._h2.serve()
+                self._started()
         for event in events:
             if isinstance(event, Call):
                 self._dispatch(event)
@@ -264,7 +265,11 @@ class _Connection(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        return not self._tasks and self._backend is None
+        """No call of ours in flight or arriving, no answer held back by the client's window.
+        A spliced connection's calls are grpcio's: its stop,
+        after ours, gives them their grace (an idle one, such as Envoy's RLQS connection
+        once its streams are ended, must not hold the shutdown for the whole grace)."""
+        return not self._tasks and (self._backend is not None or not self._h2.streams)
 
     # -- splicing to grpcio -------------------------------------------------------------
 
