@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
@@ -627,6 +628,50 @@ def test_garbage_gets_the_connection_closed_and_others_are_served(embedded: Pair
             return int((await rls(chan)(request("wide=w"), timeout=5)).overall_code)
 
     assert asyncio.run(still_serving()) == OK
+
+
+def test_an_aged_connection_is_told_to_go_away_then_closed(config: Path, tmp_path: Path) -> None:
+    """--grpc-max-connection-age on the native engine: past the age a GOAWAY (NO_ERROR,
+    the last call's stream named), and the connection closed once its calls are
+    answered (at the latest when its grace is over)."""
+    age, grace = 0.5, 0.5
+    service = ServiceProcess(
+        config, tmp_path, *NATIVE, *COMMON,
+        "--grpc-max-connection-age", str(age), "--grpc-max-connection-age-grace", str(grace),
+    )  # fmt: skip
+    service.start()
+    try:
+        block = hpack.Encoder().encode(
+            [(":method", "POST"), (":scheme", "http"), (":path", "/grpc.health.v1.Health/Check"),
+             (":authority", "t"), ("content-type", "application/grpc"), ("te", "trailers")]
+        )  # fmt: skip
+        call = (
+            PREFACE
+            + h2_frame(0x4, 0, 0)  # SETTINGS, empty
+            + h2_frame(0x1, 0x4, 1, block)  # HEADERS, END_HEADERS
+            + h2_frame(0x0, 0x1, 1, b"\0\0\0\0\0")  # DATA: an empty message, END_STREAM
+        )
+        with socket.create_connection(("127.0.0.1", service.grpc_port), timeout=10) as sock:
+            opened = time.monotonic()
+            sock.sendall(call)
+            received = b""
+            while chunk := sock.recv(65536):  # until the service closes (else a timeout)
+                received += chunk
+            lasted = time.monotonic() - opened
+    finally:
+        service.stop()
+    goaways = [payload[:8] for kind, payload in frames(received) if kind == GOAWAY]
+    assert goaways == [struct.pack(">II", 1, 0)], received
+    assert age <= lasted < age + grace + 3, lasted  # no call open: closed with the GOAWAY
+
+
+def h2_frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return (
+        struct.pack(">I", len(payload))[1:]
+        + bytes((kind, flags))
+        + struct.pack(">I", stream_id)
+        + payload
+    )
 
 
 async def test_request_size_bound_as_grpcio_applies_it(embedded: Pair) -> None:
