@@ -10,6 +10,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -258,8 +259,6 @@ class RateLimitService:
                 log.info("waiting for the first rules from xDS server %s", server_url)
                 await self.xds.wait_first()
         native = settings.grpc_engine == "native"
-        if native and settings.tls_cert:
-            raise OSError("--grpc-engine native serves plaintext: use grpcio with --tls-cert")
         server = grpc.aio.server(options=self._grpc_options())
         servicer = self.servicer = RateLimitServicer(
             self.limiter,
@@ -335,8 +334,16 @@ class RateLimitService:
             settings.grpc_max_connection_age_grace,
         )
         try:
-            self.grpc_port = await self.native.start(settings.grpc_addr, settings.reuse_port)
-        except (OSError, ValueError) as exc:
+            tls = None
+            if settings.tls_cert:
+                if not settings.tls_key:
+                    raise OSError("--tls-cert needs --tls-key")
+                reloader = CertificateReloader(
+                    settings.tls_cert, settings.tls_key, settings.tls_client_ca
+                )
+                tls, self.tls = reloader.ssl_context(), reloader
+            self.grpc_port = await self.native.start(settings.grpc_addr, settings.reuse_port, tls)
+        except (OSError, ValueError, ssl.SSLError) as exc:
             assert self._server is not None
             await self._server.stop(0)
             self._server = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
@@ -405,17 +406,20 @@ class NativeGrpcServer:
         self.splicing: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
 
-    async def start(self, addr: str, reuse_port: bool = False) -> int:
-        """Listen on ``addr`` (host:port, or unix:path); the port bound (0 for a Unix socket)."""
+    async def start(
+        self, addr: str, reuse_port: bool = False, tls: ssl.SSLContext | None = None
+    ) -> int:
+        """Listen on ``addr`` (host:port, or unix:path), over TLS with ``tls``; the port
+        bound (0 for a Unix socket). Spliced connections reach grpcio decrypted."""
         loop = asyncio.get_running_loop()
         if addr.startswith("unix:"):
             path = addr.removeprefix("unix:").removeprefix("//")
-            self._server = await loop.create_unix_server(lambda: _Connection(self), path)
+            self._server = await loop.create_unix_server(lambda: _Connection(self), path, ssl=tls)
             return 0
         host, _, port = addr.rpartition(":")
         host = host.strip("[]") or None  # type: ignore[assignment]
         self._server = await loop.create_server(
-            lambda: _Connection(self), host, int(port), reuse_port=reuse_port or None
+            lambda: _Connection(self), host, int(port), reuse_port=reuse_port or None, ssl=tls
         )
         sockets = self._server.sockets
         return int(sockets[0].getsockname()[1]) if sockets else 0

@@ -26,6 +26,9 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed"),
 ]
 
+ENGINES = pytest.mark.parametrize("engine", ["grpcio", "native"])
+"""TLS as grpcio serves it, and as the native front door does (--grpc-engine native)."""
+
 RULES = (
     "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: minute, requests_per_unit: 5}\n"
 )
@@ -57,9 +60,13 @@ async def call(port: int, ca: Path, client: CertPair | None = None) -> int:
     return int(response.overall_code)
 
 
-async def test_tls_listener(write_config, start_service, pki) -> None:
+@ENGINES
+async def test_tls_listener(write_config, start_service, pki, engine: str) -> None:
     svc = await start_service(
-        write_config(RULES), tls_cert=str(pki["server"].cert), tls_key=str(pki["server"].key)
+        write_config(RULES),
+        tls_cert=str(pki["server"].cert),
+        tls_key=str(pki["server"].key),
+        grpc_engine=engine,
     )
     port = svc.service.grpc_port
     assert await call(port, pki["ca"].cert) == 1
@@ -73,12 +80,16 @@ async def test_tls_listener(write_config, start_service, pki) -> None:
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_mtls_requires_a_client_certificate(write_config, start_service, pki) -> None:
+@ENGINES
+async def test_mtls_requires_a_client_certificate(
+    write_config, start_service, pki, engine: str
+) -> None:
     svc = await start_service(
         write_config(RULES),
         tls_cert=str(pki["server"].cert),
         tls_key=str(pki["server"].key),
         tls_client_ca=str(pki["ca"].cert),
+        grpc_engine=engine,
     )
     port = svc.service.grpc_port
     assert await call(port, pki["ca"].cert, pki["client"]) == 1
@@ -88,15 +99,19 @@ async def test_mtls_requires_a_client_certificate(write_config, start_service, p
         await call(port, pki["ca"].cert, pki["stranger"])  # signed by another CA
 
 
+@ENGINES
 async def test_rotated_certificate_applies_to_new_connections(
-    write_config, start_service, pki, tmp_path: Path
+    write_config, start_service, pki, tmp_path: Path, engine: str
 ) -> None:
     live = tmp_path / "live"
     live.mkdir()
     shutil.copy(pki["server"].cert, live / "tls.crt")
     shutil.copy(pki["server"].key, live / "tls.key")
     svc = await start_service(
-        write_config(RULES), tls_cert=str(live / "tls.crt"), tls_key=str(live / "tls.key")
+        write_config(RULES),
+        tls_cert=str(live / "tls.crt"),
+        tls_key=str(live / "tls.key"),
+        grpc_engine=engine,
     )
     port = svc.service.grpc_port
     assert await call(port, pki["ca"].cert) == 1
@@ -191,7 +206,8 @@ async def test_redis_over_tls(pki) -> None:
         process.wait()
 
 
-async def test_rlqs_streams_on_the_mtls_port(write_config, start_service, pki) -> None:
+@ENGINES
+async def test_rlqs_streams_on_the_mtls_port(write_config, start_service, pki, engine: str) -> None:
     """RLQS shares the RLS listener, so it needs the client certificate too."""
     from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 
@@ -200,6 +216,7 @@ async def test_rlqs_streams_on_the_mtls_port(write_config, start_service, pki) -
         tls_cert=str(pki["server"].cert),
         tls_key=str(pki["server"].key),
         tls_client_ca=str(pki["ca"].cert),
+        grpc_engine=engine,
     )
     report = rlqs_pb2.RateLimitQuotaUsageReports(
         domain="d",
