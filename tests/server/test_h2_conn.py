@@ -358,13 +358,20 @@ def test_answers_to_streams_that_are_gone_send_nothing() -> None:
 # -- flow control, sending -------------------------------------------------------------------
 
 
-def test_the_peer_stream_window_holds_data_and_trailers_back() -> None:
+def answered_within_10_bytes() -> tuple[Client, bytes, list[Frame]]:
+    """A call answered with 30 bytes to a peer whose streams open with a 10-byte window:
+    the client, the message and what went out (the headers and the first 10 bytes)."""
     client = connect(peer_settings=settings((SETTINGS_INITIAL_WINDOW_SIZE, 10)))
     assert client.call(1) == [call(1)]
     message = bytes(range(30))
     client.conn.answer(1, message)
     out = client.output()
     assert shape(out) == [(HEADERS, 1, END_HEADERS), (DATA, 1, 10)]
+    return client, message, out
+
+
+def test_the_peer_stream_window_holds_data_and_trailers_back() -> None:
+    client, message, out = answered_within_10_bytes()
     assert client.conn.streams == 1
 
     client.send(frame(WINDOW_UPDATE, 0, 1, u32(10)))
@@ -390,12 +397,7 @@ def test_the_peer_stream_window_holds_data_and_trailers_back() -> None:
 
 
 def test_a_smaller_initial_window_makes_the_stream_window_negative() -> None:
-    client = connect(peer_settings=settings((SETTINGS_INITIAL_WINDOW_SIZE, 10)))
-    assert client.call(1) == [call(1)]
-    message = bytes(range(30))
-    client.conn.answer(1, message)
-    out = client.output()
-    assert shape(out) == [(HEADERS, 1, END_HEADERS), (DATA, 1, 10)]
+    client, message, out = answered_within_10_bytes()
     # 10 - 6: the window is -6 (RFC 9113 6.9.2); 6 bytes of update bring it to 0 only.
     client.send(frame(SETTINGS, 0, 0, settings((SETTINGS_INITIAL_WINDOW_SIZE, 4))))
     client.send(frame(WINDOW_UPDATE, 0, 1, u32(6)))
