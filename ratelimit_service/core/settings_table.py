@@ -201,7 +201,7 @@ SETTINGS: tuple[Setting, ...] = (
             fills="reuse_port", hidden=True),
     Setting("--grpc-engine", "listening", "what serves the gRPC port: grpcio, or native (our"
             " HTTP/2 for ShouldRateLimit and health checks, several times grpcio's calls per core;"
-            " connections that begin with another method are handed to grpcio)",
+            " the other methods served by grpcio behind it)",
             "grpcio", choices=("grpcio", "native"), fills="grpc_engine"),
     Setting("--event-loop", "listening", "event loop: uvloop when installed (auto), or asyncio's",
             "auto", choices=("auto", "asyncio", "uvloop")),

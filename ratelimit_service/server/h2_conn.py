@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
@@ -100,6 +101,34 @@ class Cancelled:
 
 
 @dataclass(slots=True)
+class Opened:
+    """A call to a method not served here (``relayed``): its messages follow as
+    :class:`Message` events, its end as :class:`HalfClosed`; answer it with
+    :meth:`H2Connection.send_headers`, :meth:`~H2Connection.send_message` and
+    :meth:`~H2Connection.send_trailers`."""
+
+    stream_id: int
+    path: str
+    timeout: float | None
+    headers: list[tuple[str, str]]
+
+
+@dataclass(slots=True)
+class Message:
+    """One request message of a relayed call."""
+
+    stream_id: int
+    message: bytes
+
+
+@dataclass(slots=True)
+class HalfClosed:
+    """The peer has sent all of a relayed call's messages."""
+
+    stream_id: int
+
+
+@dataclass(slots=True)
 class _Stream:
     stream_id: int
     send_window: int
@@ -111,11 +140,15 @@ class _Stream:
     """Bytes of DATA received since its window was last replenished."""
     remote_closed: bool = False
     answered: bool = False
+    """Its last frame (trailers) is queued or sent."""
+    relayed: bool = False
+    """A call to a method not served here: its messages are events as they come."""
+    headers_sent: bool = False
     pending: deque[tuple[bool, bytes]] = field(default_factory=deque)
     """Frames waiting for flow control: (is DATA, the frame's payload or encoded frame)."""
 
 
-Event = Call | Refused | Cancelled
+Event = Call | Refused | Cancelled | Opened | Message | HalfClosed
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -174,9 +207,16 @@ class H2Connection:
     """One connection's HTTP/2 state, server side. Feed it bytes, answer its calls, send what
     :meth:`take_output` returns."""
 
-    def __init__(self, max_streams: int, max_request_bytes: int) -> None:
+    def __init__(
+        self,
+        max_streams: int,
+        max_request_bytes: int,
+        served: Callable[[str], bool] = lambda path: True,
+    ) -> None:
         self.max_streams = max_streams
         self.max_request_bytes = max_request_bytes
+        self.served = served
+        """Whether a path is answered here whole (a Call); the others are relayed."""
         self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
         self._decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
         """Header blocks already decoded that left the peer's table as it was: Envoy and
@@ -320,6 +360,9 @@ class H2Connection:
         body = self._unpad(flags, payload)
         stream.unacknowledged += len(payload)
         stream.remote_closed = bool(flags & END_STREAM)  # before a refusal: no RST_STREAM then
+        if stream.relayed:
+            self._relay_data(stream, body, events)
+            return
         if len(stream.body) + len(body) > self.max_request_bytes + 5:
             self._refuse(
                 stream, RESOURCE_EXHAUSTED, "request larger than --max-request-bytes", events
@@ -332,6 +375,32 @@ class H2Connection:
             increment = stream.unacknowledged
             stream.unacknowledged = 0
             self._out.append(frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", increment)))
+
+    def _relay_data(self, stream: _Stream, body: bytes, events: list[Event]) -> None:
+        """A relayed call's DATA: each whole message an event, the window replenished as
+        they go (the relay bounds what it holds)."""
+        buffer = stream.body
+        buffer += body
+        while len(buffer) >= 5:
+            size = int.from_bytes(buffer[1:5])
+            if size > self.max_request_bytes:
+                message = "request larger than --max-request-bytes"
+                self._refuse(stream, RESOURCE_EXHAUSTED, message, events)
+                return
+            if len(buffer) < 5 + size:
+                break
+            events.append(Message(stream.stream_id, bytes(buffer[5 : 5 + size])))
+            del buffer[: 5 + size]
+        if stream.remote_closed:
+            if buffer:
+                self._refuse(stream, INTERNAL, "a request message cut short", events)
+                return
+            events.append(HalfClosed(stream.stream_id))
+        elif stream.unacknowledged >= DEFAULT_WINDOW // 2:
+            increment, stream.unacknowledged = stream.unacknowledged, 0
+            self._out.append(
+                frame(WINDOW_UPDATE, 0, stream.stream_id, struct.pack(">I", increment))
+            )
 
     def _headers(self, stream_id: int, flags: int, payload: bytes, events: list[Event]) -> None:
         if stream_id == 0 or not stream_id & 1:
@@ -431,6 +500,12 @@ class H2Connection:
                 stream, INTERNAL, f"a gRPC call is a POST with a path, not {method!r}", events
             )
             return
+        if not self.served(stream.path):
+            stream.relayed = True
+            events.append(Opened(stream.stream_id, stream.path, stream.timeout, stream.headers))
+            if ends:
+                events.append(HalfClosed(stream.stream_id))
+            return
         if ends:
             self._complete(stream, events)
 
@@ -510,7 +585,7 @@ class H2Connection:
             raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
         stream = self._streams.get(stream_id)
         if stream is not None:
-            if stream.remote_closed and not stream.answered:
+            if (stream.remote_closed or stream.relayed) and not stream.answered:
                 events.append(Cancelled(stream_id))
             self._drop(stream)
 
@@ -545,6 +620,49 @@ class H2Connection:
             self._out.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", NO_ERROR)))
         self._drop(stream)
 
+    def send_headers(self, stream_id: int, metadata: list[tuple[str, bytes]]) -> None:
+        """A relayed call's response headers, with its initial metadata (values as sent)."""
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.answered or stream.headers_sent:
+            return
+        stream.headers_sent = True
+        block = RESPONSE_HEADERS + b"".join(_literal(k.encode(), v) for k, v in metadata)
+        self._out.append(frame(HEADERS, END_HEADERS, stream_id, block))
+
+    def send_message(self, stream_id: int, message: bytes) -> None:
+        """One response message of a relayed call (after its headers), within the windows."""
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.answered:
+            return
+        if not stream.headers_sent:
+            self.send_headers(stream_id, [])
+        data = len(message).to_bytes(5) + message
+        limit = self._peer_frame_size
+        for start in range(0, len(data), limit):
+            stream.pending.append((True, data[start : start + limit]))
+        self._send(stream)
+
+    def send_trailers(
+        self, stream_id: int, status: int, details: str, metadata: list[tuple[str, bytes]]
+    ) -> None:
+        """End a relayed call: its status and trailing metadata, after its messages."""
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.answered:
+            return
+        extra = b"".join(_literal(k.encode(), v) for k, v in metadata)
+        if not stream.headers_sent:  # trailers only
+            stream.answered = True
+            block = status_block(status, details) + extra
+            self._out.append(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block))
+            if not stream.remote_closed:
+                self._out.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", NO_ERROR)))
+            self._drop(stream)
+            return
+        stream.answered = True
+        block = status_block(status, details)[len(RESPONSE_HEADERS) :] + extra
+        stream.pending.append((False, frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block)))
+        self._send(stream)
+
     def _send(self, stream: _Stream) -> None:
         """The stream's queued frames, as far as the windows allow; the stream is closed
         once its trailers are out."""
@@ -568,7 +686,12 @@ class H2Connection:
             else:
                 self._out.append(chunk)
             pending.popleft()
-        self._drop(stream)
+        if stream.answered:
+            if not stream.remote_closed:  # a relayed call the peer still sends on: stop it
+                self._out.append(
+                    frame(RST_STREAM, 0, stream.stream_id, struct.pack(">I", NO_ERROR))
+                )
+            self._drop(stream)
 
     def _flush_blocked(self) -> None:
         for _ in range(len(self._blocked)):

@@ -1,31 +1,31 @@
 """The native gRPC front door (``--grpc-engine native``): ShouldRateLimit and health
-Check answered on our own HTTP/2 connections (server/h2_conn.py), everything else
-handed to the grpcio server behind it.
+Check answered on our own HTTP/2 connections (server/h2_conn.py), everything else by
+the grpcio server behind it.
 
-grpcio's per-call work is most of what a Python RLS service spends (docs/benchmarks.md,
-"Front doors"): a task per call and several hops between its core's thread and the
-event loop. Here a read's bytes are parsed in one pass and a call decided without a
-store (probabilistic rules) is answered within that read, without a task; a call that
-waits for Redis (exact rules) gets one task, and the answers that one loop turn makes
-go out in one write.
+grpcio's per-call work is most of what a Python RLS service spends (docs/design.md,
+"The native front door"): a task per call and several hops between its core's thread
+and the event loop. Here a read's bytes are parsed in one pass and a call decided
+without a store (probabilistic rules) is answered within that read, without a task; a
+call that waits for Redis (exact rules) gets one task, and the answers that one loop
+turn makes go out in one write.
 
-Each connection is routed by its first call: one that opens with ShouldRateLimit or
-Health/Check is served here; any other (RLQS streams, reflection, health Watch) is
-spliced byte for byte to the grpcio server on a private Unix socket, which serves it
-as if it had accepted the connection itself. Envoy opens a connection per cluster, so
-its RLS and RLQS calls never share one; a call to another method on a connection
-served here is answered UNIMPLEMENTED, asking for a connection of its own.
+The grpcio server listens on a private Unix socket. A connection whose first call is
+another method (Envoy's RLQS cluster, reflection, health Watch) is spliced to it byte
+for byte; on a connection served here, a call to another method is relayed to it as
+its client would have made it (gRPC clients share one connection between channels to
+the same target).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import grpc
 
@@ -34,11 +34,14 @@ from ratelimit_service.server.h2_conn import (
     ACK,
     INTERNAL,
     PREFACE,
+    RESOURCE_EXHAUSTED,
     SETTINGS,
-    UNIMPLEMENTED,
     Call,
     Cancelled,
     H2Connection,
+    HalfClosed,
+    Message,
+    Opened,
     Refused,
     frame,
 )
@@ -49,6 +52,8 @@ SNIFF_LIMIT = 64 * 1024
 """Bytes a connection may send before its first call; past them it is served here."""
 MAX_STREAMS = 1024
 """Calls open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)."""
+RELAY_QUEUE = 64
+"""Request messages of a relayed call that may wait for grpcio; one more ends the call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +107,15 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: NativeGrpcServer) -> None:
         self._server = server
         self._loop = asyncio.get_running_loop()
-        self._h2 = H2Connection(MAX_STREAMS, server.max_request_bytes)
+        self._h2 = H2Connection(MAX_STREAMS, server.max_request_bytes, server.routes.__contains__)
         self._transport: asyncio.Transport | None = None
         self._sniffed: bytearray | None = bytearray()
         """What the client sent before its first call was seen (None: routed)."""
         self._backend: asyncio.Transport | None = None
         self._to_backend = _WithoutFirstAck()
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._relays: dict[int, asyncio.Queue[bytes | None]] = {}
+        """Each relayed call's request messages on their way to grpcio (None: the end)."""
         self._flush_scheduled = False
         self._age_timer: asyncio.TimerHandle | None = None
 
@@ -158,6 +165,10 @@ class _Connection(asyncio.Protocol):
                 counts = self._server.counts
                 counts.started += 1
                 counts.failed += 1
+            elif isinstance(event, Opened):
+                self._open_relay(event)
+            elif isinstance(event, (Message, HalfClosed)):
+                self._to_relay(event)
             elif isinstance(event, Cancelled):
                 task = self._tasks.pop(event.stream_id, None)
                 if task is not None:
@@ -180,16 +191,7 @@ class _Connection(asyncio.Protocol):
     def _dispatch(self, call: Call) -> None:
         counts = self._server.counts
         counts.started += 1
-        route = self._server.routes.get(call.path)
-        if route is None:
-            counts.failed += 1
-            self._h2.fail(
-                call.stream_id,
-                UNIMPLEMENTED,
-                f"{call.path} is not served on a connection that began with ShouldRateLimit or"
-                " a health check: call it on a connection of its own",
-            )
-            return
+        route = self._server.routes[call.path]  # the others are relayed (Opened)
         try:
             answer = route.now(call.message)
         except CallFailed as failed:
@@ -229,9 +231,68 @@ class _Connection(asyncio.Protocol):
             self._h2.answer(call.stream_id, answer)
         finally:
             self._tasks.pop(call.stream_id, None)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """Write what the calls answered in this turn of the loop, together, in the next."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
+
+    # -- calls relayed to grpcio, on a connection served here -----------------------------
+
+    def _open_relay(self, opened: Opened) -> None:
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._relays[opened.stream_id] = queue
+        self._tasks[opened.stream_id] = self._loop.create_task(self._relay(opened, queue))
+
+    def _to_relay(self, event: Message | HalfClosed) -> None:
+        queue = self._relays.get(event.stream_id)
+        if queue is None:
+            return
+        if isinstance(event, HalfClosed):
+            queue.put_nowait(None)
+        elif queue.qsize() < RELAY_QUEUE:
+            queue.put_nowait(event.message)
+        else:  # grpcio takes them slower than the client sends: the call ends, said so
+            task = self._tasks.pop(event.stream_id, None)
+            if task is not None:
+                task.cancel()
+            self._relays.pop(event.stream_id, None)
+            message = f"more than {RELAY_QUEUE} request messages waiting"
+            self._h2.send_trailers(event.stream_id, RESOURCE_EXHAUSTED, message, [])
+
+    async def _relay(self, opened: Opened, queue: asyncio.Queue[bytes | None]) -> None:
+        """One call to another method on a connection served here, made to grpcio as its
+        client would have: metadata, deadline, messages both ways, status."""
+        stream_id, h2 = opened.stream_id, self._h2
+
+        async def requests() -> AsyncIterator[bytes]:
+            while (message := await queue.get()) is not None:
+                yield message
+
+        call = self._server.backend().stream_stream(opened.path)(
+            requests(), metadata=relayed_metadata(opened.headers), timeout=opened.timeout
+        )
+        try:
+            h2.send_headers(stream_id, wire_metadata(await call.initial_metadata()))
+            self._flush_soon()
+            async for response in call:
+                h2.send_message(stream_id, response)
+                self._flush_soon()
+            code, details = await call.code(), await call.details()
+            trailing = wire_metadata(await call.trailing_metadata())
+            h2.send_trailers(stream_id, code.value[0], details or "", trailing)
+        except grpc.aio.AioRpcError as error:
+            trailing = wire_metadata(error.trailing_metadata())
+            h2.send_trailers(stream_id, error.code().value[0], error.details() or "", trailing)
+        except asyncio.CancelledError:  # the client reset the call, or the connection ended
+            call.cancel()
+            raise
+        finally:
+            self._tasks.pop(stream_id, None)
+            self._relays.pop(stream_id, None)
+            self._flush_soon()
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -312,6 +373,40 @@ class _Connection(asyncio.Protocol):
             self._backend.resume_reading()
         elif self._transport is not None:
             self._transport.resume_reading()
+
+
+_NOT_RELAYED = frozenset(
+    ("te", "content-type", "user-agent", "grpc-timeout", "grpc-encoding",
+     "grpc-accept-encoding", "content-length", "host", "connection")
+)  # fmt: skip
+"""Headers of a call that are HTTP/2's or gRPC's own, not the caller's metadata."""
+
+
+def relayed_metadata(headers: list[tuple[str, str]]) -> tuple[tuple[str, str | bytes], ...]:
+    """A call's metadata as grpc.aio takes it: binary values (``-bin``) decoded."""
+    out: list[tuple[str, str | bytes]] = []
+    for name, value in headers:
+        if name in _NOT_RELAYED:
+            continue
+        if name.endswith("-bin"):
+            try:
+                out.append((name, base64.b64decode(value + "=" * (-len(value) % 4))))
+            except ValueError:
+                continue  # not base64: dropped, as grpcio drops it
+        else:
+            out.append((name, value))
+    return tuple(out)
+
+
+def wire_metadata(metadata: Any) -> list[tuple[str, bytes]]:
+    """grpc.aio metadata as header values: binary ones (``-bin``) in base64."""
+    out = []
+    for name, value in metadata or ():
+        if isinstance(value, bytes):
+            out.append((name, base64.b64encode(value).rstrip(b"=")))
+        else:
+            out.append((name, str(value).encode()))
+    return out
 
 
 class _WithoutFirstAck:
@@ -402,6 +497,7 @@ class NativeGrpcServer:
         self.max_connection_age = max_connection_age
         self.max_connection_age_grace = max_connection_age_grace
         self.counts = CallCounts()
+        self._backend: grpc.aio.Channel | None = None
         self.connections: set[_Connection] = set()
         self.splicing: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -424,6 +520,16 @@ class NativeGrpcServer:
         sockets = self._server.sockets
         return int(sockets[0].getsockname()[1]) if sockets else 0
 
+    def backend(self) -> grpc.aio.Channel:
+        """The channel to grpcio, for calls relayed from connections served here."""
+        if self._backend is None:
+            self._backend = grpc.aio.insecure_channel(
+                f"unix:{self.backend_path}",
+                options=[("grpc.max_receive_message_length", -1),
+                         ("grpc.max_send_message_length", -1)],
+            )  # fmt: skip
+        return self._backend
+
     async def stop(self, grace: float) -> None:
         """Take no new connection; tell each served connection to take no new call, and
         give the calls in flight ``grace`` seconds."""
@@ -439,3 +545,5 @@ class NativeGrpcServer:
             connection.end()
         for task in list(self.splicing):
             task.cancel()
+        if self._backend is not None:
+            await self._backend.close()

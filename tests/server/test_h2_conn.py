@@ -61,6 +61,9 @@ from ratelimit_service.server.h2_conn import (
     Cancelled,
     Event,
     H2Connection,
+    HalfClosed,
+    Message,
+    Opened,
     Refused,
     frame,
     parse_timeout,
@@ -1080,3 +1083,100 @@ def test_a_call_with_a_malformed_timeout_has_none(value: bytes) -> None:
     assert event.timeout is None
     assert event.headers == METADATA
     assert not client.conn.closed
+
+
+# -- calls relayed (methods not served here) ------------------------------------------------
+
+
+def relaying(max_request_bytes: int = 4096) -> Client:
+    """A connection serving /svc/M only: other methods' calls are relayed."""
+    client = Client(H2Connection(100, max_request_bytes, lambda path: path == "/svc/M"))
+    assert client.send(PREFACE, frame(SETTINGS, 0, 0)) == []
+    client.conn.serve()
+    client.conn.take_output()
+    return client
+
+
+def test_a_relayed_call_arrives_message_by_message() -> None:
+    client = relaying()
+    block = client.block(request("/other/S", extra=[("x-m", "1")]))
+    opened = client.send(frame(HEADERS, END_HEADERS, 1, block))
+    assert opened == [Opened(1, "/other/S", 0.02, [*METADATA, ("x-m", "1")])]
+    two = grpc(b"one") + grpc(b"two")
+    third = grpc(b"three")
+    assert client.send(frame(DATA, 0, 1, two + third[:4])) == [
+        Message(1, b"one"),
+        Message(1, b"two"),
+    ]
+    assert client.send(frame(DATA, END_STREAM, 1, third[4:])) == [
+        Message(1, b"three"),
+        HalfClosed(1),
+    ]
+    # A served method on the same connection is still a Call.
+    assert client.call(3) == [call(3)]
+
+
+def test_a_relayed_call_is_answered_headers_messages_trailers() -> None:
+    client = relaying()
+    client.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, client.block(request("/o/S"))))
+    client.conn.send_headers(1, [("x-a", b"1")])
+    client.conn.send_message(1, b"r1")
+    client.conn.send_message(1, b"r2")
+    assert client.conn.streams == 1
+    client.conn.send_trailers(1, 0, "", [("x-t", b"2")])
+    out = client.output()
+    assert shape(out) == [
+        (HEADERS, 1, END_HEADERS),
+        (DATA, 1, len(grpc(b"r1"))),
+        (DATA, 1, len(grpc(b"r2"))),
+        (HEADERS, 1, END_HEADERS | END_STREAM),
+    ]
+    assert client.decode(out[0].payload) == [
+        (":status", "200"),
+        ("content-type", "application/grpc"),
+        ("x-a", "1"),
+    ]
+    assert client.decode(out[-1].payload) == [("grpc-status", "0"), ("x-t", "2")]
+    assert client.conn.streams == 0
+    assert resets(out) == []
+
+
+def test_a_relayed_call_failed_before_any_answer_is_trailers_only() -> None:
+    client = relaying()
+    client.send(frame(HEADERS, END_HEADERS, 1, client.block(request("/o/S"))))
+    client.conn.send_trailers(1, 12, "no such method", [])
+    out = client.output()
+    assert shape(out) == [(HEADERS, 1, END_HEADERS | END_STREAM), (RST_STREAM, 1, 0)]
+    assert client.decode(out[0].payload) == [
+        (":status", "200"),
+        ("content-type", "application/grpc"),
+        ("grpc-status", "12"),
+        ("grpc-message", "no such method"),
+    ]
+    assert resets(out) == [(1, 0)]  # the peer had not ended its side: told to stop
+
+
+def test_a_relayed_call_reset_by_the_peer_is_cancelled() -> None:
+    client = relaying()
+    client.send(frame(HEADERS, END_HEADERS, 1, client.block(request("/o/S"))))
+    assert client.send(frame(RST_STREAM, 0, 1, u32(8))) == [Cancelled(1)]
+    client.conn.send_message(1, b"late")
+    assert client.output() == []
+
+
+def test_relayed_messages_are_bounded_and_whole() -> None:
+    client = relaying(max_request_bytes=10)
+    client.send(frame(HEADERS, END_HEADERS, 1, client.block(request("/o/S"))))
+    assert client.send(frame(DATA, 0, 1, grpc(b"x" * 11))) == [Refused(1, 8)]
+    client.send(frame(HEADERS, END_HEADERS, 3, client.block(request("/o/S"))))
+    assert client.send(frame(DATA, END_STREAM, 3, grpc(b"abc")[:6])) == [Refused(3, 13)]
+
+
+def test_a_long_relayed_stream_gets_its_window_back() -> None:
+    client = relaying(max_request_bytes=20_000)
+    client.send(frame(HEADERS, END_HEADERS, 1, client.block(request("/o/S"))))
+    events: list[Event] = []
+    for _ in range(4):
+        events += client.send(frame(DATA, 0, 1, grpc(b"z" * 10_000)))
+    assert events == [Message(1, b"z" * 10_000)] * 4
+    assert windows(client.output()) == [(1, 4 * 10_005)]

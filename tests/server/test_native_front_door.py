@@ -326,17 +326,33 @@ async def test_watch_is_spliced_on_a_connection_of_its_own(embedded: Pair) -> No
         watch.cancel()
 
 
-async def test_watch_on_a_connection_that_began_natively_is_unimplemented(
+async def test_other_methods_on_a_connection_that_began_natively_are_relayed(
     embedded: Pair,
 ) -> None:
+    """A gRPC client shares one connection between its channels to a target: after a
+    ShouldRateLimit, health Watch (server streaming, metadata both ways), an RLQS stream
+    (bidirectional) and an unknown method on that connection are grpcio's answers,
+    relayed; ShouldRateLimit is served on beside them."""
     async with channel(embedded.native, own=True) as chan:
         assert (await rls(chan)(request("wide=w"), timeout=5)).overall_code == OK
         watch = health(chan).Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
-        code, details = await status_of(watch.read())
-        assert code is grpc.StatusCode.UNIMPLEMENTED, (code, details)
-        assert "/grpc.health.v1.Health/Watch" in details
-        # The connection serves on.
+        assert (await asyncio.wait_for(watch.read(), 5)).status == SERVING
+        stub = rlqs_pb2_grpc.RateLimitQuotaServiceStub(chan)
+        stream = stub.StreamRateLimitQuotas(metadata=(("x-envoy-node-id", "envoy-r"),))
+        for round_ in range(2):  # two reports, two answers: both ways, message by message
+            await stream.write(usage_report("front", {"k": f"relayed{round_}"}, 1, 0, 0))
+            answer = await asyncio.wait_for(stream.read(), 5)
+            (action,) = answer.bucket_action
+            assert dict(action.bucket_id.bucket) == {"k": f"relayed{round_}"}
+            token_bucket = action.quota_assignment_action.rate_limit_strategy.token_bucket
+            assert token_bucket.max_tokens == LIMIT
         assert (await rls(chan)(request("wide=w"), timeout=5)).overall_code == OK
+        unknown = chan.unary_unary("/no.Such/Method")(b"", timeout=5)
+        code, _ = await status_of(unknown)
+        assert code is grpc.StatusCode.UNIMPLEMENTED
+        await stream.done_writing()
+        watch.cancel()
+        stream.cancel()
 
 
 # ------------------------------------------------------------------ 3. RLQS, reflection
@@ -459,13 +475,12 @@ async def test_metrics_count_every_native_call_once(embedded: Pair) -> None:
 
 
 async def test_refusals_count_as_failed_calls(embedded: Pair) -> None:
-    """Calls the front door refuses (another method on a native connection, a request
-    over the bound) are started and failed, never RLS requests."""
+    """Calls refused (an unknown method, relayed to grpcio, which refuses it; a request
+    over the bound, refused by the front door) are started and failed, never RLS requests."""
     before = metrics(embedded.native)
     async with channel(embedded.native, own=True) as chan:
         assert (await rls(chan)(request("wide=w"), timeout=5)).overall_code == OK
-        watch = health(chan).Watch(health_pb2.HealthCheckRequest(), timeout=5)
-        code, _ = await status_of(watch.read())
+        code, _ = await status_of(chan.unary_unary("/no.Such/Method")(b"", timeout=5))
         assert code is grpc.StatusCode.UNIMPLEMENTED
         code, _ = await status_of(rls(chan)(request("k=" + "x" * MAX_REQUEST_BYTES), timeout=5))
         assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
