@@ -202,7 +202,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--grpc-engine", "listening", "what serves the gRPC port: grpcio, or native (our"
             " HTTP/2 for ShouldRateLimit and health checks, several times grpcio's calls per core;"
             " the other methods served by grpcio behind it)",
-            "grpcio", choices=("grpcio", "native"), fills="grpc_engine"),
+            "native", choices=("grpcio", "native"), fills="grpc_engine"),
     Setting("--event-loop", "listening", "event loop: uvloop when installed (auto), or asyncio's",
             "auto", choices=("auto", "asyncio", "uvloop")),
     Setting("--max-request-bytes", "listening", "largest request accepted (gRPC answers"

@@ -298,8 +298,12 @@ class RateLimitService:
             await self._start_go_ports(servicer)
         except OSError:
             await self._stop_listeners()
+            if self.native is not None:
+                await self.native.stop(0)
+                self.native = None
             await server.stop(0)
             self._server = None
+            self._remove_backend_dir()
             raise
         await self.store.start()
         if self.zone_aggregator is not None:
@@ -346,8 +350,15 @@ class RateLimitService:
         except (OSError, ValueError, ssl.SSLError) as exc:
             assert self._server is not None
             await self._server.stop(0)
-            self._server = None
+            self._server, self.native = None, None
+            self._remove_backend_dir()
             raise OSError(f"cannot listen on {settings.grpc_addr} (gRPC): {exc}") from exc
+
+    def _remove_backend_dir(self) -> None:
+        """grpcio's private socket directory (--grpc-engine native), gone."""
+        if self._backend_dir is not None:
+            shutil.rmtree(self._backend_dir, ignore_errors=True)
+            self._backend_dir = None
 
     def _grpc_options(self) -> list[tuple[str, int]]:
         settings = self.settings
@@ -415,8 +426,7 @@ class RateLimitService:
             await self.native.stop(self.settings.shutdown_grace)
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace)
-        if self._backend_dir is not None:
-            shutil.rmtree(self._backend_dir, ignore_errors=True)
+        self._remove_backend_dir()
         await self.reconciler.stop()
         await self.quota.stop()
         await self._loop_lag_task.stop()
