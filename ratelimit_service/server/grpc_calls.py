@@ -1,8 +1,10 @@
-"""The gRPC runtime's own count of the calls this process's server took: started,
-succeeded and failed, from channelz (on by default in gRPC core, read at scrape time).
+"""The gRPC port's count of the calls this process took: started, succeeded and failed,
+the native front door's (server/native_grpc.py) and grpcio's from channelz (on by
+default in gRPC core, read at scrape time).
 
-A call whose deadline passes while it waits in the runtime (a process past its
-capacity: the calls queue in gRPC's C core before Python sees them) is ended with
+With grpcio serving a call, a call whose deadline passes while it waits in the runtime
+(a process past its capacity: the calls queue in gRPC's C core before Python sees
+them) is ended with
 DEADLINE_EXCEEDED by the runtime, often without reaching a handler, so the service's
 own counters never see it; Envoy then answers by its own failure mode. Those calls
 show here as failed: failed calls beyond the service's own refusals (an
