@@ -324,11 +324,15 @@ def start_spec(
     return Server(name, grpc_port, admin_port, process.pid)
 
 
-PROB = ServiceSpec(["--mode", "probabilistic"])
+GRPCIO = ["--grpc-engine", "grpcio"]
+"""Services without "native" in their name: grpcio serves their whole port."""
+PROB = ServiceSpec(["--mode", "probabilistic", *GRPCIO])
 PATH_SERVICES = {
     "probabilistic, embedded": PROB,
-    "probabilistic, Redis": ServiceSpec(["--mode", "probabilistic", "--redis-url", "REDIS"]),
-    "exact, Redis": ServiceSpec(["--mode", "exact", "--redis-url", "REDIS"]),
+    "probabilistic, Redis": ServiceSpec(
+        ["--mode", "probabilistic", "--redis-url", "REDIS", *GRPCIO]
+    ),
+    "exact, Redis": ServiceSpec(["--mode", "exact", "--redis-url", "REDIS", *GRPCIO]),
     "probabilistic, embedded, native": ServiceSpec(
         ["--mode", "probabilistic", "--grpc-engine", "native"]
     ),
@@ -347,7 +351,7 @@ PATH_TARGETS = [
 STUDY_SERVICES = {
     "probabilistic, embedded": PROB,
     "probabilistic, embedded, no BDP probe": ServiceSpec(
-        ["--mode", "probabilistic"], [("grpc.http2.bdp_probe", 0)]
+        ["--mode", "probabilistic", *GRPCIO], [("grpc.http2.bdp_probe", 0)]
     ),
 }
 _S = "probabilistic, embedded"

@@ -71,6 +71,8 @@ SERVER_CPUS: frozenset[int] | None = None
 """--pin: the targets' CPUs (h2load and Redis run on LOAD_CPUS)."""
 LOAD_CPUS: frozenset[int] | None = None
 REDIS_NICE = -10
+GRPCIO = ("--grpc-engine", "grpcio")
+"""The targets without "native" in their name: grpcio serves their whole port."""
 
 
 @dataclass
@@ -224,10 +226,10 @@ def start_targets(
     config.mkdir()
     (config / "bench.yaml").write_text(tp.CONFIG)
     flags = {
-        "exact": ["--mode", "exact"],
-        "probabilistic": ["--mode", "probabilistic"],
-        "exact x2": ["--mode", "exact", "--workers", "2"],
-        "probabilistic x2": ["--mode", "probabilistic", "--workers", "2"],
+        "exact": ["--mode", "exact", *GRPCIO],
+        "probabilistic": ["--mode", "probabilistic", *GRPCIO],
+        "exact x2": ["--mode", "exact", "--workers", "2", *GRPCIO],
+        "probabilistic x2": ["--mode", "probabilistic", "--workers", "2", *GRPCIO],
         "exact native": ["--mode", "exact", "--grpc-engine", "native"],
         "probabilistic native": ["--mode", "probabilistic", "--grpc-engine", "native"],
         "exact native x2": ["--mode", "exact", "--grpc-engine", "native", "--workers", "2"],

@@ -86,6 +86,8 @@ ENVOY_DEADLINE = "20m"
 20 ms timeout), as gRPC's grpc-timeout header: exact decisions wait for Redis until
 2 ms before it."""
 HUGE_LIMIT = 1_000_000_000
+GRPCIO = ("--grpc-engine", "grpcio")
+"""The services measured against the grpcio null server are served by grpcio too."""
 CONFIG = f"""domain: bench
 descriptors:
   - key: k
@@ -198,8 +200,11 @@ def start_service(
     cpus: frozenset[int] | None = None,
     tree: Path | None = None,
 ) -> Server:
-    """``tree``: serve the package of that checkout instead of this one."""
+    """``tree``: serve the package of that checkout instead of this one (one from before
+    --grpc-engine serves everything with grpcio: the flag is left out for it)."""
     grpc_port, admin_port = free_port(), free_port()
+    if tree is not None and not _knows_engines(tree):
+        extra = _without_engine(extra)
     process = processes.start(
         name.replace(" ", "-").replace("/", "-").replace("@", "at-"),
         [sys.executable, "-m", "ratelimit_service", "serve", "--config", str(config),
@@ -210,6 +215,23 @@ def start_service(
     )  # fmt: skip
     wait_healthy(admin_port)
     return Server(name, grpc_port, admin_port, process.pid)
+
+
+def _knows_engines(tree: Path) -> bool:
+    table = tree / "ratelimit_service" / "core" / "settings_table.py"
+    return table.exists() and '"--grpc-engine"' in table.read_text()
+
+
+def _without_engine(flags: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag == "--grpc-engine":
+            skip = True
+        else:
+            out.append(flag)
+    return out
 
 
 TREE_TARGETS = ("embedded probabilistic", "redis exact")
@@ -479,10 +501,10 @@ def suite_throughput(args: argparse.Namespace, progress: Progress) -> list[Run]:
         server_redis = start_redis(directory, redis_servers, tools)
         url = server_redis.url
         targets = [
-            ("embedded probabilistic", ["--mode", "probabilistic"]),
-            ("embedded exact", ["--mode", "exact"]),
-            ("redis probabilistic", ["--mode", "probabilistic", "--redis-url", url]),
-            ("redis exact", ["--mode", "exact", "--redis-url", url]),
+            ("embedded probabilistic", ["--mode", "probabilistic", *GRPCIO]),
+            ("embedded exact", ["--mode", "exact", *GRPCIO]),
+            ("redis probabilistic", ["--mode", "probabilistic", "--redis-url", url, *GRPCIO]),
+            ("redis exact", ["--mode", "exact", "--redis-url", url, *GRPCIO]),
         ]
         servers = [start_null(processes, mine)]
         servers += [start_service(processes, n, config, x, mine) for n, x in targets]
@@ -572,7 +594,7 @@ def suite_redis_delay(
         for name, port in paths:
             url = f"redis://127.0.0.1:{port}/0"
             for mode, label, extra in DELAY_MODES:
-                flags = ["--mode", mode, "--redis-url", url, *extra]
+                flags = ["--mode", mode, "--redis-url", url, *GRPCIO, *extra]
                 servers.append(start_service(processes, f"{label} {name}", config, flags))
         progress("warming up (1 s per service, not measured)")
         warm_up(servers, bodies, log)
