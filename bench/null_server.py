@@ -34,11 +34,12 @@ async def serve(port: int) -> None:
 async def serve_native(port: int) -> None:
     """The same answer from the native front door (--grpc-engine native's HTTP/2): its
     ceiling. Connections that begin with another method find no grpcio behind it."""
-    from ratelimit_service.server.native_grpc import NativeGrpcServer, Route
+    from ratelimit_service.server.native_grpc import BackendSocket, NativeGrpcServer, Route
 
     answer = _OK.SerializeToString()
     path = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
-    server = NativeGrpcServer({path: Route(lambda raw: answer)}, "/nonexistent", 1 << 20)
+    nowhere = BackendSocket("unix:/nonexistent", "/nonexistent")
+    server = NativeGrpcServer({path: Route(lambda raw: answer)}, nowhere, 1 << 20)
     await server.start(f"127.0.0.1:{port}")
     await asyncio.Event().wait()
 

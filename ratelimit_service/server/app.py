@@ -55,7 +55,7 @@ from ratelimit_service.server.gc_policy import Tenuring
 from ratelimit_service.server.go_http import GoEndpoints
 from ratelimit_service.server.grpc_calls import grpc_call_metrics
 from ratelimit_service.server.http_server import INDEX, HttpServer, Page, pages, query_page
-from ratelimit_service.server.native_grpc import NativeGrpcServer
+from ratelimit_service.server.native_grpc import BackendSocket, NativeGrpcServer
 from ratelimit_service.server.native_wiring import native_routes
 from ratelimit_service.server.settings import Settings
 from ratelimit_service.server.status_page import status_routes
@@ -277,9 +277,8 @@ class RateLimitService:
             (RLS_SERVICE, RLQS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         if native:
-            self._backend_dir = tempfile.mkdtemp(prefix="ratelimit-grpc-")
-            backend = os.path.join(self._backend_dir, "grpcio.sock")
-            server.add_insecure_port(f"unix:{backend}")
+            backend, self._backend_dir = private_socket()
+            server.add_insecure_port(backend.grpc_target)
             await server.start()
             self._server = server
             await self._start_native(servicer, backend)
@@ -327,7 +326,7 @@ class RateLimitService:
             ",".join(sorted(self.limiter.config.domains)) or "(none)",
         )
 
-    async def _start_native(self, servicer: RateLimitServicer, backend: str) -> None:
+    async def _start_native(self, servicer: RateLimitServicer, backend: BackendSocket) -> None:
         """The native front door on the gRPC address, grpcio behind it on ``backend``."""
         settings = self.settings
         self.native = NativeGrpcServer(
@@ -572,6 +571,19 @@ class RateLimitService:
         yield from quota_metrics(self.quota)
         yield from self.tenuring.metrics()
         yield from grpc_call_metrics(None if self.native is None else self.native.counts)
+
+
+def private_socket() -> tuple[BackendSocket, str | None]:
+    """Where grpcio listens behind the native front door, and the directory to remove:
+    a socket in a private directory (mode 0700), or where no temporary directory can be
+    written (a read-only root file system) an abstract socket of a random name."""
+    try:
+        directory = tempfile.mkdtemp(prefix="ratelimit-grpc-")
+    except OSError:
+        name = f"ratelimit-grpc-{os.getpid()}-{secrets.token_hex(8)}"
+        return BackendSocket(f"unix-abstract:{name}", "\0" + name), None
+    path = os.path.join(directory, "grpcio.sock")
+    return BackendSocket(f"unix:{path}", path), directory
 
 
 def _bind_error(addr: str, reuse_port: bool) -> str:

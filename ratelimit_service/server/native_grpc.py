@@ -57,6 +57,16 @@ RELAY_QUEUE = 64
 
 
 @dataclass(frozen=True, slots=True)
+class BackendSocket:
+    """The grpcio server's private Unix socket, as grpc and as asyncio name it."""
+
+    grpc_target: str
+    """``unix:/path`` or ``unix-abstract:name``."""
+    path: str
+    """The file's path, or the abstract name after a NUL byte."""
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
     """How one method is answered: ``now`` decides at once if it can (None: it cannot);
     ``later`` decides by waiting (for the store); both raise CallFailed for a status."""
@@ -271,7 +281,7 @@ class _Connection(asyncio.Protocol):
             while (message := await queue.get()) is not None:
                 yield message
 
-        call = self._server.backend().stream_stream(opened.path)(
+        call = self._server.backend_channel().stream_stream(opened.path)(
             requests(), metadata=relayed_metadata(opened.headers), timeout=opened.timeout
         )
         try:
@@ -349,7 +359,7 @@ class _Connection(asyncio.Protocol):
         assert transport is not None
         try:
             backend, _ = await self._loop.create_unix_connection(
-                lambda: _Backend(transport), self._server.backend_path
+                lambda: _Backend(transport), self._server.backend.path
             )
         except OSError as exc:
             log.warning("the grpcio server behind the native front door refused: %s", exc)
@@ -484,14 +494,14 @@ class NativeGrpcServer:
     def __init__(
         self,
         routes: dict[str, Route],
-        backend_path: str,
+        backend: BackendSocket,
         max_request_bytes: int,
         max_connection_age: float | None = None,
         max_connection_age_grace: float | None = None,
     ) -> None:
         self.routes = routes
         """Methods served here, by path (``/package.Service/Method``)."""
-        self.backend_path = backend_path
+        self.backend = backend
         """The grpcio server's Unix socket, where other connections are spliced."""
         self.max_request_bytes = max_request_bytes
         self.max_connection_age = max_connection_age
@@ -520,11 +530,11 @@ class NativeGrpcServer:
         sockets = self._server.sockets
         return int(sockets[0].getsockname()[1]) if sockets else 0
 
-    def backend(self) -> grpc.aio.Channel:
+    def backend_channel(self) -> grpc.aio.Channel:
         """The channel to grpcio, for calls relayed from connections served here."""
         if self._backend is None:
             self._backend = grpc.aio.insecure_channel(
-                f"unix:{self.backend_path}",
+                self.backend.grpc_target,
                 options=[("grpc.max_receive_message_length", -1),
                          ("grpc.max_send_message_length", -1)],
             )  # fmt: skip

@@ -19,6 +19,7 @@ import signal
 import socket
 import struct
 import subprocess
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -730,3 +731,28 @@ def test_envoy_limits_through_the_native_engine(
     counted = metrics(service)
     assert counted["rls"] == 8, counted
     assert counted["started"] >= 8 + 1 and counted["failed"] == 0, counted
+
+
+async def test_grpcio_behind_an_abstract_socket_without_a_writable_temporary_directory(
+    config: Path, start_service: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only root file system (the shipped Kubernetes manifests): no private
+    directory for grpcio's socket, so an abstract one; RLQS reaches grpcio both ways,
+    spliced (its own connection) and relayed (after ShouldRateLimit)."""
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/read-only")
+    running = await start_service(config)
+    port = running.service.grpc_port
+    assert running.service._backend_dir is None
+    report = usage_report("front", {"k": "abstract"}, 1, 0, 0)
+    for relayed in (False, True):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OWN) as chan:
+            if relayed:
+                assert (await rls(chan)(request("wide=w"), timeout=5)).overall_code == OK
+            stream = rlqs_pb2_grpc.RateLimitQuotaServiceStub(chan).StreamRateLimitQuotas(
+                metadata=(("x-envoy-node-id", f"envoy-{relayed}"),)
+            )
+            await stream.write(report)
+            answer = await asyncio.wait_for(stream.read(), 5)
+            stream.cancel()
+        (action,) = answer.bucket_action
+        assert dict(action.bucket_id.bucket) == {"k": "abstract"}
