@@ -351,7 +351,9 @@ class RateLimitService:
             await self._server.stop(0)
             self._server, self.native = None, None
             self._remove_backend_dir()
-            raise OSError(f"cannot listen on {settings.grpc_addr} (gRPC): {exc}") from exc
+            errno = exc.errno if isinstance(exc, OSError) else None
+            why = os.strerror(errno) if errno else str(exc)  # uvloop's text names the call
+            raise OSError(f"cannot listen on {settings.grpc_addr} (gRPC): {why}") from exc
 
     def _remove_backend_dir(self) -> None:
         """grpcio's private socket directory (--grpc-engine native), gone."""

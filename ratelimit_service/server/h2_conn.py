@@ -732,6 +732,10 @@ class H2Connection:
         self._out.clear()
         return out
 
+    def is_open(self, stream_id: int) -> bool:
+        """Whether a call is still there to answer (not reset by the peer, nor refused)."""
+        return stream_id in self._streams
+
     @property
     def streams(self) -> int:
         """Calls open: received or being received, not answered (or answers queued)."""

@@ -201,6 +201,11 @@ class _Connection(asyncio.Protocol):
     def _dispatch(self, call: Call) -> None:
         counts = self._server.counts
         counts.started += 1
+        if not self._h2.is_open(call.stream_id):
+            # Reset in the same read (a client that gave up while this process was held
+            # up): not decided, no hit counted; failed, as grpcio counts a cancelled call.
+            counts.failed += 1
+            return
         route = self._server.routes[call.path]  # the others are relayed (Opened)
         try:
             answer = route.now(call.message)
