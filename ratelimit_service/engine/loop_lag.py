@@ -82,6 +82,13 @@ class LoopLag:
         self._caught = 0
         self.calm_from = float("inf")  # every handler start is looked at until caught up
 
+    def waited(self, started: float) -> float:
+        """:meth:`held` for a call whose handler starts at ``started``: 0 in calm times
+        (once per call: it counts the calls of a catch-up)."""
+        if self.calm_from <= started <= self.calm_until:
+            return 0.0
+        return self.held(started)
+
     def held(self, started: float) -> float:
         """Seconds a call whose handler started at ``started`` (perf_counter, outside the
         calm range) waited for the loop."""

@@ -99,10 +99,12 @@ class RateLimitServicer:
         method = grpc.unary_unary_rpc_method_handler(call)
         return grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": method})
 
-    async def should_rate_limit(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def should_rate_limit(
+        self, raw: bytes, context: grpc.aio.ServicerContext, waited: float | None = None
+    ) -> bytes:
         """The call's latency goes to the latency histogram: from the handler's start to its answer,
-        plus the time the call waited behind a pause of the loop before it (LoopLag.held's
-        estimate). Not in it: time in the network, the kernel and gRPC's core."""
+        plus the time the call waited behind a pause of the loop before it (``waited``, or
+        LoopLag.held's estimate). Not in it: time in the network, the kernel and gRPC's core."""
         started = time.perf_counter()
         self.limiter.stats.total_requests += 1
         try:
@@ -118,7 +120,7 @@ class RateLimitServicer:
             failed = self._failed(exc)
             await context.abort(failed.code, failed.details)
         finally:
-            self._observe(started)
+            self._observe(started, waited)
         raise AssertionError("context.abort() returned")  # it always raises
 
     def answer_locally(self, raw: bytes) -> bytes | None:
@@ -171,11 +173,9 @@ class RateLimitServicer:
         log.error("ShouldRateLimit failed", exc_info=exc)
         return CallFailed(grpc.StatusCode.INTERNAL, "internal error")
 
-    def _observe(self, started: float) -> None:
+    def _observe(self, started: float, waited: float | None = None) -> None:
         elapsed = time.perf_counter() - started
-        lag = self.lag
-        if not lag.calm_from <= started <= lag.calm_until:
-            elapsed += lag.held(started)
+        elapsed += self.lag.waited(started) if waited is None else waited
         self.limiter.stats.latency.observe(elapsed)
 
     async def traced_should_rate_limit(

@@ -335,6 +335,7 @@ class RateLimitService:
             settings.max_request_bytes,
             settings.grpc_max_connection_age,
             settings.grpc_max_connection_age_grace,
+            self.loop_lag.waited,
         )
         try:
             tls = None

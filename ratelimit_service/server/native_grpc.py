@@ -23,6 +23,7 @@ import base64
 import logging
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -79,15 +80,19 @@ class Context:
     """What a servicer asks of its grpc.aio context, for a call served here: the time
     left, the metadata, and abort (raised as CallFailed)."""
 
-    __slots__ = ("_deadline", "_headers", "_loop")
+    __slots__ = ("_deadline", "_headers", "_loop", "waited")
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         deadline: float | None,
         headers: list[tuple[str, str]],
+        waited: float = 0.0,
     ) -> None:
         self._loop, self._deadline, self._headers = loop, deadline, headers
+        self.waited = waited
+        """Seconds the call is taken to have waited for the loop before it was read: its
+        deadline counts from its arrival, as gRPC's core would count it."""
 
     def time_remaining(self) -> float | None:
         if self._deadline is None:
@@ -220,8 +225,13 @@ class _Connection(asyncio.Protocol):
             counts.failed += 1
             self._h2.fail(call.stream_id, INTERNAL, "no answer")
         else:
-            deadline = None if call.timeout is None else self._loop.time() + call.timeout
-            context = Context(self._loop, deadline, call.headers)
+            # A call read after the loop was held arrived earlier than now: its deadline
+            # counts from then, so that too little time left is said at once (exact_late).
+            waited = self._server.waited(time.perf_counter())
+            deadline = None
+            if call.timeout is not None:
+                deadline = self._loop.time() + call.timeout - waited
+            context = Context(self._loop, deadline, call.headers, waited)
             task = self._loop.create_task(self._later(route.later, call, context))
             self._tasks[call.stream_id] = task
 
@@ -503,6 +513,7 @@ class NativeGrpcServer:
         max_request_bytes: int,
         max_connection_age: float | None = None,
         max_connection_age_grace: float | None = None,
+        waited: Callable[[float], float] = lambda started: 0.0,
     ) -> None:
         self.routes = routes
         """Methods served here, by path (``/package.Service/Method``)."""
@@ -511,6 +522,8 @@ class NativeGrpcServer:
         self.max_request_bytes = max_request_bytes
         self.max_connection_age = max_connection_age
         self.max_connection_age_grace = max_connection_age_grace
+        self.waited = waited
+        """How long a call read at a perf_counter time waited for the loop (LoopLag)."""
         self.counts = CallCounts()
         self._backend: grpc.aio.Channel | None = None
         self.connections: set[_Connection] = set()

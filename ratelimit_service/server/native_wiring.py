@@ -22,12 +22,9 @@ def native_routes(servicer: RateLimitServicer, health: Mapping[str, int]) -> dic
     name's status, as published to grpcio's health servicer)."""
 
     async def later(raw: bytes, context: Context) -> bytes:
-        call = (
-            servicer.should_rate_limit
-            if servicer.tracing is None
-            else (servicer.traced_should_rate_limit)
-        )
-        return await call(raw, _as_grpc(context))
+        if servicer.tracing is not None:
+            return await servicer.traced_should_rate_limit(raw, _as_grpc(context))
+        return await servicer.should_rate_limit(raw, _as_grpc(context), context.waited)
 
     def never(raw: bytes) -> bytes | None:
         return None
