@@ -12,7 +12,8 @@ able to rely on then:
   timer (counted neither succeeded nor failed), which the client saw time out (TIMED_OUT);
 - overload is said: calls that reach the service with too little time left for Redis
   are answered at once by the rule's failure_mode (closed here: OVER_LIMIT, so the
-  client can tell them from decisions), each counted as such.
+  client can tell them from decisions), each counted as such; asked of grpcio, whose
+  share of the core writes those answers in time.
 
 Not held here (docs/operations.md): an answer the starved process writes in time by
 its own clock may still reach the client late, and the runtime counts it succeeded.
@@ -54,7 +55,7 @@ stays well past its capacity: grpcio at about a third of the core (the scheduler
 weights 526 and 1024; on half the core it decided nearly all of 3,000 calls a second,
 and at times all of them); the native front door, several times cheaper per call, at
 about 6 % (weights 70 and 1024: at a third of the core it decided every call in time;
-at 3 % it answered none in time, failure_mode answers included)."""
+at 6 % its answers, failure_mode ones included, may all come late)."""
 SECONDS = 4.0
 DEADLINE = 0.020
 TIMED_OUT = ("DEADLINE_EXCEEDED", "CANCELLED")
@@ -170,8 +171,12 @@ async def test_past_capacity_every_call_is_accounted_for_and_overload_is_said(
     assert sum(outcomes.values()) == sent
     assert set(outcomes) <= {"OK", "OVER_LIMIT", *TIMED_OUT}, summary
     timed_out = sum(outcomes[code] for code in TIMED_OUT)
-    # Past capacity: some calls are lost, some answered by failure_mode.
-    assert timed_out > 0 and outcomes["OVER_LIMIT"] > 0, summary
+    # Past capacity: some calls are lost; with grpcio's share of the core, some answered
+    # by failure_mode in time (the native front door's share is too small to write even
+    # those in time: tests/faults/test_exact_late.py shows them answered at once).
+    assert timed_out > 0, summary
+    if engine == "grpcio":
+        assert outcomes["OVER_LIMIT"] > 0, summary
     # Every call reached the runtime (a client starved of CPU may give up on one before
     # writing it) and ended there: succeeded, failed, or (counted neither way) ended by
     # the runtime's own timer for its deadline while it still queued, the stream reset,
