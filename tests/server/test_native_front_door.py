@@ -678,7 +678,8 @@ def test_an_aged_connection_is_told_to_go_away_then_closed(config: Path, tmp_pat
         service.stop()
     goaways = [payload[:8] for kind, payload in frames(received) if kind == GOAWAY]
     assert goaways == [struct.pack(">II", 1, 0)], received
-    assert age <= lasted < age + grace + 3, lasted  # no call open: closed with the GOAWAY
+    # No call open: closed with the GOAWAY (the loop's timer may fire a hair early).
+    assert age - 0.01 <= lasted < age + grace + 3, lasted
 
 
 def h2_frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
