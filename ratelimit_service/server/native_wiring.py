@@ -22,16 +22,19 @@ def native_routes(servicer: RateLimitServicer, health: Mapping[str, int]) -> dic
     name's status, as published to grpcio's health servicer)."""
 
     async def later(raw: bytes, context: Context) -> bytes:
-        if servicer.tracing is not None:
-            return await servicer.traced_should_rate_limit(raw, _as_grpc(context))
         return await servicer.should_rate_limit(raw, _as_grpc(context), context.waited)
+
+    async def traced(raw: bytes, context: Context) -> bytes:
+        return await servicer.traced_should_rate_limit(raw, _as_grpc(context))
 
     def never(raw: bytes) -> bytes | None:
         return None
 
-    now = servicer.answer_locally if servicer.tracing is None else never
+    rls = (
+        Route(servicer.answer_locally, later) if servicer.tracing is None else Route(never, traced)
+    )
     return {
-        f"/{RLS_SERVICE}/ShouldRateLimit": Route(now, later),
+        f"/{RLS_SERVICE}/ShouldRateLimit": rls,
         HEALTH_CHECK: Route(lambda raw: _health_check(raw, health)),
     }
 
