@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import grpc
 
+from ratelimit_service.core.address import listen_host, split_host_port
 from ratelimit_service.rls.servicer import CallFailed
 from ratelimit_service.server.h2_conn import (
     ACK,
@@ -540,10 +541,13 @@ class NativeGrpcServer:
             path = addr.removeprefix("unix:").removeprefix("//")
             self._server = await loop.create_unix_server(lambda: _Connection(self), path, ssl=tls)
             return 0
-        host, _, port = addr.rpartition(":")
-        host = host.strip("[]") or None  # type: ignore[assignment]
+        host, port = split_host_port(addr, any_port=True)
         self._server = await loop.create_server(
-            lambda: _Connection(self), host, int(port), reuse_port=reuse_port or None, ssl=tls
+            lambda: _Connection(self),
+            listen_host(host),
+            port,
+            reuse_port=reuse_port or None,
+            ssl=tls,
         )
         sockets = self._server.sockets
         return int(sockets[0].getsockname()[1]) if sockets else 0
