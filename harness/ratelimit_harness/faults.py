@@ -64,7 +64,7 @@ class Probe:
     calls: list[Call] = field(default_factory=list)
     cut: int = 0
     """Calls still out when the probe ended (not in :attr:`calls`): the service may
-    have counted them."""
+    have counted them. Complete once the probe's ``async with`` block is left."""
     _task: asyncio.Task[None] | None = None
     _start: float = 0.0
 
@@ -99,8 +99,14 @@ class Probe:
                     pending.add(task)
                     task.add_done_callback(pending.discard)
             finally:
-                for task in pending:
+                # Wait for the cancelled calls to end (several turns of the loop in
+                # grpc.aio), so that each is in `cut` when the probe's block is left:
+                # the test reads it at once, and a call it missed counts as unseen
+                # although the service may have admitted it.
+                out = list(pending)
+                for task in out:
                     task.cancel()
+                await asyncio.gather(*out, return_exceptions=True)
 
     async def _one(self, stub: rls_pb2_grpc.RateLimitServiceStub, request: object) -> None:
         loop = asyncio.get_running_loop()
