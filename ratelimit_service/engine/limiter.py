@@ -8,9 +8,10 @@ already spent, counted whatever the answer (core/exact.py is_cost and counts).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ratelimit_service.core.calendar import CalendarPeriod, counted_under
@@ -181,6 +182,55 @@ class _Plan:
     """Every descriptor is a probabilistic step (see RateLimiter.decide_locally)."""
 
 
+class Deciding:
+    """A request whose exact rules wait for the store (RateLimiter.decide): ``waiting``
+    gives their results, or raises StoreUnavailable or StoreOverloaded; :meth:`done` or
+    :meth:`failed` makes the response from either, as every path must."""
+
+    __slots__ = ("_exact", "_hits", "_limiter", "_now", "_statuses", "_taken", "waiting")
+
+    def __init__(
+        self,
+        limiter: RateLimiter,
+        exact: tuple[_Step, ...],
+        hits: tuple[ExactHit, ...] | list[ExactHit],
+        statuses: list[DescriptorStatus],
+        taken: list[tuple[ProbabilisticBucket, int]],
+        now: float,
+    ) -> None:
+        self._limiter, self._exact, self._hits = limiter, exact, hits
+        self._statuses, self._taken, self._now = statuses, taken, now
+        self.waiting: Awaitable[list[ExactResult]]
+
+    def done(self, results: list[ExactResult]) -> Response:
+        """The response from the store's results."""
+        limiter = self._limiter
+        limiter._record_exact(self._exact, results, self._statuses, self._now)
+        return limiter._finish(self._statuses, self._taken)
+
+    def settle(self, waited: asyncio.Future[list[ExactResult]]) -> Response:
+        """The response once ``waiting`` (as a future) is done and not cancelled: :meth:`done`
+        or :meth:`failed`; an unexpected exception is raised again."""
+        exc = waited.exception()
+        if exc is None:
+            return self.done(waited.result())
+        if isinstance(exc, (StoreUnavailable, StoreOverloaded)):
+            return self.failed(exc)
+        raise exc
+
+    def failed(self, exc: StoreUnavailable | StoreOverloaded) -> Response:
+        """The response when the store failed (each rule's failure_mode) or was too busy
+        (raises Overloaded when an open rule would have to be asked)."""
+        limiter = self._limiter
+        if isinstance(exc, StoreUnavailable):
+            limiter.stats.store_error += 1
+            log.debug("exact store unavailable: %s", exc)
+            results = limiter._by_failure_mode(self._exact)
+        else:
+            results = limiter._overloaded(self._exact, self._hits, self._taken, exc)
+        return self.done(results)
+
+
 class RateLimiter:
     def __init__(
         self,
@@ -225,6 +275,20 @@ class RateLimiter:
     async def should_rate_limit(self, request: Request, deadline: float | None = None) -> Response:
         """``deadline``: the event loop's time after which the caller cannot use the
         answer; exact rules wait for the store until then (None: the store's bound)."""
+        decision = self.decide(request, deadline)
+        if isinstance(decision, Response):
+            return decision
+        try:
+            results = await decision.waiting
+        except (StoreUnavailable, StoreOverloaded) as exc:
+            return decision.failed(exc)
+        return decision.done(results)
+
+    def decide(self, request: Request, deadline: float | None = None) -> Response | Deciding:
+        """:meth:`should_rate_limit` without a coroutine: the response when the store is not
+        waited for (no exact rule, or the store refused at once: too little time left, too
+        many waiting), else a :class:`Deciding` whose ``waiting`` the caller awaits or
+        watches, then settles (the native front door answers from a callback, no task)."""
         plan = self._plan(request)
         if plan.all_local:  # the servicer calls decide_locally() first; tests come here
             response = self.decide_locally(request)
@@ -239,31 +303,26 @@ class RateLimiter:
         for index in plan.unmatched:
             statuses[index] = DescriptorStatus(_OK)
         taken: list[tuple[ProbabilisticBucket, int]] = []
-        # No coroutine below this one: most requests never wait, and each coroutine
-        # layer adds a frame and a send to every request.
         commit, quota_met = True, False
         if plan.local:
             commit, quota_met = self._decide_local(plan.local, plan.exact_quota, statuses, taken)
         exact = plan.exact
-        if exact:
-            # Denied already (a probabilistic descriptor): the store only counts costs.
-            counting = DECIDE if commit else DENIED if plan.exact_costs else CHECK
-            now = self._clock() if plan.exact_calendar else 0.0
-            if quota_met or plan.exact_calendar:
-                hits: tuple[ExactHit, ...] | list[ExactHit] = _exact_hits(exact, quota_met, now)
-                owe = commit and _admitted_on_failure(exact, hits)
-            else:
-                hits, owe = plan.exact_hits, commit and plan.exact_owe
-            try:
-                results = await self.hit_store(hits, counting, owe, deadline)
-            except StoreUnavailable as exc:
-                self.stats.store_error += 1
-                log.debug("exact store unavailable: %s", exc)
-                results = self._by_failure_mode(exact)
-            except StoreOverloaded as exc:
-                results = self._overloaded(exact, hits, taken, exc)
-            self._record_exact(exact, results, statuses, now)
-        return self._finish(statuses, taken)
+        if not exact:
+            return self._finish(statuses, taken)
+        # Denied already (a probabilistic descriptor): the store only counts costs.
+        counting = DECIDE if commit else DENIED if plan.exact_costs else CHECK
+        now = self._clock() if plan.exact_calendar else 0.0
+        if quota_met or plan.exact_calendar:
+            hits: tuple[ExactHit, ...] | list[ExactHit] = _exact_hits(exact, quota_met, now)
+            owe = commit and _admitted_on_failure(exact, hits)
+        else:
+            hits, owe = plan.exact_hits, commit and plan.exact_owe
+        decision = Deciding(self, exact, hits, statuses, taken, now)
+        try:
+            decision.waiting = self.hit_store(hits, counting, owe, deadline)
+        except (StoreUnavailable, StoreOverloaded) as exc:
+            return decision.failed(exc)
+        return decision
 
     def now(self) -> float:
         """The limiter's clock, which calendar periods and probabilistic buckets read."""

@@ -16,11 +16,12 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.message import DecodeError
 
 from ratelimit_service.core.config_model import HeaderStyle, RateLimitConfig
+from ratelimit_service.core.exact import ExactResult
 from ratelimit_service.core.headers import HeaderNames, rate_limit_headers
 from ratelimit_service.core.request import Descriptor, InvalidRequest, Request, Response
 from ratelimit_service.core.settings_table import default
 from ratelimit_service.core.units import unit_from_wire
-from ratelimit_service.engine.limiter import Overloaded, RateLimiter
+from ratelimit_service.engine.limiter import Deciding, Overloaded, RateLimiter
 from ratelimit_service.engine.loop_lag import LoopLag
 from ratelimit_service.engine.tracing import Tracing, outcome_attributes
 from ratelimit_service.rls.wire import LimitHeads, RequestCache, encode_response
@@ -66,6 +67,36 @@ def _parse(raw: bytes) -> Request:
     return request_from_proto(message)
 
 
+class Answering:
+    """A call waiting for the store (RateLimitServicer.begin): ``waiting`` is done when the
+    store has answered, failed or given up; :meth:`finish` then gives the answer's bytes."""
+
+    __slots__ = ("_decision", "_request", "_servicer", "_started", "_waited", "waiting")
+
+    def __init__(
+        self,
+        servicer: RateLimitServicer,
+        request: Request,
+        decision: Deciding,
+        started: float,
+        waited: float,
+    ) -> None:
+        self._servicer, self._request, self._decision = servicer, request, decision
+        self._started, self._waited = started, waited
+        self.waiting: asyncio.Future[list[ExactResult]] = asyncio.ensure_future(decision.waiting)
+        """The store's reply (a Redis Cluster's or a traced call's in a task of its own)."""
+
+    def finish(self) -> bytes:
+        """The answer, once ``waiting`` is done and not cancelled; raises CallFailed."""
+        servicer = self._servicer
+        try:
+            return servicer._encode(self._request, self._decision.settle(self.waiting))
+        except Exception as exc:
+            raise servicer._failed(exc) from exc
+        finally:
+            servicer._observe(self._started, self._waited)
+
+
 class RateLimitServicer:
     """ShouldRateLimit on raw bytes (see rls/wire.py): install with :meth:`handler`."""
 
@@ -99,12 +130,10 @@ class RateLimitServicer:
         method = grpc.unary_unary_rpc_method_handler(call)
         return grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": method})
 
-    async def should_rate_limit(
-        self, raw: bytes, context: grpc.aio.ServicerContext, waited: float | None = None
-    ) -> bytes:
+    async def should_rate_limit(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """The call's latency goes to the latency histogram: from the handler's start to its answer,
-        plus the time the call waited behind a pause of the loop before it (``waited``, or
-        LoopLag.held's estimate). Not in it: time in the network, the kernel and gRPC's core."""
+        plus the time the call waited behind a pause of the loop before it (LoopLag.held's
+        estimate). Not in it: time in the network, the kernel and gRPC's core."""
         started = time.perf_counter()
         self.limiter.stats.total_requests += 1
         try:
@@ -120,26 +149,31 @@ class RateLimitServicer:
             failed = self._failed(exc)
             await context.abort(failed.code, failed.details)
         finally:
-            self._observe(started, waited)
+            self._observe(started)
         raise AssertionError("context.abort() returned")  # it always raises
 
-    def answer_locally(self, raw: bytes) -> bytes | None:
-        """The answer when no store is asked (every descriptor probabilistic, or none
-        matched), without a coroutine: the native front door answers so within the read
-        that brought the call. None: the store decides, call :meth:`should_rate_limit`
-        (which counts the call). Raises CallFailed where that aborts."""
+    def begin(self, raw: bytes, deadline: float | None, waited: float) -> bytes | Answering:
+        """:meth:`should_rate_limit` without a coroutine, for the native front door: the
+        answer now (no store asked, or the store refused at once), or an :class:`Answering`
+        whose ``waiting`` the front door watches, then finishes. ``deadline``: the call's,
+        on the loop's clock; ``waited``: what it waited for the loop before it was read.
+        Raises CallFailed where :meth:`should_rate_limit` aborts."""
         started = time.perf_counter()
+        self.limiter.stats.total_requests += 1
         try:
             request, response = self._decide_locally(raw)
-            if response is None:
-                return None
-            self.limiter.stats.total_requests += 1
+            if response is None:  # the store decides: it may wait until the caller's deadline
+                if deadline is not None:
+                    deadline -= self.deadline_margin
+                decision = self.limiter.decide(request, deadline)
+                if isinstance(decision, Deciding):
+                    return Answering(self, request, decision, started, waited)
+                response = decision
             answer = self._encode(request, response)
         except Exception as exc:
-            self.limiter.stats.total_requests += 1
-            self._observe(started)
+            self._observe(started, waited)
             raise self._failed(exc) from exc
-        self._observe(started)
+        self._observe(started, waited)
         return answer
 
     def _decide_locally(self, raw: bytes) -> tuple[Request, Response | None]:

@@ -6,8 +6,9 @@ grpcio's per-call work is most of what a Python RLS service spends (docs/design.
 "The native front door"): a task per call and several hops between its core's thread
 and the event loop. Here a read's bytes are parsed in one pass and a call decided
 without a store (probabilistic rules) is answered within that read, without a task; a
-call that waits for Redis (exact rules) gets one task, and the answers that one loop
-turn makes go out in one write.
+call that waits for Redis (exact rules) is answered from a callback on the store's
+future, also without a task, and the answers that one loop turn makes go out in one
+write.
 
 The grpcio server listens on a private Unix socket. A connection whose first call is
 another method (Envoy's RLQS cluster, reflection, health Watch) is spliced to it byte
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
 import socket
 import ssl
@@ -31,7 +33,7 @@ from typing import Any, cast
 import grpc
 
 from ratelimit_service.core.address import listen_host, split_host_port
-from ratelimit_service.rls.servicer import CallFailed
+from ratelimit_service.rls.servicer import Answering, CallFailed
 from ratelimit_service.server.h2_conn import (
     ACK,
     INTERNAL,
@@ -71,29 +73,30 @@ class BackendSocket:
 @dataclass(frozen=True, slots=True)
 class Route:
     """How one method is answered: ``now`` decides at once if it can (None: it cannot);
-    ``later`` decides by waiting (for the store); both raise CallFailed for a status."""
+    ``later`` decides by waiting (for the store), in a task; ``start``, when given, instead
+    of both: the answer at once, or an Answering to finish when its future is done. Each
+    raises CallFailed for a status."""
 
     now: Callable[[bytes], bytes | None]
     later: Callable[[bytes, Context], Awaitable[bytes]] | None = None
+    start: Callable[[bytes, float | None, float], bytes | Answering] | None = None
 
 
 class Context:
     """What a servicer asks of its grpc.aio context, for a call served here: the time
     left, the metadata, and abort (raised as CallFailed)."""
 
-    __slots__ = ("_deadline", "_headers", "_loop", "waited")
+    __slots__ = ("_deadline", "_headers", "_loop")
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         deadline: float | None,
         headers: list[tuple[str, str]],
-        waited: float = 0.0,
     ) -> None:
+        """``deadline``: the loop's time, counted from the call's arrival (a call read after
+        the loop was held arrived earlier), as gRPC's core would count it."""
         self._loop, self._deadline, self._headers = loop, deadline, headers
-        self.waited = waited
-        """Seconds the call is taken to have waited for the loop before it was read: its
-        deadline counts from its arrival, as gRPC's core would count it."""
 
     def time_remaining(self) -> float | None:
         if self._deadline is None:
@@ -129,7 +132,9 @@ class _Connection(asyncio.Protocol):
         """What the client sent before its first call was seen (None: routed)."""
         self._backend: asyncio.Transport | None = None
         self._to_backend = _WithoutFirstAck()
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._tasks: dict[int, asyncio.Future[Any]] = {}
+        """What each call in flight waits for (a task, or the store's future): cancelled
+        when the client resets the call or the connection ends."""
         self._relays: dict[int, asyncio.Queue[bytes | None]] = {}
         """Each relayed call's request messages on their way to grpcio (None: the end)."""
         self._flush_scheduled = False
@@ -213,6 +218,9 @@ class _Connection(asyncio.Protocol):
             counts.failed += 1
             return
         route = self._server.routes[call.path]  # the others are relayed (Opened)
+        if route.start is not None:
+            self._start(route.start, call)
+            return
         try:
             answer = route.now(call.message)
         except CallFailed as failed:
@@ -226,15 +234,59 @@ class _Connection(asyncio.Protocol):
             counts.failed += 1
             self._h2.fail(call.stream_id, INTERNAL, "no answer")
         else:
-            # A call read after the loop was held arrived earlier than now: its deadline
-            # counts from then, so that too little time left is said at once (exact_late).
-            waited = self._server.waited(time.perf_counter())
-            deadline = None
-            if call.timeout is not None:
-                deadline = self._loop.time() + call.timeout - waited
-            context = Context(self._loop, deadline, call.headers, waited)
+            context = Context(self._loop, self._deadline(call)[0], call.headers)
             task = self._loop.create_task(self._later(route.later, call, context))
             self._tasks[call.stream_id] = task
+
+    def _deadline(self, call: Call) -> tuple[float | None, float]:
+        """The call's deadline (the loop's time; None: it has none) and what it waited for
+        the loop before it was read: a call read after the loop was held arrived earlier
+        than now, and its deadline counts from then, so that too little time left is said
+        at once (exact_late)."""
+        waited = self._server.waited(time.perf_counter())
+        if call.timeout is None:
+            return None, waited
+        return self._loop.time() + call.timeout - waited, waited
+
+    def _start(
+        self, start: Callable[[bytes, float | None, float], bytes | Answering], call: Call
+    ) -> None:
+        """A call answered at once, or when what it waits for is done (no task)."""
+        counts = self._server.counts
+        deadline, waited = self._deadline(call)
+        try:
+            outcome = start(call.message, deadline, waited)
+        except CallFailed as failed:
+            counts.failed += 1
+            self._h2.fail(call.stream_id, failed.code.value[0], failed.details)
+            return
+        if isinstance(outcome, bytes):
+            counts.succeeded += 1
+            self._h2.answer(call.stream_id, outcome)
+            return
+        waiting = outcome.waiting
+        self._tasks[call.stream_id] = waiting
+        waiting.add_done_callback(functools.partial(self._answered, call.stream_id, outcome))
+
+    def _answered(self, stream_id: int, outcome: Answering, waiting: asyncio.Future[Any]) -> None:
+        self._tasks.pop(stream_id, None)
+        counts = self._server.counts
+        if waiting.cancelled():  # the client reset the call, or the connection ended
+            counts.failed += 1
+            return
+        try:
+            answer = outcome.finish()
+        except CallFailed as failed:
+            counts.failed += 1
+            self._h2.fail(stream_id, failed.code.value[0], failed.details)
+        except Exception:
+            log.exception("a call on the native front door failed")
+            counts.failed += 1
+            self._h2.fail(stream_id, INTERNAL, "internal error")
+        else:
+            counts.succeeded += 1
+            self._h2.answer(stream_id, answer)
+        self._flush_soon()
 
     async def _later(
         self, later: Callable[[bytes, Context], Awaitable[bytes]], call: Call, context: Context

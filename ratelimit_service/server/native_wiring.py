@@ -17,12 +17,10 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 def native_routes(servicer: RateLimitServicer, health: Mapping[str, int]) -> dict[str, Route]:
-    """ShouldRateLimit (decided at once when no store is asked; with tracing on, every
-    call goes through the traced coroutine) and Health/Check (``health``: each service
-    name's status, as published to grpcio's health servicer)."""
-
-    async def later(raw: bytes, context: Context) -> bytes:
-        return await servicer.should_rate_limit(raw, _as_grpc(context), context.waited)
+    """ShouldRateLimit (answered at once when no store is asked, else when the store's
+    future is done; with tracing on, every call goes through the traced coroutine) and
+    Health/Check (``health``: each service name's status, as published to grpcio's
+    health servicer)."""
 
     async def traced(raw: bytes, context: Context) -> bytes:
         return await servicer.traced_should_rate_limit(raw, _as_grpc(context))
@@ -30,9 +28,7 @@ def native_routes(servicer: RateLimitServicer, health: Mapping[str, int]) -> dic
     def never(raw: bytes) -> bytes | None:
         return None
 
-    rls = (
-        Route(servicer.answer_locally, later) if servicer.tracing is None else Route(never, traced)
-    )
+    rls = Route(never, start=servicer.begin) if servicer.tracing is None else Route(never, traced)
     return {
         f"/{RLS_SERVICE}/ShouldRateLimit": rls,
         HEALTH_CHECK: Route(lambda raw: _health_check(raw, health)),
