@@ -203,6 +203,27 @@ def parse_timeout(value: str) -> float | None:
     return int(digits) * _TIMEOUT_UNITS[unit]
 
 
+_Head = tuple[str, str, float | None, tuple[tuple[str, str], ...]]
+
+
+def _head(decoded: list[tuple[bytes, bytes]]) -> _Head:
+    """A request's path, method, timeout (grpc-timeout) and other headers, decoded."""
+    path = method = ""
+    timeout = None
+    headers = []
+    for name, value in decoded:
+        if name.startswith(b":"):
+            if name == b":path":
+                path = value.decode("latin-1")
+            elif name == b":method":
+                method = value.decode("latin-1")
+        elif name == b"grpc-timeout":
+            timeout = parse_timeout(value.decode("latin-1"))
+        else:
+            headers.append((name.decode("latin-1"), value.decode("latin-1")))
+    return path, method, timeout, tuple(headers)
+
+
 class H2Connection:
     """One connection's HTTP/2 state, server side. Feed it bytes, answer its calls, send what
     :meth:`take_output` returns."""
@@ -219,6 +240,9 @@ class H2Connection:
         """Whether a path is answered here whole (a Call); the others are relayed."""
         self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
         self._decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        self._heads: dict[bytes, _Head] = {}
+        """A request header block's path, method, timeout and other headers, by its bytes
+        (a client repeats the same block while its HPACK table stands still)."""
         """Header blocks already decoded that left the peer's table as it was: Envoy and
         gRPC clients send the same few blocks over and over (valid until the table changes)."""
         self._buffer = b""
@@ -470,6 +494,7 @@ class H2Connection:
                 self._decoded[block] = decoded
         else:
             self._decoded.clear()  # the table moved: indices decode differently now
+            self._heads.clear()
         return decoded
 
     def _header_block(self, stream: _Stream, block: bytes, events: list[Event]) -> None:
@@ -481,17 +506,13 @@ class H2Connection:
             stream.remote_closed = True
             self._complete(stream, events)
             return
-        method = ""
-        for name, value in self._decode(block):
-            if name.startswith(b":"):
-                if name == b":path":
-                    stream.path = value.decode("latin-1")
-                elif name == b":method":
-                    method = value.decode("latin-1")
-            elif name == b"grpc-timeout":
-                stream.timeout = parse_timeout(value.decode("latin-1"))
-            else:
-                stream.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        head = self._heads.get(block)
+        if head is None:
+            head = _head(self._decode(block))
+            if block in self._decoded:  # kept while the table stands still
+                self._heads[block] = head
+        stream.path, method, stream.timeout, headers = head
+        stream.headers = list(headers)
         if self.first_path is None:
             self.first_path = stream.path
         stream.remote_closed = ends  # before a refusal: no RST_STREAM on a stream the peer ended
