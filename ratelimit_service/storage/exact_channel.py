@@ -4,11 +4,16 @@ connection (redis_pipe), or redis-py (Sentinel), each call through the store's b
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_calls import ScriptCalls, outcome
+
+
+REPOLL = 0.001
+"""Seconds before a look at a silent Redis reads the socket again (see silent_longer_than)."""
 
 
 class ExactChannel:
@@ -17,6 +22,8 @@ class ExactChannel:
     def __init__(self, calls: ScriptCalls, script: Any) -> None:
         self._calls = calls
         self._script = script
+        self._polled = 0.0
+        """When silent_longer_than last read the socket (perf_counter)."""
 
     def send(self, keys: list[str], args: list[Any], deliver: Callable[[Any], None]) -> None:
         calls = self._calls
@@ -47,10 +54,18 @@ class ExactChannel:
         return not self._calls.breaker.open
 
     def silent_longer_than(self, seconds: float) -> bool:
+        """Asked for each request: with the loop behind, Redis looks silent to every call
+        of a read while its reply waits on the socket. The socket is read for the first
+        (a reply may be waiting; or the silence drops the connection), not again for the
+        rest within REPOLL: a read per call would cost most when the loop can least
+        afford it."""
         pipe = self._calls.pipe
         if pipe is None or pipe.silent_for() < seconds:  # the common case: one look
             return False
-        self.poll()  # a reply may be waiting; or the silence drops the connection
+        now = time.perf_counter()
+        if now - self._polled >= REPOLL:
+            self._polled = now
+            self.poll()
         return pipe.silent_for() >= seconds
 
     def poll(self) -> None:
