@@ -38,6 +38,8 @@ TENURE_INTERVAL = 1.0
 QUIET_TRIES = 100
 """Looks for a quiet moment per tenure, QUIET_WAIT apart, before the round is skipped."""
 QUIET_WAIT = 0.001
+LIST_EVERY = 10
+"""Tries between two listings of the tasks when their count says nothing is quiet."""
 
 
 class Tenuring:
@@ -85,11 +87,12 @@ class Tenuring:
         settled: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
         while True:
             await asyncio.sleep(self.interval)
-            for _ in range(QUIET_TRIES):
+            for attempt in range(QUIET_TRIES):
                 # More tasks than the settled ones and this one: not quiet, told without
                 # listing them (thousands in flight under load: a list each try would cost
-                # the loop most when it has least to spare).
-                if _task_count() <= len(settled) + 1:
+                # the loop most when it has least to spare). The count takes in every
+                # loop's tasks: every LIST_EVERY tries they are listed all the same.
+                if _task_count() <= len(settled) + 1 or attempt % LIST_EVERY == 0:
                     tasks = asyncio.all_tasks()
                     if all(task in settled or task is current for task in tasks):
                         self.tenure()

@@ -11,7 +11,6 @@ from typing import Any
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.redis_calls import ScriptCalls, outcome
 
-
 REPOLL = 0.001
 """Seconds before a look at a silent Redis reads the socket again (see silent_longer_than)."""
 
