@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import pytest
 
@@ -20,7 +21,7 @@ from ratelimit_service.core.request import (
     Response,
 )
 from ratelimit_service.core.units import Unit
-from ratelimit_service.engine.limiter import RateLimiter
+from ratelimit_service.engine.limiter import Deciding, RateLimiter
 from ratelimit_service.engine.stats import OVERFLOW_KEY, Stats
 from ratelimit_service.storage.base import StoreUnavailable
 from ratelimit_service.storage.embedded import EmbeddedStore
@@ -471,6 +472,95 @@ async def test_store_unavailable_applies_failure_mode() -> None:
     assert (rules["d.open"].failure_mode_allowed, rules["d.open"].failure_mode_denied) == (1, 0)
     assert (rules["d.closed"].failure_mode_allowed, rules["d.closed"].failure_mode_denied) == (0, 1)
     assert len(limiter.stats.near_keys) == 0  # denied by failure_mode, not by a count
+
+
+class RefusingStore(EmbeddedStore):
+    """A store that refuses at once, as the batcher does a call with too little time left."""
+
+    def hit(  # type: ignore[override]
+        self,
+        hits: Sequence[ExactHit],
+        commit: int,
+        owe: bool = False,
+        deadline: float | None = None,
+    ) -> Awaitable[list[ExactResult]]:
+        raise StoreUnavailable("redis: answers take 40.0 ms lately, 15.0 ms left")
+
+
+async def test_decide_answers_at_once_when_the_store_refuses_at_once() -> None:
+    clock = Clock()
+    limiter = RateLimiter(config(), RefusingStore(clock=clock), clock=clock, draw=Draw())
+    response = limiter.decide(Request("d", [_parse("closed=1")]))
+    assert isinstance(response, Response)  # no future to wait for: answered in the read
+    assert response.overall is OVER
+    assert limiter.stats.store_error == 1
+    assert limiter.stats.rules["d.closed"].failure_mode_denied == 1
+
+
+class LaterStore(EmbeddedStore):
+    """The embedded store's results, handed over when the test says."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock=clock)
+        self.waiting: list[tuple[asyncio.Future[list[ExactResult]], Awaitable[list[ExactResult]]]]
+        self.waiting = []
+
+    def hit(  # type: ignore[override]
+        self,
+        hits: Sequence[ExactHit],
+        commit: int,
+        owe: bool = False,
+        deadline: float | None = None,
+    ) -> Awaitable[list[ExactResult]]:
+        future: asyncio.Future[list[ExactResult]] = asyncio.get_running_loop().create_future()
+        self.waiting.append((future, super().hit(hits, commit, owe, deadline)))
+        return future
+
+    async def reply(self, error: Exception | None = None) -> None:
+        for future, results in self.waiting:
+            if error is None:
+                future.set_result(await results)
+            else:  # Redis never counted them
+                results.close()  # type: ignore[attr-defined]
+                future.set_exception(error)
+        self.waiting.clear()
+
+
+@pytest.mark.parametrize("error", [None, StoreUnavailable("redis: no answer in 15 ms")])
+async def test_a_decision_settled_from_its_future_is_the_awaited_one(
+    error: Exception | None,
+) -> None:
+    """The native front door settles a Deciding from a callback; should_rate_limit awaits
+    it: the same answers, counted the same, the store's or failure_mode's."""
+    answers = []
+    for awaited in (True, False):
+        clock = Clock()
+        store = LaterStore(clock)
+        limiter = RateLimiter(config(), store, clock=clock, draw=Draw())
+        for _ in range(4):
+            request = Request("d", [_parse("ex=1"), _parse("closed=1")])
+            if awaited:
+                call = asyncio.ensure_future(limiter.should_rate_limit(request))
+                await asyncio.sleep(0)
+                await store.reply(error)
+                response = await call
+            else:
+                decision = limiter.decide(request)
+                assert isinstance(decision, Deciding)
+                waiting = asyncio.ensure_future(decision.waiting)
+                await store.reply(error)
+                await asyncio.sleep(0)
+                assert waiting.done()
+                response = decision.settle(waiting)
+            answers.append((awaited, response.overall, [s.remaining for s in response.statuses]))
+        rule = limiter.stats.rules["d.ex"]
+        answers.append((awaited, rule.within_limit, rule.over_limit, limiter.stats.store_error))
+    by_path = {path: [a[1:] for a in answers if a[0] is path] for path in (True, False)}
+    assert by_path[True] == by_path[False]
+    if error is None:  # ex allows 3 a minute: the 4th is denied by the count
+        assert [a[0] for a in by_path[True][:4]] == [OK, OK, OK, OVER]
+    else:  # closed denies by failure_mode, every time
+        assert [a[0] for a in by_path[True][:4]] == [OVER] * 4
 
 
 async def test_exact_keys_near_or_over_their_limit_are_remembered_with_their_count() -> None:
