@@ -84,7 +84,7 @@ class Answering:
         self._servicer, self._request, self._decision = servicer, request, decision
         self._started, self._waited = started, waited
         self.waiting: asyncio.Future[list[ExactResult]] = asyncio.ensure_future(decision.waiting)
-        """The store's reply (a Redis Cluster's or a traced call's in a task of its own)."""
+        """The store's reply (a Redis Cluster's, in a task of its own: its calls are coroutines)."""
 
     def finish(self) -> bytes:
         """The answer, once ``waiting`` is done and not cancelled; raises CallFailed."""
