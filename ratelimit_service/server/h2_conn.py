@@ -181,6 +181,9 @@ _STATUS_200 = b"\x88"  # :status 200, the static table's entry 8
 _GRPC_CONTENT_TYPE = b"\x0f\x10" + _integer(16, 7, 0) + b"application/grpc"  # name: entry 31
 RESPONSE_HEADERS = _STATUS_200 + _GRPC_CONTENT_TYPE
 OK_TRAILERS = _literal(b"grpc-status", b"0")
+_HEADERS_HEAD = len(RESPONSE_HEADERS).to_bytes(3) + bytes((HEADERS, END_HEADERS))
+_TRAILERS_HEAD = len(OK_TRAILERS).to_bytes(3) + bytes((HEADERS, END_HEADERS | END_STREAM))
+_DATA_KIND = bytes((DATA, 0))
 
 
 def status_block(status: int, message: str) -> bytes:
@@ -619,6 +622,24 @@ class H2Connection:
         if stream is None or stream.answered:
             return
         stream.answered = True
+        size = len(message) + 5
+        if (
+            not stream.pending
+            and size <= self._peer_frame_size
+            and size <= self._send_window
+            and size <= stream.send_window
+            and stream.remote_closed
+        ):
+            # The usual answer: all of it within the windows, in one piece, as _send would
+            # write it frame by frame.
+            self._send_window -= size
+            stream.send_window -= size
+            sid = stream_id.to_bytes(4)
+            head = _HEADERS_HEAD + sid + RESPONSE_HEADERS
+            body = size.to_bytes(3) + _DATA_KIND + sid + len(message).to_bytes(5)
+            self._out.append(b"".join((head, body, message, _TRAILERS_HEAD, sid, OK_TRAILERS)))
+            self._drop(stream)
+            return
         self._out.append(frame(HEADERS, END_HEADERS, stream_id, RESPONSE_HEADERS))
         data = len(message).to_bytes(5) + message  # flag 0, then the 4-byte length
         limit = self._peer_frame_size

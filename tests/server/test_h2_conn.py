@@ -38,6 +38,7 @@ from ratelimit_service.server.h2_conn import (
     MAX_MESSAGE_CHARS,
     MAX_WINDOW,
     NO_ERROR,
+    OK_TRAILERS,
     PADDED,
     PING,
     PREFACE,
@@ -47,6 +48,7 @@ from ratelimit_service.server.h2_conn import (
     PUSH_PROMISE,
     REFUSED_STREAM,
     RESOURCE_EXHAUSTED,
+    RESPONSE_HEADERS,
     RST_STREAM,
     SETTINGS,
     SETTINGS_ENABLE_PUSH,
@@ -261,6 +263,24 @@ def test_a_unary_call_is_received_and_answered() -> None:
     assert client.decode(trailers.payload) == [("grpc-status", "0")]
     assert client.conn.streams == 0
     assert not client.conn.closed
+
+
+def test_an_answer_within_the_windows_is_its_three_frames_and_spends_the_windows() -> None:
+    client = connect(peer_settings=settings((SETTINGS_INITIAL_WINDOW_SIZE, 100_000)))
+    for stream_id in (1, 3, 5, 7, 9):
+        client.call(stream_id)
+    client.conn.take_output()
+    client.conn.answer(1, b"x" * 16_000)  # 16,005 bytes of DATA: one frame, within the windows
+    assert client.conn.take_output() == (
+        frame(HEADERS, END_HEADERS, 1, RESPONSE_HEADERS)
+        + frame(DATA, 0, 1, grpc(b"x" * 16_000))
+        + frame(HEADERS, END_HEADERS | END_STREAM, 1, OK_TRAILERS)
+    )
+    for stream_id in (3, 5, 7):
+        client.conn.answer(stream_id, b"x" * 16_000)
+    # What is left of the connection's window (65,535) goes to the next answer, no more.
+    client.conn.answer(9, b"y" * 2_000)
+    assert len(data_of(client.output(), 9)) == DEFAULT_WINDOW - 4 * 16_005
 
 
 def test_a_call_fed_one_byte_at_a_time_is_the_same_call() -> None:
