@@ -83,8 +83,11 @@ class Answering:
     ) -> None:
         self._servicer, self._request, self._decision = servicer, request, decision
         self._started, self._waited = started, waited
-        self.waiting: asyncio.Future[list[ExactResult]] = asyncio.ensure_future(decision.waiting)
-        """The store's reply (a Redis Cluster's, in a task of its own: its calls are coroutines)."""
+        waiting = decision.waiting
+        if not isinstance(waiting, asyncio.Future):  # a Redis Cluster's call: a coroutine
+            waiting = asyncio.ensure_future(waiting)
+        self.waiting: asyncio.Future[list[ExactResult]] = waiting
+        """The store's reply: the batcher's future, or a task of its own."""
 
     def finish(self) -> bytes:
         """The answer, once ``waiting`` is done and not cancelled; raises CallFailed."""
