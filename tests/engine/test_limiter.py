@@ -474,34 +474,13 @@ async def test_store_unavailable_applies_failure_mode() -> None:
     assert len(limiter.stats.near_keys) == 0  # denied by failure_mode, not by a count
 
 
-class RefusingStore(EmbeddedStore):
-    """A store that refuses at once, as the batcher does a call with too little time left."""
-
-    def hit(  # type: ignore[override]
-        self,
-        hits: Sequence[ExactHit],
-        commit: int,
-        owe: bool = False,
-        deadline: float | None = None,
-    ) -> Awaitable[list[ExactResult]]:
-        raise StoreUnavailable("redis: answers take 40.0 ms lately, 15.0 ms left")
-
-
-async def test_decide_answers_at_once_when_the_store_refuses_at_once() -> None:
-    clock = Clock()
-    limiter = RateLimiter(config(), RefusingStore(clock=clock), clock=clock, draw=Draw())
-    response = limiter.decide(Request("d", [_parse("closed=1")]))
-    assert isinstance(response, Response)  # no future to wait for: answered in the read
-    assert response.overall is OVER
-    assert limiter.stats.store_error == 1
-    assert limiter.stats.rules["d.closed"].failure_mode_denied == 1
-
-
 class LaterStore(EmbeddedStore):
-    """The embedded store's results, handed over when the test says."""
+    """The embedded store's results, handed over when the test says; or ``refuse`` raised
+    at once, as the batcher refuses a call with too little time left."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, refuse: Exception | None = None) -> None:
         super().__init__(clock=clock)
+        self.refuse = refuse
         self.waiting: list[tuple[asyncio.Future[list[ExactResult]], Awaitable[list[ExactResult]]]]
         self.waiting = []
 
@@ -512,6 +491,8 @@ class LaterStore(EmbeddedStore):
         owe: bool = False,
         deadline: float | None = None,
     ) -> Awaitable[list[ExactResult]]:
+        if self.refuse is not None:
+            raise self.refuse
         future: asyncio.Future[list[ExactResult]] = asyncio.get_running_loop().create_future()
         self.waiting.append((future, super().hit(hits, commit, owe, deadline)))
         return future
@@ -524,6 +505,17 @@ class LaterStore(EmbeddedStore):
                 results.close()  # type: ignore[attr-defined]
                 future.set_exception(error)
         self.waiting.clear()
+
+
+async def test_decide_answers_at_once_when_the_store_refuses_at_once() -> None:
+    clock = Clock()
+    refusal = StoreUnavailable("redis: answers take 40.0 ms lately, 15.0 ms left")
+    limiter = RateLimiter(config(), LaterStore(clock, refusal), clock=clock, draw=Draw())
+    response = limiter.decide(Request("d", [_parse("closed=1")]))
+    assert isinstance(response, Response)  # no future to wait for: answered in the read
+    assert response.overall is OVER
+    assert limiter.stats.store_error == 1
+    assert limiter.stats.rules["d.closed"].failure_mode_denied == 1
 
 
 @pytest.mark.parametrize("error", [None, StoreUnavailable("redis: no answer in 15 ms")])
