@@ -71,6 +71,8 @@ MATCH_CACHE_SIZE = 10_000
 # An Enum member read through its class costs a metaclass lookup: the request path reads these.
 _OK = Code.OK
 _OVER = Code.OVER_LIMIT
+STORE_REFUSALS = (StoreUnavailable, StoreOverloaded)
+"""What a store's hit raises, at once or from its reply, that Deciding.failed answers."""
 _PLACEHOLDER = DescriptorStatus(_OK)
 """Fills a request's status list until every descriptor's own status is in."""
 
@@ -214,7 +216,7 @@ class Deciding:
         exc = waited.exception()
         if exc is None:
             return self.done(waited.result())
-        if isinstance(exc, (StoreUnavailable, StoreOverloaded)):
+        if isinstance(exc, STORE_REFUSALS):
             return self.failed(exc)
         raise exc
 
@@ -280,7 +282,7 @@ class RateLimiter:
             return decision
         try:
             results = await decision.waiting
-        except (StoreUnavailable, StoreOverloaded) as exc:
+        except STORE_REFUSALS as exc:
             return decision.failed(exc)
         return decision.done(results)
 
@@ -320,7 +322,7 @@ class RateLimiter:
         decision = Deciding(self, exact, hits, statuses, taken, now)
         try:
             decision.waiting = self.hit_store(hits, counting, owe, deadline)
-        except (StoreUnavailable, StoreOverloaded) as exc:
+        except STORE_REFUSALS as exc:
             return decision.failed(exc)
         return decision
 
