@@ -34,6 +34,10 @@ targets run on CPU 0 and h2load, redis-server (before h2load: nice -10) and this
 script on CPU 1 (only one-process targets then: two workers on one core say
 nothing), as in production a service has its cores and its clients and Redis other
 hosts.
+Before each round, bench/cpu_steadiness.py probes every CPU for ``--steadiness``
+seconds while the targets idle: the share of 50 ms windows in which a fixed piece of
+work ran 1.3x slower or more than the machine's fast state. A virtual CPU's speed
+can change from one moment to the next; the 0.7x and 0.8x rows are read beside it.
 Results: ``--out``/open_loop.json, and a Markdown table on stdout.
 """
 
@@ -50,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cpu_steadiness
 import throughput as tp
 
 from ratelimit_harness.fleet import wait_port
@@ -71,6 +76,8 @@ SERVER_CPUS: frozenset[int] | None = None
 """--pin: the targets' CPUs (h2load and Redis run on LOAD_CPUS)."""
 LOAD_CPUS: frozenset[int] | None = None
 REDIS_NICE = -10
+STEADINESS: list[dict[str, Any]] = []
+"""Per round, bench/cpu_steadiness.py's figures per CPU, taken before the round."""
 GRPCIO = ("--grpc-engine", "grpcio")
 """The targets without "native" in their name: grpcio serves their whole port."""
 
@@ -266,6 +273,11 @@ def sweep(
     """One round: every target's capacity (closed loop), then each rate on every target
     in turn, one target further on per rate and round."""
     points: list[Point] = []
+    if args.steadiness > 0:
+        steady = cpu_steadiness.measure(args.steadiness)
+        STEADINESS.append({"round": round_, "cpus": [asdict(s) for s in steady]})
+        for line in map(cpu_steadiness.line, steady):
+            progress(f"round {round_}, {line}")
     capacity: dict[str, float] = {}
     shift = round_ - 1
     for server in servers[shift % len(servers) :] + servers[: shift % len(servers)]:
@@ -378,6 +390,8 @@ def main() -> None:
     parser.add_argument("--tree-targets", default="exact,exact x2")
     parser.add_argument("--out", type=Path, default=tp.BENCH / "out")
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--steadiness", type=float, default=2.0,
+                        help="seconds of CPU probes before each round (0: none)")  # fmt: skip
     parser.add_argument("--pin", action="store_true",
                         help="targets on CPU 0; h2load and redis-server on CPU 1")  # fmt: skip
     args = parser.parse_args()  # fmt: skip
@@ -417,11 +431,16 @@ def main() -> None:
     out = args.out / "open_loop.json"
     out.write_text(json.dumps(
         {"machine": info, "argv": sys.argv[1:], "loadavg_after": os.getloadavg(),
-         "summary": summarize(points), "points": [asdict(p) for p in points]},
+         "summary": summarize(points), "steadiness": STEADINESS,
+         "points": [asdict(p) for p in points]},
         indent=1) + "\n")  # fmt: skip
     progress(f"done; wrote {out}")
     print()
     print(markdown(summarize(points)))
+    for entry in STEADINESS:
+        shares = " / ".join(f"{cpu['slowed_share']:.0%}" for cpu in entry["cpus"])
+        print(f"\nround {entry['round']}: windows slowed 1.3x or more per CPU {shares}", end="")
+    print()
     problems = [f"{p.target} {p.load}: {q}" for p in points for q in p.problems]
     if problems:
         print(f"\n{len(problems)} problem(s): {problems[:5]}")
