@@ -26,6 +26,7 @@ import logging
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -49,6 +50,7 @@ from ratelimit_service.server.h2_conn import (
     Refused,
     frame,
 )
+from ratelimit_service.server.receive_queue import ReceiveQueue, queued_bytes
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,13 @@ SNIFF_LIMIT = 64 * 1024
 """Bytes a connection may send before its first call; past them it is served here."""
 MAX_STREAMS = 1024
 """Calls open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)."""
+TURN_SECONDS = 0.004
+"""Time a turn of the event loop may spend starting calls, over every connection. Past
+it the calls read wait for the next turn, and their connections read no more until
+then: the turn ends, so Redis's replies are read and answers written within a few
+turns however much waits to be read, and what waits ages where its age is known (in
+the kernel, server/receive_queue.py, or held back here): a call too old to be decided
+in time is answered at once by its failure_mode (exact_late) for the price of a parse."""
 RELAY_QUEUE = 64
 """Request messages of a relayed call that may wait for grpcio; one more ends the call."""
 
@@ -111,6 +120,16 @@ class Context:
 
 
 @dataclass(slots=True)
+class _Deferred:
+    """A read's events, handled up to ``next``."""
+
+    events: list[Any]
+    next: int
+    read_at: float
+    kernel_wait: float
+
+
+@dataclass(slots=True)
 class CallCounts:
     """Calls as this front door counts them (grpcio's channelz counts the rest):
     ``failed`` includes every status but OK, refusals by the connection itself too."""
@@ -139,6 +158,15 @@ class _Connection(asyncio.Protocol):
         """Each relayed call's request messages on their way to grpcio (None: the end)."""
         self._flush_scheduled = False
         self._age_timer: asyncio.TimerHandle | None = None
+        self._receive: ReceiveQueue | None = None
+        """How long reads waited in the kernel (plaintext connections only)."""
+        self._read_at = 0.0
+        """When the read whose calls are being started was made (perf_counter)."""
+        self._kernel_wait = 0.0
+        """How long that read's calls at least waited in the kernel before it."""
+        self._deferred: deque[_Deferred] = deque()
+        """Reads' events not handled yet: the loop's turn was spent (see TURN_SECONDS)."""
+        self._write_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -149,9 +177,12 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock is not None and transport.get_extra_info("ssl_object") is None:
+            self._receive = ReceiveQueue(functools.partial(queued_bytes, sock.fileno()))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
+        self._deferred.clear()
         for task in self._tasks.values():
             task.cancel()
         self._tasks.clear()
@@ -164,6 +195,9 @@ class _Connection(asyncio.Protocol):
         if self._backend is not None:
             self._backend.write(self._to_backend.feed(data))
             return
+        read_at = time.perf_counter()
+        receive = self._receive
+        kernel_wait = 0.0 if receive is None else receive.waited(read_at, len(data))
         sniffed = self._sniffed
         if sniffed is not None:
             sniffed += data
@@ -179,8 +213,26 @@ class _Connection(asyncio.Protocol):
             if not self._h2.closed:  # (a protocol error before the first call: GOAWAY only)
                 self._h2.serve()
                 self._started()
-        for event in events:
+        if self._deferred:  # behind calls not started yet: in their order
+            self._deferred.append(_Deferred(events, 0, read_at, kernel_wait))
+        else:
+            self._handle(_Deferred(events, 0, read_at, kernel_wait))
+        self._flush()
+
+    def _handle(self, read: _Deferred) -> bool:
+        """Handle a read's events from ``read.next`` on, until the loop's turn is spent:
+        then the rest wait (the connection reads no more meanwhile) and False."""
+        events, server = read.events, self._server
+        self._read_at, self._kernel_wait = read.read_at, read.kernel_wait
+        for index in range(read.next, len(events)):
+            event = events[index]
             if isinstance(event, Call):
+                if server.turn_spent():
+                    read.next = index
+                    if not self._deferred:  # (else it is the first held back already)
+                        self._deferred.append(read)
+                        self._hold()
+                    return False
                 self._dispatch(event)
             elif isinstance(event, Refused):
                 counts = self._server.counts
@@ -194,7 +246,31 @@ class _Connection(asyncio.Protocol):
                 task = self._tasks.pop(event.stream_id, None)
                 if task is not None:
                     task.cancel()
+        return True
+
+    def _hold(self) -> None:
+        """Read no more until the calls read are started (:meth:`go_on`, next turn)."""
+        if self._transport is not None:
+            self._transport.pause_reading()
+        self._server.hold(self)
+
+    def go_on(self) -> bool:
+        """A new turn: start the calls held back, oldest first; read again once they are
+        all started (True), or wait for the next turn, this one spent too (False)."""
+        deferred = self._deferred
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            deferred.clear()
+            return True
+        while deferred:
+            if not self._handle(deferred[0]):
+                self._flush()
+                return False
+            deferred.popleft()
+        if not self._write_paused:
+            transport.resume_reading()
         self._flush()
+        return True
 
     def _started(self) -> None:
         """Served here from now on: the connection's age is counted, when it is bounded."""
@@ -240,10 +316,13 @@ class _Connection(asyncio.Protocol):
 
     def _deadline(self, call: Call) -> tuple[float | None, float]:
         """The call's deadline (the loop's time; None: it has none) and what it waited for
-        the loop before it was read: a call read after the loop was held arrived earlier
-        than now, and its deadline counts from then, so that too little time left is said
-        at once (exact_late)."""
-        waited = self._server.waited(time.perf_counter())
+        the loop or in the kernel before it was started: a call read after the loop was
+        held, or behind bytes still queued at an earlier read (server/receive_queue.py),
+        or held back a turn (TURN_SECONDS) arrived earlier than now, and its deadline
+        counts from then, so that too little time left is said at once (exact_late)."""
+        now = time.perf_counter()
+        # and in the kernel before the read, and since the read behind its earlier calls
+        waited = max(self._server.waited(now), self._kernel_wait + now - self._read_at)
         if call.timeout is None:
             return None, waited
         return self._loop.time() + call.timeout - waited, waited
@@ -444,13 +523,16 @@ class _Connection(asyncio.Protocol):
         if self._backend is not None:
             self._backend.pause_reading()
         elif self._transport is not None:
+            self._write_paused = True
             self._transport.pause_reading()  # answers pile up: take no more calls meanwhile
 
     def resume_writing(self) -> None:
         if self._backend is not None:
             self._backend.resume_reading()
         elif self._transport is not None:
-            self._transport.resume_reading()
+            self._write_paused = False
+            if not self._deferred:
+                self._transport.resume_reading()
 
 
 _NOT_RELAYED = frozenset(
@@ -567,6 +649,7 @@ class NativeGrpcServer:
         max_connection_age: float | None = None,
         max_connection_age_grace: float | None = None,
         waited: Callable[[float], float] = lambda started: 0.0,
+        turn_seconds: float = TURN_SECONDS,
     ) -> None:
         self.routes = routes
         """Methods served here, by path (``/package.Service/Method``)."""
@@ -582,6 +665,33 @@ class NativeGrpcServer:
         self.connections: set[_Connection] = set()
         self.splicing: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
+        self.turn_seconds = turn_seconds
+        self._turn_from: float | None = None
+        """When this turn of the loop started its first call (None: none yet)."""
+        self._held: deque[_Connection] = deque()
+        """Connections with calls held back, in the order they were held."""
+
+    def turn_spent(self) -> bool:
+        """Whether this turn of the loop has started calls for TURN_SECONDS already."""
+        now = time.perf_counter()
+        if self._turn_from is None:
+            self._turn_from = now
+            asyncio.get_running_loop().call_soon(self._next_turn)
+            return False
+        return now - self._turn_from > self.turn_seconds
+
+    def hold(self, connection: _Connection) -> None:
+        """``connection`` holds calls back until :meth:`_next_turn` (once until then)."""
+        self._held.append(connection)
+
+    def _next_turn(self) -> None:
+        """The loop turned: the calls held back first, oldest connection first."""
+        self._turn_from = None
+        held = self._held
+        while held:
+            if not held[0].go_on():
+                return  # spent again: the rest in a later turn (already asked for)
+            held.popleft()
 
     async def start(
         self, addr: str, reuse_port: bool = False, tls: ssl.SSLContext | None = None
