@@ -65,6 +65,7 @@ then: the turn ends, so Redis's replies are read and answers written within a fe
 turns however much waits to be read, and what waits ages where its age is known (in
 the kernel, server/receive_queue.py, or held back here): a call too old to be decided
 in time is answered at once by its failure_mode (exact_late) for the price of a parse."""
+DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 RELAY_QUEUE = 64
 """Request messages of a relayed call that may wait for grpcio; one more ends the call."""
 
@@ -310,9 +311,23 @@ class _Connection(asyncio.Protocol):
             counts.failed += 1
             self._h2.fail(call.stream_id, INTERNAL, "no answer")
         else:
-            context = Context(self._loop, self._deadline(call)[0], call.headers)
+            deadline, waited = self._deadline(call)
+            if self._expired(call, waited):
+                return
+            context = Context(self._loop, deadline, call.headers)
             task = self._loop.create_task(self._later(route.later, call, context))
             self._tasks[call.stream_id] = task
+
+    def _expired(self, call: Call, waited: float) -> bool:
+        """Whether the call's deadline passed before it could be started (it waited that
+        long): then its caller has given up, and it is answered DEADLINE_EXCEEDED at once,
+        as grpcio answers a call it could not start in time, without a decision (no hit
+        counted, the price of a parse: a backlog drains quickly)."""
+        if call.timeout is None or waited < call.timeout:
+            return False
+        self._server.counts.failed += 1
+        self._h2.fail(call.stream_id, DEADLINE_EXCEEDED, "deadline exceeded before it started")
+        return True
 
     def _deadline(self, call: Call) -> tuple[float | None, float]:
         """The call's deadline (the loop's time; None: it has none) and what it waited for
@@ -333,6 +348,8 @@ class _Connection(asyncio.Protocol):
         """A call answered at once, or when what it waits for is done (no task)."""
         counts = self._server.counts
         deadline, waited = self._deadline(call)
+        if self._expired(call, waited):
+            return
         try:
             outcome = start(call.message, deadline, waited)
         except CallFailed as failed:

@@ -126,3 +126,19 @@ async def test_an_unloaded_turn_starts_every_call_it_reads(default_turns: Served
     assert answers == [b"answer:%d" % n for n in range(40)]
     turns = {turn for _, turn, _ in default_turns.recorder.started}
     assert len(turns) < 20  # calls that come together are started together
+
+
+async def test_a_call_held_past_its_deadline_is_not_started(one_call_a_turn: Served) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{one_call_a_turn.port}") as channel:
+        call = channel.unary_unary(PATH)
+        outcomes = await asyncio.gather(
+            *(call(b"%d" % n, timeout=0.015) for n in range(40)), return_exceptions=True
+        )
+    answered = [o for o in outcomes if isinstance(o, bytes)]
+    failed = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert len(answered) + len(failed) == 40
+    assert {e.code() for e in failed} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    started = one_call_a_turn.recorder.started
+    # 1 ms a call, one a turn: the calls held 15 ms were answered without being started.
+    assert 0 < len(started) < 40
+    assert all(waited < 0.015 for _, _, waited in started)
