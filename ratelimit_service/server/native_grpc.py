@@ -63,8 +63,9 @@ TURN_SECONDS = 0.004
 it the calls read wait for the next turn, and their connections read no more until
 then: the turn ends, so Redis's replies are read and answers written within a few
 turns however much waits to be read, and what waits ages where its age is known (in
-the kernel, server/receive_queue.py, or held back here): a call too old to be decided
-in time is answered at once by its failure_mode (exact_late) for the price of a parse."""
+the kernel, server/receive_queue.py, or held back here): a call whose deadline passed
+meanwhile is answered DEADLINE_EXCEEDED for the price of a parse, one with too little
+time left for Redis by its failure_mode (exact_late), neither costing Redis a decision."""
 DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 RELAY_QUEUE = 64
 """Request messages of a relayed call that may wait for grpcio; one more ends the call."""
