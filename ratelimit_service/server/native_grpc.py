@@ -218,23 +218,22 @@ class _Connection(asyncio.Protocol):
         if self._deferred:  # behind calls not started yet: in their order
             self._deferred.append(_Deferred(events, 0, read_at, kernel_wait))
         else:
-            self._handle(_Deferred(events, 0, read_at, kernel_wait))
+            stopped = self._handle(events, 0, read_at, kernel_wait)
+            if stopped < len(events):
+                self._deferred.append(_Deferred(events, stopped, read_at, kernel_wait))
+                self._hold()
         self._flush()
 
-    def _handle(self, read: _Deferred) -> bool:
-        """Handle a read's events from ``read.next`` on, until the loop's turn is spent:
-        then the rest wait (the connection reads no more meanwhile) and False."""
-        events, server = read.events, self._server
-        self._read_at, self._kernel_wait = read.read_at, read.kernel_wait
-        for index in range(read.next, len(events)):
+    def _handle(self, events: list[Any], start: int, read_at: float, kernel_wait: float) -> int:
+        """Handle a read's events from ``start`` on, until the loop's turn is spent; the
+        index of the first left for a later turn (``len(events)``: none)."""
+        server = self._server
+        self._read_at, self._kernel_wait = read_at, kernel_wait
+        for index in range(start, len(events)):
             event = events[index]
             if isinstance(event, Call):
                 if server.turn_spent():
-                    read.next = index
-                    if not self._deferred:  # (else it is the first held back already)
-                        self._deferred.append(read)
-                        self._hold()
-                    return False
+                    return index
                 self._dispatch(event)
             elif isinstance(event, Refused):
                 counts = self._server.counts
@@ -248,7 +247,7 @@ class _Connection(asyncio.Protocol):
                 task = self._tasks.pop(event.stream_id, None)
                 if task is not None:
                     task.cancel()
-        return True
+        return len(events)
 
     def _hold(self) -> None:
         """Read no more until the calls read are started (:meth:`go_on`, next turn)."""
@@ -265,7 +264,9 @@ class _Connection(asyncio.Protocol):
             deferred.clear()
             return True
         while deferred:
-            if not self._handle(deferred[0]):
+            read = deferred[0]
+            read.next = self._handle(read.events, read.next, read.read_at, read.kernel_wait)
+            if read.next < len(read.events):
                 self._flush()
                 return False
             deferred.popleft()
@@ -323,7 +324,7 @@ class _Connection(asyncio.Protocol):
         """Whether the call's deadline passed before it could be started (it waited that
         long): then its caller has given up, and it is answered DEADLINE_EXCEEDED at once,
         as grpcio answers a call it could not start in time, without a decision (no hit
-        counted, the price of a parse: a backlog drains quickly)."""
+        counted, the price of a parse)."""
         if call.timeout is None or waited < call.timeout:
             return False
         self._server.counts.failed += 1

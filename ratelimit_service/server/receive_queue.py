@@ -14,7 +14,8 @@ queued (``FIONREAD``, one ioctl per read, not per call) and marks them with the 
 those bytes had arrived by then. When a later read reaches the last of them, the read
 is at least as old as that mark: a lower bound on the age of every call in it, as a
 receive timestamp would give. A call that already used its deadline there is answered
-by its failure mode at once (``exact_late``) and costs a parse, not a decision.
+DEADLINE_EXCEEDED at once (server/native_grpc.py), one with too little time left for
+Redis by its failure mode (``exact_late``): neither asks Redis.
 
 TLS connections are not measured: the kernel counts ciphertext, the calls are
 plaintext. The marks kept are bounded (MAX_MARKS; past it the newest is dropped,
